@@ -1,0 +1,119 @@
+"""Block-level CSR/CSC bookkeeping shared by every block-sparse object in the library.
+
+One convention, used by :class:`~sparse_io_attn.BlockSparseLayout` (the QK pattern) and by
+:class:`~sparse_io_attn.BlockSparseMatrix` (block-sparse operands):
+
+* A batch of ``L`` block-sparse matrices of ``R`` block rows and ``C`` block columns is stored as
+  ``crow_indices`` of shape ``[L, R + 1]`` and a flat ``col_indices`` of shape ``[nnz]``.
+* ``crow_indices`` hold **absolute** offsets into ``col_indices``: matrix ``l``'s row ``r`` owns
+  ``col_indices[crow_indices[l, r] : crow_indices[l, r + 1]]`` and ``crow_indices[l + 1, 0] ==
+  crow_indices[l, R]``. (PyTorch's batched CSR restarts at 0 per batch and needs equal nnz per
+  batch; absolute offsets let every head keep its own nnz and let a kernel index with one load.)
+* Column indices are sorted and unique inside each row. Index dtype is int32 (what the kernels
+  load); conversions to PyTorch/SciPy formats widen to int64 where those formats want it.
+* The transposed copy (CSC) uses the same convention with names ``ccol_indices [L, C + 1]`` and
+  ``row_indices [nnz]``; ``csc_perm[j]`` gives the CSR position of the j-th CSC entry, so values
+  stored in CSR order can be read in CSC order.
+"""
+from __future__ import annotations
+
+import torch
+
+INDEX_DTYPE = torch.int32
+
+
+def mask_to_csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bool [L, R, C]`` -> ``(crow_indices [L, R+1], col_indices [nnz])`` (int32, absolute offsets)."""
+    if mask.dim() != 3:
+        raise ValueError(f"expected a block mask of shape [L, R, C], got shape {tuple(mask.shape)}")
+    L, R, C = mask.shape
+    counts = mask.reshape(L * R, C).sum(dim=1, dtype=torch.int64)
+    crow = torch.zeros(L * R + 1, dtype=torch.int64, device=mask.device)
+    torch.cumsum(counts, dim=0, out=crow[1:])
+    # [L, R+1] with absolute offsets: row r of matrix l ends where row r+1 starts.
+    crow_lr = torch.cat([crow[:-1].view(L, R), crow[R::R].view(L, 1)], dim=1)
+    col = mask.reshape(L * R, C).nonzero()[:, 1]  # row-major order: sorted inside each row
+    return crow_lr.to(INDEX_DTYPE), col.to(INDEX_DTYPE)
+
+
+def csr_row_ids(crow: torch.Tensor) -> torch.Tensor:
+    """For each stored entry, the flat row id ``l * R + r`` that owns it (int64, ``[nnz]``)."""
+    L, R1 = crow.shape
+    R = R1 - 1
+    starts = crow[:, :R].reshape(-1).to(torch.int64)
+    ends = crow[:, 1:].reshape(-1).to(torch.int64)
+    return torch.repeat_interleave(torch.arange(L * R, device=crow.device), ends - starts)
+
+
+def csr_to_mask(crow: torch.Tensor, col: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """Inverse of :func:`mask_to_csr`: ``bool [L, R, C]``."""
+    L, R1 = crow.shape
+    R = R1 - 1
+    mask = torch.zeros(L * R, num_cols, dtype=torch.bool, device=crow.device)
+    if col.numel():
+        mask[csr_row_ids(crow), col.to(torch.int64)] = True
+    return mask.view(L, R, num_cols)
+
+
+def csr_transpose(crow: torch.Tensor, col: torch.Tensor, num_cols: int):
+    """CSR -> CSC of the same matrices: ``(ccol [L, C+1], row [nnz], perm [nnz])``.
+
+    ``perm[j]`` is the CSR position of the j-th CSC entry (so ``values[perm]`` reorders values).
+    """
+    L, R1 = crow.shape
+    R = R1 - 1
+    C = num_cols
+    flat_row = csr_row_ids(crow)
+    lid = flat_row // R
+    r = flat_row - lid * R
+    c = col.to(torch.int64)
+    # sort by (l, c, r); keys are unique, so the order is fully determined
+    perm = torch.argsort((lid * C + c) * R + r)
+    counts = torch.bincount(lid * C + c, minlength=L * C)
+    flat = torch.zeros(L * C + 1, dtype=torch.int64, device=crow.device)
+    torch.cumsum(counts, dim=0, out=flat[1:])
+    ccol = torch.cat([flat[:-1].view(L, C), flat[C::C].view(L, 1)], dim=1)
+    return ccol.to(INDEX_DTYPE), r[perm].to(INDEX_DTYPE), perm
+
+
+def validate_csr(crow: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols: int,
+                 what: str = "layout") -> None:
+    """Raise ``ValueError``/``TypeError`` (naming expected vs got) unless ``(crow, col)`` is a valid
+    absolute-offset CSR of ``num_rows`` x ``num_cols`` blocks with sorted, unique columns per row."""
+    for name, t in (("crow_indices", crow), ("col_indices", col)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{what}: {name} must be int32 or int64, got {t.dtype}; "
+                            f"convert with .to(torch.int32)")
+    if crow.dim() != 2 or crow.shape[1] != num_rows + 1:
+        raise ValueError(f"{what}: crow_indices must have shape [L, {num_rows + 1}] "
+                         f"(L layouts, {num_rows} block rows + 1), got {tuple(crow.shape)}")
+    if col.dim() != 1:
+        raise ValueError(f"{what}: col_indices must be 1-D (flat, absolute offsets), "
+                         f"got shape {tuple(col.shape)}")
+    c64 = crow.to(torch.int64).cpu()
+    if c64.numel() and c64[0, 0].item() != 0:
+        raise ValueError(f"{what}: crow_indices[0, 0] must be 0, got {c64[0, 0].item()}")
+    if c64.shape[0] > 1 and not torch.equal(c64[1:, 0], c64[:-1, -1]):
+        raise ValueError(f"{what}: crow_indices must use absolute offsets: crow_indices[l+1, 0] "
+                         f"must equal crow_indices[l, -1]")
+    if (c64[:, 1:] < c64[:, :-1]).any():
+        raise ValueError(f"{what}: crow_indices must be non-decreasing along each row")
+    if c64[-1, -1].item() != col.numel():
+        raise ValueError(f"{what}: crow_indices[-1, -1] must equal len(col_indices) = {col.numel()}, "
+                         f"got {c64[-1, -1].item()}")
+    if col.numel() == 0:
+        return
+    c = col.to(torch.int64).cpu()
+    lo, hi = c.min().item(), c.max().item()
+    if lo < 0 or hi >= num_cols:
+        raise ValueError(f"{what}: col_indices must lie in [0, {num_cols}), got values in [{lo}, {hi}]")
+    rows = csr_row_ids(c64)
+    same_row = rows[1:] == rows[:-1]
+    if (same_row & (c[1:] <= c[:-1])).any():
+        bad = int(torch.nonzero(same_row & (c[1:] <= c[:-1]))[0, 0])
+        kind = "duplicate" if c[bad + 1] == c[bad] else "unsorted"
+        raise ValueError(f"{what}: col_indices must be sorted and unique within each row; "
+                         f"found {kind} entries {c[bad].item()}, {c[bad + 1].item()} in flat row "
+                         f"{rows[bad].item()}; sort them (or build with from_block_mask)")

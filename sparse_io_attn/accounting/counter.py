@@ -1,0 +1,77 @@
+"""Turning on the kernels' byte counters, and collecting what they counted.
+
+Kernel side (the convention every ``COUNT_IO`` kernel follows): the launcher asks
+:func:`kernel_io` for a slot before launching. When no :class:`IOCounter` is active it gets
+``None`` and launches with ``COUNT_IO=False`` (the counting code is compiled out). Otherwise it
+passes ``io.buffer`` (int64 ``[len(tensors), 2]``: bytes read, bytes written per tensor, row order
+= the ``tensors`` tuple) as ``io_ptr`` with ``COUNT_IO=True``; each program tallies its loads and
+stores in registers and adds them with one ``tl.atomic_add`` per entry at its end. After the
+launch the launcher calls ``io.commit()``, which adds the buffer to every active counter.
+
+A byte is counted when a program moves it between global memory and the program (masked-off lanes
+are not counted; a tile re-read by the same program is counted again). This is the traffic of the
+paper's two-level model with fast memory = one program's registers/shared memory.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+
+from .report import TrafficReport
+
+_state = threading.local()
+
+
+def _stack() -> list:
+    if not hasattr(_state, "stack"):
+        _state.stack = []
+    return _state.stack
+
+
+class IOCounter:
+    """``with IOCounter() as io: ...`` counts the bytes of every kernel launched inside the block.
+
+    ``io.report`` is a :class:`TrafficReport` (per kernel, per tensor bytes read and written).
+    Counters nest: an inner block's launches are also added to the outer counters.
+    """
+
+    def __init__(self):
+        self.report = TrafficReport(source="counted")
+
+    def __enter__(self) -> "IOCounter":
+        _stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _stack().remove(self)
+
+    def reset(self) -> None:
+        self.report = TrafficReport(source="counted")
+
+
+def counting() -> bool:
+    """True inside an :class:`IOCounter` block."""
+    return bool(_stack())
+
+
+class KernelIO:
+    """The counter slot of one kernel launch (see the module docstring)."""
+
+    def __init__(self, kernel: str, tensors: Sequence[str], device):
+        self.kernel = kernel
+        self.tensors = tuple(tensors)
+        self.buffer = torch.zeros(len(self.tensors), 2, dtype=torch.int64, device=device)
+
+    def commit(self) -> None:
+        counts = self.buffer.cpu().tolist()
+        reads = {t: int(c[0]) for t, c in zip(self.tensors, counts)}
+        writes = {t: int(c[1]) for t, c in zip(self.tensors, counts)}
+        for counter in _stack():
+            counter.report.add(self.kernel, reads, writes)
+
+
+def kernel_io(kernel: str, tensors: Sequence[str], device) -> KernelIO | None:
+    """A fresh counter slot for one launch of ``kernel``, or ``None`` when nothing is counting."""
+    return KernelIO(kernel, tensors, device) if counting() else None
