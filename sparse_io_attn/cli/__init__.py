@@ -1,12 +1,27 @@
-"""The ``sparse-io-attn`` command. Each subcommand lives in its own module of this package and
-exposes ``add_parser(subparsers)`` (which sets ``func``) ; ``main`` wires them together."""
+"""The ``sparse-io-attn`` command: I/O bounds, benchmarks, sweeps and layout pictures.
+
+Each subcommand lives in its own module of this package and exposes ``add_parser(subparsers)``
+(which sets ``func``); ``main`` wires them together.
+
+Exit codes: 0 success; 2 bad flags or an impossible combination (one line on stderr, no
+traceback); 3 a capability missing from this machine or install (e.g. matplotlib for plots).
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("demo",)
+SUBCOMMANDS = ("demo", "bounds", "bench", "sweep", "layout")
+
+EPILOG = """examples:
+  sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --dtype bf16
+  sparse-io-attn bench --pattern bigbird --seq-len 4096 --backends torch,sdpa
+  sparse-io-attn sweep cache --seq-len 1024 --head-dim 64
+  sparse-io-attn layout sliding_window:256 --seq-len 2048 --block 64
+  sparse-io-attn <command> --help     (every command lists its own examples)
+
+exit codes: 0 ok, 2 bad arguments, 3 something this machine or install lacks"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -17,21 +32,39 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sparse-io-attn", description=__doc__.split("\n")[0],
+    parser = _Parser(prog="sparse-io-attn", description=__doc__.split("\n")[0], epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMANDS:
-        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            continue  # a subcommand another issue has not landed yet
+        module.add_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
+    from ._common import Unavailable
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError) as e:
-        print(f"sparse-io-attn {args.command}: error: {e}", file=sys.stderr)
+        print(f"sparse-io-attn {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Unavailable as e:
+        print(f"sparse-io-attn {args.command}: unavailable: {_one_line(e)}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print(f"sparse-io-attn {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
 
 
 if __name__ == "__main__":

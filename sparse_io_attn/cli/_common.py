@@ -1,0 +1,324 @@
+"""Helpers shared by the subcommands: argument parsing of sizes/dtypes/patterns, the machine
+header, a progress bar, CSV/JSON writers, timing and plot set-up.
+
+Errors a user can fix raise ``ValueError`` (the command prints one line and exits 2). A capability
+missing on this machine or in this install raises :class:`Unavailable` (one line, exit 3).
+"""
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+RESULTS_DIR = Path("benchmarks") / "results"
+
+
+class Unavailable(RuntimeError):
+    """A part of the library or an optional package the command needs is not present."""
+
+
+# ---------------------------------------------------------------------------------------- parsing
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def parse_count(text: str) -> int:
+    """``"4096"``, ``"4k"`` (= 4096), ``"131k"`` (= 131072), ``"1M"`` (= 1048576) -> int > 0."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"expected a positive integer such as 4096, 4k or 131k, got {text!r}")
+    value = int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def parse_list(text: str, item=str, *, allowed=None, what: str = "list") -> list:
+    """Comma-separated list; with ``allowed``, each item must be one of them."""
+    items = [s.strip() for s in str(text).split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"{what} must be a non-empty comma-separated list, got {text!r}")
+    if allowed is not None:
+        bad = [s for s in items if s not in allowed]
+        if bad:
+            raise ValueError(f"{what}: unknown {', '.join(map(repr, bad))}; choose from {', '.join(allowed)}")
+    return [item(s) for s in items]
+
+
+def optional_module(name: str, what: str):
+    """Import a library module another issue provides, or raise :class:`Unavailable` saying which."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise Unavailable(f"{what} needs {name}, which is not available in this install ({e})") from None
+
+
+def require_attr(module, attr: str, what: str):
+    if not hasattr(module, attr):
+        raise Unavailable(f"{what} needs {module.__name__}.{attr}, which this version does not provide")
+    return getattr(module, attr)
+
+
+def build_layout(spec: str, seqlen: int, block_size: int, *, num_heads: int = 1):
+    """A :class:`BlockSparseLayout` from a pattern spec such as ``"sliding_window:512"`` (see
+    ``sparse_io_attn.patterns.from_spec`` for the grammar)."""
+    patterns = optional_module("sparse_io_attn.patterns", "--pattern")
+    from_spec = require_attr(patterns, "from_spec", "--pattern")
+    kwargs = {"seqlen": seqlen, "block_size": block_size}
+    if num_heads != 1:
+        kwargs["num_heads"] = num_heads
+    try:
+        return from_spec(spec, **kwargs)
+    except TypeError as e:
+        if "num_heads" in kwargs and "num_heads" in str(e):
+            kwargs.pop("num_heads")
+            return from_spec(spec, **kwargs)
+        raise
+
+
+# ---------------------------------------------------------------------------------------- header
+def machine_header(dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> dict:
+    """Where a number came from: device, software versions, dtype, threads, time (UTC)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        dev = f"cuda: {torch.cuda.get_device_name(device)}"
+    else:
+        cpu = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+            cpu = names[0] if names else cpu
+        except OSError:
+            pass
+        dev = f"cpu: {cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    return {
+        "device": dev,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "dtype": DTYPE_NAMES.get(dtype, str(dtype)) if dtype is not None else "-",
+        "triton_interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def format_header(header: dict) -> str:
+    return (f"# device: {header['device']}\n# torch {header['torch']}, triton {header['triton']}"
+            f"{' (interpreter)' if header.get('triton_interpreter') else ''}, python {header['python']}, "
+            f"dtype {header['dtype']}, {header['date_utc']} UTC")
+
+
+# ---------------------------------------------------------------------------------------- progress
+class _SimpleBar:
+    """Fallback progress bar on stderr when tqdm is absent."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self.t0 = total, desc, 0, time.perf_counter()
+        self._draw()
+
+    def _draw(self, end=""):
+        width = 30
+        filled = int(width * self.n / max(self.total, 1))
+        sys.stderr.write(f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} "
+                         f"{time.perf_counter() - self.t0:.0f}s{end}")
+        sys.stderr.flush()
+
+    def update(self, k: int = 1):
+        self.n += k
+        self._draw()
+
+    def set_postfix_str(self, s: str):
+        pass
+
+    def close(self):
+        self._draw("\n")
+
+
+class progress:
+    """``with progress(total, "bench") as bar: ... bar.update()`` on stderr; tqdm when installed,
+    a plain bar otherwise; silent when ``enabled`` is False."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True):
+        self.total, self.desc, self.enabled = total, desc, enabled
+
+    def __enter__(self):
+        if not self.enabled:
+            self.bar = None
+        else:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr, leave=False)
+            except ImportError:
+                self.bar = _SimpleBar(self.total, self.desc)
+        return self
+
+    def update(self, k: int = 1, note: str | None = None):
+        if self.bar is not None:
+            if note:
+                self.bar.set_postfix_str(note)
+            self.bar.update(k)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------- timing
+def time_fn(fn, *, warmup: int = 1, repeats: int = 5, max_seconds: float = 30.0, sync=None) -> dict:
+    """Median wall time of ``fn()`` over warm repeats (seconds), with the spread.
+
+    Stops repeating once ``max_seconds`` have been spent (at least 3 timed runs when ``repeats >=
+    3``). Returns ``{"median_s", "min_s", "max_s", "iqr_s", "runs"}``.
+    """
+    for _ in range(warmup):
+        fn()
+        if sync:
+            sync()
+    times, start = [], time.perf_counter()
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - start > max_seconds and i >= min(2, repeats - 1):
+            break
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "iqr_s": q[2] - q[0], "runs": len(times)}
+
+
+# ---------------------------------------------------------------------------------------- output
+def write_csv(path, rows: list[dict], header: dict | None = None) -> Path:
+    """Rows as CSV; the machine header goes first as ``# key: value`` comment lines."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields: list = []
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    with open(path, "w", newline="") as f:
+        if header:
+            for k, v in header.items():
+                f.write(f"# {k}: {v}\n")
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _csv_value(r.get(k)) for k in fields})
+    return path
+
+
+def _csv_value(v):
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return v
+
+
+def _json_default(o):
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if isinstance(o, (torch.dtype, Path)):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"cannot serialize {type(o).__name__} to JSON")
+
+
+def _clean(o):
+    """Replace NaN/inf floats (not valid JSON) with None, recursively."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def to_json(obj) -> str:
+    return json.dumps(_clean(json.loads(json.dumps(obj, default=_json_default))), indent=2)
+
+
+def write_json(path, obj) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_json(obj) + "\n")
+    return path
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """A left/right aligned text table; ``columns`` = ``[(key, title), ...]``; numbers right."""
+    cells = [[title for _, title in columns]]
+    for r in rows:
+        cells.append([_fmt_cell(r.get(k)) for k, _ in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    numeric = [all(_is_num(r.get(k)) or r.get(k) is None for r in rows) for k, _ in columns]
+    lines = []
+    for j, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if numeric[i] else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            lines.append("-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _fmt_cell(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return "-"
+        return f"{v:.3g}" if (abs(v) < 1e-2 or abs(v) >= 1e5) and v != 0 else f"{v:.3f}".rstrip("0").rstrip(".")
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return str(v)
+
+
+def human_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return f"{b} B"
+
+
+# ---------------------------------------------------------------------------------------- plotting
+def pyplot():
+    """``matplotlib.pyplot`` with the non-interactive Agg backend, or :class:`Unavailable`."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise Unavailable("plots need matplotlib: pip install 'sparse-io-attn[plot]' "
+                          "(or pass --no-plot to write only the CSV)") from None
+    return plt
+
+
+def add_header_footnote(fig, header: dict) -> None:
+    fig.text(0.01, 0.005, f"{header['device']} | torch {header['torch']} | triton {header['triton']} | "
+             f"dtype {header['dtype']}", fontsize=6, color="0.4", ha="left", va="bottom")

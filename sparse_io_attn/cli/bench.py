@@ -1,0 +1,314 @@
+"""``sparse-io-attn bench``: time block-sparse attention backends against each other and set their
+memory traffic against the paper's lower bound.
+
+Columns: median time over warm repeats with its spread (IQR and min..max), effective TFLOP/s
+counted on the kept blocks only (the same numerator for every backend, so a dense backend that
+computes skipped blocks shows a lower number), the memory traffic of the run -- *counted* by the
+kernels' ``COUNT_IO`` counters or *predicted* by the traffic model, the column says which; backends
+without a traffic model show ``-`` --, the lower bound (max of compulsory traffic and Theorem 4.5
+with unit constants, see ``sparse-io-attn bounds``) and traffic / bound.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from . import _common as C
+from .bounds import attention_bound, default_cache_words
+
+BACKENDS = ("torch", "triton", "sdpa", "flex")
+PASSES = ("fwd", "fwd+bwd")
+INTERPRETER_TILE_LIMIT = 512  # kept tiles x heads the Triton interpreter runs without --allow-interpreter
+
+EXAMPLES = """examples:
+  sparse-io-attn bench --pattern bigbird --seq-len 4096 --heads 8 --head-dim 64 --dtype fp32
+  sparse-io-attn bench --pattern sliding_window:512 --backends torch,sdpa --pass fwd --json
+  sparse-io-attn bench --pattern causal --seq-len 2k --csv bench.csv --json bench.json
+  sparse-io-attn bench --pattern bigbird --seq-len 512 --heads 1 --backends triton --count
+
+backends: torch (pure-PyTorch block-sparse path), triton (the library's kernels; on a CPU only
+through Triton's interpreter: small sizes or --allow-interpreter), sdpa (dense
+scaled_dot_product_attention with the equivalent element mask), flex (torch.compile(flex_attention)
+with layout.to_flex_block_mask(); its backward is not implemented on CPU). Unavailable backends
+are listed as skipped with the reason."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="time backends and compare their traffic with the lower bound",
+                       description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pattern", default="bigbird", help="pattern spec (default bigbird; see `layout --help`)")
+    p.add_argument("--seq-len", type=C.parse_count, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads for GQA (default = --heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
+    p.add_argument("--block", type=C.parse_count, default=64, help="layout block size (default 64)")
+    p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
+    p.add_argument("--causal", action="store_true", help="element-level causal masking inside kept blocks")
+    p.add_argument("--backends", default="torch,triton,sdpa,flex", help="comma list of torch,triton,sdpa,flex")
+    p.add_argument("--pass", dest="passes", default="fwd,fwd+bwd", help="comma list of fwd,fwd+bwd")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats (median reported; default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up runs (default 1)")
+    p.add_argument("--max-seconds", type=float, default=30.0, help="stop repeating a case after this long")
+    p.add_argument("--cache", default=None, help="fast memory M for the bound, words or a size like 228KiB "
+                   "(default: this GPU's shared memory per block, or the library's documented CPU default)")
+    p.add_argument("--count", action="store_true", help="count the triton backend's traffic with IOCounter "
+                   "(an extra run) instead of predicting it with the traffic model")
+    p.add_argument("--allow-interpreter", action="store_true",
+                   help=f"run triton through the interpreter on CPU beyond {INTERPRETER_TILE_LIMIT} tiles (slow)")
+    p.add_argument("--csv", nargs="?", const="-", metavar="PATH", help="write rows as CSV (to stdout without PATH)")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write header+rows as JSON (stdout without PATH)")
+    p.add_argument("--md", metavar="PATH", help="write the header and table as Markdown")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------------------------ cost model
+def _traffic_model():
+    return C.optional_module("sparse_io_attn.accounting.traffic", "the traffic/FLOP model")
+
+
+def flops(layout, causal: bool, batch: int, heads: int, head_dim: int, pass_: str) -> int:
+    """FLOPs on kept elements (``accounting.traffic.block_sparse_flops``: forward 4·D per kept score
+    element, backward 10·D, the FlashAttention convention)."""
+    T = _traffic_model()
+    fl = T.block_sparse_flops(layout, batch, heads, head_dim, causal=causal)
+    if pass_ == "fwd+bwd":
+        fl += T.block_sparse_flops(layout, batch, heads, head_dim, causal=causal, backward=True)
+    return fl
+
+
+# ------------------------------------------------------------------------------------ backends
+class Skip(Exception):
+    """A backend that cannot run this case on this machine; the message is the reason."""
+
+
+def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
+    """A callable computing the forward for one backend, or :class:`Skip`."""
+    from ..attention import block_sparse_attention
+
+    if backend == "torch":
+        C.optional_module("sparse_io_attn.torch_path", "backend torch")
+        return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="torch")
+    if backend == "triton":
+        try:
+            import sparse_io_attn.kernels as K
+            C.optional_module("sparse_io_attn.kernels.block_sparse", "backend triton")
+        except C.Unavailable as e:
+            raise Skip(str(e)) from None
+        if q.device.type != "cuda":
+            tiles = layout.nnz_blocks * (1 if layout.num_layouts > 1 else q.shape[0] * q.shape[1])
+            if not K.INTERPRET:
+                raise Skip("no CUDA device and Triton's interpreter is off (set TRITON_INTERPRET=1)")
+            if tiles > INTERPRETER_TILE_LIMIT and not args.allow_interpreter:
+                raise Skip(f"CPU: Triton runs only through its interpreter (~5 ms per tile); {tiles:,} tiles "
+                           f"> {INTERPRETER_TILE_LIMIT}: use a smaller case or --allow-interpreter")
+        return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="triton")
+    if backend == "sdpa":
+        import torch.nn.functional as F
+        B, Hq = q.shape[:2]
+        mask = layout.to(q.device).expand_dense_mask(B, Hq)
+        if causal:
+            mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        rep = q.shape[1] // k.shape[1]
+        kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
+        vv = v.repeat_interleave(rep, dim=1) if rep > 1 else v
+        return lambda: F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+    if backend == "flex":
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+        except ImportError as e:
+            raise Skip(f"this torch has no FlexAttention ({e})") from None
+        if not hasattr(layout, "to_flex_block_mask"):
+            raise Skip("BlockSparseLayout.to_flex_block_mask is not available in this version")
+        if causal:
+            raise Skip("flex with --causal is not wired in this benchmark (block mask only)")
+        try:
+            block_mask = layout.to(q.device).to_flex_block_mask()
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            raise Skip(f"to_flex_block_mask: {' '.join(str(e).split())[:160]}") from None
+        compiled = torch.compile(flex_attention, dynamic=False)
+        gqa = q.shape[1] != k.shape[1]
+        return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def _case_fn(fwd, pass_: str, q, k, v, do):
+    if pass_ == "fwd":
+        def run():
+            with torch.no_grad():
+                fwd()
+        return run
+
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        fwd().backward(do)
+    return run
+
+
+# ------------------------------------------------------------------------------------ traffic
+def triton_traffic(layout, q, k, v, causal: bool, pass_: str, count: bool, fwd):
+    """``(bytes, "counted" | "predicted")`` for the triton backend: counted by the kernels under
+    ``IOCounter`` (an extra run) with ``count``, else predicted by ``accounting.traffic``."""
+    if count:
+        from ..accounting import IOCounter
+        with IOCounter() as io:
+            if pass_ == "fwd":
+                with torch.no_grad():
+                    fwd()
+            else:
+                fwd().backward(torch.randn_like(q))
+        return io.report.total_bytes, "counted"
+    T = _traffic_model()
+    B, Hq, _, D = q.shape
+    predict = T.block_sparse_forward if pass_ == "fwd" else T.block_sparse
+    return predict(layout, B, Hq, k.shape[1], D, q.dtype, causal=causal).total_bytes, "predicted"
+
+
+# ------------------------------------------------------------------------------------ main
+def run(args) -> int:
+    dtype = C.parse_dtype(args.dtype)
+    backends = C.parse_list(args.backends, allowed=BACKENDS, what="--backends")
+    passes = C.parse_list(args.passes, allowed=PASSES, what="--pass")
+    for name in ("batch", "heads", "head_dim", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    kv_heads = args.kv_heads or args.heads
+    if args.heads % kv_heads:
+        raise ValueError(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads} (GQA)")
+    if not 16 <= args.head_dim <= 256:
+        raise ValueError(f"--head-dim must be in 16..256, got {args.head_dim}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is present; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.json == "-" and args.csv == "-":
+        raise ValueError("--json and --csv cannot both write to stdout; give one of them a PATH")
+
+    layout = C.build_layout(args.pattern, args.seq_len, args.block).to(device)
+    B, H, D, n = args.batch, args.heads, args.head_dim, args.seq_len
+    cache_words = default_cache_words(args.cache, dtype)
+    header = C.machine_header(dtype, device)
+    header.update({"pattern": layout.name, "seq_len": n, "batch": B, "heads": H, "kv_heads": kv_heads,
+                   "head_dim": D, "block": args.block, "causal": args.causal, "density": round(layout.density, 4),
+                   "cache_words": cache_words})
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    mk = lambda h: torch.randn(B, h, n, D, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v = mk(H), mk(kv_heads), mk(kv_heads)
+    do = mk(H)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+
+    rows = []
+    with C.progress(len(backends) * len(passes), "bench", enabled=not args.no_progress) as bar:
+        for backend in backends:
+            for pass_ in passes:
+                row = {"backend": backend, "pass": pass_, "status": "ok", "reason": ""}
+                rows.append(row)
+                need_grad = pass_ != "fwd"
+                qq, kk, vv = (t.detach().requires_grad_(need_grad) for t in (q, k, v))
+                try:
+                    fwd = _attention_fn(backend, qq, kk, vv, layout, args.causal, args)
+                    timing = C.time_fn(_case_fn(fwd, pass_, qq, kk, vv, do), warmup=args.warmup,
+                                       repeats=args.repeats, max_seconds=args.max_seconds, sync=sync)
+                except Skip as e:
+                    row.update(status="skipped", reason=str(e))
+                    bar.update(note=f"{backend} {pass_} skipped")
+                    continue
+                except NotImplementedError as e:
+                    row.update(status="skipped", reason=f"NotImplementedError: {' '.join(str(e).split())[:160]}")
+                    bar.update(note=f"{backend} {pass_} skipped")
+                    continue
+                except Exception as e:  # a backend failing on this machine is reported, not fatal
+                    if backend in ("flex", "triton") and not isinstance(e, (ValueError, TypeError)):
+                        row.update(status="skipped", reason=f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
+                        bar.update(note=f"{backend} {pass_} skipped")
+                        continue
+                    raise
+                fl = flops(layout, args.causal, B, H, D, pass_)
+                row.update(median_ms=timing["median_s"] * 1e3, iqr_ms=timing["iqr_s"] * 1e3,
+                           min_ms=timing["min_s"] * 1e3, max_ms=timing["max_s"] * 1e3, runs=timing["runs"],
+                           gflop=fl / 1e9, tflops=fl / timing["median_s"] / 1e12)
+                if backend == "triton":
+                    traffic, source = triton_traffic(layout, qq, kk, vv, args.causal, pass_, args.count, fwd)
+                    row.update(traffic_bytes=traffic, traffic_source=source)
+                else:
+                    row.update(traffic_bytes=None, traffic_source="-")
+                bar.update(note=f"{backend} {pass_} {timing['median_s'] * 1e3:.1f} ms")
+
+    bound = _bound_columns(rows, layout, args, dtype, cache_words, B, H, D, n)
+    _emit(rows, header, bound, args)
+    return 0
+
+
+def _bound_columns(rows, layout, args, dtype, cache_words, B, H, D, n):
+    """Fill bound_bytes and traffic/bound for every row; return the bound summary (or None)."""
+    summary = {}
+    for pass_ in {r["pass"] for r in rows}:
+        try:
+            b = attention_bound(n, D, cache_words, dtype, layout=layout, causal=args.causal, pass_=pass_,
+                                batch=B, heads=args.heads, kv_heads=args.kv_heads)
+        except C.Unavailable as e:
+            summary[pass_] = {"unavailable": str(e)}
+            continue
+        summary[pass_] = b
+    for r in rows:
+        b = summary.get(r["pass"])
+        if b and "bound_bytes" in b:
+            r["bound_bytes"] = b["bound_bytes"]
+            r["bound_binds"] = b["binds"]
+            if r.get("traffic_bytes"):
+                r["traffic_over_bound"] = r["traffic_bytes"] / b["bound_bytes"]
+    return summary
+
+
+COLUMNS = [("backend", "backend"), ("pass", "pass"), ("status", "status"), ("median_ms", "median ms"),
+           ("iqr_ms", "IQR ms"), ("min_ms", "min ms"), ("max_ms", "max ms"), ("tflops", "TFLOP/s (kept)"),
+           ("traffic_bytes", "traffic B"), ("traffic_source", "traffic is"), ("bound_bytes", "bound B"),
+           ("traffic_over_bound", "traffic/bound")]
+
+
+def _emit(rows, header, bound, args) -> None:
+    table = C.format_table(rows, COLUMNS)
+    notes = [f"- {r['backend']} {r['pass']}: {r['reason']}" for r in rows if r.get("reason")]
+    bound_lines = []
+    for pass_, b in sorted(bound.items()):
+        if "unavailable" in b:
+            bound_lines.append(f"- bound ({pass_}): unavailable: {b['unavailable']}")
+        else:
+            bound_lines.append(f"- bound ({pass_}): {b['bound_bytes']:,} B = max(compulsory {b['compulsory_bytes']:,} B, "
+                               f"{b['theorem']} {b['theorem_bytes']:,.0f} B, unit constants); binding: {b['binds']}")
+    text = "\n".join([C.format_header(header),
+                      f"# pattern {header['pattern']} (density {header['density']}), n={header['seq_len']}, "
+                      f"B={header['batch']}, H={header['heads']}/{header['kv_heads']}, D={header['head_dim']}, "
+                      f"block {header['block']}, causal={header['causal']}, M={header['cache_words']:,} words",
+                      table] + bound_lines + notes)
+    payload = {"header": header, "rows": rows, "bounds": bound}
+    if args.json == "-":
+        print(C.to_json(payload))
+    elif args.csv == "-":
+        import csv
+        import io
+        buf = io.StringIO()
+        fields = []
+        for r in rows:
+            fields += [k for k in r if k not in fields]
+        w = csv.DictWriter(buf, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: C._csv_value(r.get(k)) for k in fields})
+        print(buf.getvalue(), end="")
+    else:
+        print(text)
+    if args.json and args.json != "-":
+        C.write_json(args.json, payload)
+    if args.csv and args.csv != "-":
+        C.write_csv(args.csv, rows, header)
+    if args.md:
+        from pathlib import Path
+        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.md).write_text("```\n" + text + "\n```\n")

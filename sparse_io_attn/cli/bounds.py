@@ -1,0 +1,222 @@
+"""``sparse-io-attn bounds``: the paper's I/O lower bounds for one attention problem.
+
+Prints the regime (small cache M < d^2 or large cache), both terms of Theorem 1.1 (dense backward)
+and of Saha & Ye's dense forward bound, Theorem 4.5 for a block-sparse pattern or given nnz counts,
+the binding term, the compulsory traffic (each input read once, each output written once), the
+explicit-constant bounds where the calculator knows them, and which dense backward kernel the
+library would choose (small-cache Algorithm 6 when M < d^2, large-cache Algorithms 7-9 otherwise).
+All bounds are asymptotic expressions evaluated with unit constants (the paper states Theta/Omega
+only); words are matrix elements, bytes = words x dtype size.
+"""
+from __future__ import annotations
+
+import argparse
+
+from . import _common as C
+
+EXAMPLES = """examples:
+  sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --dtype bf16
+  sparse-io-attn bounds --seq-len 8192 --head-dim 256 --device a100 --dtype fp32
+  sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --pattern sliding_window:512
+  sparse-io-attn bounds --seq-len 4096 --head-dim 64 --cache 116224 \\
+      --z-a 262144 --z-x 4096 --z-ax 262144 --z-axa 1048576 --json
+
+--cache takes words (116224) or a byte size with a unit (228KiB, 48KB) converted with --dtype.
+Without --cache, M is --device's on-chip memory per block, or the current GPU's, or the
+library's documented CPU default."""
+
+Z_FLAGS = ("z_a", "z_x", "z_ax", "z_axa")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bounds", help="I/O lower bounds, regime and kernel choice for one problem",
+                       description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=C.parse_count, required=True, help="n, sequence length (4k accepted)")
+    p.add_argument("--head-dim", type=int, required=True, help="d, head dimension")
+    p.add_argument("--cache", default=None, help="fast memory M: words or a size like 228KiB")
+    p.add_argument("--device", default=None, help="device name from the table (h100, a100, ...) for M")
+    p.add_argument("--dtype", default="bf16", help="fp32, fp16 or bf16 (default bf16)")
+    p.add_argument("--pattern", default=None, help="block-sparse QK pattern spec, e.g. sliding_window:512")
+    p.add_argument("--block", type=C.parse_count, default=64, help="block size for --pattern (default 64)")
+    p.add_argument("--causal", action="store_true", help="count only key <= query inside the pattern")
+    for z, what in zip(Z_FLAGS, ("min(nnz A1, nnz A2)", "nnz X", "min(nnz A1X, nnz XA2^T)", "nnz A1XA2^T")):
+        p.add_argument(f"--{z.replace('_', '-')}", dest=z, type=C.parse_count, default=None, help=f"Z: {what}")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _bounds_module():
+    return C.optional_module("sparse_io_attn.bounds", "the bound calculator")
+
+
+def default_cache_words(cache, dtype, device_name: str | None = None) -> int:
+    """M in words: ``cache`` (words or a size string) if given, else the device table / current GPU."""
+    B = _bounds_module()
+    if cache is not None:
+        return int(C.require_attr(B, "parse_memory", "--cache")(str(cache), dtype))
+    words = C.require_attr(B, "device_fast_memory_words", "a default M")(dtype, device=device_name)
+    if words is None:  # no CUDA device and no --device: the documented CPU default (an H100's)
+        words = C.require_attr(B, "DEFAULT_CPU_FAST_MEMORY_BYTES", "a default M") // _itemsize(dtype)
+    return int(words)
+
+
+def bound_dict(bound) -> dict:
+    """A :class:`sparse_io_attn.bounds.Bound` as a plain dict (its own ``to_dict`` when present)."""
+    if hasattr(bound, "to_dict"):
+        return bound.to_dict()
+    return dict(vars(bound))
+
+
+def bound_value(bound) -> float:
+    for name in ("value", "words", "bound", "value_words"):
+        if hasattr(bound, name):
+            return float(getattr(bound, name))
+    raise C.Unavailable("the Bound record has no value field this command knows")
+
+
+def qk_nnz(layout, causal: bool) -> int:
+    """Kept score elements per stored mask, averaged over the masks (Z_AXA under the pattern),
+    from ``accounting.traffic.kept_elements`` (the one cost model)."""
+    T = C.optional_module("sparse_io_attn.accounting.traffic", "Z_AXA of a pattern")
+    total = T.kept_elements(layout, layout.layout_batch, layout.layout_heads, causal=causal)
+    return round(total / layout.num_layouts)
+
+
+def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, causal: bool = False,
+                    pass_: str = "fwd+bwd", batch: int = 1, heads: int = 1, kv_heads: int | None = None) -> dict:
+    """The lower bound a benchmark compares its traffic with, in bytes, for ``batch * heads``
+    (batch, head) problems of attention under a QK pattern (dense Q = A1 X, K = A2 with X = I:
+    Z_A = n·d, Z_X = d², Z_AX = n·d, Z_AXA = kept score elements per head, averaged over heads).
+
+    ``bound_bytes = max(compulsory, theorem)``: compulsory = inputs read once and outputs written
+    once (fwd: q, k, v in, o out; fwd+bwd: q, k, v, do in, o, dq, dk, dv out; k/v with the GQA
+    kv heads); theorem = ``batch * heads`` x Theorem 4.5 with unit constants (a lower bound for
+    forward and for backward alike, hence also for fwd+bwd). Returns both parts and which binds.
+    """
+    B = _bounds_module()
+    sparse = C.require_attr(B, "sparse", "the bound column")
+    kv_heads = kv_heads or heads
+    itemsize = _itemsize(dtype)
+    if layout is None:
+        z_axa = n * n
+    else:
+        T = C.optional_module("sparse_io_attn.accounting.traffic", "Z_AXA of a pattern")
+        z_axa = round(T.kept_elements(layout, batch, heads, causal=causal) / (batch * heads))
+    b = sparse(n * d, d * d, n * d, z_axa, cache_words)
+    theorem_words = bound_value(b) * batch * heads
+    per = 2 if pass_ == "fwd" else 4
+    compulsory_words = per * batch * n * d * (heads + kv_heads)
+    theorem_bytes = theorem_words * itemsize
+    compulsory_bytes = compulsory_words * itemsize
+    return {"bound_bytes": int(max(theorem_bytes, compulsory_bytes)), "theorem_bytes": theorem_bytes,
+            "compulsory_bytes": int(compulsory_bytes), "theorem": "Thm 4.5",
+            "binds": "compulsory" if compulsory_bytes >= theorem_bytes else "Thm 4.5",
+            "z_per_head": {"Z_A": n * d, "Z_X": d * d, "Z_AX": n * d, "Z_AXA": z_axa}, "cache_words": cache_words}
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _itemsize(dtype) -> int:
+    import torch
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def kernel_choice(d: int, M: int) -> str:
+    """The dense backward kernel ``dense.backward(regime="auto")`` picks (its rule: small if M < d²)."""
+    try:
+        dense = C.optional_module("sparse_io_attn.dense", "kernel choice")
+        choose = getattr(dense, "choose_regime", None)
+        if choose is not None:
+            regime = choose(d=d, M=M)
+            return f"{regime}-cache kernel (dense.choose_regime)"
+    except C.Unavailable:
+        pass
+    return ("small-cache kernel (Algorithm 6, materializes n x n)" if M < d * d
+            else "large-cache kernel (Algorithms 7-9, FlashAttention-2 style)")
+
+
+# ------------------------------------------------------------------------------------ main
+def run(args) -> int:
+    dtype = C.parse_dtype(args.dtype)
+    n, d = args.seq_len, args.head_dim
+    if d < 1:
+        raise ValueError(f"--head-dim must be >= 1, got {d}")
+    given = [z for z in Z_FLAGS if getattr(args, z) is not None]
+    if args.pattern and given:
+        raise ValueError("give either --pattern or the --z-* counts, not both")
+    if given and len(given) != 4:
+        missing = [f"--{z.replace('_', '-')}" for z in Z_FLAGS if z not in given]
+        raise ValueError(f"the Z counts go together; missing {', '.join(missing)}")
+    if args.causal and not args.pattern:
+        raise ValueError("--causal applies to --pattern; pass a pattern (e.g. --pattern dense --causal)")
+    B = _bounds_module()
+    if args.device is not None:
+        C.require_attr(B, "get_device", "--device")(args.device)  # ValueError listing the known names
+    M = default_cache_words(args.cache, dtype, args.device)
+    itemsize = _itemsize(dtype)
+
+    out = {"n": n, "d": d, "dtype": args.dtype, "M_words": M, "M_bytes": M * itemsize,
+           "d_squared": d * d, "M_over_d2": M / (d * d),
+           "regime": "small cache (M < d^2)" if M < d * d else "large cache (M >= d^2)",
+           "kernel_choice": kernel_choice(d, M),
+           "source_of_M": (f"--cache {args.cache}" if args.cache else
+                           f"device table: {args.device}" if args.device else
+                           "this GPU's shared memory per block" if _cuda() else
+                           "no GPU: DEFAULT_CPU_FAST_MEMORY_BYTES, an H100's 227 KiB per block"),
+           "constants": "unit constants: the paper's bounds are Theta/Omega without stated constants"}
+    out["dense_backward"] = bound_dict(C.require_attr(B, "dense_backward", "bounds")(n, d, M, dtype=dtype))
+    out["dense_forward"] = bound_dict(C.require_attr(B, "dense_forward", "bounds")(n, d, M, dtype=dtype))
+    if args.pattern or given:
+        if args.pattern:
+            layout = C.build_layout(args.pattern, n, args.block)
+            z = {"Z_A": n * d, "Z_X": d * d, "Z_AX": n * d, "Z_AXA": qk_nnz(layout, args.causal)}
+            out["pattern"] = {"name": layout.name, "density": layout.density, "block": args.block,
+                              "note": "dense Q/K operands (Z_A = n d, Z_X = d^2, Z_AX = n d), Z_AXA = kept score "
+                                      "elements of the pattern" + (" with causal masking" if args.causal else "")}
+        else:
+            z = {k: getattr(args, k.lower()) for k in ("Z_A", "Z_X", "Z_AX", "Z_AXA")}
+        out["sparse"] = bound_dict(B.sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, dtype=dtype))
+        out["sparse"].setdefault("inputs", z)
+    if args.json:
+        print(C.to_json(out))
+        return 0
+    print(_text(out))
+    return 0
+
+
+def _text(out: dict) -> str:
+    lines = [f"n = {out['n']:,}, d = {out['d']}, dtype {out['dtype']}, M = {out['M_words']:,} words "
+             f"({C.human_bytes(out['M_bytes'])}; {out['source_of_M']})",
+             f"M / d^2 = {out['M_over_d2']:.3g} -> {out['regime']}",
+             f"kernel the library would choose: {out['kernel_choice']}",
+             f"({out['constants']})"]
+    for key, title in (("dense_backward", "dense backward (Theorem 1.1)"),
+                       ("dense_forward", "dense forward (Saha & Ye 2024)"),
+                       ("sparse", "sparse (Theorem 4.5)")):
+        if key in out:
+            lines.append("")
+            lines.append(title + ":")
+            lines += _dict_lines(out[key], indent="  ")
+    if "pattern" in out:
+        p = out["pattern"]
+        lines.append(f"  pattern {p['name']}, density {p['density']:.4f}, block {p['block']}: {p['note']}")
+    return "\n".join(lines)
+
+
+def _dict_lines(d: dict, indent: str) -> list[str]:
+    lines = []
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(f"{indent}{k}:")
+            lines += _dict_lines(v, indent + "  ")
+        elif isinstance(v, float):
+            lines.append(f"{indent}{k}: {v:,.6g}")
+        elif isinstance(v, int) and not isinstance(v, bool):
+            lines.append(f"{indent}{k}: {v:,}")
+        else:
+            lines.append(f"{indent}{k}: {v}")
+    return lines
