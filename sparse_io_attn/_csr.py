@@ -86,12 +86,18 @@ def validate_csr(crow: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols:
         if t.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{what}: {name} must be int32 or int64, got {t.dtype}; "
                             f"convert with .to(torch.int32)")
-    if crow.dim() != 2 or crow.shape[1] != num_rows + 1:
+    if crow.dim() != 2 or crow.shape[1] != num_rows + 1 or crow.shape[0] < 1:
         raise ValueError(f"{what}: crow_indices must have shape [L, {num_rows + 1}] "
-                         f"(L layouts, {num_rows} block rows + 1), got {tuple(crow.shape)}")
+                         f"(L >= 1 layouts, {num_rows} block rows + 1), got {tuple(crow.shape)}")
     if col.dim() != 1:
         raise ValueError(f"{what}: col_indices must be 1-D (flat, absolute offsets), "
                          f"got shape {tuple(col.shape)}")
+    if crow.device != col.device:
+        raise ValueError(f"{what}: crow_indices and col_indices must be on one device, got "
+                         f"{crow.device} and {col.device}")
+    if col.numel() > torch.iinfo(INDEX_DTYPE).max:
+        raise ValueError(f"{what}: at most {torch.iinfo(INDEX_DTYPE).max} stored blocks fit int32 "
+                         f"indices, got {col.numel()}; use larger blocks")
     c64 = crow.to(torch.int64).cpu()
     if c64.numel() and c64[0, 0].item() != 0:
         raise ValueError(f"{what}: crow_indices[0, 0] must be 0, got {c64[0, 0].item()}")
@@ -117,3 +123,16 @@ def validate_csr(crow: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols:
         raise ValueError(f"{what}: col_indices must be sorted and unique within each row; "
                          f"found {kind} entries {c[bad].item()}, {c[bad + 1].item()} in flat row "
                          f"{rows[bad].item()}; sort them (or build with from_block_mask)")
+
+
+def to_relative_offsets(crow: torch.Tensor) -> torch.Tensor:
+    """Absolute ``crow [L, R+1]`` -> per-matrix offsets that restart at 0 (PyTorch/SciPy style)."""
+    return crow - crow[:, :1]
+
+
+def from_relative_offsets(crow: torch.Tensor) -> torch.Tensor:
+    """Per-matrix ``crow [L, R+1]`` that restart at 0 -> absolute offsets into one flat index."""
+    nnz = (crow[:, -1] - crow[:, 0]).to(torch.int64)
+    start = torch.zeros_like(nnz)
+    torch.cumsum(nnz[:-1], dim=0, out=start[1:])
+    return crow - crow[:, :1] + start[:, None].to(crow.dtype)
