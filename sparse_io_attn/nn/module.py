@@ -1,0 +1,148 @@
+"""`SparseSelfAttention`: a multi-head self-attention layer whose attention is block-sparse."""
+from __future__ import annotations
+
+from typing import Callable, Union
+
+import torch
+from torch import nn
+
+from ..attention import BACKENDS
+from ..layout import BlockSparseLayout
+from .ops import block_sparse_attention_op
+
+LayoutOrPattern = Union[BlockSparseLayout, Callable[[int], BlockSparseLayout]]
+
+
+def _positive_int(x, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+        raise ValueError(f"{what} must be a positive int, got {x!r}")
+    return x
+
+
+class SparseSelfAttention(nn.Module):
+    r"""Multi-head self-attention over ``x [B, N, E]`` (batch first) with a block-sparse pattern.
+
+    ``out = out_proj(attn(q_proj(x), k_proj(x), v_proj(x)))`` where ``attn`` is
+    :func:`sparse_io_attn.block_sparse_attention` called through the ``torch.library`` custom op of
+    :mod:`sparse_io_attn.nn.ops` (so ``torch.compile(model, fullgraph=True)`` works).
+
+    Args:
+        embed_dim: ``E``; must be a multiple of ``num_heads``. Head dim ``D = E // num_heads``.
+        num_heads: query heads ``Hq``.
+        layout_or_pattern: a :class:`~sparse_io_attn.BlockSparseLayout` built for one sequence
+            length ``seqlen == (N, N)``, or a callable ``seqlen -> BlockSparseLayout`` (for example
+            ``functools.partial(patterns.sliding_window, ...)``) called lazily for each length the
+            layer sees and cached per (length, device). Layouts may be shared by all heads or hold
+            one mask per query head (``layout_heads == num_heads``).
+        num_kv_heads: key/value heads ``Hkv`` (GQA/MQA); default ``num_heads``. Query head ``h``
+            reads kv head ``h // (num_heads // num_kv_heads)``.
+        causal: also mask keys after the query inside kept blocks (element level, top-left).
+        dropout: attention dropout probability. Only ``0.0`` is supported: the block-sparse
+            backends have no dropout, and a value > 0 raises ``NotImplementedError`` rather than
+            being ignored. Put an ``nn.Dropout`` on the layer's output instead.
+        bias: add biases to the four projections.
+        backend: ``"auto"`` (Triton on CUDA, the PyTorch path elsewhere), ``"torch"`` or ``"triton"``.
+
+    Under ``torch.compile`` the layout for a new length is built by data-dependent code (like
+    FlexAttention's ``create_block_mask``); call :meth:`layout_for` (or run one eager forward) for
+    each length before compiling with ``fullgraph=True``. A fixed layout needs nothing.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, layout_or_pattern: LayoutOrPattern, *,
+                 num_kv_heads: int | None = None, causal: bool = False, dropout: float = 0.0,
+                 bias: bool = True, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        embed_dim = _positive_int(embed_dim, "embed_dim")
+        num_heads = _positive_int(num_heads, "num_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim {embed_dim} must be a multiple of num_heads {num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads} "
+                             f"(GQA/MQA)")
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a float in [0, 1), got {dropout!r}")
+        if dropout > 0.0:
+            raise NotImplementedError(
+                f"attention dropout ({dropout}) is not supported: the block-sparse backends have no "
+                f"dropout inside the kernel; use dropout=0.0 and put nn.Dropout on the layer output")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal, self.dropout, self.backend = bool(causal), 0.0, backend
+        kv_dim = num_kv_heads * self.head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self._layouts: dict[tuple[int, str], BlockSparseLayout] = {}
+        if isinstance(layout_or_pattern, BlockSparseLayout):
+            self._check_layout(layout_or_pattern, layout_or_pattern.seqlen_q)
+            self._fixed, self._pattern = layout_or_pattern, None
+            self._build_layout(layout_or_pattern.seqlen_q, layout_or_pattern.device)
+        elif callable(layout_or_pattern):
+            self._fixed, self._pattern = None, layout_or_pattern
+        else:
+            raise TypeError(f"layout_or_pattern must be a BlockSparseLayout or a callable "
+                            f"seqlen -> BlockSparseLayout, got {type(layout_or_pattern).__name__}")
+
+    def _check_layout(self, layout, seqlen: int) -> None:
+        if not isinstance(layout, BlockSparseLayout):
+            raise TypeError(f"the pattern must return a BlockSparseLayout, got {type(layout).__name__}")
+        if layout.seqlen != (seqlen, seqlen):
+            raise ValueError(f"self-attention needs a square layout for seqlen {seqlen}, got a layout "
+                             f"with seqlen {layout.seqlen}")
+        if layout.layout_heads not in (1, self.num_heads):
+            raise ValueError(f"layout has {layout.layout_heads} head masks but the layer has "
+                             f"{self.num_heads} query heads; build it with 1 (shared) or {self.num_heads}")
+
+    def layout_for(self, seqlen: int, device=None) -> BlockSparseLayout:
+        """The layout used for sequences of length ``seqlen`` on ``device`` (built once, cached)."""
+        device = torch.device("cpu" if device is None else device)
+        layout = self._layouts.get((int(seqlen), str(device)))
+        if layout is None:
+            layout = self._build_layout(int(seqlen), device)
+        return layout
+
+    @torch.compiler.disable(reason="sparse_io_attn: building a layout for a new sequence length is "
+                            "data-dependent; call SparseSelfAttention.layout_for(seqlen, device) or run "
+                            "one eager forward before torch.compile(..., fullgraph=True)")
+    def _build_layout(self, seqlen: int, device: torch.device) -> BlockSparseLayout:
+        if self._fixed is not None:
+            if seqlen != self._fixed.seqlen_q:
+                raise ValueError(f"the layer's layout was built for seqlen {self._fixed.seqlen_q} "
+                                 f"but the input has {seqlen}; pass a callable seqlen -> layout "
+                                 f"(e.g. functools.partial of a pattern builder) to handle any length")
+            layout = self._fixed
+        else:
+            layout = self._pattern(seqlen)
+            self._check_layout(layout, seqlen)
+        layout = layout.to(device)
+        layout.ccol_indices  # the transposed copy backward needs, built once, outside any trace
+        self._layouts[(seqlen, str(device))] = layout
+        return layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, N, E]`` -> ``[B, N, E]``."""
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            raise ValueError(f"expected x of shape [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
+        B, N, _ = x.shape
+        layout = self.layout_for(N, x.device)
+        q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = self._attend(q, k, v, layout)  # [B, Hq, N, D]
+        return self.out_proj(out.transpose(1, 2).reshape(B, N, self.embed_dim))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layout: BlockSparseLayout) -> torch.Tensor:
+        """Attention of ``q [B, Hq, N, D]``, ``k/v [B, Hkv, N, D]`` under ``layout`` -> ``[B, Hq, N, D]``."""
+        return block_sparse_attention_op(q, k, v, layout, causal=self.causal, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        what = self._fixed.name if self._fixed is not None else getattr(
+            self._pattern, "__name__", type(self._pattern).__name__)
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"causal={self.causal}, layout={what!r}, backend={self.backend!r}")

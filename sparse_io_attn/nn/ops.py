@@ -1,0 +1,128 @@
+"""Block-sparse attention as ``torch.library`` custom ops, so ``torch.compile`` traces through it.
+
+Two opaque ops, each a thin shell over a backend of :mod:`sparse_io_attn.attention`:
+
+* ``sparse_io_attn::block_sparse_attn_fwd(q, k, v, crow_indices, col_indices, ccol_indices,
+  row_indices, block_size_q, block_size_kv, layout_batch, layout_heads, causal, sm_scale, backend)
+  -> (out, lse)``
+* ``sparse_io_attn::block_sparse_attn_bwd(do, q, k, v, out, lse, <same layout args>) -> (dq, dk, dv)``
+
+A :class:`~sparse_io_attn.BlockSparseLayout` is not a tensor, so it crosses the op boundary as its
+four int32 index tensors (CSR and the transposed CSC copy backward needs) plus ints; the op rebuilds
+the layout object inside with ``validate=False`` (the indices were validated when the layout was
+first built). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
+backward op, so ``torch.compile(model, fullgraph=True)`` sees two nodes and no graph break.
+
+Shapes and units are those of :func:`sparse_io_attn.block_sparse_attention`: ``out`` has q's shape
+and dtype (contiguous), ``lse`` is float32 ``[B, Hq, Nq]`` in natural-log units, ``-inf`` on empty
+rows, and is not differentiable (its incoming gradient is ignored).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..attention import backend_module, check_inputs, resolve_backend
+from ..layout import BlockSparseLayout
+
+# Layout objects rebuilt inside the ops, keyed by the crow_indices tensor they were built from, so a
+# backend's per-layout caches survive across calls with the same index tensors.
+_REBUILT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _layout_from_indices(crow_indices: Tensor, col_indices: Tensor, ccol_indices: Tensor,
+                         row_indices: Tensor, block_size_q: int, block_size_kv: int, layout_batch: int,
+                         layout_heads: int, seqlen_q: int, seqlen_k: int) -> BlockSparseLayout:
+    meta = (block_size_q, block_size_kv, layout_batch, layout_heads, seqlen_q, seqlen_k)
+    hit = _REBUILT.get(crow_indices)
+    if hit is not None:
+        layout, col, ccol, row, hit_meta = hit
+        if col is col_indices and ccol is ccol_indices and row is row_indices and hit_meta == meta:
+            return layout
+    layout = BlockSparseLayout(crow_indices, col_indices, block_size=(block_size_q, block_size_kv),
+                               seqlen=(seqlen_q, seqlen_k), layout_batch=layout_batch,
+                               layout_heads=layout_heads, name="custom_op", validate=False,
+                               ccol_indices=ccol_indices, row_indices=row_indices)
+    _REBUILT[crow_indices] = (layout, col_indices, ccol_indices, row_indices, meta)
+    return layout
+
+
+@torch.library.custom_op("sparse_io_attn::block_sparse_attn_fwd", mutates_args=())
+def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, crow_indices: Tensor, col_indices: Tensor,
+                          ccol_indices: Tensor, row_indices: Tensor, block_size_q: int,
+                          block_size_kv: int, layout_batch: int, layout_heads: int, causal: bool,
+                          sm_scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    """Forward of block-sparse attention: ``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])``."""
+    layout = _layout_from_indices(crow_indices, col_indices, ccol_indices, row_indices, block_size_q,
+                                  block_size_kv, layout_batch, layout_heads, q.shape[2], k.shape[2])
+    out, lse = backend_module(backend).forward(q, k, v, layout, causal=causal, sm_scale=sm_scale)
+    return out.contiguous(), lse.contiguous()
+
+
+@block_sparse_attn_fwd.register_fake
+def _(q, k, v, crow_indices, col_indices, ccol_indices, row_indices, block_size_q, block_size_kv,
+      layout_batch, layout_heads, causal, sm_scale, backend):
+    B, Hq, Nq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("sparse_io_attn::block_sparse_attn_bwd", mutates_args=())
+def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          crow_indices: Tensor, col_indices: Tensor, ccol_indices: Tensor,
+                          row_indices: Tensor, block_size_q: int, block_size_kv: int,
+                          layout_batch: int, layout_heads: int, causal: bool, sm_scale: float,
+                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of block-sparse attention: ``(dq, dk, dv)`` shaped like q, k, v (dk/dv summed over
+    the query heads of a GQA group)."""
+    layout = _layout_from_indices(crow_indices, col_indices, ccol_indices, row_indices, block_size_q,
+                                  block_size_kv, layout_batch, layout_heads, q.shape[2], k.shape[2])
+    dq, dk, dv = backend_module(backend).backward(do, q, k, v, out, lse, layout, causal=causal,
+                                                  sm_scale=sm_scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@block_sparse_attn_bwd.register_fake
+def _(do, q, k, v, out, lse, crow_indices, col_indices, ccol_indices, row_indices, block_size_q,
+      block_size_kv, layout_batch, layout_heads, causal, sm_scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, crow, col, ccol, row = inputs[:7]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, crow, col, ccol, row)
+    ctx.meta = inputs[7:]  # block_size_q, block_size_kv, layout_batch, layout_heads, causal, sm_scale, backend
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, crow, col, ccol, row = ctx.saved_tensors
+    dq, dk, dv = block_sparse_attn_bwd(dout.contiguous(), q, k, v, out, lse, crow, col, ccol, row,
+                                       *ctx.meta)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+block_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def layout_op_args(layout: BlockSparseLayout) -> tuple:
+    """The layout as the op's arguments: ``(crow, col, ccol, row, bq, bkv, layout_batch, layout_heads)``."""
+    return (layout.crow_indices, layout.col_indices, layout.ccol_indices, layout.row_indices,
+            layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV, layout.layout_batch, layout.layout_heads)
+
+
+def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, layout: BlockSparseLayout, *,
+                              causal: bool = False, sm_scale: float | None = None,
+                              return_lse: bool = False, backend: str = "auto"):
+    """Same contract as :func:`sparse_io_attn.block_sparse_attention`, through the custom ops.
+
+    Use this one inside code you ``torch.compile``; it validates the inputs the same way, then
+    calls ``torch.ops.sparse_io_attn.block_sparse_attn_fwd``. The layout's transposed indices are
+    built (once, cached on the layout) before the call.
+    """
+    sm_scale = check_inputs(q, k, v, layout, sm_scale)
+    name = resolve_backend(backend, q.device)
+    layout = layout.to(q.device)
+    out, lse = block_sparse_attn_fwd(q, k, v, *layout_op_args(layout), bool(causal), sm_scale, name)
+    return (out, lse) if return_lse else out
