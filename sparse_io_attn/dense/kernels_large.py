@@ -1,0 +1,170 @@
+"""Large-cache backward kernels, Algorithms 7-9 (Appendix D), ``@triton.jit`` only.
+
+All ``n x d`` operands are contiguous ``[Z, n, d]`` (the launcher guarantees it), ``lse``/``v`` are
+fp32 ``[Z, n]``; ``f = exp(scale * S A2^T - lse)`` is recomputed tile by tile and never stored.
+
+* :func:`_row_kernel` (rows outer, keys inner). With ``FAITHFUL`` it is Algorithm 8: a program
+  keeps the ``d x d`` gradient ``g`` in fast memory for its whole life, walks row blocks ``i`` of
+  ``B_r = BLOCK_M`` rows (``S_i, O_i, dO_i, A1_i, l_i`` read once; ``v_i = (dO_i o O_i) 1``), and for
+  each key block ``j`` of ``B_c = BLOCK_N`` rows reads ``h_j`` and ``A2_j`` and computes
+  ``q_ij, f_ij, p_ij``, ``T_{*,j} = A1_i^T p_ij`` and ``g += T_{*,j} A2_j`` (lines 6-25). Beside ``g``
+  it accumulates ``dS_i = p_i A2`` for the gradient of ``A1``. ``num_splits`` programs per batch
+  element share the row blocks (round robin) and write one partial ``g`` each.
+  Without ``FAITHFUL`` it is FlashAttention-2's dQ loop: ``v`` comes precomputed, no ``g``.
+* :func:`_col_kernel` (keys outer, rows inner; FlashAttention-2's dK/dV loop): a program keeps
+  ``A2_j, h_j`` and accumulates ``dA2_j = scale * p_{:,j}^T S`` and ``dh_j = f_{:,j}^T dO``.
+"""
+from __future__ import annotations
+
+from ..kernels import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+
+import triton
+import triton.language as tl
+
+from .kernels_common import _io_add, _mm, _nbytes, _nbytes1
+
+
+@triton.jit
+def _row_kernel(
+    s_ptr, a2_ptr, h_ptr, do_ptr, lse_ptr, ov_ptr, a1_ptr, ds_ptr, g_ptr, io_ptr,
+    seqlen, head_dim, num_splits, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, FAITHFUL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    # tensors: 0 S, 1 A2, 2 h, 3 dO, 4 lse, 5 O (FAITHFUL) or v, 6 dS, 7 A1 and 8 dX (FAITHFUL only)
+    pid_s = tl.program_id(0)
+    off_z = tl.program_id(1).to(tl.int64)
+    base = off_z * seqlen * head_dim
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    num_m = tl.cdiv(seqlen, BLOCK_M)
+    if FAITHFUL:
+        g = tl.zeros([HEAD_DIM, HEAD_DIM], dtype=tl.float32)  # line 5: g in cache
+    rd_s = tl.zeros([], dtype=tl.int64)
+    rd_a2 = tl.zeros([], dtype=tl.int64)
+    rd_h = tl.zeros([], dtype=tl.int64)
+    rd_do = tl.zeros([], dtype=tl.int64)
+    rd_l = tl.zeros([], dtype=tl.int64)
+    rd_ov = tl.zeros([], dtype=tl.int64)
+    rd_a1 = tl.zeros([], dtype=tl.int64)
+    wr_ds = tl.zeros([], dtype=tl.int64)
+    for mb in range(pid_s, num_m, num_splits):
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < seqlen
+        mask_md = mask_m[:, None] & mask_d[None, :]
+        rows = base + offs_m[:, None] * head_dim + offs_d[None, :]
+        do = tl.load(do_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+        if FAITHFUL:  # lines 7-9: v_i = (dO_i o O_i) 1, then O_i leaves the cache
+            o = tl.load(ov_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+            v = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BLOCK_M]
+        else:
+            v = tl.load(ov_ptr + off_z * seqlen + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
+        s = tl.load(s_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+        lse = tl.load(lse_ptr + off_z * seqlen + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
+        if FAITHFUL:
+            a1 = tl.load(a1_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+        ds = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for n0 in range(0, seqlen, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < seqlen
+            mask_nd = mask_n[:, None] & mask_d[None, :]
+            cols = base + offs_n[:, None] * head_dim + offs_d[None, :]
+            h = tl.load(h_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+            q = _mm(do, tl.trans(h), DOT_DTYPE)  # [BLOCK_M, BLOCK_N], line 12
+            a2 = tl.load(a2_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+            scores = _mm(s, tl.trans(a2), DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N], line 14
+            f = tl.exp(scores - lse[:, None])  # lines 15-16
+            f = tl.where(mask_m[:, None] & mask_n[None, :], f, 0.0)
+            p = f * (q - v[:, None])  # [BLOCK_M, BLOCK_N], line 18
+            ds += _mm(p, a2, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+            if FAITHFUL:
+                t = _mm(tl.trans(a1), p, DOT_DTYPE)  # [HEAD_DIM, BLOCK_N], line 20
+                g += _mm(t, a2, DOT_DTYPE)  # [HEAD_DIM, HEAD_DIM], line 21
+            if COUNT_IO:
+                rd_h += _nbytes(mask_nd, h_ptr)
+                rd_a2 += _nbytes(mask_nd, a2_ptr)
+        tl.store(ds_ptr + rows, ds.to(ds_ptr.dtype.element_ty), mask=mask_md)
+        if COUNT_IO:
+            rd_do += _nbytes(mask_md, do_ptr)
+            rd_s += _nbytes(mask_md, s_ptr)
+            rd_l += _nbytes1(mask_m, lse_ptr)
+            wr_ds += _nbytes(mask_md, ds_ptr)
+            if FAITHFUL:
+                rd_ov += _nbytes(mask_md, ov_ptr)
+                rd_a1 += _nbytes(mask_md, a1_ptr)
+            else:
+                rd_ov += _nbytes1(mask_m, ov_ptr)
+    if FAITHFUL:  # line 26: write g (one partial per program)
+        mask_g = mask_d[:, None] & mask_d[None, :]
+        g_ptrs = g_ptr + (off_z * num_splits + pid_s) * head_dim * head_dim \
+            + offs_d[:, None] * head_dim + offs_d[None, :]
+        tl.store(g_ptrs, g * sm_scale, mask=mask_g)
+    if COUNT_IO:
+        _io_add(io_ptr, 0, rd_s, 0)
+        _io_add(io_ptr, 1, rd_a2, 0)
+        _io_add(io_ptr, 2, rd_h, 0)
+        _io_add(io_ptr, 3, rd_do, 0)
+        _io_add(io_ptr, 4, rd_l, 0)
+        _io_add(io_ptr, 5, rd_ov, 0)
+        _io_add(io_ptr, 6, 0, wr_ds)
+        if FAITHFUL:
+            _io_add(io_ptr, 7, rd_a1, 0)
+            _io_add(io_ptr, 8, 0, _nbytes(mask_g, g_ptr))
+
+
+@triton.jit
+def _col_kernel(
+    s_ptr, a2_ptr, h_ptr, do_ptr, lse_ptr, v_ptr, da2_ptr, dh_ptr, io_ptr,
+    seqlen, head_dim, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    # tensors: 0 S, 1 A2, 2 h, 3 dO, 4 lse, 5 v (read); 6 dA2, 7 dh (written)
+    pid_n = tl.program_id(0)
+    off_z = tl.program_id(1).to(tl.int64)
+    base = off_z * seqlen * head_dim
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < seqlen
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+    cols = base + offs_n[:, None] * head_dim + offs_d[None, :]
+    a2 = tl.load(a2_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+    h = tl.load(h_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+    da2 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dh = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    rd_s = tl.zeros([], dtype=tl.int64)
+    rd_do = tl.zeros([], dtype=tl.int64)
+    rd_l = tl.zeros([], dtype=tl.int64)
+    rd_v = tl.zeros([], dtype=tl.int64)
+    for m0 in range(0, seqlen, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < seqlen
+        mask_md = mask_m[:, None] & mask_d[None, :]
+        rows = base + offs_m[:, None] * head_dim + offs_d[None, :]
+        s = tl.load(s_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+        do = tl.load(do_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+        lse = tl.load(lse_ptr + off_z * seqlen + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
+        v = tl.load(v_ptr + off_z * seqlen + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
+        scores = _mm(s, tl.trans(a2), DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        f = tl.where(mask_m[:, None] & mask_n[None, :], tl.exp(scores - lse[:, None]), 0.0)
+        q = _mm(do, tl.trans(h), DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
+        p = f * (q - v[:, None])  # [BLOCK_M, BLOCK_N]
+        dh += _mm(tl.trans(f), do, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+        da2 += _mm(tl.trans(p), s, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+        if COUNT_IO:
+            rd_s += _nbytes(mask_md, s_ptr)
+            rd_do += _nbytes(mask_md, do_ptr)
+            rd_l += _nbytes1(mask_m, lse_ptr)
+            rd_v += _nbytes1(mask_m, v_ptr)
+    tl.store(da2_ptr + cols, (da2 * sm_scale).to(da2_ptr.dtype.element_ty), mask=mask_nd)
+    tl.store(dh_ptr + cols, dh.to(dh_ptr.dtype.element_ty), mask=mask_nd)
+    if COUNT_IO:
+        _io_add(io_ptr, 0, rd_s, 0)
+        _io_add(io_ptr, 1, _nbytes(mask_nd, a2_ptr), 0)
+        _io_add(io_ptr, 2, _nbytes(mask_nd, h_ptr), 0)
+        _io_add(io_ptr, 3, rd_do, 0)
+        _io_add(io_ptr, 4, rd_l, 0)
+        _io_add(io_ptr, 5, rd_v, 0)
+        _io_add(io_ptr, 6, 0, _nbytes(mask_nd, da2_ptr))
+        _io_add(io_ptr, 7, 0, _nbytes(mask_nd, dh_ptr))

@@ -1,0 +1,182 @@
+"""Small-cache backward kernels, Algorithm 6 (Appendix C), ``@triton.jit`` only.
+
+Every matrix is cut into ``BLOCK x BLOCK`` tiles (the paper's ``B = sqrt(M/4)``); a program holds at
+most three tiles and two length-``BLOCK`` vectors (see :mod:`.tiling`).
+
+* :func:`_tile_matmul_kernel`: ``C = alpha * A B`` with tiled ``A, B, C`` (one program per output
+  tile, streaming the tiles of its row of ``A`` and column of ``B``) -- every matrix product of
+  phases 1, 2 and 4 and of the other gradients. Transposes come in through strides.
+* :func:`_softmax_kernel`: phase 1, lines 15-35 of Algorithm 2: one program per row block ``i``
+  computes the score tiles ``A[i, j] = scale * S[i, :] A2[j, :]^T``, writes them to ``f``, then reads
+  them back and writes ``f[i, j] = exp(A[i, j] - m_i) / l_i``. It keeps the running row maximum
+  ``m_i`` beside the paper's row sum ``l_i`` (numerically safe softmax; the paper's ``exp`` without
+  the maximum overflows).
+* :func:`_phase3_kernel`: Algorithm 4, ``p = f o q - diag((f o q) 1) f`` in two sweeps over a row
+  block (the row sums ``v_i`` first, then ``p``).
+"""
+from __future__ import annotations
+
+from ..kernels import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+
+import triton
+import triton.language as tl
+
+from .kernels_common import _io_add, _mm, _nbytes
+
+
+@triton.jit
+def _tile_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, io_ptr,
+    stride_az, stride_am, stride_ak,
+    stride_bz, stride_bk, stride_bn,
+    stride_cz, stride_cm, stride_cn,
+    size_m, size_n, size_k, alpha,
+    BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    COUNT_IO: tl.constexpr,
+):
+    # tensors: 0 = A (read), 1 = B (read), 2 = C (written)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    off_z = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    mask_m = offs_m < size_m
+    mask_n = offs_n < size_n
+    acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+    rd_a = tl.zeros([], dtype=tl.int64)
+    rd_b = tl.zeros([], dtype=tl.int64)
+    for k0 in range(0, size_k, BLOCK):
+        offs_k = k0 + tl.arange(0, BLOCK)
+        mask_k = offs_k < size_k
+        mask_a = mask_m[:, None] & mask_k[None, :]
+        mask_b = mask_k[:, None] & mask_n[None, :]
+        a = tl.load(a_ptr + off_z * stride_az + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=mask_a, other=0.0)  # [BLOCK, BLOCK]
+        b = tl.load(b_ptr + off_z * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=mask_b, other=0.0)  # [BLOCK, BLOCK]
+        acc += _mm(a, b, DOT_DTYPE)  # [BLOCK, BLOCK]
+        if COUNT_IO:
+            rd_a += _nbytes(mask_a, a_ptr)
+            rd_b += _nbytes(mask_b, b_ptr)
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    tl.store(c_ptr + off_z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+             (acc * alpha).to(c_ptr.dtype.element_ty), mask=mask_c)
+    if COUNT_IO:
+        _io_add(io_ptr, 0, rd_a, 0)
+        _io_add(io_ptr, 1, rd_b, 0)
+        _io_add(io_ptr, 2, 0, _nbytes(mask_c, c_ptr))
+
+
+@triton.jit
+def _softmax_kernel(
+    s_ptr, a2_ptr, f_ptr, io_ptr,
+    stride_sz, stride_sm, stride_sd,
+    stride_kz, stride_kn, stride_kd,
+    stride_fz, stride_fm, stride_fn,
+    seqlen, head_dim, sm_scale,
+    BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    # tensors: 0 = S (read), 1 = A2 (read), 2 = f (written twice, read once)
+    pid_m = tl.program_id(0)
+    off_z = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    mask_m = offs_m < seqlen
+    s_base = s_ptr + off_z * stride_sz
+    k_base = a2_ptr + off_z * stride_kz
+    f_base = f_ptr + off_z * stride_fz
+    m_i = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK], dtype=tl.float32)
+    rd_s = tl.zeros([], dtype=tl.int64)
+    rd_k = tl.zeros([], dtype=tl.int64)
+    rd_f = tl.zeros([], dtype=tl.int64)
+    wr_f = tl.zeros([], dtype=tl.int64)
+    # lines 15-27: score tiles A[i, j] = scale * S[i, :] A2[j, :]^T, written to f; row max and sum
+    for n0 in range(0, seqlen, BLOCK):
+        offs_n = n0 + tl.arange(0, BLOCK)
+        mask_n = offs_n < seqlen
+        acc = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+        for k0 in range(0, head_dim, BLOCK):
+            offs_k = k0 + tl.arange(0, BLOCK)
+            mask_k = offs_k < head_dim
+            mask_s = mask_m[:, None] & mask_k[None, :]
+            mask_a2 = mask_k[:, None] & mask_n[None, :]
+            s = tl.load(s_base + offs_m[:, None] * stride_sm + offs_k[None, :] * stride_sd,
+                        mask=mask_s, other=0.0)  # [BLOCK, BLOCK] tile S[i, k]
+            kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_k[:, None] * stride_kd,
+                         mask=mask_a2, other=0.0)  # [BLOCK, BLOCK] tile (A2^T)[k, j]
+            acc += _mm(s, kt, DOT_DTYPE)
+            if COUNT_IO:
+                rd_s += _nbytes(mask_s, s_ptr)
+                rd_k += _nbytes(mask_a2, a2_ptr)
+        scores = tl.where(mask_n[None, :], acc * sm_scale, float("-inf"))  # [BLOCK, BLOCK]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(scores - m_safe[:, None]), axis=1)
+        m_i = m_new
+        mask_f = mask_m[:, None] & mask_n[None, :]
+        tl.store(f_base + offs_m[:, None] * stride_fm + offs_n[None, :] * stride_fn,
+                 scores.to(f_ptr.dtype.element_ty), mask=mask_f)
+        if COUNT_IO:
+            wr_f += _nbytes(mask_f, f_ptr)
+    # lines 28-33: f[i, j] = diag(l_i)^-1 exp(A[i, j] - m_i)
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    for n0 in range(0, seqlen, BLOCK):
+        offs_n = n0 + tl.arange(0, BLOCK)
+        mask_f = mask_m[:, None] & (offs_n[None, :] < seqlen)
+        ptrs = f_base + offs_m[:, None] * stride_fm + offs_n[None, :] * stride_fn
+        scores = tl.load(ptrs, mask=mask_f, other=float("-inf")).to(tl.float32)  # [BLOCK, BLOCK]
+        f = tl.exp(scores - m_safe[:, None]) * inv_l[:, None]
+        tl.store(ptrs, f.to(f_ptr.dtype.element_ty), mask=mask_f)
+        if COUNT_IO:
+            rd_f += _nbytes(mask_f, f_ptr)
+            wr_f += _nbytes(mask_f, f_ptr)
+    if COUNT_IO:
+        _io_add(io_ptr, 0, rd_s, 0)
+        _io_add(io_ptr, 1, rd_k, 0)
+        _io_add(io_ptr, 2, rd_f, wr_f)
+
+
+@triton.jit
+def _phase3_kernel(
+    f_ptr, q_ptr, p_ptr, io_ptr,
+    stride_z, stride_m, stride_n,
+    seqlen,
+    BLOCK: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    # tensors: 0 = f (read twice), 1 = q (read twice), 2 = p (written); f, q, p share strides
+    pid_m = tl.program_id(0)
+    off_z = tl.program_id(1).to(tl.int64)
+    offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    mask_m = offs_m < seqlen
+    base = off_z * stride_z + offs_m[:, None] * stride_m
+    v = tl.zeros([BLOCK], dtype=tl.float32)
+    rd_f = tl.zeros([], dtype=tl.int64)
+    rd_q = tl.zeros([], dtype=tl.int64)
+    wr = tl.zeros([], dtype=tl.int64)
+    # lines 5-9: v_i = (f o q)[i, :] 1
+    for n0 in range(0, seqlen, BLOCK):
+        offs_n = n0 + tl.arange(0, BLOCK)
+        mask = mask_m[:, None] & (offs_n[None, :] < seqlen)
+        f = tl.load(f_ptr + base + offs_n[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + base + offs_n[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
+        v += tl.sum(f * q, axis=1)  # [BLOCK]
+        if COUNT_IO:
+            rd_f += _nbytes(mask, f_ptr)
+            rd_q += _nbytes(mask, q_ptr)
+    # lines 10-16: p[i, j] = f o q - diag(v_i) f
+    for n0 in range(0, seqlen, BLOCK):
+        offs_n = n0 + tl.arange(0, BLOCK)
+        mask = mask_m[:, None] & (offs_n[None, :] < seqlen)
+        f = tl.load(f_ptr + base + offs_n[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + base + offs_n[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
+        p = f * q - v[:, None] * f  # [BLOCK, BLOCK]
+        tl.store(p_ptr + base + offs_n[None, :] * stride_n, p.to(p_ptr.dtype.element_ty), mask=mask)
+        if COUNT_IO:
+            rd_f += _nbytes(mask, f_ptr)
+            rd_q += _nbytes(mask, q_ptr)
+            wr += _nbytes(mask, p_ptr)
+    if COUNT_IO:
+        _io_add(io_ptr, 0, rd_f, 0)
+        _io_add(io_ptr, 1, rd_q, 0)
+        _io_add(io_ptr, 2, 0, wr)
