@@ -1,0 +1,11 @@
+"""The paper's attention with block-sparse operands: ``softmax(A1 X A2^T * scale) A3 Y`` where A1, X,
+A2 may each be a :class:`~sparse_io_attn.BlockSparseMatrix` (Section 4.3 / Appendix F of the paper).
+
+* :func:`attention` — the public, differentiable function (backends ``"torch"`` / ``"triton"``).
+* :func:`predict_traffic` — the exact traffic model of the Triton kernels (``TrafficReport``).
+* :mod:`.stress` — the sparsity stress test against Theorem 4.5.
+"""
+from .attention import attention
+from .traffic import predict_traffic
+
+__all__ = ["attention", "predict_traffic"]

@@ -1,0 +1,426 @@
+"""Triton kernels for ``softmax(A1 X A2^T * scale) A3 Y`` with block-sparse operands (jit only).
+
+Tiles are addressed as described in :mod:`sparse_io_attn.paper.operands`: tile id ``t`` from a block
+map, element ``(r, c)`` at ``base + (t // nb) * stride_ta + (t % nb) * stride_tb + r * stride_r +
+c * stride_c``. The attention kernels load a row block of Q / A2 across the whole head dimension
+(``D_PAD`` columns) with a per-column mask built from the block map: columns whose d-tile is absent
+in either operand are never loaded (no traffic). ``tl.dot`` still runs over the padded width, on
+zeros.
+
+I/O counting (``COUNT_IO``, see :mod:`sparse_io_attn.accounting.counter`): each program tallies the
+in-bounds, unmasked elements it loads and stores, times the element size, per tensor, and adds them
+once at its end. Slot order is the launcher's ``tensors`` tuple; the traffic model in
+:mod:`sparse_io_attn.paper.traffic` reproduces every tally.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """``acc + a @ b``; ``IEEE``: in fp32 with full precision (fp32 inputs, and every dtype under the
+    interpreter, whose 16-bit ``tl.dot`` is wrong)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _nsum(mask):
+    """Number of true lanes (int64)."""
+    return tl.sum(mask.to(tl.int64))
+
+
+@triton.jit
+def _tile_ptrs(base, t, offs_r, offs_c, nb, stride_ta, stride_tb, stride_r, stride_c):
+    """Pointers ``[len(offs_r), len(offs_c)]`` of tile ``t`` (scalar)."""
+    t = t.to(tl.int64)
+    return base + (t // nb) * stride_ta + (t % nb) * stride_tb + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
+
+
+@triton.jit
+def _row_tiles(map_ptr, row, num_tiles, offs_d, BLOCK_D: tl.constexpr, NT_PAD: tl.constexpr):
+    """Tile id of each column of one block row: ``[D_PAD]`` int32 (-1 where absent), and the bytes of
+    the block-map row that were loaded."""
+    offs_t = tl.arange(0, NT_PAD)
+    tmask = offs_t < num_tiles
+    row_map = tl.load(map_ptr + row * num_tiles + offs_t, mask=tmask, other=-1)  # [NT_PAD]
+    sel = (offs_d[:, None] // BLOCK_D) == offs_t[None, :]  # [D_PAD, NT_PAD]
+    tix = tl.sum(tl.where(sel, row_map[None, :] + 1, 0), axis=1) - 1  # [D_PAD]
+    return tix, _nsum(tmask) * 4
+
+
+@triton.jit
+def _wide_ptrs(base, tix, offs_r, offs_d, nb, stride_ta, stride_tb, stride_r, stride_c, BLOCK_D: tl.constexpr):
+    """Pointers ``[len(offs_r), D_PAD]`` of one block row across the head dimension."""
+    t = tl.maximum(tix, 0).to(tl.int64)
+    col = (t // nb) * stride_ta + (t % nb) * stride_tb + (offs_d % BLOCK_D) * stride_c  # [D_PAD]
+    return base + offs_r[:, None] * stride_r + col[None, :]
+
+
+@triton.jit
+def _bsr_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, colsum_ptr,
+    tile_ptr, tile_i_ptr, tile_j_ptr, pair_ptr_ptr, pair_a_ptr, pair_b_ptr, pair_k_ptr,
+    a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c,
+    b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c,
+    c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c,
+    stride_colsum_blk,
+    size_m, size_k, size_n,
+    io_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_COLSUM: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    """One program per listed output tile of ``C = A B``: ``C[i, j] = sum_pairs A[i, k] B[k, j]``.
+    With ``WRITE_COLSUM`` also writes the tile's column sums (fp32) to ``colsum[i, j*BLOCK_N + :]``.
+    Counter slots: a, b, c, colsum, plan."""
+    pid = tl.program_id(0)
+    tile = tl.load(tile_ptr + pid)
+    i = tl.load(tile_i_ptr + pid)
+    j = tl.load(tile_j_ptr + pid)
+    start = tl.load(pair_ptr_ptr + pid)
+    end = tl.load(pair_ptr_ptr + pid + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    row_ok = i * BLOCK_M + offs_m < size_m
+    col_ok = j * BLOCK_N + offs_n < size_n
+    n_rows = _nsum(row_ok)
+    n_cols = _nsum(col_ok)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n_ab = n_rows * 0  # elements of A loaded
+    n_bb = n_rows * 0  # elements of B loaded
+    for p in range(start, end):
+        ta = tl.load(pair_a_ptr + p)
+        tb = tl.load(pair_b_ptr + p)
+        k = tl.load(pair_k_ptr + p)
+        k_ok = k * BLOCK_K + offs_k < size_k
+        a = tl.load(_tile_ptrs(a_ptr, ta, offs_m, offs_k, a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c),
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(_tile_ptrs(b_ptr, tb, offs_k, offs_n, b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c),
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = _dot(a, b, acc, IEEE)  # [BLOCK_M, BLOCK_N]
+        if COUNT_IO:
+            n_k = _nsum(k_ok)
+            n_ab += n_rows * n_k
+            n_bb += n_k * n_cols
+    tl.store(_tile_ptrs(c_ptr, tile, offs_m, offs_n, c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c),
+             acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if WRITE_COLSUM:
+        colsum = tl.sum(acc.to(c_ptr.dtype.element_ty).to(tl.float32), axis=0)  # [BLOCK_N]; rows outside are 0
+        tl.store(colsum_ptr + i * stride_colsum_blk + j * BLOCK_N + offs_n, colsum, mask=col_ok)
+    if COUNT_IO:
+        tl.atomic_add(io_ptr + 0, n_ab * a_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        tl.atomic_add(io_ptr + 2, n_bb * b_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        tl.atomic_add(io_ptr + 5, n_rows * n_cols * c_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        if WRITE_COLSUM:
+            tl.atomic_add(io_ptr + 7, n_cols * 4)
+        tl.atomic_add(io_ptr + 8, (5 + 3 * (end - start)).to(tl.int64) * 4)
+
+
+@triton.jit
+def _paper_attn_fwd_kernel(
+    q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, hsum_ptr, o_ptr, lse_ptr,
+    kept_crow_ptr, kept_col_ptr, zero_crow_ptr, zero_col_ptr,
+    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
+    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
+    stride_hn, stride_hd, stride_hsum_blk, stride_om, stride_od,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, num_d_tiles, sm_scale,
+    io_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr, NT_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
+    COUNT_IO: tl.constexpr,
+):
+    """One program per query block ``i``: online softmax over the kept score blocks of row ``i`` plus
+    the structurally zero blocks (score 0, counted ``cnt`` times, values summed in ``hsum``).
+    Counter slots: q, a2, h, hsum, o, lse, q_map, a2_map, layout."""
+    i = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    rows = i * BLOCK_M + offs_m
+    row_ok = rows < seqlen_q
+    dv_ok = offs_dv < head_dim_v
+    n_rows = _nsum(row_ok)
+    n_dv = _nsum(dv_ok)
+    q_tix, b_qmap = _row_tiles(qmap_ptr, i, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
+    q_col = (q_tix >= 0) & (offs_d < head_dim)
+    q = tl.load(_wide_ptrs(q_ptr, q_tix, offs_m, offs_d, q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
+                           BLOCK_D), mask=row_ok[:, None] & q_col[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+    n_a2 = n_rows * 0
+    n_h = n_rows * 0
+    b_a2map = n_rows * 0
+    b_layout = n_rows * 0 + 8
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)
+    if HAS_ZERO:
+        zs = tl.load(zero_crow_ptr + i)
+        ze = tl.load(zero_crow_ptr + i + 1)
+        hz = tl.zeros([DV_PAD], dtype=tl.float32)
+        cnt = 0.0
+        for p in range(zs, ze):
+            j = tl.load(zero_col_ptr + p)
+            hz += tl.load(hsum_ptr + j * stride_hsum_blk + offs_dv, mask=dv_ok, other=0.0)  # [DV_PAD]
+            cnt += tl.minimum(BLOCK_N, seqlen_k - j * BLOCK_N).to(tl.float32)
+        # a virtual key of score 0 with multiplicity cnt and summed value hz
+        m_i = tl.where(cnt > 0, 0.0, m_i)
+        l_i = l_i + cnt
+        acc = acc + hz[None, :]
+        b_layout += 8 + 4 * (ze - zs).to(tl.int64)
+    ks = tl.load(kept_crow_ptr + i)
+    ke = tl.load(kept_crow_ptr + i + 1)
+    for p in range(ks, ke):
+        j = tl.load(kept_col_ptr + p)
+        keys = j * BLOCK_N + offs_n
+        key_ok = keys < seqlen_k
+        a2_tix, b_map = _row_tiles(a2map_ptr, j, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
+        both = q_col & (a2_tix >= 0)
+        a2 = tl.load(_wide_ptrs(a2_ptr, a2_tix, offs_n, offs_d, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
+                                stride_a2_c, BLOCK_D), mask=key_ok[:, None] & both[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        s = _dot(q, tl.trans(a2), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(s - m_new[:, None])  # [BLOCK_M, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        h = tl.load(h_ptr + keys[:, None] * stride_hn + offs_dv[None, :] * stride_hd,
+                    mask=key_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
+        acc = _dot(pr.to(h.dtype), h, acc * alpha[:, None], IEEE)  # [BLOCK_M, DV_PAD]
+        m_i = m_new
+        if COUNT_IO:
+            n_k = _nsum(key_ok)
+            n_a2 += n_k * _nsum(both)
+            n_h += n_k * n_dv
+            b_a2map += b_map
+    has = l_i > 0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(o_ptr + rows[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    if COUNT_IO:
+        es = q_ptr.dtype.element_ty.primitive_bitwidth // 8
+        tl.atomic_add(io_ptr + 0, n_rows * _nsum(q_col) * es)
+        tl.atomic_add(io_ptr + 2, n_a2 * es)
+        tl.atomic_add(io_ptr + 4, n_h * es)
+        if HAS_ZERO:
+            tl.atomic_add(io_ptr + 6, (ze - zs).to(tl.int64) * n_dv * 4)
+        tl.atomic_add(io_ptr + 9, n_rows * n_dv * es)
+        tl.atomic_add(io_ptr + 11, n_rows * 4)
+        tl.atomic_add(io_ptr + 12, b_qmap)
+        tl.atomic_add(io_ptr + 14, b_a2map)
+        tl.atomic_add(io_ptr + 16, b_layout + 4 * (ke - ks).to(tl.int64))
+
+
+@triton.jit
+def _paper_attn_bwd_preprocess_kernel(
+    o_ptr, do_ptr, lse_ptr, delta_ptr, w_ptr,
+    stride_om, stride_od, stride_dom, stride_dod, stride_w_blk,
+    seqlen_q, head_dim_v,
+    io_ptr,
+    BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    """``delta = rowsum(dO * O)`` (fp32 ``[seqlen_q]``); with ``HAS_ZERO`` also
+    ``w[i] = sum_rows exp(-lse) dO`` (fp32 ``[nqb, DV]``), the weight a structurally zero score block
+    of query block ``i`` sends to the value gradient. Counter slots: o, do, lse, delta, w."""
+    i = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, DV_PAD)
+    rows = i * BLOCK_M + offs_m
+    row_ok = rows < seqlen_q
+    dv_ok = offs_dv < head_dim_v
+    msk = row_ok[:, None] & dv_ok[None, :]
+    o = tl.load(o_ptr + rows[:, None] * stride_om + offs_dv[None, :] * stride_od, mask=msk, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod, mask=msk, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + rows, tl.sum(o * do, axis=1), mask=row_ok)
+    if HAS_ZERO:
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))
+        wr = tl.where(lse < float("inf"), tl.exp(-lse), 0.0)  # [BLOCK_M]; 0 on empty rows (lse = -inf)
+        wr = tl.where(lse > float("-inf"), wr, 0.0)
+        tl.store(w_ptr + i * stride_w_blk + offs_dv, tl.sum(wr[:, None] * do, axis=0), mask=dv_ok)
+    if COUNT_IO:
+        n = _nsum(row_ok) * _nsum(dv_ok)
+        es = o_ptr.dtype.element_ty.primitive_bitwidth // 8
+        tl.atomic_add(io_ptr + 0, n * es)
+        tl.atomic_add(io_ptr + 2, n * (do_ptr.dtype.element_ty.primitive_bitwidth // 8))
+        tl.atomic_add(io_ptr + 7, _nsum(row_ok) * 4)
+        if HAS_ZERO:
+            tl.atomic_add(io_ptr + 4, _nsum(row_ok) * 4)
+            tl.atomic_add(io_ptr + 9, _nsum(dv_ok) * 4)
+
+
+@triton.jit
+def _paper_attn_bwd_dkv_kernel(
+    q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, do_ptr, lse_ptr, delta_ptr, w_ptr, da2_ptr, dh_ptr,
+    kept_ccol_ptr, kept_row_ptr, zero_ccol_ptr, zero_row_ptr,
+    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
+    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
+    stride_hn, stride_hd, stride_dom, stride_dod, stride_w_blk, stride_dhn, stride_dhd,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, num_d_tiles, sm_scale,
+    io_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr, NT_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
+    COUNT_IO: tl.constexpr,
+):
+    """One program per key block ``j``: ``dH[j] = sum_i P_ij^T dO_i`` (+ the structurally zero blocks'
+    ``w``) and ``dA2[j] = sum_i dS_ij^T Q_i`` on A2's stored tiles (``da2`` has A2's addressing).
+    Counter slots: q, a2, h, do, lse, delta, w, da2, dh, q_map, a2_map, layout."""
+    j = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    keys = j * BLOCK_N + offs_n
+    key_ok = keys < seqlen_k
+    dv_ok = offs_dv < head_dim_v
+    n_k = _nsum(key_ok)
+    n_dv = _nsum(dv_ok)
+    a2_tix, b_a2map = _row_tiles(a2map_ptr, j, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
+    a2_col = (a2_tix >= 0) & (offs_d < head_dim)
+    a2_ptrs = _wide_ptrs(a2_ptr, a2_tix, offs_n, offs_d, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
+                         stride_a2_c, BLOCK_D)
+    a2 = tl.load(a2_ptrs, mask=key_ok[:, None] & a2_col[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+    h = tl.load(h_ptr + keys[:, None] * stride_hn + offs_dv[None, :] * stride_hd,
+                mask=key_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
+    dh = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
+    da2 = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    n_q = n_k * 0
+    n_rows_all = n_k * 0
+    b_qmap = n_k * 0
+    b_layout = n_k * 0 + 8
+    ks = tl.load(kept_ccol_ptr + j)
+    ke = tl.load(kept_ccol_ptr + j + 1)
+    for p in range(ks, ke):
+        i = tl.load(kept_row_ptr + p)
+        rows = i * BLOCK_M + offs_m
+        row_ok = rows < seqlen_q
+        q_tix, b_map = _row_tiles(qmap_ptr, i, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
+        both = a2_col & (q_tix >= 0)
+        q = tl.load(_wide_ptrs(q_ptr, q_tix, offs_m, offs_d, q_nb, stride_q_ta, stride_q_tb, stride_q_r,
+                               stride_q_c, BLOCK_D), mask=row_ok[:, None] & both[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+        do = tl.load(do_ptr + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                     mask=row_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_M, DV_PAD]
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        s = _dot(q, tl.trans(a2), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        pr = tl.where(row_ok[:, None] & key_ok[None, :], tl.exp(s - lse[:, None]), 0.0)
+        dh = _dot(tl.trans(pr.to(do.dtype)), do, dh, IEEE)  # [BLOCK_N, DV_PAD]
+        dp = _dot(do, tl.trans(h), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)  # [BLOCK_M, BLOCK_N]
+        ds = pr * (dp - delta[:, None]) * sm_scale
+        da2 = _dot(tl.trans(ds.to(q.dtype)), q, da2, IEEE)  # [BLOCK_N, D_PAD]
+        if COUNT_IO:
+            n_r = _nsum(row_ok)
+            n_q += n_r * _nsum(both)
+            n_rows_all += n_r
+            b_qmap += b_map
+    if HAS_ZERO:
+        zs = tl.load(zero_ccol_ptr + j)
+        ze = tl.load(zero_ccol_ptr + j + 1)
+        wz = tl.zeros([DV_PAD], dtype=tl.float32)
+        for p in range(zs, ze):
+            i = tl.load(zero_row_ptr + p)
+            wz += tl.load(w_ptr + i * stride_w_blk + offs_dv, mask=dv_ok, other=0.0)
+        dh += wz[None, :]
+        b_layout += 8 + 4 * (ze - zs).to(tl.int64)
+    tl.store(dh_ptr + keys[:, None] * stride_dhn + offs_dv[None, :] * stride_dhd, dh.to(dh_ptr.dtype.element_ty),
+             mask=key_ok[:, None] & dv_ok[None, :])
+    da2_ptrs = _wide_ptrs(da2_ptr, a2_tix, offs_n, offs_d, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
+                          stride_a2_c, BLOCK_D)
+    tl.store(da2_ptrs, da2.to(da2_ptr.dtype.element_ty), mask=key_ok[:, None] & a2_col[None, :])
+    if COUNT_IO:
+        es = q_ptr.dtype.element_ty.primitive_bitwidth // 8
+        n_a2 = n_k * _nsum(a2_col)
+        tl.atomic_add(io_ptr + 0, n_q * es)
+        tl.atomic_add(io_ptr + 2, n_a2 * es)
+        tl.atomic_add(io_ptr + 4, n_k * n_dv * es)
+        tl.atomic_add(io_ptr + 6, n_rows_all * n_dv * es)
+        tl.atomic_add(io_ptr + 8, n_rows_all * 4)
+        tl.atomic_add(io_ptr + 10, n_rows_all * 4)
+        if HAS_ZERO:
+            tl.atomic_add(io_ptr + 12, (ze - zs).to(tl.int64) * n_dv * 4)
+        tl.atomic_add(io_ptr + 15, n_a2 * es)
+        tl.atomic_add(io_ptr + 17, n_k * n_dv * es)
+        tl.atomic_add(io_ptr + 18, b_qmap)
+        tl.atomic_add(io_ptr + 20, b_a2map)
+        tl.atomic_add(io_ptr + 22, b_layout + 4 * (ke - ks).to(tl.int64))
+
+
+@triton.jit
+def _paper_attn_bwd_dq_kernel(
+    q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    kept_crow_ptr, kept_col_ptr,
+    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
+    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
+    stride_hn, stride_hd, stride_dom, stride_dod,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, num_d_tiles, sm_scale,
+    io_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr, NT_PAD: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    """One program per query block ``i``: ``dQ[i] = sum_j dS_ij A2_j`` on Q's stored tiles (``dq`` has
+    Q's addressing). Structurally zero score blocks add nothing to dQ on Q's pattern.
+    Counter slots: q, a2, h, do, lse, delta, dq, q_map, a2_map, layout."""
+    i = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    rows = i * BLOCK_M + offs_m
+    row_ok = rows < seqlen_q
+    dv_ok = offs_dv < head_dim_v
+    n_rows = _nsum(row_ok)
+    n_dv = _nsum(dv_ok)
+    q_tix, b_qmap = _row_tiles(qmap_ptr, i, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
+    q_col = (q_tix >= 0) & (offs_d < head_dim)
+    q = tl.load(_wide_ptrs(q_ptr, q_tix, offs_m, offs_d, q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
+                           BLOCK_D), mask=row_ok[:, None] & q_col[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+    do = tl.load(do_ptr + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                 mask=row_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_M, DV_PAD]
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    n_a2 = n_rows * 0
+    n_h = n_rows * 0
+    b_a2map = n_rows * 0
+    ks = tl.load(kept_crow_ptr + i)
+    ke = tl.load(kept_crow_ptr + i + 1)
+    for p in range(ks, ke):
+        j = tl.load(kept_col_ptr + p)
+        keys = j * BLOCK_N + offs_n
+        key_ok = keys < seqlen_k
+        a2_tix, b_map = _row_tiles(a2map_ptr, j, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
+        both = q_col & (a2_tix >= 0)
+        a2 = tl.load(_wide_ptrs(a2_ptr, a2_tix, offs_n, offs_d, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
+                                stride_a2_c, BLOCK_D), mask=key_ok[:, None] & both[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        h = tl.load(h_ptr + keys[:, None] * stride_hn + offs_dv[None, :] * stride_hd,
+                    mask=key_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
+        s = _dot(q, tl.trans(a2), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        pr = tl.where(row_ok[:, None] & key_ok[None, :], tl.exp(s - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(h), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)  # [BLOCK_M, BLOCK_N]
+        ds = pr * (dp - delta[:, None]) * sm_scale
+        dq = _dot(ds.to(a2.dtype), a2, dq, IEEE)  # [BLOCK_M, D_PAD]
+        if COUNT_IO:
+            n_kk = _nsum(key_ok)
+            n_a2 += n_kk * _nsum(both)
+            n_h += n_kk * n_dv
+            b_a2map += b_map
+    tl.store(_wide_ptrs(dq_ptr, q_tix, offs_m, offs_d, q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
+                        BLOCK_D), dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & q_col[None, :])
+    if COUNT_IO:
+        es = q_ptr.dtype.element_ty.primitive_bitwidth // 8
+        n_qe = n_rows * _nsum(q_col)
+        tl.atomic_add(io_ptr + 0, n_qe * es)
+        tl.atomic_add(io_ptr + 2, n_a2 * es)
+        tl.atomic_add(io_ptr + 4, n_h * es)
+        tl.atomic_add(io_ptr + 6, n_rows * n_dv * es)
+        tl.atomic_add(io_ptr + 8, n_rows * 4)
+        tl.atomic_add(io_ptr + 10, n_rows * 4)
+        tl.atomic_add(io_ptr + 13, n_qe * es)
+        tl.atomic_add(io_ptr + 14, b_qmap)
+        tl.atomic_add(io_ptr + 16, b_a2map)
+        tl.atomic_add(io_ptr + 18, 8 + 4 * (ke - ks).to(tl.int64))

@@ -1,0 +1,147 @@
+"""Symbolic (structure-only) plans, computed once on the host and cached.
+
+* :func:`product_plan`: for ``C = A B`` on an output block pattern, the list of output tiles and,
+  per output tile, the pairs ``(A tile, B tile, k)`` whose blocks are both stored. This is the
+  symbolic phase of a sparse product; the numeric phase (the kernel) only walks the list.
+* :func:`attention_plan`: the score blocks of ``(A1 X) A2^T`` that are structurally nonzero and in
+  the QK pattern ("kept", CSR + CSC), and the QK blocks whose scores are structurally zero ("zero":
+  their scores are exactly 0, which still enters the softmax as ``exp(0 - m)``).
+
+Plans depend only on block maps, so they are cached by the maps' content (patterns that stay fixed
+during training are planned once).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .._csr import INDEX_DTYPE, csr_transpose, mask_to_csr
+
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 256
+
+
+def _key(*tensors) -> tuple:
+    h = hashlib.sha1()
+    for t in tensors:
+        if t is None:
+            h.update(b"none")
+            continue
+        c = t.detach().cpu().contiguous()
+        h.update(str((tuple(c.shape), c.dtype)).encode())
+        h.update(c.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _cached(kind: str, key: tuple, build):
+    k = (kind,) + key
+    if k in _CACHE:
+        _CACHE.move_to_end(k)
+        return _CACHE[k]
+    val = build()
+    _CACHE[k] = val
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return val
+
+
+@dataclass(frozen=True)
+class ProductPlan:
+    """Output tiles ``tile/i/j [T]`` (row-major over the output pattern) and their pairs in CSR form:
+    tile ``p`` owns pairs ``pair_ptr[p]:pair_ptr[p+1]`` of ``pair_a, pair_b, pair_k`` (all int32)."""
+    tile: torch.Tensor
+    i: torch.Tensor
+    j: torch.Tensor
+    pair_ptr: torch.Tensor
+    pair_a: torch.Tensor
+    pair_b: torch.Tensor
+    pair_k: torch.Tensor
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tile.numel())
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.pair_a.numel())
+
+    def to(self, device) -> "ProductPlan":
+        return ProductPlan(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def product_plan(a_map: torch.Tensor, b_map: torch.Tensor, out_map: torch.Tensor) -> ProductPlan:
+    """Plan ``C = A B``: ``a_map [I, K]``, ``b_map [K, J]``, ``out_map [I, J]`` (tile ids, -1 absent).
+    Every stored output tile is listed (also those with no pair: they are written as zeros)."""
+    if a_map.shape[1] != b_map.shape[0] or out_map.shape != (a_map.shape[0], b_map.shape[1]):
+        raise ValueError(f"product_plan: block maps do not chain: {tuple(a_map.shape)} x "
+                         f"{tuple(b_map.shape)} -> {tuple(out_map.shape)}")
+
+    def build():
+        a, b, o = a_map.cpu().to(torch.int64), b_map.cpu().to(torch.int64), out_map.cpu().to(torch.int64)
+        out_pres = o >= 0
+        both = (a >= 0)[:, None, :] & (b >= 0).t()[None, :, :] & out_pres[:, :, None]  # [I, J, K]
+        ii, jj, kk = both.nonzero(as_tuple=True)  # lexicographic (i, j, k): grouped by output tile
+        oi, oj = out_pres.nonzero(as_tuple=True)
+        counts = both.sum(dim=2)[oi, oj]
+        ptr = torch.zeros(oi.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=ptr[1:])
+        i32 = lambda t: t.to(INDEX_DTYPE)  # noqa: E731
+        return ProductPlan(i32(o[oi, oj]), i32(oi), i32(oj), i32(ptr), i32(a[ii, kk]), i32(b[kk, jj]), i32(kk))
+
+    dev = a_map.device
+    return _cached("product", (_key(a_map, b_map, out_map), str(dev)), lambda: build().to(dev))
+
+
+def structural_product(a_pattern: torch.Tensor, b_pattern: torch.Tensor) -> torch.Tensor:
+    """Block pattern of ``A B`` (bool): block ``(i, j)`` is structurally nonzero iff some ``k`` has
+    both ``A[i, k]`` and ``B[k, j]`` stored."""
+    return (a_pattern.to(torch.float32) @ b_pattern.to(torch.float32)) > 0
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Score-block lists (int32, absolute-offset CSR as in :mod:`sparse_io_attn._csr`, ``L = 1``):
+    ``kept_*``: computed blocks; ``zero_*``: QK blocks whose scores are structurally 0.
+    ``*_crow [nqb+1]``/``*_col``: by query block; ``*_ccol [nkb+1]``/``*_row``: by key block."""
+    kept_mask: torch.Tensor
+    zero_mask: torch.Tensor
+    kept_crow: torch.Tensor
+    kept_col: torch.Tensor
+    kept_ccol: torch.Tensor
+    kept_row: torch.Tensor
+    zero_crow: torch.Tensor
+    zero_col: torch.Tensor
+    zero_ccol: torch.Tensor
+    zero_row: torch.Tensor
+
+    @property
+    def has_zero(self) -> bool:
+        return bool(self.zero_col.numel())
+
+    def to(self, device) -> "AttentionPlan":
+        return AttentionPlan(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def attention_plan(q_pattern: torch.Tensor, a2_pattern: torch.Tensor, qk_mask: torch.Tensor | None) -> AttentionPlan:
+    """``q_pattern [nqb, nd]`` (blocks of A1 X), ``a2_pattern [nkb, nd]``, ``qk_mask [nqb, nkb]`` or
+    None (all keys)."""
+
+    def build():
+        struct = structural_product(q_pattern.cpu(), a2_pattern.cpu().t())
+        qk = torch.ones_like(struct) if qk_mask is None else qk_mask.cpu()
+        kept, zero = struct & qk, qk & ~struct
+        nkb = kept.shape[1]
+        lists = []
+        for m in (kept, zero):
+            crow, col = mask_to_csr(m[None])
+            ccol, row, _ = csr_transpose(crow, col, nkb)
+            lists.append((crow[0], col, ccol[0], row))
+        (kc, kcol, kcc, krow), (zc, zcol, zcc, zrow) = lists
+        return AttentionPlan(kept, zero, kc, kcol, kcc, krow, zc, zcol, zcc, zrow)
+
+    dev = q_pattern.device
+    key = (_key(q_pattern, a2_pattern, qk_mask), str(dev))
+    return _cached("attention", key, lambda: build().to(dev))
