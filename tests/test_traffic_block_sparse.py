@@ -31,9 +31,24 @@ def random_config(rng: random.Random):
     return layout, B, Hq, Hkv, D, dtype, causal
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_counted_equals_predicted(seed):
-    layout, B, Hq, Hkv, D, dtype, causal = random_config(random.Random(seed))
+def curated_config(block, seqlen, B, Hq, Hkv, D, dtype, causal, per_head):
+    nqb, nkb = -(-seqlen[0] // block[0]), -(-seqlen[1] // block[1])
+    mask = torch.rand(Hq if per_head else 1, nqb, nkb) < 0.7
+    return BlockSparseLayout.from_block_mask(mask, block, seqlen), B, Hq, Hkv, D, dtype, causal
+
+
+CURATED = [
+    pytest.param(((128, 128), (250, 230), 1, 2, 1, 40, torch.bfloat16, True, True), id="block128-tile64-causal-gqa"),
+    pytest.param(((64, 128), (130, 260), 1, 1, 1, 32, torch.float16, True, False), id="block64x128-causal-rect"),
+]
+
+
+@pytest.mark.parametrize("config", [pytest.param(s, id=f"seed{s}") for s in range(14)] + CURATED)
+def test_counted_equals_predicted(config):
+    if isinstance(config, int):
+        layout, B, Hq, Hkv, D, dtype, causal = random_config(random.Random(config))
+    else:
+        layout, B, Hq, Hkv, D, dtype, causal = curated_config(*config)
     Nq, Nk = layout.seqlen
     q = torch.randn(B, Hq, Nq, D, device=DEVICE, dtype=dtype, requires_grad=True)
     k = torch.randn(B, Hkv, Nk, D, device=DEVICE, dtype=dtype, requires_grad=True)
