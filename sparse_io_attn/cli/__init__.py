@@ -58,6 +58,9 @@ def main(argv=None) -> int:
     except Unavailable as e:
         print(f"sparse-io-attn {args.command}: unavailable: {_one_line(e)}", file=sys.stderr)
         return 3
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"sparse-io-attn {args.command}: interrupted", file=sys.stderr)
         return 130

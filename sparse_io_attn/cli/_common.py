@@ -106,10 +106,10 @@ def machine_header(dtype: torch.dtype | None = None, device: str | torch.device 
         except OSError:
             pass
         dev = f"cpu: {cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
+    try:  # the version without importing triton (importing it first would skip the interpreter set-up)
+        from importlib.metadata import version
+        triton_version = version("triton")
+    except Exception:
         triton_version = "absent"
     return {
         "device": dev,

@@ -170,6 +170,8 @@ def triton_traffic(layout, q, k, v, causal: bool, pass_: str, count: bool, fwd):
 
 # ------------------------------------------------------------------------------------ main
 def run(args) -> int:
+    if "triton" in C.parse_list(args.backends, allowed=BACKENDS, what="--backends"):
+        import sparse_io_attn.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
     dtype = C.parse_dtype(args.dtype)
     backends = C.parse_list(args.backends, allowed=BACKENDS, what="--backends")
     passes = C.parse_list(args.passes, allowed=PASSES, what="--pass")

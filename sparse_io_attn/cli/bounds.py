@@ -103,7 +103,7 @@ def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, cau
     else:
         T = C.optional_module("sparse_io_attn.accounting.traffic", "Z_AXA of a pattern")
         z_axa = round(T.kept_elements(layout, batch, heads, causal=causal) / (batch * heads))
-    b = sparse(n * d, d * d, n * d, z_axa, cache_words)
+    b = sparse(n * d, d * d, n * d, z_axa, cache_words, n=n, d=d)
     theorem_words = bound_value(b) * batch * heads
     per = 2 if pass_ == "fwd" else 4
     compulsory_words = per * batch * n * d * (heads + kv_heads)
@@ -168,8 +168,8 @@ def run(args) -> int:
                            "this GPU's shared memory per block" if _cuda() else
                            "no GPU: DEFAULT_CPU_FAST_MEMORY_BYTES, an H100's 227 KiB per block"),
            "constants": "unit constants: the paper's bounds are Theta/Omega without stated constants"}
-    out["dense_backward"] = bound_dict(C.require_attr(B, "dense_backward", "bounds")(n, d, M, dtype=dtype))
-    out["dense_forward"] = bound_dict(C.require_attr(B, "dense_forward", "bounds")(n, d, M, dtype=dtype))
+    objs = {"dense_backward": C.require_attr(B, "dense_backward", "bounds")(n, d, M, dtype=dtype),
+            "dense_forward": C.require_attr(B, "dense_forward", "bounds")(n, d, M, dtype=dtype)}
     if args.pattern or given:
         if args.pattern:
             layout = C.build_layout(args.pattern, n, args.block)
@@ -179,44 +179,25 @@ def run(args) -> int:
                                       "elements of the pattern" + (" with causal masking" if args.causal else "")}
         else:
             z = {k: getattr(args, k.lower()) for k in ("Z_A", "Z_X", "Z_AX", "Z_AXA")}
-        out["sparse"] = bound_dict(B.sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, dtype=dtype))
-        out["sparse"].setdefault("inputs", z)
+        objs["sparse"] = B.sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, n=n, d=d, dtype=dtype)
+    for key, b in objs.items():
+        out[key] = bound_dict(b)
     if args.json:
         print(C.to_json(out))
         return 0
-    print(_text(out))
+    print(_text(out, objs))
     return 0
 
 
-def _text(out: dict) -> str:
+def _text(out: dict, objs: dict) -> str:
     lines = [f"n = {out['n']:,}, d = {out['d']}, dtype {out['dtype']}, M = {out['M_words']:,} words "
              f"({C.human_bytes(out['M_bytes'])}; {out['source_of_M']})",
              f"M / d^2 = {out['M_over_d2']:.3g} -> {out['regime']}",
-             f"kernel the library would choose: {out['kernel_choice']}",
-             f"({out['constants']})"]
-    for key, title in (("dense_backward", "dense backward (Theorem 1.1)"),
-                       ("dense_forward", "dense forward (Saha & Ye 2024)"),
-                       ("sparse", "sparse (Theorem 4.5)")):
-        if key in out:
-            lines.append("")
-            lines.append(title + ":")
-            lines += _dict_lines(out[key], indent="  ")
+             f"kernel the library would choose: {out['kernel_choice']}"]
     if "pattern" in out:
         p = out["pattern"]
-        lines.append(f"  pattern {p['name']}, density {p['density']:.4f}, block {p['block']}: {p['note']}")
+        lines.append(f"pattern {p['name']}, density {p['density']:.4f}, block {p['block']}: {p['note']}")
+    for key in ("dense_backward", "dense_forward", "sparse"):
+        if key in objs:
+            lines += ["", str(objs[key])]
     return "\n".join(lines)
-
-
-def _dict_lines(d: dict, indent: str) -> list[str]:
-    lines = []
-    for k, v in d.items():
-        if isinstance(v, dict):
-            lines.append(f"{indent}{k}:")
-            lines += _dict_lines(v, indent + "  ")
-        elif isinstance(v, float):
-            lines.append(f"{indent}{k}: {v:,.6g}")
-        elif isinstance(v, int) and not isinstance(v, bool):
-            lines.append(f"{indent}{k}: {v:,}")
-        else:
-            lines.append(f"{indent}{k}: {v}")
-    return lines

@@ -1,0 +1,453 @@
+"""The I/O sweeps of ``sparse-io-attn sweep``: ``cache`` (the paper's Figure 1), ``dim`` (the
+threshold sweep over d) and ``sparsity`` (the Theorem 4.5 stress test), with their plots.
+
+Sources of each number (a column says which):
+
+* ``executor``: closed-form word counts of the paper's Algorithm 6 (small cache) and Algorithm 9
+  (large cache; ``faithful`` as the appendix writes it, ``fa2`` the FlashAttention-2 loop order)
+  from :mod:`sparse_io_attn.accounting.pebble`, whose tests check them against the exact
+  two-level-memory executor.
+* ``kernel predicted``: the dense kernels' traffic model (:mod:`sparse_io_attn.dense.traffic`) at
+  the requested ``n``: bytes / dtype size = words.
+* ``kernel counted``: the dense Triton kernels' own ``COUNT_IO`` counters (through the interpreter
+  on a CPU, so only at a small ``--count-n``), next to the model at that same ``n``.
+* ``bound``: Theorem 1.1's two terms with unit constants (:func:`sparse_io_attn.bounds.dense_backward`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _common as C
+
+# ============================================================================== adapters
+# (the only places that know the other modules' function names)
+
+
+def _pebble():
+    return C.optional_module("sparse_io_attn.accounting.pebble", "the executor's closed forms")
+
+
+def _words(x) -> int:
+    """A count returned as an int or as a record with a total."""
+    if isinstance(x, (int, float)):
+        return int(x)
+    for name in ("total", "total_words", "words", "io"):
+        if hasattr(x, name):
+            return int(getattr(x, name))
+        if isinstance(x, dict) and name in x:
+            return int(x[name])
+    raise C.Unavailable(f"cannot read a word count from {type(x).__name__}")
+
+
+def executor_io(kind: str, n: int, d: int, M: int) -> int | None:
+    """Closed-form I/O (words) of the executor's algorithm; ``None`` where it cannot run at ``M``."""
+    P = _pebble()
+    try:
+        if kind == "small":
+            return _words(P.small_cache_io(n, d, M))
+        return _words(P.large_cache_io(n, d, M, variant=kind.split(":")[1]))
+    except ValueError:
+        return None
+
+
+def _dense_traffic():
+    return C.optional_module("sparse_io_attn.dense.traffic", "the dense kernels' traffic model")
+
+
+def kernel_predicted(kind: str, n: int, d: int, M: int, dtype) -> int | None:
+    """Predicted bytes of the dense backward kernel ``kind`` ("small" or "large:<variant>")."""
+    T = _dense_traffic()
+    try:
+        if kind == "small":
+            rep = T.backward_small_cache(n, d, M, dtype=dtype)
+        else:
+            rep = T.backward_large_cache(n, d, M, dtype=dtype, variant=kind.split(":")[1])
+    except ValueError:
+        return None
+    return rep.total_bytes if hasattr(rep, "total_bytes") else int(rep)
+
+
+def kernel_counted(kind: str, n: int, d: int, M: int, dtype) -> int | None:
+    """Bytes the dense backward kernel ``kind`` counts on random inputs of size ``n`` x ``d``."""
+    dense = C.optional_module("sparse_io_attn.dense", "counted kernel traffic")
+    from ..accounting import IOCounter
+    g = torch.Generator().manual_seed(0)
+    A1, A2, A3 = (torch.randn(n, d, generator=g, dtype=torch.float32).to(dtype) for _ in range(3))
+    X, Y = (torch.randn(d, d, generator=g, dtype=torch.float32).to(dtype) / d for _ in range(2))
+    dO = torch.randn(n, d, generator=g, dtype=torch.float32).to(dtype)
+    try:
+        if kind == "small":
+            with IOCounter() as io:
+                dense.backward_small_cache(A1, A2, A3, X, Y, dO, M=M)
+        else:
+            O, lse = dense.forward(A1, A2, A3, X, Y)
+            with IOCounter() as io:
+                dense.backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, M=M, variant=kind.split(":")[1])
+    except ValueError:
+        return None
+    return io.report.total_bytes
+
+
+def _bound(n, d, M):
+    B = C.optional_module("sparse_io_attn.bounds", "the bound curves")
+    return B.dense_backward(n, d, M)
+
+
+def _m_grid(lo: float, hi: float, per_octave: int) -> list[int]:
+    """Geometric grid of integer M from ``lo`` to ``hi`` (inclusive), ``per_octave`` points per 2x."""
+    k = max(1, round(math.log2(hi / lo) * per_octave))
+    return sorted({max(1, round(lo * (hi / lo) ** (i / k))) for i in range(k + 1)})
+
+
+KINDS = (("small", "Alg. 6 small-cache"), ("large:faithful", "Alg. 9 large-cache"),
+         ("large:fa2", "Alg. 9, FA2 loop order"))
+
+# ============================================================================== cache
+CACHE_DOC = """Figure 1 of the paper with measured points: backward I/O vs fast-memory size M at fixed
+n, d for the small-cache (Algorithm 6) and large-cache (Algorithm 9, as written and in the FA2 loop
+order) algorithms -- the exact executor's closed forms and the Triton kernels' traffic model at n,
+and the kernels' counted traffic at a small --count-n through the interpreter -- with both bound
+terms of Theorem 1.1 and their crossover M = d^2 marked."""
+
+
+def add_cache_args(p) -> None:
+    p.add_argument("--seq-len", type=C.parse_count, default=2048, help="n (default 2048)")
+    p.add_argument("--head-dim", type=int, default=64, help="d (default 64)")
+    p.add_argument("--dtype", default="fp32", help="dtype of the kernels' bytes (default fp32)")
+    p.add_argument("--m-min", type=C.parse_count, default=None, help="smallest M in words (default d^2/16)")
+    p.add_argument("--m-max", type=C.parse_count, default=None, help="largest M in words (default 16 d^2)")
+    p.add_argument("--per-octave", type=int, default=2, help="M points per doubling (default 2)")
+    p.add_argument("--count-n", type=C.parse_count, default=128,
+                   help="n of the counted kernel runs (interpreter; 0 = none; default 128)")
+
+
+def run_cache(args):
+    n, d = args.seq_len, args.head_dim
+    dtype = C.parse_dtype(args.dtype)
+    es = torch.empty((), dtype=dtype).element_size()
+    m_min = args.m_min or max(16, d * d // 16)
+    m_max = args.m_max or 16 * d * d
+    if m_min >= m_max:
+        raise ValueError(f"--m-min {m_min} must be below --m-max {m_max}")
+    if args.per_octave < 1:
+        raise ValueError(f"--per-octave must be >= 1, got {args.per_octave}")
+    if args.count_n and args.count_n > 1024:
+        raise ValueError(f"--count-n {args.count_n} is too large for the Triton interpreter (at most 1024)")
+    Ms = _m_grid(m_min, m_max, args.per_octave)
+    if d * d not in Ms and m_min <= d * d <= m_max:
+        Ms = sorted(Ms + [d * d])
+    header = C.machine_header(dtype)
+    header.update({"n": n, "d": d, "count_n": args.count_n, "units": "words (elements); kernel bytes / dtype size"})
+    notes, unavailable = [], set()
+    rows = []
+
+    def attempt(fn, *a):
+        try:
+            return fn(*a)
+        except C.Unavailable as e:
+            unavailable.add(str(e))
+            return None
+
+    total = len(Ms) * (2 if args.count_n else 1)
+    with C.progress(total, "sweep cache", enabled=not args.no_progress) as bar:
+        for M in Ms:
+            b = _bound(n, d, M)
+            row = {"M": M, "M_over_d2": M / (d * d), "bound_large_cache": b.terms["large_cache"],
+                   "bound_small_cache": b.terms["small_cache"], "bound": b.value_words,
+                   "compulsory": b.compulsory_words}
+            for kind, _ in KINDS:
+                key = kind.replace("large:", "large_")
+                row[f"executor_{key}"] = attempt(executor_io, kind, n, d, M)
+                kb = attempt(kernel_predicted, kind, n, d, M, dtype)
+                row[f"kernel_{key}_predicted"] = None if kb is None else kb / es
+            rows.append(row)
+            bar.update(note=f"M={M}")
+        if args.count_n:
+            for row in rows:
+                M = row["M"]
+                for kind, _ in KINDS:
+                    key = kind.replace("large:", "large_")
+                    kc = attempt(kernel_counted, kind, args.count_n, d, M, dtype)
+                    kp = attempt(kernel_predicted, kind, args.count_n, d, M, dtype)
+                    row[f"kernel_{key}_counted_at_count_n"] = None if kc is None else kc / es
+                    row[f"kernel_{key}_predicted_at_count_n"] = None if kp is None else kp / es
+                bar.update(note=f"counted M={M}")
+    for u in sorted(unavailable):
+        notes.append(f"unavailable: {u}")
+    notes += _cache_findings(rows, d)
+    columns = [("M", "M words"), ("M_over_d2", "M/d^2"), ("bound", "bound (unit c.)"),
+               ("executor_small", "exec Alg6"), ("executor_large_faithful", "exec Alg9"),
+               ("executor_large_fa2", "exec Alg9-FA2"), ("kernel_small_predicted", "kernel small (pred)"),
+               ("kernel_large_faithful_predicted", "kernel large (pred)"),
+               ("kernel_large_fa2_predicted", "kernel FA2 (pred)")]
+    if args.count_n:
+        columns += [("kernel_small_counted_at_count_n", f"small counted n={args.count_n}"),
+                    ("kernel_small_predicted_at_count_n", f"small pred n={args.count_n}")]
+    return "cache", header, rows, columns, notes, lambda path: plot_cache(rows, header, path)
+
+
+def _slope(rows, key, lo, hi):
+    pts = [(math.log(r["M"]), math.log(r[key])) for r in rows
+           if r.get(key) and lo <= r["M_over_d2"] <= hi]
+    if len(pts) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
+
+
+def _crossover(rows, a, b):
+    """Smallest M at which series ``b`` moves no more than series ``a`` (both present)."""
+    for r in rows:
+        if r.get(a) is not None and r.get(b) is not None and r[b] <= r[a]:
+            return r["M"]
+    return None
+
+
+def _cache_findings(rows, d) -> list[str]:
+    out = []
+    for src in ("executor", "kernel"):
+        suffix = "" if src == "executor" else "_predicted"
+        a, bf, b2 = f"{src}_small{suffix}", f"{src}_large_faithful{suffix}", f"{src}_large_fa2{suffix}"
+        s_small = _slope(rows, a, 0, 1 - 1e-9)
+        s_large = _slope(rows, bf, 1, 4)
+        s_fa2 = _slope(rows, b2, 1, 16)
+        cross = _crossover(rows, a, bf)
+        bits = []
+        if s_small is not None:
+            bits.append(f"small-cache slope {s_small:+.2f} for M < d^2")
+        if s_large is not None:
+            bits.append(f"large-cache slope {s_large:+.2f} for d^2 <= M <= 4d^2")
+        if s_fa2 is not None:
+            bits.append(f"FA2-order slope {s_fa2:+.2f} for d^2 <= M <= 16d^2")
+        if cross is not None:
+            bits.append(f"large-cache moves no more than small-cache from M = {cross:,} ({cross / d / d:.3g} d^2)")
+        if bits:
+            out.append(f"{src}: " + "; ".join(bits) + " (log-log slopes include the M-independent parts)")
+    ratios = [r["kernel_small_counted_at_count_n"] / r["kernel_small_predicted_at_count_n"] for r in rows
+              if r.get("kernel_small_counted_at_count_n") and r.get("kernel_small_predicted_at_count_n")]
+    if ratios:
+        out.append(f"counted / predicted at --count-n for the small-cache kernel: min {min(ratios):.4f}, "
+                   f"max {max(ratios):.4f}")
+    return out
+
+
+def plot_cache(rows, header, path) -> None:
+    plt = C.pyplot()
+    n, d, cn = header["n"], header["d"], header["count_n"]
+    has_counted = any(r.get("kernel_small_counted_at_count_n") for r in rows)
+    fig, axes = plt.subplots(1, 2 if has_counted else 1, figsize=(12 if has_counted else 7, 5), squeeze=False)
+    ax = axes[0][0]
+    M = [r["M"] for r in rows]
+    colors = {"small": "tab:red", "large_faithful": "tab:blue", "large_fa2": "tab:green"}
+    labels = {"small": "Alg. 6 small-cache", "large_faithful": "Alg. 9 large-cache (as written)",
+              "large_fa2": "Alg. 9 FA2 loop order"}
+    for key, c in colors.items():
+        _line(ax, M, rows, f"executor_{key}", c, "-", None, f"executor: {labels[key]}")
+        _line(ax, M, rows, f"kernel_{key}_predicted", c, "none", "o", f"kernel (model at n): {labels[key]}")
+    ax.plot(M, [r["bound_large_cache"] for r in rows], color="0.3", ls="--", lw=1, label="bound (n²d²+nd³)/M")
+    ax.plot(M, [r["bound_small_cache"] for r in rows], color="0.3", ls=":", lw=1.2, label="bound (n²d+nd²)/√M")
+    ax.plot(M, [r["compulsory"] for r in rows], color="0.6", ls="-.", lw=1, label="compulsory (8nd+n)")
+    ax.axvline(d * d, color="k", lw=0.8)
+    ax.text(d * d, 0.98, " M = d² (bound crossover)", fontsize=8, va="top", transform=ax.get_xaxis_transform())
+    cross = _crossover(rows, "kernel_small_predicted", "kernel_large_faithful_predicted") or \
+        _crossover(rows, "executor_small", "executor_large_faithful")
+    if cross:
+        ax.axvline(cross, color="tab:purple", lw=0.8, ls="--")
+        ax.text(cross, 0.02, f" measured crossover\n M={cross:,}", fontsize=8, color="tab:purple",
+                va="bottom", transform=ax.get_xaxis_transform())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("fast memory M (words)")
+    ax.set_ylabel("backward I/O (words)")
+    ax.set_title(f"Figure 1 reproduction: n={n}, d={d}", fontsize=10)
+    ax.legend(fontsize=6.5, loc="upper right")
+    ax.grid(True, which="both", alpha=0.25)
+    if has_counted:
+        ax2 = axes[0][1]
+        for key, c in colors.items():
+            _line(ax2, M, rows, f"kernel_{key}_predicted_at_count_n", c, "-", None, f"model: {labels[key]}")
+            _line(ax2, M, rows, f"kernel_{key}_counted_at_count_n", c, "none", "x", f"counted: {labels[key]}")
+        ax2.axvline(d * d, color="k", lw=0.8)
+        ax2.set_xscale("log", base=2)
+        ax2.set_yscale("log")
+        ax2.set_xlabel("fast memory M (words)")
+        ax2.set_ylabel("backward traffic (words)")
+        ax2.set_title(f"kernels counted (Triton interpreter) vs model, n={cn}, d={d}", fontsize=10)
+        ax2.legend(fontsize=6.5)
+        ax2.grid(True, which="both", alpha=0.25)
+    C.add_header_footnote(fig, header)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def _line(ax, M, rows, key, color, ls, marker, label):
+    pts = [(m, r[key]) for m, r in zip(M, rows) if r.get(key)]
+    if pts:
+        ax.plot(*zip(*pts), color=color, ls=ls, marker=marker, ms=4, lw=1.3, label=label,
+                mfc="none" if marker == "o" else color)
+
+
+# ============================================================================== dim
+DIM_DOC = """Threshold sweep over d (default 64, 128, 256) at a device's fast memory M: for each d,
+the regime M vs d^2, the bound, and the small-cache and large-cache kernels' traffic (model; the
+executor's closed forms when the dense kernels are absent) at the device's M and over M/d^2 from
+1/8 to 8, showing where the small-cache algorithm stops paying. On a CPU no timings are taken."""
+
+
+def add_dim_args(p) -> None:
+    p.add_argument("--dims", default="64,128,256", help="comma list of d (default 64,128,256)")
+    p.add_argument("--seq-len", type=C.parse_count, default=8192, help="n (default 8192)")
+    p.add_argument("--device", default="h100", help="device table entry giving M (default h100)")
+    p.add_argument("--cache", default=None, help="M in words or bytes (overrides --device)")
+    p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
+
+
+def run_dim(args):
+    dtype = C.parse_dtype(args.dtype)
+    dims = C.parse_list(args.dims, item=int, what="--dims") if all(
+        s.strip().isdigit() for s in args.dims.split(",") if s.strip()) else None
+    if not dims or any(x < 16 or x > 256 for x in dims):
+        raise ValueError(f"--dims must be integers in 16..256, got {args.dims!r}")
+    from .bounds import default_cache_words
+    M_dev = default_cache_words(args.cache, dtype, None if args.cache else args.device)
+    es = torch.empty((), dtype=dtype).element_size()
+    n = args.seq_len
+    header = C.machine_header(dtype)
+    header.update({"n": n, "device_M_words": M_dev, "M_from": args.cache or args.device})
+    rows, unavailable = [], set()
+
+    def attempt(fn, *a):
+        try:
+            return fn(*a)
+        except C.Unavailable as e:
+            unavailable.add(str(e))
+            return None
+
+    grid = [2 ** (i / 2) for i in range(-6, 7)]  # M/d^2 from 1/8 to 8
+    with C.progress(len(dims) * (len(grid) + 1), "sweep dim", enabled=not args.no_progress) as bar:
+        for d in dims:
+            Ms = [(round(f * d * d), False) for f in grid] + [(M_dev, True)]
+            for M, at_dev in Ms:
+                b = _bound(n, d, M)
+                row = {"d": d, "M": M, "M_over_d2": M / (d * d), "at_device_M": at_dev, "regime": b.regime,
+                       "bound": b.value_words, "compulsory": b.compulsory_words}
+                for kind, _ in KINDS:
+                    key = kind.replace("large:", "large_")
+                    kb = attempt(kernel_predicted, kind, n, d, M, dtype)
+                    row[f"kernel_{key}"] = None if kb is None else kb / es
+                    row[f"executor_{key}"] = attempt(executor_io, kind, n, d, M)
+                src = "kernel" if row.get("kernel_small") and row.get("kernel_large_faithful") else "executor"
+                s, l_ = row.get(f"{src}_small"), row.get(f"{src}_large_faithful")
+                row["source"] = src
+                row["small_over_large"] = s / l_ if s and l_ else None
+                row["cheaper"] = None if row["small_over_large"] is None else (
+                    "small-cache" if row["small_over_large"] < 1 else "large-cache")
+                rows.append(row)
+                bar.update()
+    notes = [f"unavailable: {u}" for u in sorted(unavailable)]
+    for d in dims:
+        dev = next(r for r in rows if r["d"] == d and r["at_device_M"])
+        cross = _crossover([r for r in rows if r["d"] == d and not r["at_device_M"]],
+                           f"{dev['source']}_small", f"{dev['source']}_large_faithful")
+        notes.append(f"d={d}: device M/d^2 = {dev['M_over_d2']:.3g} ({dev['regime']} cache); cheaper there: "
+                     f"{dev['cheaper']}; large-cache no worse than small-cache from M/d^2 = "
+                     f"{(cross / d / d) if cross else float('nan'):.3g} ({dev['source']})")
+    columns = [("d", "d"), ("M", "M words"), ("M_over_d2", "M/d^2"), ("regime", "regime"), ("bound", "bound"),
+               ("kernel_small", "small (pred)"), ("kernel_large_faithful", "large (pred)"),
+               ("kernel_large_fa2", "FA2 order (pred)"), ("small_over_large", "small/large"),
+               ("cheaper", "cheaper"), ("source", "source")]
+    table_rows = [r for r in rows if r["at_device_M"]]
+    return "dim", header, rows, columns, notes, lambda path: plot_dim(rows, header, path), table_rows
+
+
+def plot_dim(rows, header, path) -> None:
+    plt = C.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    dims = sorted({r["d"] for r in rows})
+    palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
+    for i, d in enumerate(dims):
+        pts = [(r["M_over_d2"], r["small_over_large"]) for r in rows
+               if r["d"] == d and not r["at_device_M"] and r["small_over_large"]]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=3, color=palette[i % 5], label=f"d={d}")
+        dev = next(r for r in rows if r["d"] == d and r["at_device_M"])
+        if dev["small_over_large"]:
+            ax.plot([dev["M_over_d2"]], [dev["small_over_large"]], marker="*", ms=14, color=palette[i % 5],
+                    mec="k", ls="none", label=f"d={d} at {header['M_from']} M (M/d²={dev['M_over_d2']:.2g})")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.axvline(1, color="0.4", lw=0.8, ls="--")
+    ax.text(1, 0.98, " M = d²", va="top", fontsize=8, transform=ax.get_xaxis_transform())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("M / d²")
+    ax.set_ylabel("small-cache I/O / large-cache I/O  (<1: small-cache wins)")
+    ax.set_title(f"threshold sweep, n={header['n']}, dtype {header['dtype']}", fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.25)
+    C.add_header_footnote(fig, header)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ============================================================================== sparsity
+SPARSITY_DOC = """Theorem 4.5 stress test: sweeps the density of A1/A2, of X and of the QK pattern
+independently and tabulates the sparse kernels' traffic, the Theorem 4.5 bound, Z_A, Z_X, Z_AX,
+Z_AXA and measured/bound (the sparse-operands module's sweep, sparse_io_attn.paper)."""
+
+
+def add_sparsity_args(p) -> None:
+    p.add_argument("--seq-len", type=C.parse_count, default=1024, help="n (default 1024)")
+    p.add_argument("--head-dim", type=int, default=64, help="d (default 64)")
+    p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
+    p.add_argument("--cache", default=None, help="M in words or bytes (default: device table / CPU default)")
+
+
+def run_sparsity(args):
+    dtype = C.parse_dtype(args.dtype)
+    paper = C.optional_module("sparse_io_attn.paper", "sweep sparsity")
+    sweep = None
+    for name in ("sparsity_sweep", "sweep_sparsity", "stress_test"):
+        sweep = getattr(paper, name, None)
+        if sweep is not None:
+            break
+    if sweep is None:
+        raise C.Unavailable("sweep sparsity needs sparse_io_attn.paper.sparsity_sweep, which this version "
+                            "does not provide")
+    from .bounds import default_cache_words
+    M = default_cache_words(args.cache, dtype)
+    rows = [dict(r) if not hasattr(r, "to_dict") else r.to_dict()
+            for r in sweep(n=args.seq_len, d=args.head_dim, M=M, dtype=dtype)]
+    header = C.machine_header(dtype)
+    header.update({"n": args.seq_len, "d": args.head_dim, "M_words": M})
+    keys = list(rows[0]) if rows else []
+    columns = [(k, k) for k in keys]
+    return "sparsity", header, rows, columns, [], lambda path: plot_sparsity(rows, header, path)
+
+
+def plot_sparsity(rows, header, path) -> None:
+    plt = C.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+    swept = sorted({r.get("swept", "all") for r in rows})
+    ratio_key = next((k for k in ("ratio", "measured_over_bound", "traffic_over_bound") if rows and k in rows[0]), None)
+    dens_key = next((k for k in ("density", "swept_density") if rows and k in rows[0]), None)
+    if ratio_key and dens_key:
+        for s in swept:
+            pts = sorted((r[dens_key], r[ratio_key]) for r in rows if r.get("swept", "all") == s and r[ratio_key])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"density of {s} swept")
+    ax.set_xlabel("density of the swept operand")
+    ax.set_ylabel("measured traffic / Theorem 4.5 bound")
+    ax.set_yscale("log")
+    ax.set_title(f"Theorem 4.5 stress test, n={header['n']}, d={header['d']}", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.25)
+    C.add_header_footnote(fig, header)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
