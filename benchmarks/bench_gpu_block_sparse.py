@@ -1,0 +1,244 @@
+"""GPU benchmark of backend="triton" against compiled FlexAttention and dense SDPA (flash).
+
+Grid (issue 3, section 4): B*H = 16 (B = 1, H = 16), N in {4096, 16384}, D in {64, 128}, bf16,
+layout families sliding window / BigBird / causal / random at target densities {5, 10, 25, 50, 100}%,
+forward and forward+backward. FlexAttention gets the identical ``BlockMask``
+(``layout.to_flex_block_mask(causal)``); SDPA runs dense with the flash backend (``is_causal`` for the
+causal family). Times with ``triton.testing.do_bench`` (median ms). Next to each time: kept blocks,
+kept-element FLOPs, TFLOP/s and the bytes the traffic model predicts (what ``IOCounter`` counts).
+
+Density targets: sliding window and BigBird parameters are searched to the closest density; the
+causal family keeps that fraction of the causal (lower-triangle) blocks and runs with
+``causal=True`` (100% = the causal layout); random keeps that fraction of all blocks per head.
+
+    python benchmarks/bench_gpu_block_sparse.py                 # full grid, writes benchmarks/results/
+    python benchmarks/bench_gpu_block_sparse.py --n 4096 --d 64 --families random
+    python benchmarks/bench_gpu_block_sparse.py --smoke         # tiny run, any device (CPU: interpreter)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("sliding_window", "bigbird", "causal", "random")
+DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, nargs="+", default=[4096, 16384], help="sequence lengths")
+    p.add_argument("--d", type=int, nargs="+", default=[64, 128], help="head dims")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--block", type=int, default=128, help="layout block size (FlexAttention default 128)")
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    p.add_argument("--densities", type=float, nargs="+", default=list(DENSITIES))
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--no-flex", action="store_true", help="skip torch.compile(flex_attention)")
+    p.add_argument("--no-sdpa", action="store_true", help="skip dense SDPA")
+    p.add_argument("--out", type=Path, default=None, help="output stem (default benchmarks/results/gpu_block_sparse_<gpu>)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny configuration (N=256, D=64, B*H=2) that runs on any device; CPU uses the "
+                        "Triton interpreter and a perf_counter timer, without Flex/SDPA; writes nothing "
+                        "unless --out is given")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------ layouts
+def _closest(build, lo: int, hi: int, target: float):
+    """Integer parameter in [lo, hi] whose layout density is closest to target (density increasing)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if build(mid).density < target:
+            lo = mid
+        else:
+            hi = mid
+    a, b = build(lo), build(hi)
+    return a if abs(a.density - target) <= abs(b.density - target) else b
+
+
+def make_layout(family: str, n: int, block: int, density: float, heads: int):
+    """``(layout, causal)`` of a family at (about) the target block density."""
+    from sparse_io_attn import patterns
+
+    if family == "causal":
+        lay = patterns.causal(n, block) if density >= 1 else patterns.random(n, block, density, causal=True,
+                                                                               num_heads=heads)
+        return lay, True
+    if density >= 1:
+        return patterns.dense(n, block), False
+    if family == "sliding_window":
+        return _closest(lambda w: patterns.sliding_window(n, block, w), 0, n, density), False
+    if family == "bigbird":
+        nb = math.ceil(n / block)
+        return _closest(lambda r: patterns.bigbird(n, block, num_random=r, num_global=1, num_heads=heads),
+                        0, nb, density), False
+    return patterns.random(n, block, density, num_heads=heads), False
+
+
+# ------------------------------------------------------------------------------------------ timing
+def _timer(device: str):
+    if device == "cuda":
+        import triton.testing
+
+        def cuda_time(fn, grads):
+            return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads)
+        return cuda_time
+
+    def cpu_time(fn, grads, repeats: int = 3):
+        fn()
+        ts = []
+        for _ in range(repeats):
+            for g in grads:
+                g.grad = None
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+    return cpu_time
+
+
+def _op(attn, q, k, v, do, mode):
+    if mode == "fwd":
+        def fwd():
+            with torch.no_grad():
+                attn(q, k, v)
+        return fwd
+
+    def fwd_bwd():
+        attn(q, k, v).backward(do)
+    return fwd_bwd
+
+
+def machine_header(device: str, dtype: torch.dtype) -> dict:
+    import triton
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)"
+    return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "dtype": str(dtype).replace("torch.", ""), "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "autotune (warps/stages)": device == "cuda" and os.environ.get("SPARSE_IO_ATTN_NO_AUTOTUNE", "0") != "1"}
+
+
+def run(args) -> tuple[dict, list[dict]]:
+    import sparse_io_attn.kernels  # noqa: F401  (picks compiled vs interpreter before triton is imported)
+    from sparse_io_attn import block_sparse_attention
+    from sparse_io_attn.accounting import traffic
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.smoke:
+        sys.exit("no CUDA device: this benchmark needs a GPU (use --smoke for a tiny CPU run of the script)")
+    if args.smoke:
+        args.n, args.d, args.batch, args.heads, args.block = [256], [64], 1, 2, 64
+        args.densities = [0.25, 1.0]
+        if device == "cpu":
+            args.no_flex = args.no_sdpa = True
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    header = machine_header(device, dtype)
+    bench = _timer(device)
+    flex = None
+    if not args.no_flex:
+        from torch.nn.attention.flex_attention import flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+    B, H = args.batch, args.heads
+    rows = []
+    for n in args.n:
+        for d in args.d:
+            q, k, v, do = (torch.randn(B, H, n, d, device=device, dtype=dtype) for _ in range(4))
+            for t in (q, k, v):
+                t.requires_grad_()
+            sdpa_ms = {}
+            for family in args.families:
+                for target in args.densities:
+                    layout, causal = make_layout(family, n, args.block, target, H)
+                    layout = layout.to(device)
+                    kept = layout.nnz_blocks * (B * H // layout.num_layouts)
+                    block_mask = layout.to_flex_block_mask(causal) if flex is not None else None
+                    for mode in args.modes:
+                        bwd = mode != "fwd"
+                        row = {"N": n, "D": d, "family": family, "target_density": target,
+                               "density": round(layout.density, 4), "layout": layout.name, "causal": causal,
+                               "mode": mode, "kept_blocks": kept}
+                        flops = traffic.block_sparse_flops(layout, B, H, d, causal=causal)
+                        if bwd:
+                            flops += traffic.block_sparse_flops(layout, B, H, d, causal=causal, backward=True)
+                        model = (traffic.block_sparse if bwd else traffic.block_sparse_forward)(
+                            layout, B, H, H, d, dtype, causal=causal)
+                        row["flops"] = flops
+                        row["model_bytes"] = model.total_bytes
+                        tri = lambda q, k, v, lay=layout, c=causal: block_sparse_attention(  # noqa: E731
+                            q, k, v, lay, causal=c, backend="triton")
+                        row["triton_ms"] = bench(_op(tri, q, k, v, do, mode), [q, k, v])
+                        if flex is not None:
+                            fx = lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm)  # noqa: E731
+                            row["flex_ms"] = bench(_op(fx, q, k, v, do, mode), [q, k, v])
+                            row["speedup_vs_flex"] = row["flex_ms"] / row["triton_ms"]
+                        if not args.no_sdpa:
+                            key = (mode, causal)
+                            if key not in sdpa_ms:
+                                from torch.nn.attention import SDPBackend, sdpa_kernel
+                                from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+                                def dense(q, k, v, c=causal):
+                                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                                        return sdpa(q, k, v, is_causal=c)
+                                sdpa_ms[key] = bench(_op(dense, q, k, v, do, mode), [q, k, v])
+                            row["sdpa_dense_ms"] = sdpa_ms[key]
+                        row["triton_tflops"] = flops / row["triton_ms"] / 1e9
+                        row["triton_us_per_kept_block"] = 1e3 * row["triton_ms"] / max(kept, 1)
+                        rows.append(row)
+                        print(_fmt_row(row), flush=True)
+    return header, rows
+
+
+COLUMNS = [("N", "{}"), ("D", "{}"), ("family", "{}"), ("density", "{:.3f}"), ("mode", "{}"),
+           ("kept_blocks", "{}"), ("triton_ms", "{:.3f}"), ("flex_ms", "{:.3f}"), ("speedup_vs_flex", "{:.2f}x"),
+           ("sdpa_dense_ms", "{:.3f}"), ("triton_tflops", "{:.1f}"), ("triton_us_per_kept_block", "{:.3f}"),
+           ("model_bytes", "{:,}")]
+
+
+def _fmt_row(row: dict) -> str:
+    return " | ".join(fmt.format(row[c]) if c in row else "-" for c, fmt in COLUMNS)
+
+
+def write_results(stem: Path, header: dict, rows: list[dict]) -> None:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps({"machine": header, "rows": rows}, indent=1))
+    keys = sorted({k for r in rows for k in r})
+    with stem.with_suffix(".csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    lines = ["# Block-sparse attention, backend triton vs FlexAttention vs dense SDPA", "",
+             *(f"- {k}: {v}" for k, v in header.items()), "",
+             "| " + " | ".join(c for c, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + _fmt_row(r) + " |" for r in rows]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {stem}.{{json,csv,md}}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    header, rows = run(args)
+    print("\n".join(f"# {k}: {v}" for k, v in header.items()))
+    print(" | ".join(c for c, _ in COLUMNS))
+    for r in rows:
+        print(_fmt_row(r))
+    if args.out is not None or not args.smoke:
+        gpu = header["device"].replace(" ", "_").replace("/", "_")
+        write_results(args.out or RESULTS / f"gpu_block_sparse_{gpu}", header, rows)
+
+
+if __name__ == "__main__":
+    main()
