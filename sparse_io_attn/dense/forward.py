@@ -10,7 +10,7 @@ import torch
 
 from ._launch import check_inputs, dot_dtype, launch, proj, triton_cdiv
 from .regime import default_M
-from .tiling import head_dim_padded, large_cache_blocks
+from .tiling import forward_blocks, head_dim_padded
 
 
 def forward(A1, A2, A3, X, Y, *, scale: float = 1.0, M: int | None = None):
@@ -22,7 +22,8 @@ def forward(A1, A2, A3, X, Y, *, scale: float = 1.0, M: int | None = None):
 
     Args:
         A1, A2, A3: ``[..., n, d]``; X, Y: ``[d, d]`` (one dtype: fp32, bf16 or fp16).
-        M: fast memory in words for the tile sizes (default :func:`~.regime.default_M`).
+        M: fast memory in words for the tile sizes (default :func:`~.regime.default_M`); below what
+            16 x 16 tiles need, 16 x 16 tiles are used (:func:`~.tiling.forward_blocks`).
 
     Returns:
         ``(O, lse)``: ``O`` like ``A1``; ``lse`` fp32 ``[..., n]``, natural log of the row sums of
@@ -31,10 +32,10 @@ def forward(A1, A2, A3, X, Y, *, scale: float = 1.0, M: int | None = None):
     inp = check_inputs(A1, A2, A3, X, Y)
     Z, n, d = inp.a1.shape
     M = default_M(inp.a1.dtype, inp.a1.device) if M is None else M
-    pc_long, pc_short = large_cache_blocks("large.phase1", M, d)
+    pc_long, pc_short = forward_blocks("large.phase1", M, d)
     S = proj("fwd.proj", ("A1", "X", "S"), inp.a1, inp.x, block_m=pc_short, block_c=pc_long)
     h = proj("fwd.proj", ("A3", "Y", "h"), inp.a3, inp.y, block_m=pc_short, block_c=pc_long)
-    long, short = large_cache_blocks("fwd.attn", M, d)
+    long, short = forward_blocks("fwd.attn", M, d)
     O = torch.empty(Z, n, d, dtype=inp.a1.dtype, device=inp.a1.device)
     lse = torch.empty(Z, n, dtype=torch.float32, device=inp.a1.device)
     from .kernels_fwd import _attn_fwd_kernel

@@ -97,12 +97,14 @@ def small_cache_block(M: int) -> int:
     return B
 
 
-def large_cache_blocks(kernel: str, M: int, d: int) -> tuple[int, int]:
+def large_cache_blocks(kernel: str, M: int, d: int, *, min_block: int = MIN_BLOCK) -> tuple[int, int]:
     """``(long, short)`` tile sides of a large-cache kernel for fast memory ``M`` words.
 
     Start from the paper's ``long = B_c = M/(4d)``, ``short = B_r = min(M/(4d), d)`` rounded down
     to powers of two, then halve the longer side (both when equal) until
     :func:`working_set_words` ``<= M``. Raises ``ValueError`` with the smallest workable ``M``.
+    ``min_block`` < 16 is for the traffic model only (``tl.dot`` needs 16): it extends a
+    FlashAttention-style schedule to small ``M`` for comparison.
     """
     M = _check_M(M)
     D = head_dim_padded(d)
@@ -110,19 +112,19 @@ def large_cache_blocks(kernel: str, M: int, d: int) -> tuple[int, int]:
     short = min(long, pow2_floor(d)) if long else 0
     if kernel in ("large.phase1", "large.atb"):
         long = min(long, D)
-    while long >= MIN_BLOCK and short >= MIN_BLOCK and \
+    while long >= min_block and short >= min_block and \
             working_set_words(kernel, d, long=long, short=short) > M:
         if long > short:
             long //= 2
         else:
             long //= 2
             short //= 2
-    if long < MIN_BLOCK or short < MIN_BLOCK:
-        need = working_set_words(kernel, d, long=MIN_BLOCK, short=MIN_BLOCK)
-        need = max(need, 4 * d * MIN_BLOCK)
+    if long < min_block or short < min_block:
+        need = working_set_words(kernel, d, long=min_block, short=min_block)
+        need = max(need, 4 * d * min_block)
         raise ValueError(f"M = {M} words is too small for kernel {kernel!r} at d = {d}: its "
-                         f"{MIN_BLOCK}x{MIN_BLOCK} tiles need at least {need} words (M >= 4*d*"
-                         f"{MIN_BLOCK} and the working set must fit); use a larger M or the "
+                         f"{min_block}x{min_block} tiles need at least {need} words (M >= 4*d*"
+                         f"{min_block} and the working set must fit); use a larger M or the "
                          f"small-cache kernels (regime='small')")
     return long, short
 
@@ -156,3 +158,15 @@ def _check_M(M) -> int:
     if M <= 0:
         raise ValueError(f"M must be a positive number of words, got {M}")
     return M
+
+
+def forward_blocks(kernel: str, M: int, d: int) -> tuple[int, int]:
+    """Tiles of the forward's kernels (``fwd.proj`` uses ``large.phase1``'s rule, ``fwd.attn`` its
+    own): :func:`large_cache_blocks`, or the smallest ``16 x 16`` tiles when ``M`` is below what
+    they need (the forward then holds more than ``M`` words; the small-cache backward still runs
+    within ``M``)."""
+    try:
+        return large_cache_blocks(kernel, M, d)
+    except ValueError:
+        _check_M(M)
+        return MIN_BLOCK, MIN_BLOCK
