@@ -37,12 +37,15 @@ def mask_to_csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def csr_row_ids(crow: torch.Tensor) -> torch.Tensor:
-    """For each stored entry, the flat row id ``l * R + r`` that owns it (int64, ``[nnz]``)."""
-    L, R1 = crow.shape
-    R = R1 - 1
-    starts = crow[:, :R].reshape(-1).to(torch.int64)
-    ends = crow[:, 1:].reshape(-1).to(torch.int64)
-    return torch.repeat_interleave(torch.arange(L * R, device=crow.device), ends - starts)
+    """For each stored entry, the flat row id ``l * R + r`` that owns it (int64, ``[nnz]``).
+
+    Needs absolute, non-decreasing offsets starting at 0 (entry ``j`` belongs to the first row
+    whose end exceeds ``j``). A binary search instead of ``repeat_interleave(counts)``, which has a
+    fixed cost of ~20 ms per call on CPU builds of torch 2.13.
+    """
+    ends = crow[:, 1:].reshape(-1).to(torch.int64).contiguous()
+    nnz = int(ends[-1]) if ends.numel() else 0
+    return torch.searchsorted(ends, torch.arange(nnz, device=crow.device), right=True)
 
 
 def csr_to_mask(crow: torch.Tensor, col: torch.Tensor, num_cols: int) -> torch.Tensor:

@@ -56,6 +56,12 @@ class BlockSparseLayout:
                 blocks[l, r, col_indices[crow_indices[l, r]:crow_indices[l, r + 1]]] = True
         mask = blocks.repeat_interleave(BLOCK_SIZE_Q, 1).repeat_interleave(BLOCK_SIZE_KV, 2)
         mask = mask[:, :seqlen_q, :seqlen_k]
+
+    Constructors and conversions (round trips are exact, compare with :meth:`equal`):
+    ``from_block_mask``/``to_block_mask``, ``from_dense_mask``/``to_dense_mask``,
+    ``from_scipy_bsr``/``to_scipy_bsr``, ``from_torch_bsr``/``to_torch_bsr`` and
+    ``from_flex_block_mask``/``to_flex_block_mask`` (FlexAttention ``BlockMask``). The SciPy and
+    torch BSR forms cover whole blocks, so pass ``seqlen`` back when lengths are ragged.
     """
 
     def __init__(self, crow_indices: torch.Tensor, col_indices: torch.Tensor, *,
@@ -530,7 +536,8 @@ def _scipy_block_mask(bsr, what: str) -> tuple[torch.Tensor, tuple[int, int]]:
         raise ValueError(f"{what}: block column indices must lie in [0, {C}), got values in "
                          f"[{int(indices.min())}, {int(indices.max())}]")
     mask = torch.zeros(R, C, dtype=torch.bool)
-    mask[torch.repeat_interleave(torch.arange(R), indptr.diff()), indices] = True
+    rows = torch.searchsorted(indptr[1:].contiguous(), torch.arange(indices.numel()), right=True)
+    mask[rows, indices] = True
     return mask, (bq, bk)
 
 
