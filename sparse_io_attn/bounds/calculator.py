@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .units import dtype_name, itemsize, parse_memory
 
 #: Term names shared by the calculator, the pebble closed forms and the benchmarks.
@@ -113,8 +115,8 @@ class Bound:
         lines.append(f"  compulsory traffic:     {self.compulsory_words:,} words{self._b(self.compulsory_words)}")
         lines.append(f"  compare against max(compulsory, bound) = {self.floor_words:,.4g} words "
                      f"({self.floor_binding} binds)")
-        for name, (w, cite) in self.explicit_constant.items():
-            lines.append(f"  explicit-constant [{name}]: {w:,.4g} words  ({cite})")
+        for name, (w, _cite) in self.explicit_constant.items():
+            lines.append(f"  explicit constant, {name}: {w:,.4g} words (citation in to_dict())")
         return "\n".join(lines)
 
     def _b(self, words) -> str:
@@ -136,15 +138,10 @@ def _positive_int(value, what: str) -> int:
 
 
 def _nonneg_count(value, what: str) -> int:
+    if isinstance(value, np.integer):
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            import numpy as np
-            if isinstance(value, np.integer):
-                value = int(value)
-            else:
-                raise TypeError
-        except TypeError:
-            raise TypeError(f"{what} must be an int count, got {type(value).__name__} {value!r}") from None
+        raise TypeError(f"{what} must be an int count, got {type(value).__name__} {value!r}")
     if value < 0:
         raise ValueError(f"{what} is a count of nonzeros and cannot be negative, got {value}")
     return value
