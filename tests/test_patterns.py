@@ -3,6 +3,8 @@ build the element mask by broadcasting over (q, k) positions, reduce it to block
 ``BlockSparseLayout.from_dense_mask`` and compare the block masks exactly."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparse_io_attn import BlockSparseLayout, patterns
 
@@ -19,6 +21,32 @@ SHAPES = [
 def qk(seqlen):
     sq, sk = (seqlen, seqlen) if isinstance(seqlen, int) else seqlen
     return torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+
+
+# ---- element-level definitions (the specification, written without looking at the block logic)
+def elem_window(q, k, window, causal):
+    d = q - k
+    return ((d >= 0) & (d <= window)) if causal else (d.abs() <= window)
+
+
+def elem_strided(q, k, stride, causal):
+    d = q - k
+    elem = (d.abs() < stride) | (torch.remainder(d, stride) == 0)
+    return elem & (d >= 0) if causal else elem
+
+
+def elem_fixed(q, k, stride, summary, causal):
+    elem = (q // stride == k // stride) | (k % stride >= stride - summary)
+    return elem & (k <= q) if causal else elem
+
+
+def elem_document(cu, causal):
+    doc = torch.empty(cu[-1], dtype=torch.int64)
+    for i in range(len(cu) - 1):
+        doc[cu[i]:cu[i + 1]] = i
+    q, k = qk(cu[-1])
+    elem = doc[q] == doc[k]
+    return elem & (k <= q) if causal else elem
 
 
 def blocks_of(elem: torch.Tensor, block_size) -> torch.Tensor:
@@ -45,10 +73,8 @@ def test_dense_and_causal(seqlen, block):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sliding_window(seqlen, block, window, causal):
     q, k = qk(seqlen)
-    d = q - k
-    elem = ((d >= 0) & (d <= window)) if causal else (d.abs() <= window)
     lo = patterns.sliding_window(seqlen, block, window, causal=causal)
-    check(lo, elem, block)
+    check(lo, elem_window(q, k, window, causal), block)
     assert lo.name == f"sliding_window(w={window}{',causal' if causal else ''})"
 
 
@@ -57,11 +83,7 @@ def test_sliding_window(seqlen, block, window, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_strided(seqlen, block, stride, causal):
     q, k = qk(seqlen)
-    d = q - k
-    elem = (d.abs() < stride) | (torch.remainder(d, stride) == 0)
-    if causal:
-        elem &= d >= 0
-    check(patterns.strided(seqlen, block, stride, causal=causal), elem, block)
+    check(patterns.strided(seqlen, block, stride, causal=causal), elem_strided(q, k, stride, causal), block)
 
 
 @pytest.mark.parametrize("seqlen,block", SHAPES)
@@ -69,11 +91,8 @@ def test_strided(seqlen, block, stride, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fixed(seqlen, block, stride, summary, causal):
     q, k = qk(seqlen)
-    elem = (q // stride == k // stride) | (k % stride >= stride - summary)
-    if causal:
-        elem &= k <= q
     lo = patterns.fixed(seqlen, block, stride, summary, causal=causal)
-    check(lo, elem, block)
+    check(lo, elem_fixed(q, k, stride, summary, causal), block)
     assert lo.name.startswith(f"fixed(stride={stride},c={summary}")
 
 
@@ -86,8 +105,7 @@ def test_longformer(seqlen, block, window, glob, causal):
     positions = list(range(glob)) if isinstance(glob, int) else glob
     is_global = torch.zeros(n + 1, dtype=torch.bool)
     is_global[[p for p in positions if p < n]] = True
-    elem = ((q - k).abs() <= window) if not causal else ((q - k >= 0) & (q - k <= window))
-    elem = elem | is_global[q] | is_global[k]
+    elem = elem_window(q, k, window, causal) | is_global[q] | is_global[k]
     if causal:
         elem &= k <= q
     check(patterns.longformer(seqlen, block, window, glob, causal=causal), elem, block)
@@ -97,14 +115,7 @@ def test_longformer(seqlen, block, window, glob, causal):
 @pytest.mark.parametrize("block", [16, (8, 32), 1])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_document(cu, block, causal):
-    n = cu[-1]
-    doc = torch.empty(n, dtype=torch.int64)
-    for i in range(len(cu) - 1):
-        doc[cu[i]:cu[i + 1]] = i
-    q, k = qk(n)
-    elem = doc[q] == doc[k]
-    if causal:
-        elem &= k <= q
+    elem = elem_document(cu, causal)
     check(patterns.document(cu, block, causal=causal), elem, block)
     check(patterns.block_diagonal(torch.tensor(cu, dtype=torch.int32), block, causal=causal), elem, block)
 
@@ -113,8 +124,7 @@ def bigbird_fixed_part(seqlen, block, window, num_global, causal):
     """Element definition of BigBird's deterministic part: band, global query/key blocks."""
     bq, bk = (block, block) if isinstance(block, int) else block
     q, k = qk(seqlen)
-    band = ((q - k >= 0) & (q - k <= window)) if causal else ((q - k).abs() <= window)
-    elem = band | (q < num_global * bq) | (k < num_global * bk)
+    elem = elem_window(q, k, window, causal) | (q < num_global * bq) | (k < num_global * bk)
     if causal:
         elem &= k <= q
     allowed = blocks_of((k <= q) if causal else (q >= k) | (q < k), block)
@@ -250,3 +260,33 @@ def test_builder_errors():
         patterns.random(128, 16, 0.5, num_heads=0)
     with pytest.raises(ValueError, match="unknown parameter"):
         patterns.get("dense", 128, 16, window=3)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_fuzz_interval_patterns(data):
+    """Random sizes and parameters for the patterns whose block logic is interval arithmetic."""
+    bq, bk = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 12))
+    sq, sk = data.draw(st.integers(1, 60)), data.draw(st.integers(1, 60))
+    causal = data.draw(st.booleans())
+    q, k = qk((sq, sk))
+    which = data.draw(st.sampled_from(["window", "strided", "fixed", "document"]))
+    if which == "window":
+        w = data.draw(st.integers(0, 70))
+        check(patterns.sliding_window((sq, sk), (bq, bk), w, causal=causal), elem_window(q, k, w, causal),
+              (bq, bk))
+    elif which == "strided":
+        s_ = data.draw(st.integers(1, 30))
+        check(patterns.strided((sq, sk), (bq, bk), s_, causal=causal), elem_strided(q, k, s_, causal),
+              (bq, bk))
+    elif which == "fixed":
+        l_ = data.draw(st.integers(1, 30))
+        c_ = data.draw(st.integers(1, l_))
+        check(patterns.fixed((sq, sk), (bq, bk), l_, c_, causal=causal), elem_fixed(q, k, l_, c_, causal),
+              (bq, bk))
+    else:
+        lengths = data.draw(st.lists(st.integers(0, 20), min_size=1, max_size=6).filter(lambda x: sum(x) > 0))
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        check(patterns.document(cu, bq, causal=causal), elem_document(cu, causal), bq)
