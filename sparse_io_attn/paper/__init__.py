@@ -6,6 +6,6 @@ A2 may each be a :class:`~sparse_io_attn.BlockSparseMatrix` (Section 4.3 / Appen
 * :mod:`.stress` — the sparsity stress test against Theorem 4.5.
 """
 from .attention import attention
-from .traffic import predict_traffic
+from .traffic import kernel_fast_memory_words, predict_traffic
 
-__all__ = ["attention", "predict_traffic"]
+__all__ = ["attention", "predict_traffic", "kernel_fast_memory_words"]

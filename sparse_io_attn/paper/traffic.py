@@ -143,3 +143,29 @@ def predict_traffic(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) 
     blocks, dtype, device = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")
     p = build_problem(A1, A2, A3, X, Y, qk_layout, blocks)
     return predict(p, Y.shape[1], backward=backward)
+
+
+def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
+    """Fast memory (words) the counted algorithm uses: the largest per-program working set of the
+    kernels, counting every register tile a program holds at once (padded sizes):
+
+    * forward: ``q, acc [BM, D|DV] + a2, h [BN, D|DV] + s [BM, BN] + m, l [BM] + hsum row [DV]``;
+    * backward dkv: ``a2, da2 [BN, D] + h, dh [BN, DV] + q [BM, D] + dO [BM, DV] + s/p, dp, ds
+      [BM, BN] + lse, delta [BM]`` (the largest);
+    * backward dq: ``q, dq [BM, D] + dO [BM, DV] + a2 [BN, D] + h [BN, DV] + 3 [BM, BN] + 2 [BM]``;
+    * products: ``A [BM, BK] + B [BK, BN] + C [BM, BN]``.
+
+    This is the ``M`` at which Theorem 4.5 is evaluated against counted traffic: each program
+    moves its data between global memory and a private fast memory of this size.
+    """
+    blocks, _, _ = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")
+    from .operands import next_pow2
+
+    bm, bn = blocks.m, blocks.n
+    D, DV = max(16, next_pow2(X.shape[1])), max(16, next_pow2(Y.shape[1]))
+    fwd = bm * D + bm * DV + bn * D + bn * DV + bm * bn + 2 * bm + DV
+    dkv = 2 * bn * D + 2 * bn * DV + bm * D + bm * DV + 3 * bm * bn + 2 * bm
+    dq = 2 * bm * D + bm * DV + bn * D + bn * DV + 3 * bm * bn + 2 * bm
+    mm = max(bm * blocks.d1 + blocks.d1 * blocks.d2 + bm * blocks.d2,
+             bn * blocks.d3 + blocks.d3 * blocks.dv + bn * blocks.dv)
+    return max(fwd, dkv, dq, mm)
