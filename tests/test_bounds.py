@@ -256,3 +256,13 @@ def test_nnz_stats_errors():
     with pytest.raises(ValueError, match="layout_index"):
         B.nnz_stats(torch.randn(8, 4), torch.randn(4, 4), torch.randn(8, 4), two)
     assert B.nnz_stats(torch.randn(8, 4), torch.randn(4, 4), torch.randn(8, 4), two, layout_index=1).Z_AXA == 64
+
+
+def test_restricted_count_carries_caveat():
+    n, d = 64, 8
+    A1, X, A2 = torch.randn(n, d), torch.randn(d, d), torch.randn(n, d)
+    lay = BlockSparseLayout.from_block_mask(torch.eye(4, dtype=torch.bool), 16)
+    full, restricted = B.nnz_stats(A1, X, A2), B.nnz_stats(A1, X, A2, lay)
+    assert restricted.Z_AXA == 4 * 16 * 16 and full.Z_AXA == n * n
+    assert full.bound(100).note == "" and "not a proven lower bound" in restricted.bound(100).note
+    assert "note:" in str(restricted.bound(100)) and restricted.bound(100).to_dict()["note"]

@@ -58,6 +58,7 @@ class Bound:
     heads: int = 1
     dtype: str | None = None
     _itemsize: int | None = None
+    note: str = ""
 
     @property
     def floor_words(self) -> float:
@@ -96,6 +97,7 @@ class Bound:
             "floor_words": self.floor_words, "floor_binding": self.floor_binding,
             "explicit_constant": {k: {"words": w, "citation": c} for k, (w, c) in self.explicit_constant.items()},
             "dtype": self.dtype, "constants": "unit (the paper states Theta/Omega without constants)",
+            "note": self.note,
         }
         if self._itemsize is not None:
             out.update(value_bytes=self.bytes(), compulsory_bytes=self.compulsory_bytes(),
@@ -117,6 +119,8 @@ class Bound:
                      f"({self.floor_binding} binds)")
         for name, (w, _cite) in self.explicit_constant.items():
             lines.append(f"  explicit constant, {name}: {w:,.4g} words (citation in to_dict())")
+        if self.note:
+            lines.append(f"  note: {self.note}")
         return "\n".join(lines)
 
     def _b(self, words) -> str:
@@ -147,7 +151,7 @@ def _nonneg_count(value, what: str) -> int:
     return value
 
 
-def _finish(kind, M, terms, crossover, theorem, compulsory_terms, explicit, params, heads, dtype):
+def _finish(kind, M, terms, crossover, theorem, compulsory_terms, explicit, params, heads, dtype, note=""):
     binding = min(terms, key=lambda k: (terms[k], k != LARGE_CACHE))
     scaled = {k: v * heads for k, v in terms.items()}
     return Bound(
@@ -157,7 +161,7 @@ def _finish(kind, M, terms, crossover, theorem, compulsory_terms, explicit, para
         compulsory_terms={k: heads * v for k, v in compulsory_terms.items()},
         explicit_constant={k: (w * heads, c) for k, (w, c) in explicit.items()},
         params=params, heads=heads, dtype=dtype_name(dtype),
-        _itemsize=None if dtype is None else itemsize(dtype))
+        _itemsize=None if dtype is None else itemsize(dtype), note=note)
 
 
 def _qk_product_bounds(n_q: int, n_k: int, d: int, M: int) -> dict:
@@ -239,7 +243,7 @@ def sparse_crossover(Z_A: int, Z_X: int, Z_AX: int, Z_AXA: int) -> float:
 
 
 def sparse(Z_A: int, Z_X: int, Z_AX: int, Z_AXA: int, M, *, n: int | None = None,
-           d: int | None = None, dtype=None, heads: int = 1) -> Bound:
+           d: int | None = None, dtype=None, heads: int = 1, note: str = "") -> Bound:
     """Theorem 4.5 (= F.3 forward, F.4 backward): sparse attention needs
     Ω(min{(Z_A² + Z_A·Z_X)/M, (Z_A·√Z_AXA + √(Z_A·Z_X·Z_AX))/√M}) words, with
     Z_A = min(nnz A1, nnz A2), Z_X = nnz X, Z_AX = min(nnz A1X, nnz XA2ᵀ), Z_AXA = nnz A1XA2ᵀ
@@ -250,6 +254,12 @@ def sparse(Z_A: int, Z_X: int, Z_AX: int, Z_AXA: int, M, *, n: int | None = None
     Compulsory traffic: reading the operands of A1·X·A2ᵀ once, 2·Z_A + Z_X (a lower estimate, as
     Z_A is the sparser of A1, A2), plus writing the n x d output (n·d) when ``n`` and ``d`` are
     given. ``n`` (and ``d``) also enable the checks Z_AXA <= n², Z_A <= n·d, Z_X <= d².
+    ``note`` is carried into the record (e.g. the caveat of a QK-pattern-restricted Z_AXA).
+
+    Scope: the theorem bounds computing the *structural product* A1·X·A2ᵀ of sparse operands. A
+    Z_AXA restricted to a QK mask (masked / block-sparse attention, which computes only the kept
+    entries) is outside its hypotheses, and the formula is then not a proven lower bound: its
+    small-cache term Z_A·√Z_AXA/√M can exceed the traffic of a plain block-sparse kernel.
     """
     Z_A, Z_X = _nonneg_count(Z_A, "Z_A"), _nonneg_count(Z_X, "Z_X")
     Z_AX, Z_AXA = _nonneg_count(Z_AX, "Z_AX"), _nonneg_count(Z_AXA, "Z_AXA")
@@ -280,4 +290,4 @@ def sparse(Z_A: int, Z_X: int, Z_AX: int, Z_AXA: int, M, *, n: int | None = None
         params["d"] = d
     return _finish("sparse forward/backward", M, terms, sparse_crossover(Z_A, Z_X, Z_AX, Z_AXA),
                    "Theorem 4.5 (= F.3/F.4; dividing point Remark 4.7), arXiv 2410.09397",
-                   compulsory, {}, params, heads, dtype)
+                   compulsory, {}, params, heads, dtype, note)

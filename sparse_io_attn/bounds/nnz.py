@@ -28,7 +28,9 @@ class NnzStats:
     ``level``: ``"element"`` (counts are matrix entries) or ``"block"`` (counts are stored blocks,
     e.g. of a BSR operand; not words: a bound in words needs the element level).
     ``restricted_to_qk_pattern``: Z_AXA counts only entries (or blocks) the QK layout keeps;
-    ``Z_AXA_unrestricted`` is the count without the layout.
+    ``Z_AXA_unrestricted`` is the count without the layout. Theorem 4.5 is proven for the full
+    structural product; with a restricted count its formula is an estimate, not a proven lower
+    bound (:meth:`bound` says so in the record's ``note``).
     """
     Z_A: int
     Z_X: int
@@ -54,8 +56,11 @@ class NnzStats:
         if self.level != "element":
             raise ValueError("a bound in words needs element-level counts; call nnz_stats(..., "
                              "level='element')")
+        note = ("Z_AXA restricted to a QK pattern: masked attention is outside Theorem 4.5's "
+                "hypotheses (structural product of sparse operands); not a proven lower bound"
+                if self.restricted_to_qk_pattern else "")
         return sparse(self.Z_A, self.Z_X, self.Z_AX, self.Z_AXA, M, n=max(self.n, self.n_k),
-                      d=self.d, dtype=dtype, heads=heads)
+                      d=self.d, dtype=dtype, heads=heads, note=note)
 
     def __str__(self) -> str:
         unit = "entries" if self.level == "element" else "blocks"
