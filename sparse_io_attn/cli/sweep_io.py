@@ -8,7 +8,7 @@ Sources of each number (a column says which):
   from :mod:`sparse_io_attn.accounting.pebble`, whose tests check them against the exact
   two-level-memory executor.
 * ``kernel predicted``: the dense kernels' traffic model (:mod:`sparse_io_attn.dense.traffic`) at
-  the requested ``n``: bytes / dtype size = words.
+  the requested ``n`` on the paper's ``g = dL/dX`` path, fp32: bytes / 4 = words.
 * ``kernel counted``: the dense Triton kernels' own ``COUNT_IO`` counters (through the interpreter
   on a CPU, so only at a small ``--count-n``), next to the model at that same ``n``.
 * ``bound``: Theorem 1.1's two terms with unit constants (:func:`sparse_io_attn.bounds.dense_backward`).
@@ -56,38 +56,48 @@ def _dense_traffic():
     return C.optional_module("sparse_io_attn.dense.traffic", "the dense kernels' traffic model")
 
 
-def kernel_predicted(kind: str, n: int, d: int, M: int, dtype) -> int | None:
-    """Predicted bytes of the dense backward kernel ``kind`` ("small" or "large:<variant>")."""
+def _g_path(kind: str) -> tuple:
+    """The dense kernels on the paper's ``g = dL/dX`` path (what the executor and Figure 1 count)."""
+    if kind == "small":
+        return C.optional_module("sparse_io_attn.dense.small_cache", "the dense kernels").G_PATH
+    return C.optional_module("sparse_io_attn.dense.large_cache", "the dense kernels").G_PATH[kind.split(":")[1]]
+
+
+def kernel_predicted(kind: str, n: int, d: int, M: int) -> int | None:
+    """Predicted fp32 bytes of the dense backward kernels of ``kind`` ("small" or
+    "large:<variant>") on the ``dX`` path; ``None`` where the kernel cannot tile ``M``."""
     T = _dense_traffic()
     try:
         if kind == "small":
-            rep = T.backward_small_cache(n, d, M, dtype=dtype)
+            rep = T.small_cache_traffic(n, d, M, dtype=torch.float32, g_only=True)
         else:
-            rep = T.backward_large_cache(n, d, M, dtype=dtype, variant=kind.split(":")[1])
+            rep = T.large_cache_traffic(n, d, M, dtype=torch.float32, variant=kind.split(":")[1], g_only=True)
     except ValueError:
         return None
-    return rep.total_bytes if hasattr(rep, "total_bytes") else int(rep)
+    return rep.total_bytes
 
 
-def kernel_counted(kind: str, n: int, d: int, M: int, dtype) -> int | None:
-    """Bytes the dense backward kernel ``kind`` counts on random inputs of size ``n`` x ``d``."""
+def kernel_counted(kind: str, n: int, d: int, M: int) -> int | None:
+    """Bytes the dense backward kernels of ``kind`` count on the ``dX`` path (fp32 random inputs of
+    size ``n x d``; Triton's interpreter on a CPU)."""
+    import sparse_io_attn.kernels  # noqa: F401  (interpreter set-up before triton is imported)
     dense = C.optional_module("sparse_io_attn.dense", "counted kernel traffic")
     from ..accounting import IOCounter
     g = torch.Generator().manual_seed(0)
-    A1, A2, A3 = (torch.randn(n, d, generator=g, dtype=torch.float32).to(dtype) for _ in range(3))
-    X, Y = (torch.randn(d, d, generator=g, dtype=torch.float32).to(dtype) / d for _ in range(2))
-    dO = torch.randn(n, d, generator=g, dtype=torch.float32).to(dtype)
+    A1, A2, A3, dO = (torch.randn(n, d, generator=g) for _ in range(4))
+    X, Y = (torch.randn(d, d, generator=g) / d for _ in range(2))
     try:
         if kind == "small":
             with IOCounter() as io:
                 dense.backward_small_cache(A1, A2, A3, X, Y, dO, M=M)
         else:
-            O, lse = dense.forward(A1, A2, A3, X, Y)
+            O, lse = dense.forward(A1, A2, A3, X, Y, M=M)
             with IOCounter() as io:
                 dense.backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, M=M, variant=kind.split(":")[1])
     except ValueError:
         return None
-    return io.report.total_bytes
+    path = _g_path(kind)
+    return sum(k.total for name, k in io.report.kernels.items() if name in path)
 
 
 def _bound(n, d, M):
@@ -114,19 +124,22 @@ terms of Theorem 1.1 and their crossover M = d^2 marked."""
 
 def add_cache_args(p) -> None:
     p.add_argument("--seq-len", type=C.parse_count, default=2048, help="n (default 2048)")
-    p.add_argument("--head-dim", type=int, default=64, help="d (default 64)")
-    p.add_argument("--dtype", default="fp32", help="dtype of the kernels' bytes (default fp32)")
+    p.add_argument("--head-dim", type=int, default=128, help="d (default 128)")
     p.add_argument("--m-min", type=C.parse_count, default=None, help="smallest M in words (default d^2/16)")
     p.add_argument("--m-max", type=C.parse_count, default=None, help="largest M in words (default 16 d^2)")
     p.add_argument("--per-octave", type=int, default=2, help="M points per doubling (default 2)")
     p.add_argument("--count-n", type=C.parse_count, default=128,
                    help="n of the counted kernel runs (interpreter; 0 = none; default 128)")
+    p.add_argument("--count-m-min", type=C.parse_count, default=4096,
+                   help="counted runs only at M >= this (default 4096: 32 x 32 tiles; 16 x 16 tiles take "
+                        "minutes in the interpreter), at the powers of 4 in the range")
 
 
 def run_cache(args):
     n, d = args.seq_len, args.head_dim
-    dtype = C.parse_dtype(args.dtype)
-    es = torch.empty((), dtype=dtype).element_size()
+    dtype, es = torch.float32, 4  # kernel bytes / 4 = words: the dense kernels' intermediates are fp32
+    if not 16 <= d <= 256:
+        raise ValueError(f"--head-dim must be in 16..256, got {d}")
     m_min = args.m_min or max(16, d * d // 16)
     m_max = args.m_max or 16 * d * d
     if m_min >= m_max:
@@ -139,7 +152,7 @@ def run_cache(args):
     if d * d not in Ms and m_min <= d * d <= m_max:
         Ms = sorted(Ms + [d * d])
     header = C.machine_header(dtype)
-    header.update({"n": n, "d": d, "count_n": args.count_n, "units": "words (elements); kernel bytes / dtype size"})
+    header.update({"n": n, "d": d, "count_n": args.count_n, "units": "words (elements); kernel fp32 bytes / 4; dX path only"})
     notes, unavailable = [], set()
     rows = []
 
@@ -150,7 +163,9 @@ def run_cache(args):
             unavailable.add(str(e))
             return None
 
-    total = len(Ms) * (2 if args.count_n else 1)
+    count_Ms = [M for M in Ms if args.count_n and M >= args.count_m_min and M & (M - 1) == 0
+                and (M.bit_length() - 1) % 2 == 0]
+    total = len(Ms) + len(count_Ms)
     with C.progress(total, "sweep cache", enabled=not args.no_progress) as bar:
         for M in Ms:
             b = _bound(n, d, M)
@@ -160,29 +175,30 @@ def run_cache(args):
             for kind, _ in KINDS:
                 key = kind.replace("large:", "large_")
                 row[f"executor_{key}"] = attempt(executor_io, kind, n, d, M)
-                kb = attempt(kernel_predicted, kind, n, d, M, dtype)
+                kb = attempt(kernel_predicted, kind, n, d, M)
                 row[f"kernel_{key}_predicted"] = None if kb is None else kb / es
             rows.append(row)
             bar.update(note=f"M={M}")
-        if args.count_n:
-            for row in rows:
-                M = row["M"]
-                for kind, _ in KINDS:
-                    key = kind.replace("large:", "large_")
-                    kc = attempt(kernel_counted, kind, args.count_n, d, M, dtype)
-                    kp = attempt(kernel_predicted, kind, args.count_n, d, M, dtype)
-                    row[f"kernel_{key}_counted_at_count_n"] = None if kc is None else kc / es
-                    row[f"kernel_{key}_predicted_at_count_n"] = None if kp is None else kp / es
-                bar.update(note=f"counted M={M}")
+        for row in rows:
+            M = row["M"]
+            if M not in count_Ms:
+                continue
+            for kind, _ in KINDS:
+                key = kind.replace("large:", "large_")
+                kp = attempt(kernel_predicted, kind, args.count_n, d, M)
+                kc = None if kp is None else attempt(kernel_counted, kind, args.count_n, d, M)
+                row[f"kernel_{key}_counted_at_count_n"] = None if kc is None else kc / es
+                row[f"kernel_{key}_predicted_at_count_n"] = None if kp is None else kp / es
+            bar.update(note=f"counted M={M}")
     for u in sorted(unavailable):
         notes.append(f"unavailable: {u}")
-    notes += _cache_findings(rows, d)
+    notes += _cache_findings(rows, d, n)
     columns = [("M", "M words"), ("M_over_d2", "M/d^2"), ("bound", "bound (unit c.)"),
                ("executor_small", "exec Alg6"), ("executor_large_faithful", "exec Alg9"),
                ("executor_large_fa2", "exec Alg9-FA2"), ("kernel_small_predicted", "kernel small (pred)"),
                ("kernel_large_faithful_predicted", "kernel large (pred)"),
                ("kernel_large_fa2_predicted", "kernel FA2 (pred)")]
-    if args.count_n:
+    if count_Ms:
         columns += [("kernel_small_counted_at_count_n", f"small counted n={args.count_n}"),
                     ("kernel_small_predicted_at_count_n", f"small pred n={args.count_n}")]
     return "cache", header, rows, columns, notes, lambda path: plot_cache(rows, header, path)
@@ -207,8 +223,19 @@ def _crossover(rows, a, b):
     return None
 
 
-def _cache_findings(rows, d) -> list[str]:
+def _cache_findings(rows, d, n) -> list[str]:
     out = []
+    try:
+        fixed = _pebble().small_cache_m_independent(n, d)
+        for r in rows:
+            if r.get("executor_small"):
+                r["executor_small_m_dependent"] = r["executor_small"] - fixed
+        s = _slope(rows, "executor_small_m_dependent", 0, 1 - 1e-9)
+        if s is not None:
+            out.append(f"executor Alg. 6 less its M-independent 9n^2+3nd+d^2 words: slope {s:+.2f} for M < d^2 "
+                       f"(bound: -0.5)")
+    except (C.Unavailable, AttributeError):
+        pass
     for src in ("executor", "kernel"):
         suffix = "" if src == "executor" else "_predicted"
         a, bf, b2 = f"{src}_small{suffix}", f"{src}_large_faithful{suffix}", f"{src}_large_fa2{suffix}"
@@ -227,11 +254,12 @@ def _cache_findings(rows, d) -> list[str]:
             bits.append(f"large-cache moves no more than small-cache from M = {cross:,} ({cross / d / d:.3g} d^2)")
         if bits:
             out.append(f"{src}: " + "; ".join(bits) + " (log-log slopes include the M-independent parts)")
-    ratios = [r["kernel_small_counted_at_count_n"] / r["kernel_small_predicted_at_count_n"] for r in rows
-              if r.get("kernel_small_counted_at_count_n") and r.get("kernel_small_predicted_at_count_n")]
-    if ratios:
-        out.append(f"counted / predicted at --count-n for the small-cache kernel: min {min(ratios):.4f}, "
-                   f"max {max(ratios):.4f}")
+    pairs = [(r[f"kernel_{k}_counted_at_count_n"], r[f"kernel_{k}_predicted_at_count_n"]) for r in rows
+             for k in ("small", "large_faithful", "large_fa2") if r.get(f"kernel_{k}_counted_at_count_n") is not None]
+    if pairs:
+        same = sum(c == p for c, p in pairs)
+        out.append(f"kernels counted (COUNT_IO, Triton interpreter) == traffic model exactly at {same} of "
+                   f"{len(pairs)} (kernel, M) points at --count-n")
     return out
 
 
@@ -239,7 +267,8 @@ def plot_cache(rows, header, path) -> None:
     plt = C.pyplot()
     n, d, cn = header["n"], header["d"], header["count_n"]
     has_counted = any(r.get("kernel_small_counted_at_count_n") for r in rows)
-    fig, axes = plt.subplots(1, 2 if has_counted else 1, figsize=(12 if has_counted else 7, 5), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if has_counted else 1, figsize=(15 if has_counted else 10, 5.5), squeeze=False,
+                             gridspec_kw={"width_ratios": [1.6, 1]} if has_counted else None)
     ax = axes[0][0]
     M = [r["M"] for r in rows]
     colors = {"small": "tab:red", "large_faithful": "tab:blue", "large_fa2": "tab:green"}
@@ -257,14 +286,14 @@ def plot_cache(rows, header, path) -> None:
         _crossover(rows, "executor_small", "executor_large_faithful")
     if cross:
         ax.axvline(cross, color="tab:purple", lw=0.8, ls="--")
-        ax.text(cross, 0.02, f" measured crossover\n M={cross:,}", fontsize=8, color="tab:purple",
+        ax.text(cross, 0.02, f" kernels cross (model)\n M={cross:,}", fontsize=8, color="tab:purple",
                 va="bottom", transform=ax.get_xaxis_transform())
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("fast memory M (words)")
     ax.set_ylabel("backward I/O (words)")
     ax.set_title(f"Figure 1 reproduction: n={n}, d={d}", fontsize=10)
-    ax.legend(fontsize=6.5, loc="upper right")
+    ax.legend(fontsize=7, loc="lower left", ncol=2, framealpha=0.9)
     ax.grid(True, which="both", alpha=0.25)
     if has_counted:
         ax2 = axes[0][1]
@@ -277,7 +306,7 @@ def plot_cache(rows, header, path) -> None:
         ax2.set_xlabel("fast memory M (words)")
         ax2.set_ylabel("backward traffic (words)")
         ax2.set_title(f"kernels counted (Triton interpreter) vs model, n={cn}, d={d}", fontsize=10)
-        ax2.legend(fontsize=6.5)
+        ax2.legend(fontsize=7, loc="lower left", framealpha=0.9)
         ax2.grid(True, which="both", alpha=0.25)
     C.add_header_footnote(fig, header)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
@@ -338,8 +367,8 @@ def run_dim(args):
                        "bound": b.value_words, "compulsory": b.compulsory_words}
                 for kind, _ in KINDS:
                     key = kind.replace("large:", "large_")
-                    kb = attempt(kernel_predicted, kind, n, d, M, dtype)
-                    row[f"kernel_{key}"] = None if kb is None else kb / es
+                    kb = attempt(kernel_predicted, kind, n, d, M)
+                    row[f"kernel_{key}"] = None if kb is None else kb / 4
                     row[f"executor_{key}"] = attempt(executor_io, kind, n, d, M)
                 src = "kernel" if row.get("kernel_small") and row.get("kernel_large_faithful") else "executor"
                 s, l_ = row.get(f"{src}_small"), row.get(f"{src}_large_faithful")
