@@ -1,0 +1,109 @@
+"""The paper kernels' traffic model at sizes the interpreter cannot run (it equals the counters
+exactly: tests/test_paper_attention.py), Theorem 4.5 against it, the stress sweep, plan caching."""
+import math
+
+import pytest
+import torch
+
+from sparse_io_attn import paper
+from sparse_io_attn.paper import plan as plan_mod
+from sparse_io_attn.paper.stress import AXES, COLUMNS, format_table, make_operands, sparsity_sweep, stress_point
+from sparse_io_attn.sparse_matrix import BlockSparseMatrix
+
+
+def test_dense_and_fully_stored_operands_move_the_same_bytes():
+    g = torch.Generator().manual_seed(1)
+    n, d, b = 256, 64, 16
+    A1, A2, A3, X, Y = (torch.randn(s, generator=g) for s in ((n, d), (n, d), (n, d), (d, d), (d, d)))
+    full = lambda t, blk: BlockSparseMatrix.from_dense(t, blk)  # noqa: E731
+    qk_free = paper.predict_traffic(full(A1, (64, b)), full(A2, (64, b)), A3, full(X, (b, b)), Y)
+    dense = paper.predict_traffic(A1, A2, A3, X, Y)  # dense: tiles 64 (n) and 64 (d): other d tiles
+    assert qk_free.source == dense.source == "predicted"
+    same_tiles = paper.predict_traffic(A1, A2, A3, full(X, (b, b)), Y)  # X fixes the d tiles at 16
+    # the attention kernels move the same bytes; the A1 X product re-reads differ only by tile shape
+    for k in ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "paper_attn_bwd_preprocess"):
+        assert qk_free.kernels[k]._key()[1:] == same_tiles.kernels[k]._key()[1:], k
+    assert dense.kernels["paper_attn_fwd"].reads["a2"] == qk_free.kernels["paper_attn_fwd"].reads["a2"]
+
+
+def test_dense_forward_matches_closed_form():
+    """All dense, n a multiple of the blocks: every query block reads all of A2 and h once."""
+    n, d, dv, bm = 512, 64, 32, 64
+    t = lambda *s: torch.randn(*s)  # noqa: E731
+    rep = paper.predict_traffic(t(n, d), t(n, d), t(n, dv), t(d, d), t(dv, dv), backward=False)
+    fwd = rep.kernels["paper_attn_fwd"]
+    nqb = n // bm
+    assert fwd.reads["q"] == 4 * n * d and fwd.reads["a2"] == 4 * nqb * n * d and fwd.reads["h"] == 4 * nqb * n * dv
+    assert fwd.writes == {"o": 4 * n * dv, "lse": 4 * n}
+    assert fwd.reads.get("hsum", 0) == 0  # no structurally zero block
+    q = rep.kernels["paper_q"]  # Q = A1 X with 64 x 64 tiles: each A1 tile once per output column tile
+    assert q.reads["a1"] == 4 * n * d * (d // 64) and q.reads["x"] == 4 * d * d * nqb and q.writes["q"] == 4 * n * d
+
+
+@pytest.mark.parametrize("axis", AXES)
+@pytest.mark.parametrize("density", [0.05, 0.3, 1.0])
+def test_each_pass_is_above_compulsory_and_theorem_4_5_at_n2048(axis, density):
+    """Theorems F.3 (forward) and F.4 (backward) bound each pass alone; the model (== counters)
+    must sit above max(compulsory, bound) at M = the kernels' per-program fast memory."""
+    r = stress_point(2048, 128, axis, density, seed=int(density * 100) + AXES.index(axis))
+    assert r["source"] == "predicted"
+    floor = max(r["compulsory_words"], r["bound_words"])
+    assert r["bound_words"] > 0
+    assert r["fwd_words"] >= floor and r["bwd_words"] >= floor, r
+    assert r["fwd_ratio"] >= 1 and r["bwd_ratio"] >= 1
+
+
+def test_sparser_qk_pattern_moves_fewer_bytes():
+    totals = [stress_point(1024, 64, "QK", rho, seed=3)["total_words"] for rho in (0.1, 0.5, 1.0)]
+    assert totals[0] < totals[1] < totals[2]
+
+
+def test_sweep_rows_and_table():
+    rows = sparsity_sweep(256, 64, densities=(0.25, 1.0), axes=("A", "X"))
+    assert len(rows) == 4 and all(set(COLUMNS) <= set(r) for r in rows)
+    assert [r["axis"] for r in rows] == ["A", "A", "X", "X"]
+    A1 = make_operands(256, 64, 64, 16, "A", 0.25, seed=0)[0]
+    assert isinstance(A1, BlockSparseMatrix) and A1.nnz_blocks < A1.num_block_rows * A1.num_block_cols
+    table = format_table(rows)
+    assert table.count("\n") == 5 and "| A | 0.25 | 256 | predicted |" in table
+
+
+def test_counted_stress_point_equals_predicted():
+    counted = stress_point(64, 32, "A", 0.5, block_n=16, count=True, seed=4)
+    predicted = stress_point(64, 32, "A", 0.5, block_n=16, seed=4)
+    assert counted["source"] == "counted" and predicted["source"] == "predicted"
+    for k in ("fwd_words", "bwd_words", "index_bytes", "Z_A", "Z_AXA", "bound_words"):
+        assert counted[k] == predicted[k], k
+
+
+def test_plans_are_computed_once_and_cached():
+    A1, A2, A3, X, Y, qk = make_operands(128, 32, 32, 16, "QK", 0.5, seed=2)
+    before = plan_mod._CACHE.copy()
+    paper.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
+    added = [k for k in plan_mod._CACHE if k not in before]
+    assert added and {k[0] for k in added} == {"product", "attention"}
+    ids = {k: id(plan_mod._CACHE[k]) for k in added}
+    paper.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
+    assert all(id(plan_mod._CACHE[k]) == i for k, i in ids.items())
+    assert len([k for k in plan_mod._CACHE if k not in before]) == len(added)
+
+
+def test_product_plan_lists_exactly_the_structural_pairs():
+    g = torch.Generator().manual_seed(7)
+    a = torch.rand(5, 4, generator=g) < 0.5
+    b = torch.rand(4, 3, generator=g) < 0.5
+    amap = torch.full((5, 4), -1, dtype=torch.int32)
+    amap[a] = torch.arange(int(a.sum()), dtype=torch.int32)
+    bmap = torch.full((4, 3), -1, dtype=torch.int32)
+    bmap[b] = torch.arange(int(b.sum()), dtype=torch.int32)
+    out = plan_mod.structural_product(a, b)
+    omap = torch.full((5, 3), -1, dtype=torch.int32)
+    omap[out] = torch.arange(int(out.sum()), dtype=torch.int32)
+    p = plan_mod.product_plan(amap, bmap, omap)
+    assert p.num_tiles == int(out.sum())
+    for t in range(p.num_tiles):
+        i, j = int(p.i[t]), int(p.j[t])
+        ks = [int(k) for k in p.pair_k[p.pair_ptr[t]:p.pair_ptr[t + 1]]]
+        assert ks == [k for k in range(4) if a[i, k] and b[k, j]] and ks
+        assert int(p.tile[t]) == int(omap[i, j])
+    assert math.isclose(p.num_pairs, int((a.double() @ b.double()).sum()))
