@@ -1,0 +1,490 @@
+"""Backend ``"torch"``: block-sparse attention forward/backward in plain PyTorch (any device).
+
+Never builds the dense ``Nq x Nk`` score matrix. The work is cut into *chunks*; a chunk is one or
+a few batched matmuls ``S = Q_sel @ K_sel^T`` over whole query-block rows, so each row's softmax is
+exact in one step (no online rescaling):
+
+* A **unit** shares one layout mask and one K/V head: ``(b, kv head)`` with the query heads of its
+  GQA group stacked as extra rows when the layout is shared across heads, ``(b, query head)``
+  otherwise. Rows are ordered ``(position, head)`` inside a unit.
+* A **task** is a set of units x a set of query-block rows that have the **same kept-key list**
+  (all rows of a dense layout, the global rows of BigBird; identical rows of different layout
+  masks are merged). Its rows are stacked into one matmul and its keys are read once per unit.
+* The kept key blocks of a row are merged into one run. Contiguous runs are read as views (no
+  copy): one task batched over units, or a **strided** series of tasks whose row and key starts
+  advance by fixed steps (a sliding window: one matmul per unit over overlapping key windows).
+  Other tasks gather whole blocks with one ``index_select`` into a reused buffer.
+* Elements to drop (causal ``j > i`` inside blocks that straddle the diagonal, key padding past
+  ``seqlen_k``) are set to ``-inf`` only in the block columns that need it; blocks entirely above
+  the causal diagonal are removed from the plan.
+
+The plan depends only on the layout, ``(B, Hq, Hkv)``, ``causal`` and the device; it is built once
+and cached on the layout object (attribute ``_torch_path_plans``). Compute is float32 (fp16/bf16
+inputs are upcast; outputs are cast back). Scores are kept in base 2 (``Q`` is pre-scaled by
+``sm_scale * log2(e)``; ``exp2`` is about twice as fast as ``exp`` on CPU). The returned ``lse``
+is float32, natural log, ``-inf`` on rows with no kept key; such rows get output 0 and zero
+gradients.
+
+Backward recomputes ``P = exp2(S - lse2)`` per chunk (probabilities are never stored):
+``dV += P^T dO``, ``dS = P * (dO V^T - delta)`` with ``delta = rowsum(dO * O)``, ``dQ = sm_scale
+dS K``, ``dK += sm_scale dS^T Q``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import BlockSparseLayout
+
+# Score elements (fp32) per chunk, summed over the chunk's units: 8 MiB of scores, big enough for
+# efficient batched GEMMs, small enough to stay in the last-level cache between softmax passes and
+# below glibc's mmap threshold (fresh large buffers page-fault on every call).
+SCORE_BUDGET = 1 << 21
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+_PLAN_ATTR = "_torch_path_plans"
+
+
+# ------------------------------------------------------------------------------------------ plan
+@dataclass
+class _Task:
+    units: tuple[int, ...]
+    rows: tuple[int, ...]   # query blocks, stacked into one matmul
+    cols: tuple[int, ...]   # kept key blocks shared by these rows
+
+
+@dataclass
+class _Chunk:
+    """``steps`` matmuls of ``nb`` items each; an item is ``R`` query blocks x ``C`` key blocks.
+
+    kind ``"units"``: one step, items = the units ``u0 + i*du`` (kv ``kv0 + i*dkv``), all reading
+    query blocks ``[q0, q0+R)`` and key blocks ``[k0, k0+C)`` as views.
+    kind ``"strided"``: one step per unit (``units``/``kv_units``), items ``j < nb`` read query
+    blocks ``[q0 + j*qstep, +R)`` and key blocks ``[k0 + j*kstep, +C)`` as views.
+    kind ``"gather"``: one step; ``q_idx``/``k_idx`` are flat block ids (``unit*nqb + row``,
+    ``kv_unit*nkb + col``) of the ``nb`` items.
+    ``k_idx`` is also set for the strided kind (scatter-add of dK/dV over overlapping windows).
+    ``mask`` bool ``[nb or 1, R*BLOCK_SIZE_Q, 1, ncols]`` (True = drop) covers score columns
+    ``mask_cols``.
+    """
+    kind: str
+    steps: int
+    nb: int
+    R: int
+    C: int
+    units: list = field(default_factory=list)
+    kv_units: list = field(default_factory=list)
+    q0: int = 0
+    k0: int = 0
+    qstep: int = 0
+    kstep: int = 0
+    du: int = 0
+    dkv: int = 0
+    q_idx: torch.Tensor | None = None
+    k_idx: torch.Tensor | None = None
+    mask_cols: slice | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class _Plan:
+    num_units: int
+    heads_per_unit: int
+    chunks: list
+    max_scores: int        # largest chunk, in score elements
+    max_q_rows: int        # largest chunk, in gathered query rows (items x rows)
+    max_k_rows: int        # largest chunk, in gathered key rows
+
+
+def _unit_maps(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int):
+    """``(U, heads_per_unit, layout_index[U], kv_unit[U])``."""
+    stride_lb, stride_lh = layout.broadcast_strides(B, Hq)
+    group = Hq // Hkv
+    if layout.layout_heads == 1:
+        U = B * Hkv
+        return U, group, [(u // Hkv) * stride_lb for u in range(U)], list(range(U))
+    U = B * Hq
+    lidx = [(u // Hq) * stride_lb + (u % Hq) * stride_lh for u in range(U)]
+    return U, 1, lidx, [(u // Hq) * Hkv + (u % Hq) // group for u in range(U)]
+
+
+def _row_lists(layout: BlockSparseLayout, l: int, causal: bool) -> list[tuple[int, ...]]:
+    """Kept key blocks of each query-block row of mask ``l``, minus blocks fully above the causal
+    diagonal (every key position > every query position of the row)."""
+    bq, bk = layout.block_size
+    crow = layout.crow_indices[l].tolist()
+    col = layout.col_indices[crow[0]:crow[-1]].tolist()
+    base = crow[0]
+    rows = []
+    for r in range(layout.num_q_blocks):
+        cols = col[crow[r] - base:crow[r + 1] - base]
+        if causal:
+            last_q = min((r + 1) * bq, layout.seqlen_q) - 1
+            cols = [c for c in cols if c * bk <= last_q]
+        rows.append(tuple(cols))
+    return rows
+
+
+def _contiguous(ids) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+def _arith(xs) -> int | None:
+    """The common step of an arithmetic sequence, or None."""
+    if len(xs) < 2:
+        return 0
+    d = xs[1] - xs[0]
+    return d if all(b - a == d for a, b in zip(xs, xs[1:])) else None
+
+
+def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, causal: bool) -> list[_Task]:
+    """Rows with identical key lists (merged across masks), split to fit the score budget."""
+    bq, bk = layout.block_size
+    by_cols: dict[tuple, dict[int, list[int]]] = {}   # cols -> row -> units
+    for l, units in units_of.items():
+        for r, cols in enumerate(_row_lists(layout, l, causal)):
+            if cols:
+                by_cols.setdefault(cols, {}).setdefault(r, []).extend(units)
+    tasks = []
+    for cols, row_units in by_cols.items():
+        groups: dict[tuple, list[int]] = {}
+        for r in sorted(row_units):
+            groups.setdefault(tuple(sorted(row_units[r])), []).append(r)
+        for units, rows in groups.items():
+            per_row = len(units) * G * bq * len(cols) * bk
+            step = max(1, SCORE_BUDGET // per_row)
+            # split into contiguous pieces of at most `step` rows
+            pieces, cur = [], [rows[0]]
+            for r in rows[1:]:
+                if r == cur[-1] + 1 and len(cur) < step:
+                    cur.append(r)
+                else:
+                    pieces.append(cur)
+                    cur = [r]
+            pieces.append(cur)
+            # non-contiguous rows of one class can share a matmul (gathered); keep pieces if contiguous
+            if len(pieces) > 1 and all(len(p) == 1 for p in pieces):
+                pieces = [rows[i:i + step] for i in range(0, len(rows), step)]
+            tasks += [_Task(units, tuple(p), cols) for p in pieces]
+    return tasks
+
+
+def _drop_mask(rows, cols, layout: BlockSparseLayout, causal: bool):
+    """bool ``[len(rows)*bq, len(cols)*bk]`` (True = drop), or None if nothing is dropped."""
+    bq, bk = layout.block_size
+    qpos = (torch.tensor(rows).view(-1, 1) * bq + torch.arange(bq)).view(-1)
+    kpos = (torch.tensor(cols).view(-1, 1) * bk + torch.arange(bk)).view(-1)
+    drop = (kpos >= layout.seqlen_k).view(1, -1).expand(qpos.numel(), -1)
+    if causal:
+        drop = drop | (kpos.view(1, -1) > qpos.view(-1, 1))
+    return drop if bool(drop.any()) else None
+
+
+def _set_mask(ch: _Chunk, items: list, layout: BlockSparseLayout, causal: bool) -> None:
+    """``items``: (rows, cols) per item (or one entry shared by all items)."""
+    bk = layout.BLOCK_SIZE_KV
+    masks = [_drop_mask(rows, cols, layout, causal) for rows, cols in items]
+    if all(m is None for m in masks):
+        return
+    hit = torch.zeros(ch.C, dtype=torch.bool)
+    for m in masks:
+        if m is not None:
+            hit |= m.view(m.shape[0], ch.C, bk).any(dim=2).any(dim=0)
+    cols = hit.nonzero().view(-1).tolist()
+    ch.mask_cols = slice(cols[0] * bk, (cols[-1] + 1) * bk)
+    sub = [m[:, ch.mask_cols] if m is not None else None for m in masks]
+    like = next(m for m in sub if m is not None)
+    ch.mask = torch.stack([m if m is not None else torch.zeros_like(like) for m in sub]).unsqueeze(2)
+
+
+def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bool,
+                device: torch.device) -> _Plan:
+    bq, bk = layout.block_size
+    nqb, nkb = layout.num_q_blocks, layout.num_kv_blocks
+    U, G, lidx, kv_unit = _unit_maps(layout, B, Hq, Hkv)
+    units_of: dict[int, list[int]] = {}
+    for u, l in enumerate(lidx):
+        units_of.setdefault(l, []).append(u)
+
+    viewable, gathered = {}, {}
+    for t in _tasks(layout, units_of, G, causal):
+        key = (len(t.rows), len(t.cols))
+        if _contiguous(t.rows) and _contiguous(t.cols):
+            viewable.setdefault((t.units,) + key, []).append(t)
+        else:
+            gathered.setdefault(key, []).append(t)
+
+    chunks: list[_Chunk] = []
+    for (units, R, C), tasks in viewable.items():
+        per_item = G * R * bq * C * bk
+        tasks.sort(key=lambda t: t.rows[0])
+        kvs = [kv_unit[u] for u in units]
+        du, dkv = _arith(list(units)), _arith(kvs)
+        # strided series: row and key starts advancing by fixed steps, one matmul per unit
+        i = 0
+        while i < len(tasks):
+            j = i + 1
+            cap = max(1, SCORE_BUDGET // (per_item * len(units)))
+            if j < len(tasks) and tasks[j].cols[0] >= tasks[i].cols[0]:
+                qstep = tasks[j].rows[0] - tasks[i].rows[0]
+                kstep = tasks[j].cols[0] - tasks[i].cols[0]
+                while (j < len(tasks) and j - i < cap and tasks[j].rows[0] - tasks[j - 1].rows[0] == qstep
+                       and tasks[j].cols[0] - tasks[j - 1].cols[0] == kstep):
+                    j += 1
+            run = tasks[i:j]
+            t0 = run[0]
+            if len(run) == 1 and du is not None and dkv is not None:
+                ch = _Chunk("units", 1, len(units), R, C, list(units), kvs, q0=t0.rows[0], k0=t0.cols[0],
+                            du=du, dkv=dkv)
+                _set_mask(ch, [(t0.rows, t0.cols)], layout, causal)
+            else:
+                qstep = run[1].rows[0] - t0.rows[0] if len(run) > 1 else R
+                kstep = run[1].cols[0] - t0.cols[0] if len(run) > 1 else 0
+                ch = _Chunk("strided", len(units), len(run), R, C, list(units), kvs, q0=t0.rows[0],
+                            k0=t0.cols[0], qstep=qstep, kstep=kstep)
+                ch.k_idx = torch.tensor([kv * nkb + t.cols[0] + c for kv in kvs for t in run for c in range(C)],
+                                        dtype=torch.int64)
+                _set_mask(ch, [(t.rows, t.cols) for t in run], layout, causal)
+                if ch.mask is not None and ch.mask.shape[0] > 1 and all(
+                        torch.equal(ch.mask[0], m) for m in ch.mask[1:]):
+                    ch.mask = ch.mask[:1]
+            chunks.append(ch)
+            i = j
+    for (R, C), tasks in gathered.items():
+        per_item = G * R * bq * C * bk
+        cap = max(1, SCORE_BUDGET // per_item)
+        items = [(u, t) for t in tasks for u in t.units]
+        for i in range(0, len(items), cap):
+            part = items[i:i + cap]
+            ch = _Chunk("gather", 1, len(part), R, C)
+            ch.q_idx = torch.tensor([u * nqb + r for u, t in part for r in t.rows], dtype=torch.int64)
+            ch.k_idx = torch.tensor([kv_unit[u] * nkb + c for u, t in part for c in t.cols], dtype=torch.int64)
+            same = all(t is part[0][1] for _, t in part)
+            _set_mask(ch, [(t.rows, t.cols) for _, t in (part[:1] if same else part)], layout, causal)
+            chunks.append(ch)
+
+    for ch in chunks:
+        for name in ("q_idx", "k_idx", "mask"):
+            t = getattr(ch, name)
+            if t is not None:
+                setattr(ch, name, t.to(device))
+    max_scores = max((ch.steps * ch.nb * G * ch.R * bq * ch.C * bk for ch in chunks), default=0)
+    max_q = max((ch.steps * ch.nb * ch.R * bq for ch in chunks), default=0)
+    max_k = max((ch.steps * ch.nb * ch.C * bk for ch in chunks), default=0)
+    return _Plan(U, G, chunks, max_scores, max_q, max_k)
+
+
+def _get_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bool,
+              device: torch.device) -> _Plan:
+    cache = layout.__dict__.setdefault(_PLAN_ATTR, {})
+    key = (B, Hq, Hkv, bool(causal), str(device))
+    if key not in cache:
+        cache[key] = _build_plan(layout, B, Hq, Hkv, causal, device)
+    return cache[key]
+
+
+# ------------------------------------------------------------------------------ unit-major tensors
+def _q_units(x: torch.Tensor, G: int, Nqp: int, fill=0.0, scale=None) -> torch.Tensor:
+    """``[B, Hq, Nq, *tail]`` -> float32 contiguous ``[U, Nqp, G, *tail]`` (padding = ``fill``)."""
+    B, Hq, Nq = x.shape[:3]
+    tail = x.shape[3:]
+    xv = x.reshape(B * Hq // G, G, Nq, *tail).transpose(1, 2)
+    out = torch.empty(xv.shape[0], Nqp, G, *tail, dtype=torch.float32, device=x.device)
+    if scale is None:
+        out[:, :Nq].copy_(xv)
+    else:
+        torch.mul(xv, scale, out=out[:, :Nq])
+    if Nqp > Nq:
+        out[:, Nq:].fill_(fill)
+    return out
+
+
+def _from_q_units(x: torch.Tensor, B: int, Hq: int, Nq: int) -> torch.Tensor:
+    """``[U, Nqp, G, *tail]`` -> ``[B, Hq, Nq, *tail]``."""
+    return x[:, :Nq].transpose(1, 2).reshape(B, Hq, Nq, *x.shape[3:])
+
+
+def _kv_units(x: torch.Tensor, Nkp: int) -> torch.Tensor:
+    """``[B, Hkv, Nk, D]`` -> float32 contiguous ``[B*Hkv, Nkp, D]`` (zero padded)."""
+    B, H, Nk, D = x.shape
+    if Nkp == Nk and x.dtype == torch.float32 and x.is_contiguous():
+        return x.view(B * H, Nk, D)
+    out = torch.zeros(B * H, Nkp, D, dtype=torch.float32, device=x.device)
+    out[:, :Nk].copy_(x.reshape(B * H, Nk, D))
+    return out
+
+
+# --------------------------------------------------------------------------------- chunk access
+def _view(x: torch.Tensor, offset: int, size, stride) -> torch.Tensor:
+    return x.as_strided(size, stride, x.storage_offset() + offset)
+
+
+class _Exec:
+    """Per-call tensors and reused work buffers; turns chunks into views and matmuls."""
+
+    def __init__(self, plan: _Plan, bq: int, bk: int, D: int, device):
+        self.plan, self.bq, self.bk, self.G, self.D = plan, bq, bk, plan.heads_per_unit, D
+        f32 = dict(dtype=torch.float32, device=device)
+        self.buf_s = torch.empty(plan.max_scores, **f32)
+        self.buf_q = torch.empty(plan.max_q_rows * self.G * D, **f32)
+        self.buf_k = torch.empty(plan.max_k_rows * D, **f32)
+
+    # q side: x is [U, Nqp, G, *tail] contiguous; returns per-step [nb, R*bq*G, *tail]
+    def q_steps(self, x: torch.Tensor, ch: _Chunk, gather_buf: torch.Tensor | None = None) -> list:
+        bq, G = self.bq, self.G
+        Nqp = x.shape[1]
+        tail = tuple(x.shape[3:])
+        inner = math.prod(tail)
+        M = ch.R * bq * G
+        blk = bq * G * inner            # elements per query block of one unit
+        if ch.kind == "units":
+            return [_view(x, ch.units[0] * Nqp * G * inner + ch.q0 * blk, (ch.nb, M) + tail,
+                          (ch.du * Nqp * G * inner, inner) + ((1,) if tail else ()))]
+        if ch.kind == "strided":
+            return [_view(x, u * Nqp * G * inner + ch.q0 * blk, (ch.nb, M) + tail,
+                          (ch.qstep * blk, inner) + ((1,) if tail else ())) for u in ch.units]
+        blocks = x.view(-1, bq * G, *tail)
+        n = ch.q_idx.numel()
+        out = None if gather_buf is None else gather_buf[:n * blk].view(n, bq * G, *tail)
+        g = torch.index_select(blocks, 0, ch.q_idx, out=out) if out is not None else blocks.index_select(0, ch.q_idx)
+        return [g.view(ch.nb, M, *tail)]
+
+    # k side: x is [Ukv, Nkp, D] contiguous; returns per-step [nb, C*bk, D]
+    def k_steps(self, x: torch.Tensor, ch: _Chunk, buf: torch.Tensor | None) -> list:
+        bk, D = self.bk, self.D
+        Nkp = x.shape[1]
+        N = ch.C * bk
+        if ch.kind == "units":
+            return [_view(x, ch.kv_units[0] * Nkp * D + ch.k0 * bk * D, (ch.nb, N, D), (ch.dkv * Nkp * D, D, 1))]
+        if ch.kind == "strided":
+            return [_view(x, kv * Nkp * D + ch.k0 * bk * D, (ch.nb, N, D), (ch.kstep * bk * D, D, 1))
+                    for kv in ch.kv_units]
+        n = ch.k_idx.numel()
+        out = buf[:n * bk * D].view(n, bk, D)
+        torch.index_select(x.view(-1, bk, D), 0, ch.k_idx, out=out)
+        return [out.view(ch.nb, N, D)]
+
+    def scores(self, qs: list, ks: list, ch: _Chunk) -> torch.Tensor:
+        """``S = Q K^T`` (base-2 scale already in Q), dropped elements ``-inf``:
+        ``[steps * nb, R*bq*G, C*bk]`` in the score buffer."""
+        M, N = ch.R * self.bq * self.G, ch.C * self.bk
+        s = self.buf_s[:ch.steps * ch.nb * M * N].view(ch.steps, ch.nb, M, N)
+        for i, (a, b) in enumerate(zip(qs, ks)):
+            torch.bmm(a, b.transpose(1, 2), out=s[i])
+        if ch.mask is not None:
+            s5 = s.view(ch.steps, ch.nb, ch.R * self.bq, self.G, N)[..., ch.mask_cols]
+            s5.masked_fill_(ch.mask, float("-inf"))
+        return s.view(ch.steps * ch.nb, M, N)
+
+    def write_q(self, dst: torch.Tensor, val: torch.Tensor, ch: _Chunk) -> None:
+        """Store ``val [steps*nb, R*bq*G, *tail]`` at the chunk's query rows of ``dst [U, Nqp, G, *tail]``
+        (every (unit, query block) belongs to exactly one chunk)."""
+        if ch.kind == "gather":
+            blocks = dst.view(-1, self.bq * self.G, *dst.shape[3:])
+            blocks.index_copy_(0, ch.q_idx, val.reshape(-1, *blocks.shape[1:]))
+            return
+        for d, v in zip(self.q_steps(dst, ch), val.view(ch.steps, ch.nb, *val.shape[1:])):
+            d.copy_(v)
+
+    def add_k(self, dst: torch.Tensor, val: torch.Tensor, ch: _Chunk) -> None:
+        """``dst [Ukv, Nkp, D] += val [steps*nb, C*bk, D]`` at the chunk's key rows (overlaps add)."""
+        if ch.kind == "units" and ch.dkv != 0:
+            self.k_steps(dst, ch, None)[0].add_(val)
+            return
+        if ch.kind == "units":  # several items on one kv unit (stride 0): sum them first
+            self.k_steps(dst, ch, None)[0][:1].add_(val.sum(0, keepdim=True))
+            return
+        dst.view(-1, self.bk, self.D).index_add_(0, ch.k_idx, val.reshape(-1, self.bk, self.D))
+
+
+# ------------------------------------------------------------------------------------ interface
+def forward(q, k, v, layout: BlockSparseLayout, *, causal: bool, sm_scale: float):
+    """``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] float32 natural log)``."""
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    bq, bk = layout.block_size
+    Nqp, Nkp = layout.num_q_blocks * bq, layout.num_kv_blocks * bk
+    plan = _get_plan(layout, B, Hq, Hkv, causal, q.device)
+    ex = _Exec(plan, bq, bk, D, q.device)
+    G = plan.heads_per_unit
+
+    qu = _q_units(q, G, Nqp, scale=sm_scale * LOG2E)   # [U, Nqp, G, D], base-2 scores
+    ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
+    out = torch.zeros_like(qu)                          # rows without keys stay 0
+    lse = torch.full(qu.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    buf_v = torch.empty_like(ex.buf_k)
+    for ch in plan.chunks:
+        s = ex.scores(ex.q_steps(qu, ch, ex.buf_q), ex.k_steps(ku, ch, ex.buf_k), ch)
+        m = s.amax(dim=-1, keepdim=True)                # [n, M, 1]
+        if ch.mask is not None:                         # rows whose keys are all dropped
+            m.masked_fill_(m == float("-inf"), 0.0)
+        s.sub_(m).exp2_()                               # unnormalised p
+        l = s.sum(dim=-1, keepdim=True)
+        vs = ex.k_steps(vu, ch, buf_v)
+        o = torch.empty(ch.steps * ch.nb, s.shape[1], D, dtype=torch.float32, device=q.device)
+        ov = o.view(ch.steps, ch.nb, -1, D)
+        for i, (p_i, v_i) in enumerate(zip(s.view(ch.steps, ch.nb, *s.shape[1:]), vs)):
+            torch.bmm(p_i, v_i, out=ov[i])
+        o.div_(l.clamp(min=1e-30))                      # l == 0 only where o == 0
+        ex.write_q(out, o, ch)
+        ex.write_q(lse, (torch.log2(l).add_(m)).mul_(LN2).squeeze(-1), ch)
+    return _from_q_units(out, B, Hq, Nq).to(q.dtype), _from_q_units(lse, B, Hq, Nq)
+
+
+def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal: bool, sm_scale: float):
+    """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    bq, bk = layout.block_size
+    Nqp, Nkp = layout.num_q_blocks * bq, layout.num_kv_blocks * bk
+    plan = _get_plan(layout, B, Hq, Hkv, causal, q.device)
+    ex = _Exec(plan, bq, bk, D, q.device)
+    G = plan.heads_per_unit
+    dev = q.device
+
+    qu = _q_units(q, G, Nqp, scale=sm_scale * LOG2E)
+    dou = _q_units(do, G, Nqp)
+    delta = _q_units((do.float() * out.float()).sum(-1), G, Nqp)     # [U, Nqp, G]
+    # base-2 lse; rows with no key (-inf) and padded rows get +inf so that p = exp2(s - lse2) = 0
+    lse2 = _q_units(lse, G, Nqp, fill=float("inf"), scale=LOG2E)
+    lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
+    ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
+    dq = torch.zeros_like(qu)
+    dk = torch.zeros(ku.shape[0], Nkp, D, dtype=torch.float32, device=dev)
+    dv = torch.zeros_like(dk)
+    buf_v, buf_do = torch.empty_like(ex.buf_k), torch.empty_like(ex.buf_q)
+    buf_dp = torch.empty_like(ex.buf_s)
+    for ch in plan.chunks:
+        qs, dos = ex.q_steps(qu, ch, ex.buf_q), ex.q_steps(dou, ch, buf_do)
+        ks, vs = ex.k_steps(ku, ch, ex.buf_k), ex.k_steps(vu, ch, buf_v)
+        p = ex.scores(qs, ks, ch)
+        n, M, N = p.shape
+        p.sub_(ex.q_steps(lse2, ch)[0].reshape(n, M, 1) if ch.kind != "strided"
+               else torch.stack(ex.q_steps(lse2, ch)).view(n, M, 1)).exp2_()
+        d_s = buf_dp[:n * M * N].view(ch.steps, ch.nb, M, N)
+        dvs = torch.empty(ch.steps, ch.nb, N, D, dtype=torch.float32, device=dev)
+        p4 = p.view(ch.steps, ch.nb, M, N)
+        for i in range(ch.steps):
+            torch.bmm(p4[i].transpose(1, 2), dos[i], out=dvs[i])
+            torch.bmm(dos[i], vs[i].transpose(1, 2), out=d_s[i])          # dP
+        dlt = ex.q_steps(delta, ch)
+        dlt = dlt[0].reshape(n, M, 1) if ch.kind != "strided" else torch.stack(dlt).view(n, M, 1)
+        d_s = d_s.view(n, M, N)
+        d_s.sub_(dlt).mul_(p)                                               # dS (natural units)
+        dqs = torch.empty(ch.steps, ch.nb, M, D, dtype=torch.float32, device=dev)
+        dks = torch.empty(ch.steps, ch.nb, N, D, dtype=torch.float32, device=dev)
+        d_s4 = d_s.view(ch.steps, ch.nb, M, N)
+        for i in range(ch.steps):
+            torch.bmm(d_s4[i], ks[i], out=dqs[i])
+            torch.bmm(d_s4[i].transpose(1, 2), qs[i], out=dks[i])
+        ex.write_q(dq, dqs.view(n, M, D), ch)
+        ex.add_k(dk, dks.view(n, N, D), ch)
+        ex.add_k(dv, dvs.view(n, N, D), ch)
+    dq.mul_(sm_scale)
+    dk.mul_(LN2)                     # Q carried sm_scale * log2(e); dK needs sm_scale only
+    dq = _from_q_units(dq, B, Hq, Nq).to(q.dtype)
+    dk = dk[:, :Nk].reshape(B, Hkv, Nk, D).to(k.dtype)
+    dv = dv[:, :Nk].reshape(B, Hkv, Nk, D).to(v.dtype)
+    return dq, dk, dv
