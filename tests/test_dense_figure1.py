@@ -1,0 +1,74 @@
+"""Kernel-level Figure 1 from the dense kernels' exact traffic model (validated against the counted
+kernels in test_dense_kernels.py), at sizes beyond the interpreter: n = 8192, d in {128, 256}."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_io_attn.dense import figure1, traffic
+
+
+@pytest.fixture(scope="module", params=[128, 256], ids=lambda d: f"N8192-D{d}")
+def fig(request):
+    return figure1.summarize(8192, request.param, torch.float32)
+
+
+def test_small_cache_falls_as_inverse_sqrt_M(fig):
+    """M < d^2: the tiled-product reads of Algorithm 6 fall as M^(-1/2) (one point per tile size
+    B = 16, 32, ...); the total (with the M-independent n x n sweeps) falls, more slowly."""
+    assert all(M < fig["d2"] for M in fig["small_Ms"]) and len(fig["small_Ms"]) >= 2
+    assert fig["small_tiled_slope"] == pytest.approx(-0.5, abs=0.05)
+    assert -0.5 < fig["small_total_slope"] < -0.3
+
+
+@pytest.mark.parametrize("variant", ["faithful", "fa2"])
+def test_large_cache_falls_as_inverse_M(fig, variant):
+    """M >= d^2: the large-cache kernels' re-read traffic falls as M^(-1), the total nearly so."""
+    Ms = fig[f"{variant}_falling_Ms"]
+    assert len(Ms) >= 3 and Ms[0] >= fig["d2"]
+    assert fig[f"{variant}_reread_slope"] == pytest.approx(-1.0, abs=0.15)
+    assert -1.15 < fig[f"{variant}_slope"] < -0.8
+
+
+def test_faithful_plateaus_and_fa2_does_not(fig):
+    """Algorithm 9 as written caps its row block at B_r = d: its traffic stops falling (at 16 d^2
+    with the working-set-fitted tiles); the FlashAttention-2 loop order keeps falling up to M = nd."""
+    assert fig["faithful_plateau_from_M"] is not None
+    assert fig["d2"] <= fig["faithful_plateau_from_M"] <= 32 * fig["d2"]
+    assert fig["fa2_plateau_from_M"] is None
+    last = fig["rows"][-1]
+    assert last["fa2_g"] < last["faithful_g"]
+
+
+def test_small_beats_flashattention_style_below_crossing_within_4x_of_d2(fig):
+    """Small-cache range: the small-cache kernel moves fewer bytes than the FlashAttention-2-style
+    backward with tiles sized for the same M, below a crossing that lies within 4x of d^2."""
+    assert fig["crossing_M"] is not None
+    assert fig["d2"] / 4 <= fig["crossing_M"] <= 4 * fig["d2"]
+    assert fig["small_wins_below"]
+    compared = [r for r in fig["rows"] if r["M"] <= fig["d2"] / 4 and r["fa2_model_g"] is not None]
+    assert len(compared) >= 2  # (below ~5d words not even 1-row tiles of a d-wide schedule fit)
+    for r in compared:
+        assert r["small_g"] < r["fa2_model_g"], r["M"]
+
+
+def test_large_beats_small_at_and_above_d2(fig):
+    """Wherever the large-cache kernels run at M >= d^2, they move fewer bytes than Algorithm 6."""
+    rows = [r for r in fig["rows"] if r["M"] >= fig["d2"]]
+    assert rows
+    for r in rows:
+        for key in ("faithful_g", "fa2_g"):
+            if r[key] is not None:
+                assert r[key] < r["small_g"], (key, r["M"])
+
+
+def test_model_extension_agrees_where_the_kernel_runs(fig):
+    """fa2_model (tiles allowed below 16) equals the runnable fa2 schedule wherever both exist."""
+    both = [r for r in fig["rows"] if r["fa2_g"] is not None]
+    assert both and all(r["fa2_g"] == r["fa2_model_g"] for r in both)
+
+
+def test_g_path_is_a_subset_of_the_full_backward():
+    full = traffic.small_cache_traffic(8192, 256, 4096)
+    g = traffic.small_cache_traffic(8192, 256, 4096, g_only=True)
+    assert set(g.kernels) < set(full.kernels) and g.total_bytes < full.total_bytes
