@@ -63,62 +63,64 @@ def _wide_ptrs(base, tix, offs_r, offs_d, nb, stride_ta, stride_tb, stride_r, st
 
 @triton.jit
 def _bsr_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, colsum_ptr,
-    tile_ptr, tile_i_ptr, tile_j_ptr, pair_ptr_ptr, pair_a_ptr, pair_b_ptr, pair_k_ptr,
+    a_ptr, b_ptr, c_ptr, colsum_ptr, bmap_ptr, cmap_ptr, pair_ptr_ptr, pair_a_ptr, pair_k_ptr,
     a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c,
     b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c,
     c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c,
     stride_colsum_blk,
-    size_m, size_k, size_n,
+    size_m, size_k, size_n, num_n_tiles,
     io_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_COLSUM: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, N_PAD: tl.constexpr,
+    NT_PAD: tl.constexpr, WRITE_COLSUM: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    """One program per listed output tile of ``C = A B``: ``C[i, j] = sum_pairs A[i, k] B[k, j]``.
-    With ``WRITE_COLSUM`` also writes the tile's column sums (fp32) to ``colsum[i, j*BLOCK_N + :]``.
-    Counter slots: a, b, c, colsum, plan."""
-    pid = tl.program_id(0)
-    tile = tl.load(tile_ptr + pid)
-    i = tl.load(tile_i_ptr + pid)
-    j = tl.load(tile_j_ptr + pid)
-    start = tl.load(pair_ptr_ptr + pid)
-    end = tl.load(pair_ptr_ptr + pid + 1)
+    """One program per row block ``i`` of ``C = A B``, computing the whole row panel ``C[i, :]``
+    (all ``N_PAD`` columns): for each listed pair ``(A tile of (i, k), k)`` it loads the A tile once
+    and the row panel ``B[k, :]`` restricted to the tiles stored in both ``B[k, :]`` and ``C[i, :]``;
+    the panel is stored on ``C[i, :]``'s stored tiles. With ``WRITE_COLSUM`` it also writes the
+    panel's column sums (fp32) to ``colsum[i, :]``. Counter slots: a, b, c, colsum, plan
+    (pair lists and block-map rows)."""
+    i = tl.program_id(0)
+    start = tl.load(pair_ptr_ptr + i)
+    end = tl.load(pair_ptr_ptr + i + 1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, N_PAD)
     row_ok = i * BLOCK_M + offs_m < size_m
-    col_ok = j * BLOCK_N + offs_n < size_n
     n_rows = _nsum(row_ok)
-    n_cols = _nsum(col_ok)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    c_tix, b_plan = _row_tiles(cmap_ptr, i, num_n_tiles, offs_n, BLOCK_N, NT_PAD)
+    c_col = (c_tix >= 0) & (offs_n < size_n)
+    acc = tl.zeros([BLOCK_M, N_PAD], dtype=tl.float32)
     n_ab = n_rows * 0  # elements of A loaded
     n_bb = n_rows * 0  # elements of B loaded
     for p in range(start, end):
         ta = tl.load(pair_a_ptr + p)
-        tb = tl.load(pair_b_ptr + p)
         k = tl.load(pair_k_ptr + p)
         k_ok = k * BLOCK_K + offs_k < size_k
+        b_tix, b_map = _row_tiles(bmap_ptr, k, num_n_tiles, offs_n, BLOCK_N, NT_PAD)
+        b_col = c_col & (b_tix >= 0)
         a = tl.load(_tile_ptrs(a_ptr, ta, offs_m, offs_k, a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c),
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(_tile_ptrs(b_ptr, tb, offs_k, offs_n, b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c),
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc = _dot(a, b, acc, IEEE)  # [BLOCK_M, BLOCK_N]
+        b = tl.load(_wide_ptrs(b_ptr, b_tix, offs_k, offs_n, b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c,
+                               BLOCK_N), mask=k_ok[:, None] & b_col[None, :], other=0.0)  # [BLOCK_K, N_PAD]
+        acc = _dot(a, b, acc, IEEE)  # [BLOCK_M, N_PAD]
         if COUNT_IO:
             n_k = _nsum(k_ok)
             n_ab += n_rows * n_k
-            n_bb += n_k * n_cols
-    tl.store(_tile_ptrs(c_ptr, tile, offs_m, offs_n, c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c),
-             acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            n_bb += n_k * _nsum(b_col)
+            b_plan += b_map
+    out = acc.to(c_ptr.dtype.element_ty)
+    tl.store(_wide_ptrs(c_ptr, c_tix, offs_m, offs_n, c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c,
+                        BLOCK_N), out, mask=row_ok[:, None] & c_col[None, :])
     if WRITE_COLSUM:
-        colsum = tl.sum(acc.to(c_ptr.dtype.element_ty).to(tl.float32), axis=0)  # [BLOCK_N]; rows outside are 0
-        tl.store(colsum_ptr + i * stride_colsum_blk + j * BLOCK_N + offs_n, colsum, mask=col_ok)
+        colsum = tl.sum(out.to(tl.float32), axis=0)  # [N_PAD]; rows outside the matrix are 0
+        tl.store(colsum_ptr + i * stride_colsum_blk + offs_n, colsum, mask=c_col)
     if COUNT_IO:
-        tl.atomic_add(io_ptr + 0, n_ab * a_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        tl.atomic_add(io_ptr + 2, n_bb * b_ptr.dtype.element_ty.primitive_bitwidth // 8)
-        tl.atomic_add(io_ptr + 5, n_rows * n_cols * c_ptr.dtype.element_ty.primitive_bitwidth // 8)
+        tl.atomic_add(io_ptr + 0, n_ab * (a_ptr.dtype.element_ty.primitive_bitwidth // 8))
+        tl.atomic_add(io_ptr + 2, n_bb * (b_ptr.dtype.element_ty.primitive_bitwidth // 8))
+        tl.atomic_add(io_ptr + 5, n_rows * _nsum(c_col) * (c_ptr.dtype.element_ty.primitive_bitwidth // 8))
         if WRITE_COLSUM:
-            tl.atomic_add(io_ptr + 7, n_cols * 4)
-        tl.atomic_add(io_ptr + 8, (5 + 3 * (end - start)).to(tl.int64) * 4)
+            tl.atomic_add(io_ptr + 7, _nsum(c_col) * 4)
+        tl.atomic_add(io_ptr + 8, b_plan + (2 + 2 * (end - start)).to(tl.int64) * 4)
 
 
 @triton.jit

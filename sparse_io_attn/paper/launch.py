@@ -39,26 +39,29 @@ def _dummy(device) -> torch.Tensor:
 
 def matmul(kernel: str, A: Operand, B: Operand, C: Operand, plan: ProductPlan,
            colsum: torch.Tensor | None = None) -> None:
-    """``C[stored tiles] = A @ B`` following ``plan``; ``colsum`` (fp32 ``[C row blocks, C cols
-    padded]``) receives each tile's column sums."""
+    """``C[stored tiles] = A @ B`` following ``plan`` (one program per row block of C); ``colsum``
+    (fp32 ``[C row blocks, >= C cols]``) receives each row panel's column sums."""
     assert A.block[1] == B.block[0] and C.block == (A.block[0], B.block[1]), (A.block, B.block, C.block)
-    if plan.num_tiles == 0:
+    if plan.num_rows == 0:
         return
     device = C.data.device
     io = kernel_io(kernel, (A.name, B.name, C.name, "hsum" if colsum is not None else "colsum", "plan"), device)
-    K._bsr_matmul_kernel[(plan.num_tiles,)](
+    K._bsr_matmul_kernel[(plan.num_rows,)](
         a_ptr=A.data, b_ptr=B.data, c_ptr=C.data, colsum_ptr=colsum if colsum is not None else C.data,
-        tile_ptr=plan.tile, tile_i_ptr=plan.i, tile_j_ptr=plan.j, pair_ptr_ptr=plan.pair_ptr,
-        pair_a_ptr=plan.pair_a, pair_b_ptr=plan.pair_b, pair_k_ptr=plan.pair_k,
-        **A.strides("a"), **B.strides("b"), **C.strides("c"),
+        bmap_ptr=B.block_map, cmap_ptr=C.block_map, pair_ptr_ptr=plan.pair_ptr, pair_a_ptr=plan.pair_a,
+        pair_k_ptr=plan.pair_k, **A.strides("a"), **B.strides("b"), **C.strides("c"),
         stride_colsum_blk=colsum.stride(0) if colsum is not None else 0,
-        size_m=A.shape[0], size_k=A.shape[1], size_n=B.shape[1],
+        size_m=A.shape[0], size_k=A.shape[1], size_n=B.shape[1], num_n_tiles=C.block_map.shape[1],
         io_ptr=io.buffer if io else _dummy(device),
-        BLOCK_M=A.block[0], BLOCK_K=A.block[1], BLOCK_N=B.block[1],
+        BLOCK_M=A.block[0], BLOCK_K=A.block[1], BLOCK_N=B.block[1], **panel_meta(B.shape[1], C.block_map.shape[1]),
         WRITE_COLSUM=colsum is not None, IEEE=_ieee(A.data.dtype), COUNT_IO=io is not None,
     )
     if io:
         io.commit()
+
+
+def panel_meta(n_cols: int, n_tiles: int) -> dict:
+    return dict(N_PAD=max(16, next_pow2(n_cols)), NT_PAD=max(2, next_pow2(n_tiles)))
 
 
 def _grad_buffer(op: Operand) -> torch.Tensor:
@@ -94,7 +97,7 @@ def forward(A1: Operand, X: Operand, A2: Operand, A3: Operand, Y: Operand, q_map
     H = dense_operand("h", h, (A3.block[0], Y.block[1]))
     hsum = None
     if plan.has_zero:
-        hsum = torch.zeros(H.block_map.shape[0], H.block_map.shape[1] * Y.block[1], dtype=torch.float32, device=device)
+        hsum = torch.zeros(H.block_map.shape[0], dv, dtype=torch.float32, device=device)
     matmul("paper_h", A3, Y, H, product_plan(A3.block_map, Y.block_map, H.block_map), colsum=hsum)
     o = torch.empty(nq, dv, dtype=A1.data.dtype, device=device)
     lse = torch.empty(nq, dtype=torch.float32, device=device)

@@ -1,8 +1,8 @@
 """Symbolic (structure-only) plans, computed once on the host and cached.
 
-* :func:`product_plan`: for ``C = A B`` on an output block pattern, the list of output tiles and,
-  per output tile, the pairs ``(A tile, B tile, k)`` whose blocks are both stored. This is the
-  symbolic phase of a sparse product; the numeric phase (the kernel) only walks the list.
+* :func:`product_plan`: for ``C = A B`` on an output block pattern, per output row block ``i`` the
+  ``k`` whose A tile ``(i, k)`` is stored and whose B row ``k`` meets C's stored tiles of row ``i``.
+  This is the symbolic phase of a sparse product; the numeric phase (the kernel) walks the list.
 * :func:`attention_plan`: the score blocks of ``(A1 X) A2^T`` that are structurally nonzero and in
   the QK pattern ("kept", CSR + CSC), and the QK blocks whose scores are structurally zero ("zero":
   their scores are exactly 0, which still enters the softmax as ``exp(0 - m)``).
@@ -50,19 +50,16 @@ def _cached(kind: str, key: tuple, build):
 
 @dataclass(frozen=True)
 class ProductPlan:
-    """Output tiles ``tile/i/j [T]`` (row-major over the output pattern) and their pairs in CSR form:
-    tile ``p`` owns pairs ``pair_ptr[p]:pair_ptr[p+1]`` of ``pair_a, pair_b, pair_k`` (all int32)."""
-    tile: torch.Tensor
-    i: torch.Tensor
-    j: torch.Tensor
+    """Row-panel plan of ``C = A B``: output row block ``i`` owns pairs ``pair_ptr[i]:pair_ptr[i+1]``
+    of ``pair_a`` (A's tile id at ``(i, k)``) and ``pair_k`` (int32): the ``k`` whose A tile is stored
+    and whose B row ``k`` shares a stored column tile with C's row ``i``."""
     pair_ptr: torch.Tensor
     pair_a: torch.Tensor
-    pair_b: torch.Tensor
     pair_k: torch.Tensor
 
     @property
-    def num_tiles(self) -> int:
-        return int(self.tile.numel())
+    def num_rows(self) -> int:
+        return int(self.pair_ptr.numel()) - 1
 
     @property
     def num_pairs(self) -> int:
@@ -74,22 +71,19 @@ class ProductPlan:
 
 def product_plan(a_map: torch.Tensor, b_map: torch.Tensor, out_map: torch.Tensor) -> ProductPlan:
     """Plan ``C = A B``: ``a_map [I, K]``, ``b_map [K, J]``, ``out_map [I, J]`` (tile ids, -1 absent).
-    Every stored output tile is listed (also those with no pair: they are written as zeros)."""
+    Every row block of C gets a program (rows with stored tiles but no pair are written as zeros)."""
     if a_map.shape[1] != b_map.shape[0] or out_map.shape != (a_map.shape[0], b_map.shape[1]):
         raise ValueError(f"product_plan: block maps do not chain: {tuple(a_map.shape)} x "
                          f"{tuple(b_map.shape)} -> {tuple(out_map.shape)}")
 
     def build():
         a, b, o = a_map.cpu().to(torch.int64), b_map.cpu().to(torch.int64), out_map.cpu().to(torch.int64)
-        out_pres = o >= 0
-        both = (a >= 0)[:, None, :] & (b >= 0).t()[None, :, :] & out_pres[:, :, None]  # [I, J, K]
-        ii, jj, kk = both.nonzero(as_tuple=True)  # lexicographic (i, j, k): grouped by output tile
-        oi, oj = out_pres.nonzero(as_tuple=True)
-        counts = both.sum(dim=2)[oi, oj]
-        ptr = torch.zeros(oi.numel() + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=ptr[1:])
-        i32 = lambda t: t.to(INDEX_DTYPE)  # noqa: E731
-        return ProductPlan(i32(o[oi, oj]), i32(oi), i32(oj), i32(ptr), i32(a[ii, kk]), i32(b[kk, jj]), i32(kk))
+        reach = ((o >= 0).to(torch.float32) @ (b >= 0).t().to(torch.float32)) > 0  # [I, K]: some shared j
+        pairs = (a >= 0) & reach
+        ii, kk = pairs.nonzero(as_tuple=True)  # row-major: grouped by output row block
+        ptr = torch.zeros(a.shape[0] + 1, dtype=torch.int64)
+        torch.cumsum(pairs.sum(dim=1), 0, out=ptr[1:])
+        return ProductPlan(ptr.to(INDEX_DTYPE), a[ii, kk].to(INDEX_DTYPE), kk.to(INDEX_DTYPE))
 
     dev = a_map.device
     return _cached("product", (_key(a_map, b_map, out_map), str(dev)), lambda: build().to(dev))

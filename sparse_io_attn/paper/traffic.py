@@ -14,7 +14,8 @@ blocks of ``Q = A1 X`` and ``A2``; ``es``: element size; indices are 4-byte int3
 * backward dkv, key block ``j``: a2 and h once; per kept ``(i, j)``: q ``rows(i) w(Pq[i] & Pa2[j])``,
   dO, lse, delta; per zero ``(i, j)``: one fp32 ``w`` row. dq, query block ``i``: q, dO, lse, delta
   once; per kept ``(i, j)``: a2 ``keys(j) w(Pq[i] & Pa2[j])`` and h.
-* products ``C = A B``: per listed output tile, its pairs' A and B tiles (in-bounds parts), one C tile.
+* products ``C = A B`` (one program per row block ``i`` of C): per pair ``(i, k)`` the A tile and
+  B's row ``k`` on the column tiles stored in both ``B[k, :]`` and ``C[i, :]``; one C row panel.
 """
 from __future__ import annotations
 
@@ -35,22 +36,29 @@ def _extent(total: int, block: int, count: int) -> torch.Tensor:
 
 def _matmul(rep: TrafficReport, kernel: str, A: Operand, B: Operand, C: Operand, plan: ProductPlan,
             colsum: bool = False) -> None:
-    if plan.num_tiles == 0:
+    """Row-panel product ``C = A B``: per pair ``(i, k)`` one A tile and B's row ``k`` on the column
+    tiles stored in both ``B[k, :]`` and ``C[i, :]``; per row block ``i`` one C panel on its stored
+    tiles. Index bytes ("plan"): per row block 2 pointers + C's block-map row, per pair 2 ints + B's
+    block-map row."""
+    if plan.num_rows == 0:
         return
     rows = _extent(A.shape[0], A.block[0], A.block_map.shape[0])
     kw = _extent(A.shape[1], A.block[1], A.block_map.shape[1])
-    cols = _extent(B.shape[1], B.block[1], B.block_map.shape[1])
-    ti, tj = plan.i.cpu().long(), plan.j.cpu().long()
+    nct = C.block_map.shape[1]
+    cw = _extent(C.shape[1], C.block[1], nct)
+    cpres = (C.block_map >= 0).cpu().long()
+    bpres = (B.block_map >= 0).cpu().long()
     ptr = plan.pair_ptr.cpu().long()
-    pi = torch.repeat_interleave(ti, ptr[1:] - ptr[:-1])
-    pj = torch.repeat_interleave(tj, ptr[1:] - ptr[:-1])
+    pi = torch.repeat_interleave(torch.arange(plan.num_rows), ptr[1:] - ptr[:-1])
     pk = plan.pair_k.cpu().long()
+    both_w = (cpres[pi] * bpres[pk]) @ cw  # [pairs]
+    c_w = cpres @ cw  # [I]
     reads = {A.name: int((rows[pi] * kw[pk]).sum()) * A.element_size,
-             B.name: int((kw[pk] * cols[pj]).sum()) * B.element_size,
-             "plan": 4 * (5 * plan.num_tiles + 3 * plan.num_pairs)}
-    writes = {C.name: int((rows[ti] * cols[tj]).sum()) * C.element_size}
+             B.name: int((kw[pk] * both_w).sum()) * B.element_size,
+             "plan": plan.num_rows * (8 + 4 * nct) + plan.num_pairs * (8 + 4 * nct)}
+    writes = {C.name: int((rows * c_w).sum()) * C.element_size}
     if colsum:
-        writes["hsum"] = 4 * int(cols[tj].sum())
+        writes["hsum"] = 4 * int(c_w.sum())
     rep.add(kernel, reads, writes)
 
 
@@ -153,7 +161,7 @@ def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     * backward dkv: ``a2, da2 [BN, D] + h, dh [BN, DV] + q [BM, D] + dO [BM, DV] + s/p, dp, ds
       [BM, BN] + lse, delta [BM]`` (the largest);
     * backward dq: ``q, dq [BM, D] + dO [BM, DV] + a2 [BN, D] + h [BN, DV] + 3 [BM, BN] + 2 [BM]``;
-    * products: ``A [BM, BK] + B [BK, BN] + C [BM, BN]``.
+    * products (row panels): ``A [BM, BK] + B [BK, N] + C [BM, N]``.
 
     This is the ``M`` at which Theorem 4.5 is evaluated against counted traffic: each program
     moves its data between global memory and a private fast memory of this size.
@@ -166,6 +174,12 @@ def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     fwd = bm * D + bm * DV + bn * D + bn * DV + bm * bn + 2 * bm + DV
     dkv = 2 * bn * D + 2 * bn * DV + bm * D + bm * DV + 3 * bm * bn + 2 * bm
     dq = 2 * bm * D + bm * DV + bn * D + bn * DV + 3 * bm * bn + 2 * bm
-    mm = max(bm * blocks.d1 + blocks.d1 * blocks.d2 + bm * blocks.d2,
-             bn * blocks.d3 + blocks.d3 * blocks.dv + bn * blocks.dv)
+    def panel(bi, bk, ncols):
+        npad = max(16, next_pow2(ncols))
+        return bi * bk + bk * npad + bi * npad
+
+    d1, d2, d3, dv = X.shape[0], X.shape[1], A3.shape[1], Y.shape[1]
+    mm = max(panel(bm, blocks.d1, d2), panel(bn, blocks.d3, dv),  # Q = A1 X, H = A3 Y
+             panel(bm, blocks.d2, d1), panel(blocks.d1, bm, d2),  # dA1 = dQ X^T, dX = A1^T dQ
+             panel(bn, blocks.dv, d3), panel(blocks.d3, bn, dv))  # dA3 = dH Y^T, dY = A3^T dH
     return max(fwd, dkv, dq, mm)
