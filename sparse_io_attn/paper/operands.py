@@ -170,7 +170,7 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
     bn = pick("key (A2 rows)", ("A2", blk(A2, 0)), ("qk_layout", qb[1]))
     bd1 = pick("A1 column / X row", ("A1", blk(A1, 1)), ("X", blk(X, 0)))
     bd2 = pick("X column / A2 column", ("X", blk(X, 1)), ("A2", blk(A2, 1)))
-    d3, dv = d3, _shape(Y)[1]
+    dv = _shape(Y)[1]
     blocks = Blocks(
         m=bm or DEFAULT_BLOCK, n=bn or DEFAULT_BLOCK,
         d1=bd1 or min(DEFAULT_BLOCK, max(16, next_pow2(d1))),
