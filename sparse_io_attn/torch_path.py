@@ -41,7 +41,7 @@ from .layout import BlockSparseLayout
 # Score elements (fp32) per chunk, summed over the chunk's units: 8 MiB of scores, big enough for
 # efficient batched GEMMs, small enough to stay in the last-level cache between softmax passes and
 # below glibc's mmap threshold (fresh large buffers page-fault on every call).
-SCORE_BUDGET = 1 << 21
+SCORE_BUDGET = int(__import__("os").environ.get("SIA_BUDGET", 1 << 21))
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 _PLAN_ATTR = "_torch_path_plans"
@@ -96,6 +96,7 @@ class _Plan:
     max_scores: int        # largest chunk, in score elements
     max_q_rows: int        # largest chunk, in gathered query rows (items x rows)
     max_k_rows: int        # largest chunk, in gathered key rows
+    has_empty_rows: bool   # some (unit, query block) keeps no key block: its output must be zeroed
 
 
 def _unit_maps(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int):
@@ -139,14 +140,18 @@ def _arith(xs) -> int | None:
     return d if all(b - a == d for a, b in zip(xs, xs[1:])) else None
 
 
-def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, causal: bool) -> list[_Task]:
-    """Rows with identical key lists (merged across masks), split to fit the score budget."""
+def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, causal: bool) -> tuple[list[_Task], bool]:
+    """Rows with identical key lists (merged across masks), split to fit the score budget; and
+    whether some row keeps no key block."""
     bq, bk = layout.block_size
     by_cols: dict[tuple, dict[int, list[int]]] = {}   # cols -> row -> units
+    has_empty = False
     for l, units in units_of.items():
         for r, cols in enumerate(_row_lists(layout, l, causal)):
             if cols:
                 by_cols.setdefault(cols, {}).setdefault(r, []).extend(units)
+            else:
+                has_empty = True
     tasks = []
     for cols, row_units in by_cols.items():
         groups: dict[tuple, list[int]] = {}
@@ -168,7 +173,7 @@ def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, causal: bool) -> l
             if len(pieces) > 1 and all(len(p) == 1 for p in pieces):
                 pieces = [rows[i:i + step] for i in range(0, len(rows), step)]
             tasks += [_Task(units, tuple(p), cols) for p in pieces]
-    return tasks
+    return tasks, has_empty
 
 
 def _drop_mask(rows, cols, layout: BlockSparseLayout, causal: bool):
@@ -209,7 +214,8 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
         units_of.setdefault(l, []).append(u)
 
     viewable, gathered = {}, {}
-    for t in _tasks(layout, units_of, G, causal):
+    tasks, has_empty = _tasks(layout, units_of, G, causal)
+    for t in tasks:
         key = (len(t.rows), len(t.cols))
         if _contiguous(t.rows) and _contiguous(t.cols):
             viewable.setdefault((t.units,) + key, []).append(t)
@@ -273,7 +279,7 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
     max_scores = max((ch.steps * ch.nb * G * ch.R * bq * ch.C * bk for ch in chunks), default=0)
     max_q = max((ch.steps * ch.nb * ch.R * bq for ch in chunks), default=0)
     max_k = max((ch.steps * ch.nb * ch.C * bk for ch in chunks), default=0)
-    return _Plan(U, G, chunks, max_scores, max_q, max_k)
+    return _Plan(U, G, chunks, max_scores, max_q, max_k, has_empty)
 
 
 def _get_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bool,
@@ -294,8 +300,11 @@ def _q_units(x: torch.Tensor, G: int, Nqp: int, fill=0.0, scale=None) -> torch.T
     out = torch.empty(xv.shape[0], Nqp, G, *tail, dtype=torch.float32, device=x.device)
     if scale is None:
         out[:, :Nq].copy_(xv)
-    else:
+    elif x.dtype in (torch.float32, torch.float64):
         torch.mul(xv, scale, out=out[:, :Nq])
+    else:  # scale after the upcast: a low-precision product would round the scores
+        out[:, :Nq].copy_(xv)
+        out[:, :Nq].mul_(scale)
     if Nqp > Nq:
         out[:, Nq:].fill_(fill)
     return out
@@ -412,8 +421,11 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal: bool, sm_scale: float
 
     qu = _q_units(q, G, Nqp, scale=sm_scale * LOG2E)   # [U, Nqp, G, D], base-2 scores
     ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
-    out = torch.zeros_like(qu)                          # rows without keys stay 0
-    lse = torch.full(qu.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(qu)
+    lse = torch.empty(qu.shape[:3], dtype=torch.float32, device=q.device)
+    if plan.has_empty_rows:                             # rows without keys: out 0, lse -inf
+        out.zero_()
+        lse.fill_(float("-inf"))
     buf_v = torch.empty_like(ex.buf_k)
     for ch in plan.chunks:
         s = ex.scores(ex.q_steps(qu, ch, ex.buf_q), ex.k_steps(ku, ch, ex.buf_k), ch)
@@ -451,7 +463,7 @@ def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal: bool, 
     lse2 = _q_units(lse, G, Nqp, fill=float("inf"), scale=LOG2E)
     lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
     ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
-    dq = torch.zeros_like(qu)
+    dq = torch.zeros_like(qu) if plan.has_empty_rows else torch.empty_like(qu)
     dk = torch.zeros(ku.shape[0], Nkp, D, dtype=torch.float32, device=dev)
     dv = torch.zeros_like(dk)
     buf_v, buf_do = torch.empty_like(ex.buf_k), torch.empty_like(ex.buf_q)
