@@ -46,7 +46,8 @@ plus the O(n d) dense value path. So measured/bound grows steadily as A1/A2 get 
 measured/max(compulsory, bound) peaks at intermediate density (where the bound still exceeds the
 compulsory traffic but the score pattern is still nearly dense) before the compulsory traffic
 becomes the floor. With unit constants this cannot say whether the kernels or the bound are loose
-there; the bound's large-cache term is blind to Z_AXA, so it cannot be tight under heavy fill-in.
+there; what it shows is that the bound's large-cache term does not depend on Z_AXA, while the
+traffic of these kernels is driven by it (fill-in).
 (2) Sparse X: Z_X enters the bound only through Z_A Z_X (small next to Z_A^2) and Z_AX; the
 traffic falls somewhat (Q/A2 tiles of absent X columns are never loaded), so the ratio falls.
 (3) Sparse QK pattern: the traffic falls with the kept blocks and the bound moves to its
