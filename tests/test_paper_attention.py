@@ -287,3 +287,24 @@ def test_errors(over, kw, err, match):
     ops = _ops(**over)
     with pytest.raises(err, match=match):
         paper.attention(ops["A1"], ops["A2"], ops["A3"], ops["X"], ops["Y"], **kw)
+
+
+def test_auto_backend_is_torch_on_cpu_and_block_sparse_weights_train():
+    """backend="auto" on a CPU runs the torch path; a pruned X (nn.Parameter values) trains on its
+    pattern: SGD steps lower the loss and leave the pattern unchanged."""
+    ops, qk, _ = make_case(64, 64, 32, 32, 32, 32, 16, 16, 16, (None, 0.5, None), 0.7, seed=9)
+    A1, A2, A3, X, Y = ops
+    assert torch.equal(paper.attention(A1, A2, A3, X, Y, qk_layout=qk),
+                       paper.attention(A1, A2, A3, X, Y, qk_layout=qk, backend="torch"))
+    X.values = torch.nn.Parameter(X.values.detach().clone())
+    target = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD([X.values], lr=0.5)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = ((paper.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=0.2) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert X.values.grad.shape == X.values.shape and X.nnz_blocks == X.to_block_mask().sum()
