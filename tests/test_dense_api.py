@@ -85,7 +85,7 @@ def test_choose_regime(d, M, variant, expect):
 
 
 def test_min_large_cache_M_is_tight():
-    for d in (16, 24, 32, 128, 256):
+    for d in (8, 12, 16, 24, 32, 128, 256):
         for variant in ("faithful", "fa2"):
             m = dense.min_large_cache_M(d, variant)
             for k in tiling.large_cache_kernels(variant):
@@ -96,10 +96,10 @@ def test_min_large_cache_M_is_tight():
 
 
 # every M the dense tests use (test_dense_kernels.py, this file) and the Figure-1 sweep
-_TEST_MS = sorted({1024, 2048, 2080, 2592, 4096, 8192, 12832, 32768, 65536, 94752} | {1 << k for k in range(10, 22)})
+_TEST_MS = sorted({1024, 2048, 2080, 2592, 3072, 4096, 8192, 12832, 32768, 65536, 94752} | {1 << k for k in range(10, 22)})
 
 
-@pytest.mark.parametrize("d", [16, 24, 32, 128, 256])
+@pytest.mark.parametrize("d", [8, 12, 16, 24, 32, 128, 256])
 def test_working_sets_fit_M(d):
     """Each kernel's declared per-program working set (words) is <= M for every M it runs at, and
     the tiles follow the paper: B = pow2 <= sqrt(M/4); B_r <= B_c <= M/(4d), B_r <= d."""

@@ -9,7 +9,8 @@ Small cache (Algorithm 6, Appendix C): square ``B x B`` tiles, ``B`` = the large
 ``<= sqrt(M/4)``; every small-cache kernel holds at most ``3B^2 + 2B <= 4B^2 <= M`` words.
 
 Large cache (Algorithms 7-9, Appendix D): the paper's ``B_c = M/(4d)`` and ``B_r = min(M/(4d), d)``
-rounded down to powers of two. The paper's sizes ignore the ``d x d`` gradient ``g`` kept in fast
+rounded down to powers of two (``B_r`` at least 16 even when ``d < 16``: ``tl.dot``'s minimum).
+The paper's sizes ignore the ``d x d`` gradient ``g`` kept in fast
 memory by Algorithm 8 and the ``B_r x B_c`` score tiles, so they can overflow ``M`` by a constant
 factor; :func:`large_cache_blocks` starts from them and halves the longer side until the declared
 working set fits ``M`` (a ``ValueError`` names the smallest ``M`` that works).
@@ -109,7 +110,7 @@ def large_cache_blocks(kernel: str, M: int, d: int, *, min_block: int = MIN_BLOC
     M = _check_M(M)
     D = head_dim_padded(d)
     long = pow2_floor(M / (4 * d)) if M >= 4 * d else 0
-    short = min(long, pow2_floor(d)) if long else 0
+    short = min(long, max(pow2_floor(d), min_block)) if long else 0  # B_r <= d, but >= the tl.dot minimum
     if kernel in ("large.phase1", "large.atb"):
         long = min(long, D)
     while long >= min_block and short >= min_block and \
@@ -134,7 +135,7 @@ def min_large_cache_M(d: int, variant: str = "faithful") -> int:
     ``variant`` ("faithful" or "fa2") can run."""
     kernels = large_cache_kernels(variant)
     M = 4 * d * MIN_BLOCK
-    while True:
+    while True:  # terminates: at M >= 4 d * 16 + working_set(16, 16) every kernel fits
         try:
             for k in kernels:
                 large_cache_blocks(k, M, d)
