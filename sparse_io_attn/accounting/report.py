@@ -7,6 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Order of tensors in printed tables (others follow alphabetically).
+TENSOR_ORDER = ("q", "k", "v", "o", "do", "lse", "delta", "dq", "dk", "dv", "layout")
+
+
+def _tensor_key(name: str):
+    return (TENSOR_ORDER.index(name), "") if name in TENSOR_ORDER else (len(TENSOR_ORDER), name)
+
 
 @dataclass
 class KernelTraffic:
@@ -96,7 +103,7 @@ class TrafficReport:
     def table(self) -> str:
         rows = [("kernel", "tensor", "read B", "written B")]
         for kt in self.kernels.values():
-            for t in sorted(set(kt.reads) | set(kt.writes)):
+            for t in sorted(set(kt.reads) | set(kt.writes), key=_tensor_key):
                 rows.append((f"{kt.name} (x{kt.launches})", t, f"{kt.reads.get(t, 0):,}", f"{kt.writes.get(t, 0):,}"))
         rows.append(("total", "", f"{self.bytes_read:,}", f"{self.bytes_written:,}"))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
