@@ -308,3 +308,31 @@ def test_auto_backend_is_torch_on_cpu_and_block_sparse_weights_train():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert X.values.grad.shape == X.values.shape and X.nnz_blocks == X.to_block_mask().sum()
+
+
+def _edge_case(kind: str, g: torch.Generator):
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    none = lambda rows, cols, shape: BlockSparseMatrix.random(  # noqa: E731
+        torch.zeros(rows, cols, dtype=torch.bool), 16, shape=shape, generator=g)
+    if kind == "A1-no-blocks":
+        return (none(3, 2, (40, 32)), r(40, 32), r(40, 32), r(32, 32), r(32, 32)), None
+    if kind == "X-no-blocks":
+        return (r(40, 32), r(40, 32), r(40, 32), none(2, 2, (32, 32)), r(32, 32)), None
+    if kind == "qk-empty":
+        qk = BlockSparseLayout.from_block_mask(torch.zeros(3, 3, dtype=torch.bool), 16, (40, 40))
+        return (r(40, 32), r(40, 32), r(40, 32), r(32, 32), r(32, 32)), qk
+    return (r(1, 32), r(1, 32), r(1, 32), r(32, 32), r(32, 32)), None  # "n1"
+
+
+@pytest.mark.parametrize("kind", ["A1-no-blocks", "X-no-blocks", "qk-empty", "n1"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_edge_cases_match_reference_without_nan(kind, backend):
+    ops, qk = _edge_case(kind, torch.Generator().manual_seed(len(kind)))
+    do = torch.randn(ops[0].shape[0], 32)
+    o, lse, grads, _ = run(ops, qk, 0.5, do, backend)
+    ref_o, _, ref_g = reference(ops, qk, 0.5, do)
+    assert not torch.isnan(o).any() and rel_err(o, ref_o) < 1e-5
+    for name in NAMES:
+        assert not torch.isnan(grads[name]).any() and rel_err(grads[name], ref_g[name]) < 1e-5, name
+    if kind == "qk-empty":
+        assert (o == 0).all() and torch.isneginf(lse).all()
