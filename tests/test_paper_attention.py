@@ -333,6 +333,9 @@ def test_edge_cases_match_reference_without_nan(kind, backend):
     ref_o, _, ref_g = reference(ops, qk, 0.5, do)
     assert not torch.isnan(o).any() and rel_err(o, ref_o) < 1e-5
     for name in NAMES:
-        assert not torch.isnan(grads[name]).any() and rel_err(grads[name], ref_g[name]) < 1e-5, name
+        assert not torch.isnan(grads[name]).any(), name
+        # n = 1: one key, softmax = 1, so dS = dp - delta = 0 up to rounding; compare absolutely there
+        err = (grads[name].double() - ref_g[name]).abs().max().item() if kind == "n1" else rel_err(grads[name], ref_g[name])
+        assert err < 1e-5, (name, err)
     if kind == "qk-empty":
         assert (o == 0).all() and torch.isneginf(lse).all()
