@@ -249,7 +249,7 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
                 qstep = run[1].rows[0] - t0.rows[0] if len(run) > 1 else R
                 kstep = run[1].cols[0] - t0.cols[0] if len(run) > 1 else 0
                 ch = _Chunk("strided", len(units), len(run), R, C, list(units), kvs, q0=t0.rows[0],
-                            k0=t0.cols[0], qstep=qstep, kstep=kstep)
+                            k0=t0.cols[0], qstep=qstep, kstep=kstep, du=du)
                 ch.k_idx = torch.tensor([kv * nkb + t.cols[0] + c for kv in kvs for t in run for c in range(C)],
                                         dtype=torch.int64)
                 _set_mask(ch, [(t.rows, t.cols) for t in run], layout, causal)
@@ -394,8 +394,32 @@ class _Exec:
             blocks = dst.view(-1, self.bq * self.G, *dst.shape[3:])
             blocks.index_copy_(0, ch.q_idx, val.reshape(-1, *blocks.shape[1:]))
             return
+        grid = self.q_grid(dst, ch)
+        if grid is not None:
+            grid.copy_(val.view(grid.shape))
+            return
         for d, v in zip(self.q_steps(dst, ch), val.view(ch.steps, ch.nb, *val.shape[1:])):
             d.copy_(v)
+
+    def q_rows(self, x: torch.Tensor, ch: _Chunk) -> torch.Tensor:
+        """The chunk's rows of a per-row tensor ``x [U, Nqp, G]`` as ``[steps*nb, R*bq*G, 1]``."""
+        grid = self.q_grid(x, ch)
+        rows = torch.stack(self.q_steps(x, ch)) if grid is None else grid
+        return rows.reshape(ch.steps * ch.nb, -1, 1)
+
+    def q_grid(self, x: torch.Tensor, ch: _Chunk) -> torch.Tensor | None:
+        """All query rows of a view-kind chunk as one ``[steps, nb, R*bq*G, *tail]`` view of
+        ``x [U, Nqp, G, *tail]`` (None for gathers and irregular unit sets)."""
+        if ch.kind == "units":
+            return self.q_steps(x, ch)[0].unsqueeze(0)
+        if ch.kind == "gather" or ch.du is None:
+            return None
+        Nqp, tail = x.shape[1], tuple(x.shape[3:])
+        inner = math.prod(tail)
+        blk = self.bq * self.G * inner
+        return _view(x, ch.units[0] * Nqp * self.G * inner + ch.q0 * blk,
+                     (ch.steps, ch.nb, ch.R * self.bq * self.G) + tail,
+                     (ch.du * Nqp * self.G * inner, ch.qstep * blk, inner) + ((1,) if tail else ()))
 
     def add_k(self, dst: torch.Tensor, val: torch.Tensor, ch: _Chunk) -> None:
         """``dst [Ukv, Nkp, D] += val [steps*nb, C*bk, D]`` at the chunk's key rows (overlaps add)."""
@@ -473,16 +497,14 @@ def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal: bool, 
         ks, vs = ex.k_steps(ku, ch, ex.buf_k), ex.k_steps(vu, ch, buf_v)
         p = ex.scores(qs, ks, ch)
         n, M, N = p.shape
-        p.sub_(ex.q_steps(lse2, ch)[0].reshape(n, M, 1) if ch.kind != "strided"
-               else torch.stack(ex.q_steps(lse2, ch)).view(n, M, 1)).exp2_()
+        p.sub_(ex.q_rows(lse2, ch)).exp2_()
         d_s = buf_dp[:n * M * N].view(ch.steps, ch.nb, M, N)
         dvs = torch.empty(ch.steps, ch.nb, N, D, dtype=torch.float32, device=dev)
         p4 = p.view(ch.steps, ch.nb, M, N)
         for i in range(ch.steps):
             torch.bmm(p4[i].transpose(1, 2), dos[i], out=dvs[i])
             torch.bmm(dos[i], vs[i].transpose(1, 2), out=d_s[i])          # dP
-        dlt = ex.q_steps(delta, ch)
-        dlt = dlt[0].reshape(n, M, 1) if ch.kind != "strided" else torch.stack(dlt).view(n, M, 1)
+        dlt = ex.q_rows(delta, ch)
         d_s = d_s.view(n, M, N)
         d_s.sub_(dlt).mul_(p)                                               # dS (natural units)
         dqs = torch.empty(ch.steps, ch.nb, M, D, dtype=torch.float32, device=dev)
