@@ -11,7 +11,8 @@ layout on the tensors' device):
 Tiles come from :func:`sparse_io_attn.accounting.traffic.choose_tiles` (shared with the traffic
 model). On CUDA the kernels are autotuned over warps/stages only (tiles fixed, so the traffic is
 too); ``SPARSE_IO_ATTN_NO_AUTOTUNE=1`` or counting (:class:`~sparse_io_attn.accounting.IOCounter`)
-launch one fixed config. On CPU the kernels run through Triton's interpreter.
+launch one fixed config. On CPU the kernels run through Triton's interpreter; :func:`aot_compile`
+compiles them for a CUDA architecture without a GPU (a check of the compiled path).
 """
 from __future__ import annotations
 
