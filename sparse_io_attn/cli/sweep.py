@@ -104,7 +104,7 @@ def add_seq_args(p) -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed fwd+bwd runs per point (median; default 2)")
     p.add_argument("--time-budget", type=float, default=900.0, help="stop the sweep before exceeding this (s)")
     p.add_argument("--device-memory", default="80GiB",
-                   help="memory the small-cache kernel's n x n buffers must fit in (default 80GiB, an H100)")
+                   help="memory the small-cache kernel's fp32 n x n buffers must fit in (default 80GiB, an H100's HBM)")
 
 
 def _seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: str, repeats: int) -> dict:
@@ -137,18 +137,11 @@ def _seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: 
             "peak_rss_bytes": peak, "baseline_rss_bytes": base}
 
 
-def _small_cache_need(n: int, heads: int, dtype) -> int:
-    """Bytes of the n x n matrices f, q, p the small-cache kernel (Algorithm 6) materializes."""
-    dense = None
-    try:
-        dense = C.optional_module("sparse_io_attn.dense", "small-cache memory")
-    except C.Unavailable:
-        pass
-    fn = getattr(dense, "small_cache_workspace_bytes", None) if dense else None
-    if fn is not None:
-        return int(fn(n, dtype=dtype, batch_heads=heads))
-    import torch
-    return 3 * n * n * heads * torch.empty((), dtype=dtype).element_size()
+def _small_cache_need(n: int, head_dim: int, heads: int) -> int:
+    """Bytes the small-cache kernel (Algorithm 6) allocates for its n x n matrices f, q, p and the
+    d x n matrix T (fp32), over ``heads`` (batch x head) problems: ``dense.small_cache.nn_buffer_bytes``."""
+    small = C.optional_module("sparse_io_attn.dense.small_cache", "the small-cache memory column")
+    return int(small.nn_buffer_bytes(n, head_dim, heads))
 
 
 def run_seq(args):
@@ -174,7 +167,7 @@ def run_seq(args):
         for spec in specs:
             last = None
             for n in ns:
-                need = _small_cache_need(n, args.heads, dtype)
+                need = _small_cache_need(n, args.head_dim, args.heads)
                 row = {"pattern": spec, "n": n,
                        "dense_scores_gib": args.heads * n * n * 4 / 2 ** 30,
                        "small_cache_need_gib": need / 2 ** 30,
@@ -204,8 +197,8 @@ def run_seq(args):
                      f"because the next point would pass --time-budget {args.time_budget:.0f} s on this machine")
     refused = [r["n"] for r in rows if r["small_cache"].startswith("refused")]
     if refused:
-        notes.append(f"small-cache kernel (Algorithm 6) refused from n = {min(refused):,}: its f, q, p n x n buffers "
-                     f"({args.heads} heads) exceed --device-memory {C.human_bytes(device_memory)}")
+        notes.append(f"small-cache kernel (Algorithm 6) refused from n = {min(refused):,}: its fp32 f, q, p (n x n) and T "
+                     f"buffers for {args.heads} heads exceed --device-memory {C.human_bytes(device_memory)}")
     notes.append("peak RSS is the subprocess high-water mark (includes the Python/torch runtime); 'over base' "
                  "subtracts the mark taken after import, before the inputs are allocated")
     header["elapsed_s"] = round(time.perf_counter() - start, 1)
