@@ -32,6 +32,8 @@ dS K``, ``dK += sm_scale dS^T Q``.
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +99,8 @@ class _Plan:
     max_q_rows: int        # largest chunk, in gathered query rows (items x rows)
     max_k_rows: int        # largest chunk, in gathered key rows
     has_empty_rows: bool   # some (unit, query block) keeps no key block: its output must be zeroed
+    chunks_by_cost: list = field(default_factory=list)   # largest first (work-queue order)
+    cache: dict = field(default_factory=dict)            # per-worker-count splits
 
 
 def _unit_maps(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int):
@@ -279,7 +283,8 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
     max_scores = max((ch.steps * ch.nb * G * ch.R * bq * ch.C * bk for ch in chunks), default=0)
     max_q = max((ch.steps * ch.nb * ch.R * bq for ch in chunks), default=0)
     max_k = max((ch.steps * ch.nb * ch.C * bk for ch in chunks), default=0)
-    return _Plan(U, G, chunks, max_scores, max_q, max_k, has_empty)
+    by_cost = sorted(chunks, key=lambda ch: -(ch.steps * ch.nb * ch.R * ch.C))
+    return _Plan(U, G, chunks, max_scores, max_q, max_k, has_empty, by_cost)
 
 
 def _get_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bool,
@@ -333,12 +338,16 @@ def _view(x: torch.Tensor, offset: int, size, stride) -> torch.Tensor:
 class _Exec:
     """Per-call tensors and reused work buffers; turns chunks into views and matmuls."""
 
-    def __init__(self, plan: _Plan, bq: int, bk: int, D: int, device):
+    def __init__(self, plan: _Plan, bq: int, bk: int, D: int, device, *, backward: bool = False):
         self.plan, self.bq, self.bk, self.G, self.D = plan, bq, bk, plan.heads_per_unit, D
         f32 = dict(dtype=torch.float32, device=device)
         self.buf_s = torch.empty(plan.max_scores, **f32)
         self.buf_q = torch.empty(plan.max_q_rows * self.G * D, **f32)
         self.buf_k = torch.empty(plan.max_k_rows * D, **f32)
+        self.buf_v = torch.empty_like(self.buf_k)
+        if backward:
+            self.buf_do = torch.empty_like(self.buf_q)
+            self.buf_dp = torch.empty_like(self.buf_s)
 
     # q side: x is [U, Nqp, G, *tail] contiguous; returns per-step [nb, R*bq*G, *tail]
     def q_steps(self, x: torch.Tensor, ch: _Chunk, gather_buf: torch.Tensor | None = None) -> list:
@@ -432,6 +441,85 @@ class _Exec:
         dst.view(-1, self.bk, self.D).index_add_(0, ch.k_idx, val.reshape(-1, self.bk, self.D))
 
 
+# ------------------------------------------------------------------------------- chunk scheduling
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _init_worker(started: threading.Barrier) -> None:
+    torch.get_num_threads()   # ATen's per-thread lazy init first, or it would undo the next line
+    torch.set_num_threads(1)
+    started.wait()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``n`` worker threads whose PyTorch ops run single-threaded."""
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL_SIZE < n:
+            main_threads = torch.get_num_threads()
+            started = threading.Barrier(n + 1)
+            pool = ThreadPoolExecutor(n, thread_name_prefix="sparse_io_attn")
+            for _ in range(n):           # start every worker now, each set to one thread
+                pool.submit(_init_worker, started)
+            started.wait()
+            torch.set_num_threads(main_threads)  # set_num_threads also changes the process default
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL, _POOL_SIZE = pool, n
+        return _POOL
+
+
+def _split(plan: _Plan, n: int) -> list[list[_Chunk]]:
+    """Chunks dealt to ``n`` workers, largest first to the least loaded (fixed for a plan and n)."""
+    key = ("split", n)
+    if key not in plan.cache:
+        loads, parts = [0] * n, [[] for _ in range(n)]
+        for ch in plan.chunks_by_cost:
+            w = loads.index(min(loads))
+            parts[w].append(ch)
+            loads[w] += ch.steps * ch.nb * ch.R * ch.C
+        plan.cache[key] = parts
+    return plan.cache[key]
+
+
+def _for_each_chunk(plan: _Plan, device: torch.device, make_state, fn, *, deterministic: bool) -> list:
+    """Call ``fn(chunk, state)`` for every chunk; return the states.
+
+    On CPU with several torch threads, ``n`` single-threaded workers, one ``make_state()`` each,
+    share the chunks: one parallel region per chunk instead of one per small op, which matters on a
+    loaded machine where every OpenMP barrier may wait for a descheduled thread. Chunks write
+    disjoint query rows; key-side sums go to the worker's own state. ``deterministic``: a fixed
+    split (the same sums in the same order on every call) instead of a shared work queue.
+    Elsewhere (CUDA, one thread, one chunk) the chunks run in order in the calling thread.
+    """
+    n = min(torch.get_num_threads(), len(plan.chunks)) if device.type == "cpu" else 1
+    if n <= 1:
+        state = make_state()
+        for ch in plan.chunks:
+            fn(ch, state)
+        return [state]
+    states = [make_state() for _ in range(n)]
+    queue = iter(plan.chunks_by_cost)
+    lock = threading.Lock()
+
+    def next_chunk():
+        with lock:
+            return next(queue, None)
+
+    def work(state, mine):
+        with torch.no_grad():
+            for ch in mine if mine is not None else iter(next_chunk, None):
+                fn(ch, state)
+
+    parts = _split(plan, n) if deterministic else [None] * n
+    futures = [_pool(n).submit(work, st, part) for st, part in zip(states, parts)]
+    for f in futures:
+        f.result()
+    return states
+
+
 # ------------------------------------------------------------------------------------ interface
 def forward(q, k, v, layout: BlockSparseLayout, *, causal: bool, sm_scale: float):
     """``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] float32 natural log)``."""
@@ -440,32 +528,33 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal: bool, sm_scale: float
     bq, bk = layout.block_size
     Nqp, Nkp = layout.num_q_blocks * bq, layout.num_kv_blocks * bk
     plan = _get_plan(layout, B, Hq, Hkv, causal, q.device)
-    ex = _Exec(plan, bq, bk, D, q.device)
-    G = plan.heads_per_unit
+    dev = q.device
 
-    qu = _q_units(q, G, Nqp, scale=sm_scale * LOG2E)   # [U, Nqp, G, D], base-2 scores
+    qu = _q_units(q, plan.heads_per_unit, Nqp, scale=sm_scale * LOG2E)   # [U, Nqp, G, D], base-2 scores
     ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
     out = torch.empty_like(qu)
-    lse = torch.empty(qu.shape[:3], dtype=torch.float32, device=q.device)
+    lse = torch.empty(qu.shape[:3], dtype=torch.float32, device=dev)
     if plan.has_empty_rows:                             # rows without keys: out 0, lse -inf
         out.zero_()
         lse.fill_(float("-inf"))
-    buf_v = torch.empty_like(ex.buf_k)
-    for ch in plan.chunks:
+
+    def chunk_fwd(ch: _Chunk, ex: _Exec):
         s = ex.scores(ex.q_steps(qu, ch, ex.buf_q), ex.k_steps(ku, ch, ex.buf_k), ch)
         m = s.amax(dim=-1, keepdim=True)                # [n, M, 1]
         if ch.mask is not None:                         # rows whose keys are all dropped
             m.masked_fill_(m == float("-inf"), 0.0)
         s.sub_(m).exp2_()                               # unnormalised p
         l = s.sum(dim=-1, keepdim=True)
-        vs = ex.k_steps(vu, ch, buf_v)
-        o = torch.empty(ch.steps * ch.nb, s.shape[1], D, dtype=torch.float32, device=q.device)
-        ov = o.view(ch.steps, ch.nb, -1, D)
+        vs = ex.k_steps(vu, ch, ex.buf_v)
+        o = torch.empty(ch.steps, ch.nb, s.shape[1], D, dtype=torch.float32, device=dev)
         for i, (p_i, v_i) in enumerate(zip(s.view(ch.steps, ch.nb, *s.shape[1:]), vs)):
-            torch.bmm(p_i, v_i, out=ov[i])
-        o.div_(l.clamp(min=1e-30))                      # l == 0 only where o == 0
+            torch.bmm(p_i, v_i, out=o[i])
+        o = o.view(-1, s.shape[1], D).div_(l.clamp(min=1e-30))   # l == 0 only where o == 0
         ex.write_q(out, o, ch)
         ex.write_q(lse, (torch.log2(l).add_(m)).mul_(LN2).squeeze(-1), ch)
+
+    # every output row comes from one chunk, so the queue order does not change the result
+    _for_each_chunk(plan, dev, lambda: _Exec(plan, bq, bk, D, dev), chunk_fwd, deterministic=False)
     return _from_q_units(out, B, Hq, Nq).to(q.dtype), _from_q_units(lse, B, Hq, Nq)
 
 
@@ -476,7 +565,6 @@ def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal: bool, 
     bq, bk = layout.block_size
     Nqp, Nkp = layout.num_q_blocks * bq, layout.num_kv_blocks * bk
     plan = _get_plan(layout, B, Hq, Hkv, causal, q.device)
-    ex = _Exec(plan, bq, bk, D, q.device)
     G = plan.heads_per_unit
     dev = q.device
 
@@ -488,25 +576,26 @@ def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal: bool, 
     lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
     ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
     dq = torch.zeros_like(qu) if plan.has_empty_rows else torch.empty_like(qu)
-    dk = torch.zeros(ku.shape[0], Nkp, D, dtype=torch.float32, device=dev)
-    dv = torch.zeros_like(dk)
-    buf_v, buf_do = torch.empty_like(ex.buf_k), torch.empty_like(ex.buf_q)
-    buf_dp = torch.empty_like(ex.buf_s)
-    for ch in plan.chunks:
-        qs, dos = ex.q_steps(qu, ch, ex.buf_q), ex.q_steps(dou, ch, buf_do)
-        ks, vs = ex.k_steps(ku, ch, ex.buf_k), ex.k_steps(vu, ch, buf_v)
+
+    def make_state():  # work buffers + this worker's dK/dV sums
+        dk_ = torch.zeros(ku.shape[0], Nkp, D, dtype=torch.float32, device=dev)
+        return _Exec(plan, bq, bk, D, dev, backward=True), dk_, torch.zeros_like(dk_)
+
+    def chunk_bwd(ch: _Chunk, state):
+        ex, dk, dv = state
+        qs, dos = ex.q_steps(qu, ch, ex.buf_q), ex.q_steps(dou, ch, ex.buf_do)
+        ks, vs = ex.k_steps(ku, ch, ex.buf_k), ex.k_steps(vu, ch, ex.buf_v)
         p = ex.scores(qs, ks, ch)
         n, M, N = p.shape
         p.sub_(ex.q_rows(lse2, ch)).exp2_()
-        d_s = buf_dp[:n * M * N].view(ch.steps, ch.nb, M, N)
+        d_s = ex.buf_dp[:n * M * N].view(ch.steps, ch.nb, M, N)
         dvs = torch.empty(ch.steps, ch.nb, N, D, dtype=torch.float32, device=dev)
         p4 = p.view(ch.steps, ch.nb, M, N)
         for i in range(ch.steps):
             torch.bmm(p4[i].transpose(1, 2), dos[i], out=dvs[i])
             torch.bmm(dos[i], vs[i].transpose(1, 2), out=d_s[i])          # dP
-        dlt = ex.q_rows(delta, ch)
         d_s = d_s.view(n, M, N)
-        d_s.sub_(dlt).mul_(p)                                               # dS (natural units)
+        d_s.sub_(ex.q_rows(delta, ch)).mul_(p)                              # dS (natural units)
         dqs = torch.empty(ch.steps, ch.nb, M, D, dtype=torch.float32, device=dev)
         dks = torch.empty(ch.steps, ch.nb, N, D, dtype=torch.float32, device=dev)
         d_s4 = d_s.view(ch.steps, ch.nb, M, N)
@@ -516,6 +605,12 @@ def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal: bool, 
         ex.write_q(dq, dqs.view(n, M, D), ch)
         ex.add_k(dk, dks.view(n, N, D), ch)
         ex.add_k(dv, dvs.view(n, N, D), ch)
+
+    states = _for_each_chunk(plan, dev, make_state, chunk_bwd, deterministic=True)
+    _, dk, dv = states[0]
+    for _, dk_i, dv_i in states[1:]:
+        dk.add_(dk_i)
+        dv.add_(dv_i)
     dq.mul_(sm_scale)
     dk.mul_(LN2)                     # Q carried sm_scale * log2(e); dK needs sm_scale only
     dq = _from_q_units(dq, B, Hq, Nq).to(q.dtype)
