@@ -70,7 +70,7 @@ def test_dense_forward_closed_form():
     """Dense, non-causal: every query tile reads all of K and V once."""
     B, Hq, Hkv, N, D, es = 2, 4, 2, 1000, 64, 2
     layout = BlockSparseLayout.from_block_mask(torch.ones(16, 16, dtype=torch.bool), 64, N)
-    tiles = traffic.choose_tiles((64, 64), D)
+    tiles = traffic.choose_tiles((64, 64), D, torch.bfloat16)
     rep = traffic.block_sparse_forward(layout, B, Hq, Hkv, D, torch.bfloat16)
     n_tiles = -(-N // tiles.fwd[0])
     kt = rep.kernels["attn_fwd"]
@@ -119,14 +119,16 @@ def test_kept_elements_matches_element_mask(Nq, Nk, block, causal, seed):
     assert traffic.block_sparse_flops(layout, 3, 2, 64, causal=causal, backward=True) == 10 * 64 * expect
 
 
-@pytest.mark.parametrize("block,head_dim,expect", [
-    pytest.param((128, 128), 64, ((128, 64), (64, 64), (64, 64)), id="b128-d64"),
-    pytest.param((64, 64), 128, ((64, 64), (64, 64), (64, 64)), id="b64-d128"),
-    pytest.param((128, 128), 256, ((64, 32), (32, 32), (32, 32)), id="b128-d256"),
-    pytest.param((48, 16), 80, ((16, 16), (16, 16), (16, 16)), id="b48x16-d80"),
+@pytest.mark.parametrize("block,head_dim,dtype,expect", [
+    pytest.param((128, 128), 64, torch.bfloat16, ((128, 64), (64, 64), (64, 64)), id="b128-d64-bf16"),
+    pytest.param((64, 64), 128, torch.float16, ((64, 64), (64, 64), (64, 64)), id="b64-d128-fp16"),
+    pytest.param((128, 128), 256, torch.bfloat16, ((64, 32), (32, 32), (32, 32)), id="b128-d256-bf16"),
+    pytest.param((128, 128), 128, torch.float32, ((64, 32), (32, 32), (32, 32)), id="b128-d128-fp32"),
+    pytest.param((128, 128), 256, torch.float32, ((32, 32), (32, 32), (32, 32)), id="b128-d256-fp32"),
+    pytest.param((48, 16), 80, torch.bfloat16, ((16, 16), (16, 16), (16, 16)), id="b48x16-d80"),
 ])
-def test_choose_tiles(block, head_dim, expect):
-    t = traffic.choose_tiles(block, head_dim)
+def test_choose_tiles(block, head_dim, dtype, expect):
+    t = traffic.choose_tiles(block, head_dim, dtype)
     assert (t.fwd, t.dq, t.dkdv) == expect
     for bm, bn in (t.fwd, t.dq, t.dkdv):
         assert block[0] % bm == 0 and block[1] % bn == 0

@@ -66,20 +66,25 @@ def padded_head_dim(head_dim: int) -> int:
     return max(MIN_TILE, 1 << (head_dim - 1).bit_length())
 
 
-def choose_tiles(block_size, head_dim: int) -> KernelTiles:
-    """Kernel tiles for a layout block ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)`` and head dim.
+def choose_tiles(block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> KernelTiles:
+    """Kernel tiles for a layout block ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, head dim and input dtype.
 
-    Each tile is the largest power of two that divides the layout block, capped (forward 128 x 64,
-    backward 64 x 64; half that above head dim 128 to fit shared memory). The choice depends on
-    shapes only (not the device), so the traffic model and the launcher agree everywhere; autotuning
-    on CUDA varies warps and stages only. Raises ``NotImplementedError`` when a layout block has no
-    power-of-two divisor >= 16 (e.g. 8 or 24).
+    Each tile is the largest power of two that divides the layout block, capped by the bytes of a
+    padded row (``HEAD_DIM * element size``) so that a program fits shared memory: <= 256 B (bf16/fp16
+    up to head dim 128, fp32 up to 64): forward 128 x 64, backward 64 x 64; <= 512 B: forward 64 x 32,
+    backward 32 x 32; above (fp32, head dim > 128): 32 x 32 everywhere.
+    The choice depends on shapes and dtype only (not the device), so the traffic model and the
+    launcher agree everywhere; autotuning on CUDA varies warps and stages only. Raises
+    ``NotImplementedError`` when a layout block has no power-of-two divisor >= 16 (e.g. 8 or 24).
     """
     bq, bk = block_size
-    padded_head_dim(head_dim)
-    big = head_dim > 128
-    caps = {"fwd": (64, 32) if big else (128, 64), "dq": (32, 32) if big else (64, 64),
-            "dkdv": (32, 32) if big else (64, 64)}
+    wide = padded_head_dim(head_dim) * element_size(dtype)  # bytes per (padded) row
+    if wide <= 256:
+        caps = {"fwd": (128, 64), "dq": (64, 64), "dkdv": (64, 64)}
+    elif wide <= 512:
+        caps = {"fwd": (64, 32), "dq": (32, 32), "dkdv": (32, 32)}
+    else:
+        caps = {"fwd": (32, 32), "dq": (32, 32), "dkdv": (32, 32)}
     tiles = {}
     for kernel, (cap_m, cap_n) in caps.items():
         tm, tn = _pow2_divisor(bq, cap_m), _pow2_divisor(bk, cap_n)
@@ -167,7 +172,7 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
                          tiles: KernelTiles | None = None) -> TrafficReport:
     """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``)."""
     es, D = _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    tiles = tiles or choose_tiles(layout.block_size, head_dim)
+    tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
     Nq = layout.seqlen_q
     _, entries, keys = _walk(layout, tiles.fwd[0], tiles.fwd[1], causal, transposed=False)
@@ -184,7 +189,7 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
                           tiles: KernelTiles | None = None) -> TrafficReport:
     """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``)."""
     es, D = _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    tiles = tiles or choose_tiles(layout.block_size, head_dim)
+    tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
     rows_q = batch * num_heads_q * layout.seqlen_q
     rows_k = batch * num_heads_kv * layout.seqlen_k

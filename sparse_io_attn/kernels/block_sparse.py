@@ -78,7 +78,7 @@ def _common(q, k, layout: BlockSparseLayout, causal: bool, sm_scale: float) -> d
 
 def tiles_for(q: torch.Tensor, layout: BlockSparseLayout) -> KernelTiles:
     """The kernel tiles used for these inputs (what the traffic model assumes by default)."""
-    return choose_tiles(layout.block_size, q.shape[-1])
+    return choose_tiles(layout.block_size, q.shape[-1], q.dtype)
 
 
 def forward(q, k, v, layout: BlockSparseLayout, *, causal: bool, sm_scale: float):
@@ -149,7 +149,7 @@ def aot_compile(dtype: torch.dtype, head_dim: int, block_size=(128, 128), *, cau
     from triton.compiler import ASTSource
 
     tl_dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    tiles = choose_tiles(block_size, head_dim)
+    tiles = choose_tiles(block_size, head_dim, dtype)
     common = dict(BLOCK_SIZE_Q=block_size[0], BLOCK_SIZE_KV=block_size[1], HEAD_DIM=padded_head_dim(head_dim),
                   IS_CAUSAL=causal, DOT_FP32=dtype == torch.float32,
                   ELEM_BYTES=torch.empty((), dtype=dtype).element_size(), COUNT_IO=count_io)
