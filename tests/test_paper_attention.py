@@ -241,11 +241,11 @@ def test_structurally_zero_rows_give_uniform_attention():
     assert rel_err(o, paper.attention(A1, A2, A3, X, Y, backend="torch")) < 1e-5
 
 
-def test_bf16_matches_same_precision_baseline():
-    """bf16 through the kernels (fp32 tl.dot under the interpreter) vs the torch backend in bf16:
-    the kernel's error to float64 is at most 2x the baseline's (outputs), 3x (gradients)."""
-    ops, qk, do = make_case(48, 48, 32, 32, 32, 32, 16, 16, 16, (0.6, 0.6, 0.6), 0.8, seed=21,
-                            dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_matches_same_precision_baseline(dtype):
+    """bf16/fp16 through the kernels (fp32 tl.dot under the interpreter) vs the torch backend in the
+    same dtype: the kernel's error to float64 is at most 2x the baseline's (outputs), 3x (gradients)."""
+    ops, qk, do = make_case(48, 48, 32, 32, 32, 32, 16, 16, 16, (0.6, 0.6, 0.6), 0.8, seed=21, dtype=dtype)
     o, _, gk, _ = run(ops, qk, 0.4, do, "triton")
     ob, _, gb, _ = run(ops, qk, 0.4, do, "torch")
     ref_o, _, ref_g = reference(ops, qk, 0.4, do)
