@@ -32,6 +32,7 @@ dS K``, ``dK += sm_scale dS^T Q``.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -444,6 +445,7 @@ class _Exec:
 # ------------------------------------------------------------------------------- chunk scheduling
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
+_POOL_PID = 0     # a forked child inherits the pool object but not its threads: rebuild there
 _POOL_LOCK = threading.Lock()
 
 
@@ -455,8 +457,10 @@ def _init_worker(started: threading.Barrier) -> None:
 
 def _pool(n: int) -> ThreadPoolExecutor:
     """A process-wide pool of ``n`` worker threads whose PyTorch ops run single-threaded."""
-    global _POOL, _POOL_SIZE
+    global _POOL, _POOL_SIZE, _POOL_PID
     with _POOL_LOCK:
+        if _POOL_PID != os.getpid():
+            _POOL, _POOL_SIZE, _POOL_PID = None, 0, os.getpid()
         if _POOL_SIZE < n:
             main_threads = torch.get_num_threads()
             started = threading.Barrier(n + 1)

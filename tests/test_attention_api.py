@@ -94,3 +94,13 @@ def test_inputs_without_grad_give_a_plain_tensor():
     q, k, v = qkv(dtype=torch.bfloat16)
     out = block_sparse_attention(q, k, v, LAYOUT)
     assert out.dtype == torch.bfloat16 and not out.requires_grad and not torch.isnan(out).any()
+
+
+def test_demo_subcommand_runs_and_passes(capsys):
+    from sparse_io_attn.cli import main
+
+    code = main(["demo", "--seq-len", "256", "--block", "32", "--heads", "2", "--head-dim", "16",
+                 "--repeats", "1", "--pattern", "bigbird:causal"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "=> PASS" in text and "█" in text and "SDPA, same mask" in text
