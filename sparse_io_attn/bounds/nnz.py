@@ -87,10 +87,12 @@ def _pattern(op, what: str, level: str, block_size):
         blocks = sp.csr_matrix((np.ones(len(bsr.indices), dtype=bool), bsr.indices.copy(), bsr.indptr.copy()),
                                shape=(nbr, nbc))
         blocks.sum_duplicates()
+        # an operand whose size is not a multiple of its block is stored padded: crop to its shape
+        shape = tuple(int(s) for s in getattr(op, "shape", bsr.shape))
         if level == "block":
-            return blocks.astype(bool), (br, bc), bsr.shape
-        elem = sp.kron(blocks, np.ones((br, bc), dtype=bool), format="csr")
-        return elem.astype(bool), None, bsr.shape
+            return blocks.astype(bool), (br, bc), shape
+        elem = sp.kron(blocks, np.ones((br, bc), dtype=bool), format="csr")[: shape[0], : shape[1]]
+        return sp.csr_matrix(elem.astype(bool)), None, shape
     if isinstance(op, torch.Tensor):
         arr = op.detach().cpu()
         if arr.dim() != 2:
