@@ -266,3 +266,16 @@ def test_restricted_count_carries_caveat():
     assert restricted.Z_AXA == 4 * 16 * 16 and full.Z_AXA == n * n
     assert full.bound(100).note == "" and "not a proven lower bound" in restricted.bound(100).note
     assert "note:" in str(restricted.bound(100)) and restricted.bound(100).to_dict()["note"]
+
+
+def test_nnz_stats_ragged_bsr_operand_matches_dense_with_qk_layout():
+    """A BSR operand whose length is not a multiple of its block is counted at its own shape."""
+    from sparse_io_attn import BlockSparseLayout, BlockSparseMatrix
+    A = torch.randn(70, 32)
+    A[:16] = 0
+    bsr = BlockSparseMatrix.from_dense(A, (16, 16))
+    X = torch.randn(32, 32)
+    qk = BlockSparseLayout.from_block_mask(torch.rand(5, 5) < 0.5, 16, seqlen=70)
+    got = nnz_stats(bsr, X, bsr, qk_layout=qk)
+    ref = nnz_stats(bsr.to_dense(), X, bsr.to_dense(), qk_layout=qk)
+    assert (got.Z_A, got.Z_X, got.Z_AX, got.Z_AXA, got.n) == (ref.Z_A, ref.Z_X, ref.Z_AX, ref.Z_AXA, 70)
