@@ -276,6 +276,6 @@ def test_nnz_stats_ragged_bsr_operand_matches_dense_with_qk_layout():
     bsr = BlockSparseMatrix.from_dense(A, (16, 16))
     X = torch.randn(32, 32)
     qk = BlockSparseLayout.from_block_mask(torch.rand(5, 5) < 0.5, 16, seqlen=70)
-    got = nnz_stats(bsr, X, bsr, qk_layout=qk)
-    ref = nnz_stats(bsr.to_dense(), X, bsr.to_dense(), qk_layout=qk)
+    got = B.nnz_stats(bsr, X, bsr, qk_layout=qk)
+    ref = B.nnz_stats(bsr.to_dense(), X, bsr.to_dense(), qk_layout=qk)
     assert (got.Z_A, got.Z_X, got.Z_AX, got.Z_AXA, got.n) == (ref.Z_A, ref.Z_X, ref.Z_AX, ref.Z_AXA, 70)
