@@ -1,6 +1,6 @@
-"""DistributedDataParallel (gloo, 2 CPU processes) with `SparseSelfAttention`: one step of
-data-parallel training gives the gradients and parameters of single-process training on the
-combined batch."""
+"""DistributedDataParallel and FSDP2 (``fully_shard``) with `SparseSelfAttention`, gloo, 2 CPU
+processes: one step of data-parallel training gives the gradients (and, for DDP, the parameters
+after an SGD step) of single-process training on the combined batch."""
 import datetime
 import functools
 import socket
@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from sparse_io_attn import patterns
@@ -48,7 +49,15 @@ def _worker(rank: int, port: int, path: str):
         ddp = DistributedDataParallel(model)
         x, y = data["x"].chunk(WORLD)[rank], data["y"].chunk(WORLD)[rank]
         loss, grads, params = _step(model, ddp, x, y)
-        torch.save({"loss": loss, "grads": grads, "params": params}, f"{path}.rank{rank}")
+
+        sharded = _model()
+        sharded.load_state_dict(data["state"])
+        fully_shard(sharded[0])  # shard the attention layer's parameters, then the rest
+        fully_shard(sharded)
+        nn.functional.mse_loss(sharded(x), y).backward()
+        fsdp_grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+        torch.save({"loss": loss, "grads": grads, "params": params, "fsdp_grads": fsdp_grads},
+                   f"{path}.rank{rank}")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -60,7 +69,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_gloo_two_processes_match_single_process(tmp_path):
+def test_ddp_and_fsdp_gloo_two_processes_match_single_process(tmp_path):
     model = _model()
     x, y = torch.randn(4, 37, 16), torch.randn(4, 37, 3)  # 37: not a multiple of the block
     path = str(tmp_path / "ddp")
@@ -85,3 +94,4 @@ def test_ddp_gloo_two_processes_match_single_process(tmp_path):
                 continue
             assert rel_err(r["grads"][name], g) < 1e-5, name
             assert rel_err(r["params"][name], params[name]) < 1e-6, name
+            assert rel_err(r["fsdp_grads"][name], g) < 1e-5, name
