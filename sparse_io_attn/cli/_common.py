@@ -118,6 +118,7 @@ def machine_header(dtype: torch.dtype | None = None, device: str | torch.device 
         "python": platform.python_version(),
         "dtype": DTYPE_NAMES.get(dtype, str(dtype)) if dtype is not None else "-",
         "triton_interpreter": os.environ.get("TRITON_INTERPRET", "0") == "1",
+        "load_avg_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
     }
 
@@ -125,7 +126,7 @@ def machine_header(dtype: torch.dtype | None = None, device: str | torch.device 
 def format_header(header: dict) -> str:
     return (f"# device: {header['device']}\n# torch {header['torch']}, triton {header['triton']}"
             f"{' (interpreter)' if header.get('triton_interpreter') else ''}, python {header['python']}, "
-            f"dtype {header['dtype']}, {header['date_utc']} UTC")
+            f"dtype {header['dtype']}, {header['date_utc']} UTC, load average {header.get('load_avg_1min')}")
 
 
 # ---------------------------------------------------------------------------------------- progress

@@ -219,6 +219,9 @@ def run(args) -> int:
                                        repeats=args.repeats, max_seconds=args.max_seconds, sync=sync)
                 except Skip as e:
                     row.update(status="skipped", reason=str(e))
+                    if backend == "triton":  # not timed, but its traffic is still known from the model
+                        traffic, source = triton_traffic(layout, qq, kk, vv, args.causal, pass_, False, None)
+                        row.update(traffic_bytes=traffic, traffic_source=source)
                     bar.update(note=f"{backend} {pass_} skipped")
                     continue
                 except NotImplementedError as e:

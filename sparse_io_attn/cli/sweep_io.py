@@ -286,8 +286,8 @@ def plot_cache(rows, header, path) -> None:
         _crossover(rows, "executor_small", "executor_large_faithful")
     if cross:
         ax.axvline(cross, color="tab:purple", lw=0.8, ls="--")
-        ax.text(cross, 0.02, f" kernels cross (model)\n M={cross:,}", fontsize=8, color="tab:purple",
-                va="bottom", transform=ax.get_xaxis_transform())
+        ax.text(cross, 0.93, f" kernels cross (model)\n M={cross:,}", fontsize=8, color="tab:purple",
+                va="top", transform=ax.get_xaxis_transform())
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("fast memory M (words)")
@@ -451,56 +451,80 @@ def plot_dim(rows, header, path) -> None:
 
 
 # ============================================================================== sparsity
-SPARSITY_DOC = """Theorem 4.5 stress test: sweeps the density of A1/A2, of X and of the QK pattern
-independently and tabulates the sparse kernels' traffic, the Theorem 4.5 bound, Z_A, Z_X, Z_AX,
-Z_AXA and measured/bound (the sparse-operands module's sweep, sparse_io_attn.paper)."""
+SPARSITY_DOC = """Theorem 4.5 stress test: sweeps the block density of A1/A2, of X and of the QK pattern
+independently (the other operands full) and tabulates the sparse-operand kernels' traffic (forward and
+backward, matrix elements; the exact traffic model, or --count to run the kernels through Triton's
+interpreter at small n), Z_A, Z_X, Z_AX, Z_AXA, the Theorem 4.5 bound with unit constants at M = the
+kernels' per-program fast memory, and measured/bound (sparse_io_attn.paper.stress.sparsity_sweep)."""
 
 
 def add_sparsity_args(p) -> None:
-    p.add_argument("--seq-len", type=C.parse_count, default=1024, help="n (default 1024)")
-    p.add_argument("--head-dim", type=int, default=64, help="d (default 64)")
-    p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
-    p.add_argument("--cache", default=None, help="M in words or bytes (default: device table / CPU default)")
+    p.add_argument("--seq-len", type=C.parse_count, default=4096, help="n (default 4096)")
+    p.add_argument("--head-dim", type=int, default=128, help="d (default 128)")
+    p.add_argument("--densities", default="0.05,0.1,0.25,0.5,1.0", help="block densities (default 0.05,...,1.0)")
+    p.add_argument("--axes", default="A,X,QK", help="operands to sweep: A (A1 and A2), X, QK (default all)")
+    p.add_argument("--block-n", type=int, default=64, help="block rows of A1/A2 and the QK pattern (default 64)")
+    p.add_argument("--block-d", type=int, default=16, help="block columns of A1/A2, blocks of X (default 16)")
+    p.add_argument("--count", action="store_true", help="count with the kernels (interpreter; n <= 512)")
 
 
 def run_sparsity(args):
-    dtype = C.parse_dtype(args.dtype)
-    paper = C.optional_module("sparse_io_attn.paper", "sweep sparsity")
-    sweep = None
-    for name in ("sparsity_sweep", "sweep_sparsity", "stress_test"):
-        sweep = getattr(paper, name, None)
-        if sweep is not None:
-            break
-    if sweep is None:
-        raise C.Unavailable("sweep sparsity needs sparse_io_attn.paper.sparsity_sweep, which this version "
-                            "does not provide")
-    from .bounds import default_cache_words
-    M = default_cache_words(args.cache, dtype)
-    rows = [dict(r) if not hasattr(r, "to_dict") else r.to_dict()
-            for r in sweep(n=args.seq_len, d=args.head_dim, M=M, dtype=dtype)]
-    header = C.machine_header(dtype)
-    header.update({"n": args.seq_len, "d": args.head_dim, "M_words": M})
-    keys = list(rows[0]) if rows else []
-    columns = [(k, k) for k in keys]
-    return "sparsity", header, rows, columns, [], lambda path: plot_sparsity(rows, header, path)
+    stress = C.optional_module("sparse_io_attn.paper.stress", "sweep sparsity")
+    densities = [_density(x) for x in C.parse_list(args.densities, what="--densities")]
+    axes = C.parse_list(args.axes, allowed=stress.AXES, what="--axes")
+    if args.count and args.seq_len > 512:
+        raise ValueError(f"--count runs the kernels through the Triton interpreter; use --seq-len <= 512, "
+                         f"got {args.seq_len}")
+    if args.count:
+        import sparse_io_attn.kernels  # noqa: F401  (interpreter set-up before triton is imported)
+    header = C.machine_header(torch.float32)
+    header.update({"n": args.seq_len, "d": args.head_dim, "block_n": args.block_n, "block_d": args.block_d,
+                   "M": "kernel per-program fast memory (paper.traffic.kernel_fast_memory_words)"})
+    with C.progress(len(axes) * len(densities), "sweep sparsity", enabled=not args.no_progress) as bar:
+        rows = stress.sparsity_sweep(args.seq_len, args.head_dim, densities=densities, axes=tuple(axes),
+                                     block_n=args.block_n, block_d=args.block_d, count=args.count,
+                                     progress=lambda r: bar.update(note=f"{r['axis']} {r['density']}"))
+    notes = []
+    for axis in axes:
+        pts = [r for r in rows if r["axis"] == axis]
+        lo, hi = min(pts, key=lambda r: r["density"]), max(pts, key=lambda r: r["density"])
+        notes.append(f"{axis}: backward traffic / bound {lo['bwd_ratio']:.3g} at density {lo['density']:g} -> "
+                     f"{hi['bwd_ratio']:.3g} at {hi['density']:g}; forward {lo['fwd_ratio']:.3g} -> {hi['fwd_ratio']:.3g}"
+                     f" (binding term {lo['binding']} -> {hi['binding']})")
+    notes.append(f"traffic source: {rows[0]['source'] if rows else '-'}; words = matrix elements moved, index bytes "
+                 f"excluded; bound = Theorem 4.5 with unit constants")
+    columns = [(k, k) for k in ("axis", "density", "Z_A", "Z_X", "Z_AX", "Z_AXA", "M_words", "bound_words",
+                                "binding", "fwd_words", "bwd_words", "fwd_ratio", "bwd_ratio", "total_ratio_floor")]
+    return "sparsity", header, rows, columns, notes, lambda path: plot_sparsity(rows, header, path)
+
+
+def _density(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise ValueError(f"--densities must be numbers in (0, 1], got {text!r}") from None
+    if not 0 < x <= 1:
+        raise ValueError(f"--densities must be in (0, 1], got {x}")
+    return x
 
 
 def plot_sparsity(rows, header, path) -> None:
     plt = C.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.8))
-    swept = sorted({r.get("swept", "all") for r in rows})
-    ratio_key = next((k for k in ("ratio", "measured_over_bound", "traffic_over_bound") if rows and k in rows[0]), None)
-    dens_key = next((k for k in ("density", "swept_density") if rows and k in rows[0]), None)
-    if ratio_key and dens_key:
-        for s in swept:
-            pts = sorted((r[dens_key], r[ratio_key]) for r in rows if r.get("swept", "all") == s and r[ratio_key])
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"density of {s} swept")
-    ax.set_xlabel("density of the swept operand")
-    ax.set_ylabel("measured traffic / Theorem 4.5 bound")
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    palette = {"A": "tab:blue", "X": "tab:orange", "QK": "tab:green"}
+    for axis in dict.fromkeys(r["axis"] for r in rows):
+        pts = sorted((r["density"], r["fwd_ratio"], r["bwd_ratio"]) for r in rows if r["axis"] == axis)
+        c = palette.get(axis, "tab:gray")
+        name = "A1, A2" if axis == "A" else axis
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", color=c, label=f"{name} swept: backward")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", ls="--", color=c, label=f"{name} swept: forward")
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xlabel("block density of the swept operand (others full)")
+    ax.set_ylabel("kernel traffic / Theorem 4.5 bound (unit constants)")
     ax.set_title(f"Theorem 4.5 stress test, n={header['n']}, d={header['d']}", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.25)
     C.add_header_footnote(fig, header)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
