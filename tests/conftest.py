@@ -1,10 +1,13 @@
 import os
 
-# Triton kernels run on the CPU through the interpreter; set before anything imports triton.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Without CUDA, Triton kernels run on the CPU through the interpreter; the variable must be set
+# before anything imports triton. On a CUDA machine the kernels compile normally.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
