@@ -49,7 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up round")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", default=None,
+                   help="comma-separated torch thread counts, one table block each (default: torch's choice)")
     p.add_argument("--patterns", default=",".join(PATTERNS))
     p.add_argument("--no-flex", action="store_true", help="skip torch.compile(flex_attention)")
     p.add_argument("--out", type=Path, default=RESULTS / "cpu_torch_path", help="output stem (.md/.csv/.json)")
@@ -96,12 +97,11 @@ def time_interleaved(methods: dict, repeats: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else [torch.get_num_threads()]
     torch.manual_seed(0)
     B, H, N, D = 1, args.heads, args.seq_len, args.head_dim
     header = machine_header(torch.float32, "cpu")
-    header["threads"] = torch.get_num_threads()
+    header["threads"] = ",".join(map(str, threads))
     header["shape"] = f"B={B} H={H} N={N} D={D} block={args.block}"
     header["load_avg_at_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(format_header(header))
@@ -112,13 +112,26 @@ def main(argv=None) -> int:
     if not args.no_flex:
         from torch.nn.attention.flex_attention import flex_attention
         flex = torch.compile(flex_attention)
+    rows, nomask = [], {}
+    for nt in threads:
+        torch.set_num_threads(nt)
+        r, nomask[nt] = bench_threads(args, q, k, v, do, flex)
+        rows += r
+    header["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    write_outputs(args.out, header, rows, nomask)
+    return 0
 
+
+def bench_threads(args, q, k, v, do, flex):
+    """Rows for every pattern at the current thread count, and the no-mask SDPA times (ms)."""
+    B, H, N, D = q.shape
+    nt = torch.get_num_threads()
     rows = []
     dense_sdpa = {"sdpa_nomask_fwd": lambda: F.scaled_dot_product_attention(q, k, v),
                   "sdpa_nomask_fwdbwd": fwd_bwd(F.scaled_dot_product_attention, q, k, v, do)}
     t_dense = time_interleaved(dense_sdpa, max(3, args.repeats // 2))
     med_dense = {k_: statistics.median(t) for k_, t in t_dense.items()}
-    print(f"# SDPA without mask: fwd {med_dense['sdpa_nomask_fwd'] * 1e3:.1f} ms, "
+    print(f"# {nt} threads: SDPA without mask: fwd {med_dense['sdpa_nomask_fwd'] * 1e3:.1f} ms, "
           f"fwd+bwd {med_dense['sdpa_nomask_fwdbwd'] * 1e3:.1f} ms")
 
     for name in args.patterns.split(","):
@@ -144,7 +157,7 @@ def main(argv=None) -> int:
         times = time_interleaved(methods, args.repeats)
         med = {k_: statistics.median(t) * 1e3 for k_, t in times.items()}
         mins = {k_: min(t) * 1e3 for k_, t in times.items()}
-        row = {"pattern": name, "layout": layout.name, "density": round(layout.density, 4),
+        row = {"threads": nt, "pattern": name, "layout": layout.name, "density": round(layout.density, 4),
                "ours_fwd_ms": med["ours_fwd"], "sdpa_fwd_ms": med["sdpa_fwd"],
                "speedup_fwd": med["sdpa_fwd"] / med["ours_fwd"],
                "ours_fwdbwd_ms": med["ours_fwdbwd"], "sdpa_fwdbwd_ms": med["sdpa_fwdbwd"],
@@ -158,14 +171,12 @@ def main(argv=None) -> int:
         row.update({f"min_{k_}_ms": v_ for k_, v_ in mins.items()})
         row["targets"] = targets_note(name, row)
         rows.append(row)
-        print(f"{name}: density {row['density']:.3f}, fwd {row['ours_fwd_ms']:.1f} ms vs SDPA "
+        print(f"{nt} threads, {name}: density {row['density']:.3f}, fwd {row['ours_fwd_ms']:.1f} ms vs SDPA "
               f"{row['sdpa_fwd_ms']:.1f} ({row['speedup_fwd']:.2f}x), fwd+bwd {row['ours_fwdbwd_ms']:.1f} vs "
               f"{row['sdpa_fwdbwd_ms']:.1f} ({row['speedup_fwdbwd']:.2f}x)"
               + (f", Flex fwd {row['flex_fwd_ms']:.1f} ({row['speedup_vs_flex']:.2f}x)" if flex else "")
               + f"; {row['targets']}", flush=True)
-
-    write_outputs(args.out, header, rows, med_dense)
-    return 0
+    return rows, {k_: v_ * 1e3 for k_, v_ in med_dense.items()}
 
 
 def targets_note(name: str, row: dict) -> str:
@@ -179,25 +190,25 @@ def targets_note(name: str, row: dict) -> str:
     return ", ".join(notes) or "-"
 
 
-def write_outputs(stem: Path, header: dict, rows: list, med_dense: dict) -> None:
-    cols = [("pattern", "pattern"), ("density", "density"), ("ours_fwd_ms", "ours fwd ms"),
+def write_outputs(stem: Path, header: dict, rows: list, nomask: dict) -> None:
+    cols = [("threads", "threads"), ("pattern", "pattern"), ("density", "density"), ("ours_fwd_ms", "ours fwd ms"),
             ("sdpa_fwd_ms", "SDPA fwd ms"), ("speedup_fwd", "x"), ("flex_fwd_ms", "Flex fwd ms"),
             ("speedup_vs_flex", "x Flex"), ("ours_fwdbwd_ms", "ours f+b ms"),
             ("sdpa_fwdbwd_ms", "SDPA f+b ms"), ("speedup_fwdbwd", "x f+b"), ("targets", "targets")]
     table = format_table(rows, cols)
     md = [f"# CPU benchmark: backend=\"torch\" vs SDPA and compiled FlexAttention", "",
           "```", format_header(header),
-          f"# {header['shape']}, threads {header['threads']}, load average at start {header['load_avg_at_start']}",
+          f"# {header['shape']}, threads {header['threads']}, load average at start "
+          f"{header['load_avg_at_start']}, at end {header['load_avg_at_end']} (the machine is shared)",
           "```", "",
           "Median wall time over warm interleaved rounds. SDPA uses the equivalent boolean element mask "
-          "(`is_causal=True` for causal, no mask for dense). `x` = SDPA time / ours. "
-          f"SDPA without any mask: fwd {med_dense['sdpa_nomask_fwd'] * 1e3:.1f} ms, "
-          f"fwd+bwd {med_dense['sdpa_nomask_fwdbwd'] * 1e3:.1f} ms.", "", "```", table, "```", ""]
+          "(`is_causal=True` for causal, no mask for dense). `x` = SDPA time / ours. SDPA without any mask: "
+          + "; ".join(f"{nt} threads fwd {t['sdpa_nomask_fwd']:.1f} ms, fwd+bwd {t['sdpa_nomask_fwdbwd']:.1f} ms"
+                      for nt, t in nomask.items()) + ".", "", "```", table, "```", ""]
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".md").write_text("\n".join(md))
     write_csv(stem.with_suffix(".csv"), rows, header)
-    write_json(stem.with_suffix(".json"), {"header": header, "sdpa_nomask_ms": {
-        k: v * 1e3 for k, v in med_dense.items()}, "rows": rows})
+    write_json(stem.with_suffix(".json"), {"header": header, "sdpa_nomask_ms": nomask, "rows": rows})
     print(table)
     print(f"wrote {stem.with_suffix('.md')}, .csv, .json")
 

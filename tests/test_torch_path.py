@@ -98,6 +98,7 @@ PATTERNS = [  # every plan kind: strided windows, unit-batched views, gathered b
     pytest.param(lambda: patterns.sliding_window(512, 32, 64), False, id="sliding-window"),
     pytest.param(lambda: patterns.sliding_window(500, 32, 70, causal=True), True, id="sliding-window-causal-ragged"),
     pytest.param(lambda: patterns.causal(384, 32), True, id="causal"),
+    pytest.param(lambda: patterns.causal(400, 32), False, id="block-triangle-not-causal-ragged"),
     pytest.param(lambda: patterns.dense(256, 32), False, id="dense"),
     pytest.param(lambda: patterns.bigbird(512, 32, num_heads=2), False, id="bigbird-per-head"),
     pytest.param(lambda: patterns.bigbird(448, (32, 16), causal=True), True, id="bigbird-rect-block-causal"),
@@ -120,6 +121,14 @@ def test_plan_uses_views_windows_and_gathers():
     assert "strided" in kinds(patterns.sliding_window(1024, 32, 96), False)
     assert kinds(patterns.causal(512, 32), True) == {"units"}
     assert "gather" in kinds(patterns.bigbird(1024, 32), False)
+
+
+def test_rows_with_nested_key_ranges_are_stacked():
+    """Causal prefixes of consecutive rows share one taller matmul over the union of their ranges."""
+    plan = torch_path._get_plan(patterns.causal(2048, 64), 1, 2, 2, True, torch.device("cpu"))
+    assert max(ch.R for ch in plan.chunks) == torch_path.MIN_ROWS_M // 64
+    blocks = sum(ch.steps * ch.nb * ch.R * ch.C for ch in plan.chunks) / 2   # per unit
+    assert 32 * 33 / 2 <= blocks <= 32 * 33 / 2 * (1 + torch_path.MERGE_WASTE)
 
 
 @pytest.mark.parametrize("budget", [1, 4096, 1 << 14])
