@@ -1,4 +1,4 @@
-"""The ``sparse-io-attn`` command: I/O bounds, benchmarks, sweeps and layout pictures.
+"""The sparse-io-attn command: I/O bounds, benchmarks, sweeps and layout pictures.
 
 Each subcommand lives in its own module of this package and exposes ``add_parser(subparsers)``
 (which sets ``func``); ``main`` wires them together.

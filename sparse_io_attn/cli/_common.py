@@ -299,6 +299,21 @@ def _fmt_cell(v) -> str:
     return str(v)
 
 
+def available_memory_bytes(device) -> int | None:
+    """Free memory on ``device``: CUDA free bytes, or MemAvailable from /proc/meminfo (None if unknown)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def human_bytes(b: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(b) < 1024 or unit == "TiB":

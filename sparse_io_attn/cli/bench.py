@@ -109,6 +109,11 @@ def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
     if backend == "sdpa":
         import torch.nn.functional as F
         B, Hq = q.shape[:2]
+        scores = B * Hq * q.shape[2] * k.shape[2] * max(q.element_size(), 4) * (3 if q.requires_grad else 1)
+        free = C.available_memory_bytes(q.device)
+        if free is not None and scores > free // 2:
+            raise Skip(f"dense SDPA would materialize n x n scores (~{C.human_bytes(scores)}) on a device with "
+                       f"{C.human_bytes(free)} available")
         mask = layout.to(q.device).expand_dense_mask(B, Hq)
         if causal:
             mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=q.device).tril()
@@ -178,6 +183,8 @@ def run(args) -> int:
     for name in ("batch", "heads", "head_dim", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.kv_heads is not None and args.kv_heads < 1:
+        raise ValueError(f"--kv-heads must be >= 1, got {args.kv_heads}")
     kv_heads = args.kv_heads or args.heads
     if args.heads % kv_heads:
         raise ValueError(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads} (GQA)")

@@ -61,20 +61,6 @@ def default_cache_words(cache, dtype, device_name: str | None = None) -> int:
     return int(words)
 
 
-def bound_dict(bound) -> dict:
-    """A :class:`sparse_io_attn.bounds.Bound` as a plain dict (its own ``to_dict`` when present)."""
-    if hasattr(bound, "to_dict"):
-        return bound.to_dict()
-    return dict(vars(bound))
-
-
-def bound_value(bound) -> float:
-    for name in ("value", "words", "bound", "value_words"):
-        if hasattr(bound, name):
-            return float(getattr(bound, name))
-    raise C.Unavailable("the Bound record has no value field this command knows")
-
-
 def qk_nnz(layout, causal: bool) -> int:
     """Kept score elements per stored mask, averaged over the masks (Z_AXA under the pattern),
     from ``accounting.traffic.kept_elements`` (the one cost model)."""
@@ -104,7 +90,7 @@ def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, cau
         T = C.optional_module("sparse_io_attn.accounting.traffic", "Z_AXA of a pattern")
         z_axa = round(T.kept_elements(layout, batch, heads, causal=causal) / (batch * heads))
     b = sparse(n * d, d * d, n * d, z_axa, cache_words, n=n, d=d)
-    theorem_words = bound_value(b) * batch * heads
+    theorem_words = b.value_words * batch * heads
     per = 2 if pass_ == "fwd" else 4
     compulsory_words = per * batch * n * d * (heads + kv_heads)
     theorem_bytes = theorem_words * itemsize
@@ -126,17 +112,12 @@ def _itemsize(dtype) -> int:
 
 
 def kernel_choice(d: int, M: int) -> str:
-    """The dense backward kernel ``dense.backward(regime="auto")`` picks (its rule: small if M < d²)."""
-    try:
-        dense = C.optional_module("sparse_io_attn.dense", "kernel choice")
-        choose = getattr(dense, "choose_regime", None)
-        if choose is not None:
-            regime = choose(d=d, M=M)
-            return f"{regime}-cache kernel (dense.choose_regime)"
-    except C.Unavailable:
-        pass
-    return ("small-cache kernel (Algorithm 6, materializes n x n)" if M < d * d
-            else "large-cache kernel (Algorithms 7-9, FlashAttention-2 style)")
+    """The dense backward kernel ``dense.backward(regime="auto")`` runs (``dense.choose_regime``:
+    small-cache when M < d², or when the large-cache tiles do not fit M)."""
+    dense = C.optional_module("sparse_io_attn.dense", "the kernel choice")
+    if dense.choose_regime(d, M) == "small":
+        return "small-cache kernel (Algorithm 6; materializes f, q, p, n x n each)"
+    return "large-cache kernel (Algorithm 9 = 7 + 8; never stores an n x n matrix)"
 
 
 # ------------------------------------------------------------------------------------ main
@@ -181,7 +162,7 @@ def run(args) -> int:
             z = {k: getattr(args, k.lower()) for k in ("Z_A", "Z_X", "Z_AX", "Z_AXA")}
         objs["sparse"] = B.sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, n=n, d=d, dtype=dtype)
     for key, b in objs.items():
-        out[key] = bound_dict(b)
+        out[key] = b.to_dict()
     if args.json:
         print(C.to_json(out))
         return 0

@@ -29,25 +29,13 @@ def _pebble():
     return C.optional_module("sparse_io_attn.accounting.pebble", "the executor's closed forms")
 
 
-def _words(x) -> int:
-    """A count returned as an int or as a record with a total."""
-    if isinstance(x, (int, float)):
-        return int(x)
-    for name in ("total", "total_words", "words", "io"):
-        if hasattr(x, name):
-            return int(getattr(x, name))
-        if isinstance(x, dict) and name in x:
-            return int(x[name])
-    raise C.Unavailable(f"cannot read a word count from {type(x).__name__}")
-
-
 def executor_io(kind: str, n: int, d: int, M: int) -> int | None:
     """Closed-form I/O (words) of the executor's algorithm; ``None`` where it cannot run at ``M``."""
     P = _pebble()
     try:
         if kind == "small":
-            return _words(P.small_cache_io(n, d, M))
-        return _words(P.large_cache_io(n, d, M, variant=kind.split(":")[1]))
+            return int(P.small_cache_io(n, d, M))
+        return int(P.large_cache_io(n, d, M, variant=kind.split(":")[1]))
     except ValueError:
         return None
 
