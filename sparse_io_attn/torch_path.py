@@ -10,13 +10,17 @@ exact in one step (no online rescaling):
 * A **task** is a set of units x a set of query-block rows that have the **same kept-key list**
   (all rows of a dense layout, the global rows of BigBird; identical rows of different layout
   masks are merged). Its rows are stacked into one matmul and its keys are read once per unit.
+* Consecutive rows whose key ranges nest (causal prefixes) are stacked into one taller task over
+  the union of their ranges when at most ``MERGE_WASTE`` of its scores are padding (masked).
 * The kept key blocks of a row are merged into one run. Contiguous runs are read as views (no
   copy): one task batched over units, or a **strided** series of tasks whose row and key starts
   advance by fixed steps (a sliding window: one matmul per unit over overlapping key windows).
   Other tasks gather whole blocks with one ``index_select`` into a reused buffer.
 * Elements to drop (causal ``j > i`` inside blocks that straddle the diagonal, key padding past
-  ``seqlen_k``) are set to ``-inf`` only in the block columns that need it; blocks entirely above
-  the causal diagonal are removed from the plan.
+  ``seqlen_k``, blocks a stacked row does not keep) are set to ``-inf`` only in the block columns
+  that need it; blocks entirely above the causal diagonal are removed from the plan.
+* On CPU with several torch threads the chunks are shared by single-threaded worker threads
+  (:func:`_for_each_chunk`): one parallel region per chunk rather than one per small op.
 
 The plan depends only on the layout, ``(B, Hq, Hkv)``, ``causal`` and the device; it is built once
 and cached on the layout object (attribute ``_torch_path_plans``). Compute is float32 (fp16/bf16
