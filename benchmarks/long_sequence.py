@@ -125,7 +125,8 @@ def _header(args) -> list[str]:
             f"{platform.python_version()}, backend \"torch\", dtype float32",
             f"batch 1, heads {args.heads}, head_dim {args.head_dim}, pattern longformer(block={args.block}, "
             f"window={args.window}, global_tokens={args.global_tokens})",
-            f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
+            f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average at the end "
+            f"{os.getloadavg()[0]:.1f} (shared machine: times are indicative, memory is not affected)"]
 
 
 def _table(rows: list[dict], args) -> list[str]:
@@ -166,10 +167,14 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--limit-gib", type=float, default=8.0)
     p.add_argument("--out", type=Path, default=RESULTS / "long_sequence")
+    p.add_argument("--render", type=Path, help="re-render --out's .md from this saved .json")
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(_child(json.loads(args.child))))
         return
+    if args.render:  # re-render the .md from a saved .json (same numbers, no rerun)
+        saved = json.loads(args.render.read_text())
+        return _write(args, saved["header"], saved["rows"], saved["command"])
     rows = []
     for n in args.n:
         for mode in args.modes:
@@ -179,14 +184,19 @@ def main(argv=None):
             r = _run(cfg)
             print(json.dumps(r), flush=True)
             rows.append(r)
-    header = _header(args)
+    command = "python benchmarks/long_sequence.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    return _write(args, _header(args), rows, command.strip())
+
+
+def _write(args, header: list[str], rows: list[dict], command: str) -> str:
     lines = ["# Long-sequence stress test (forward + backward, CPU, torch path)", "",
-             f"Command: `python benchmarks/long_sequence.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
-             "", *[f"    {h}" for h in header], "", *_table(rows, args), "", *_summary(rows, args)]
+             f"Command: `{command}`", "", *[f"    {h}" for h in header], "", *_table(rows, args), "",
+             *_summary(rows, args)]
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"command": command, "header": header, "rows": rows}, indent=1))
     args.out.with_suffix(".md").write_text(text)
     return text
 
@@ -205,9 +215,10 @@ def _summary(rows: list[dict], args) -> list[str]:
             out.append(f"* n = {n}: largest single allocation {r['largest_alloc'] / mib:.0f} MiB, "
                        f"{n * n * 4 / r['largest_alloc']:.0f}x smaller than one n x n fp32 score matrix "
                        f"({n * n * 4 / gib:g} GiB).")
-        if r["mode"] == "limit" and "peak_rss" in r:
+        if r["mode"] == "limit" and "peak_rss" in r and r["n"] ** 2 * 4 > args.limit_gib * gib:
             out.append(f"* n = {r['n']}: forward+backward completed under a {args.limit_gib:g} GiB "
-                       f"address-space cap (n x n fp32 would need {r['n'] ** 2 * 4 / gib:g} GiB).")
+                       f"address-space cap, smaller than one n x n fp32 buffer "
+                       f"({r['n'] ** 2 * 4 / gib:g} GiB): no such buffer was allocated.")
         if "error" in r:
             out.append(f"* n = {r['n']} ({r['mode']}): failed: {r['error']}")
     return out
