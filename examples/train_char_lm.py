@@ -41,7 +41,7 @@ class Config:
     num_heads: int = 4
     batch_size: int = 8
     lr: float = 3e-3
-    steps: int = 400
+    steps: int = 1000
     seed: int = 0
 
 
