@@ -93,7 +93,7 @@ SEQ_COLUMNS = [("pattern", "pattern"), ("n", "n"), ("density", "density"), ("sta
 
 
 def add_seq_args(p) -> None:
-    p.add_argument("--pattern", dest="patterns", action="append", default=None,
+    p.add_argument("--pattern", dest="patterns", action="append", default=None, metavar="SPEC",
                    help="pattern spec, repeatable (default: longformer:w=256,g=64 and bigbird)")
     p.add_argument("--min-seq-len", type=C.parse_count, default=1024, help="first n (default 1k)")
     p.add_argument("--max-seq-len", type=C.parse_count, default=131072, help="last n (default 131072)")
