@@ -119,7 +119,7 @@ def test_compile_new_length_needs_eager_layout():
     model = SparseSelfAttention(16, 2, pattern, causal=True, backend="torch")
     x = torch.randn(1, 40, 16)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="layout_for"):
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="layout_for"):
         torch.compile(model, backend="eager", fullgraph=True)(x)
     torch._dynamo.reset()
     y = torch.compile(model, backend="eager")(x)
