@@ -189,6 +189,9 @@ def test_sweep_cache_counted_equals_model(tmp_path):
     counted = [(r[f"kernel_{k}_counted_at_count_n"], r[f"kernel_{k}_predicted_at_count_n"]) for r in rows
                for k in ("small", "large_fa2") if r.get(f"kernel_{k}_counted_at_count_n") is not None]
     assert counted and all(c == p for c, p in counted)
+    runs = [(r[f"executor_{k}_run_at_count_n"], r[f"executor_{k}_closed_form_at_count_n"]) for r in rows
+            for k in ("small", "large_faithful", "large_fa2") if r.get(f"executor_{k}_run_at_count_n") is not None]
+    assert len(runs) >= len(rows) and all(a == b for a, b in runs)
     from sparse_io_attn.accounting import pebble
     for r in rows:
         assert r["bound"] == pytest.approx(min(r["bound_large_cache"], r["bound_small_cache"]))

@@ -40,6 +40,23 @@ def executor_io(kind: str, n: int, d: int, M: int) -> int | None:
         return None
 
 
+def executor_run(kind: str, n: int, d: int, M: int) -> tuple[int, int] | None:
+    """``(words moved by actually running the executor, closed form)`` for ``kind`` on random float64
+    inputs of size ``n x d``; ``None`` where the algorithm cannot run at ``M``."""
+    P = _pebble()
+    g = torch.Generator().manual_seed(0)
+    A1, A2, A3, dO = (torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(4))
+    X, Y = (torch.randn(d, d, generator=g, dtype=torch.float64) / d for _ in range(2))
+    try:
+        if kind == "small":
+            run = P.run_small_cache(A1, A2, A3, X, Y, dO, M)
+        else:
+            run = P.run_large_cache(A1, A2, A3, X, Y, dO, M, variant=kind.split(":")[1])
+    except ValueError:
+        return None
+    return run.total, executor_io(kind, n, d, M)
+
+
 def _dense_traffic():
     return C.optional_module("sparse_io_attn.dense.traffic", "the dense kernels' traffic model")
 
@@ -153,7 +170,7 @@ def run_cache(args):
 
     count_Ms = [M for M in Ms if args.count_n and M >= args.count_m_min and M & (M - 1) == 0
                 and (M.bit_length() - 1) % 2 == 0]
-    total = len(Ms) + len(count_Ms)
+    total = len(Ms) * (2 if args.count_n else 1) + len(count_Ms)
     with C.progress(total, "sweep cache", enabled=not args.no_progress) as bar:
         for M in Ms:
             b = _bound(n, d, M)
@@ -169,6 +186,13 @@ def run_cache(args):
             bar.update(note=f"M={M}")
         for row in rows:
             M = row["M"]
+            if args.count_n:
+                for kind, _ in KINDS:
+                    res = attempt(executor_run, kind, args.count_n, d, M)
+                    key = kind.replace("large:", "large_")
+                    row[f"executor_{key}_run_at_count_n"] = None if res is None else res[0]
+                    row[f"executor_{key}_closed_form_at_count_n"] = None if res is None else res[1]
+                bar.update(note=f"executor M={M}")
             if M not in count_Ms:
                 continue
             for kind, _ in KINDS:
@@ -242,6 +266,11 @@ def _cache_findings(rows, d, n) -> list[str]:
             bits.append(f"large-cache moves no more than small-cache from M = {cross:,} ({cross / d / d:.3g} d^2)")
         if bits:
             out.append(f"{src}: " + "; ".join(bits) + " (log-log slopes include the M-independent parts)")
+    runs = [(r[f"executor_{k}_run_at_count_n"], r[f"executor_{k}_closed_form_at_count_n"]) for r in rows
+            for k in ("small", "large_faithful", "large_fa2") if r.get(f"executor_{k}_run_at_count_n") is not None]
+    if runs:
+        out.append(f"executor run (two-level memory, float64) == closed form exactly at {sum(a == b for a, b in runs)} "
+                   f"of {len(runs)} (algorithm, M) points at --count-n")
     pairs = [(r[f"kernel_{k}_counted_at_count_n"], r[f"kernel_{k}_predicted_at_count_n"]) for r in rows
              for k in ("small", "large_faithful", "large_fa2") if r.get(f"kernel_{k}_counted_at_count_n") is not None]
     if pairs:
@@ -286,15 +315,16 @@ def plot_cache(rows, header, path) -> None:
     if has_counted:
         ax2 = axes[0][1]
         for key, c in colors.items():
-            _line(ax2, M, rows, f"kernel_{key}_predicted_at_count_n", c, "-", None, f"model: {labels[key]}")
-            _line(ax2, M, rows, f"kernel_{key}_counted_at_count_n", c, "none", "x", f"counted: {labels[key]}")
+            _line(ax2, M, rows, f"kernel_{key}_predicted_at_count_n", c, "-", None, f"kernel model: {labels[key]}")
+            _line(ax2, M, rows, f"kernel_{key}_counted_at_count_n", c, "none", "x", f"kernel counted: {labels[key]}")
+            _line(ax2, M, rows, f"executor_{key}_run_at_count_n", c, ":", "+", f"executor run: {labels[key]}")
         ax2.axvline(d * d, color="k", lw=0.8)
         ax2.set_xscale("log", base=2)
         ax2.set_yscale("log")
         ax2.set_xlabel("fast memory M (words)")
         ax2.set_ylabel("backward traffic (words)")
-        ax2.set_title(f"kernels counted (Triton interpreter) vs model, n={cn}, d={d}", fontsize=10)
-        ax2.legend(fontsize=7, loc="lower left", framealpha=0.9)
+        ax2.set_title(f"n={cn}, d={d}: kernels counted (interpreter) vs model; executor run", fontsize=10)
+        ax2.legend(fontsize=7, loc="upper right", framealpha=0.9)
         ax2.grid(True, which="both", alpha=0.25)
     C.add_header_footnote(fig, header)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
