@@ -212,9 +212,11 @@ def _summary(rows: list[dict], args) -> list[str]:
     for r in rows:
         if r["mode"] == "profile" and "largest_alloc" in r:
             n = r["n"]
+            q_bytes = n * args.heads * args.head_dim * 4
             out.append(f"* n = {n}: largest single allocation {r['largest_alloc'] / mib:.0f} MiB, "
                        f"{n * n * 4 / r['largest_alloc']:.0f}x smaller than one n x n fp32 score matrix "
-                       f"({n * n * 4 / gib:g} GiB).")
+                       f"({n * n * 4 / gib:g} GiB); one q-sized tensor [1, {args.heads}, n, "
+                       f"{args.head_dim}] fp32 is {q_bytes / mib:.0f} MiB.")
         if r["mode"] == "limit" and "peak_rss" in r and r["n"] ** 2 * 4 > args.limit_gib * gib:
             out.append(f"* n = {r['n']}: forward+backward completed under a {args.limit_gib:g} GiB "
                        f"address-space cap, smaller than one n x n fp32 buffer "
