@@ -22,6 +22,10 @@ element bytes, index entries are int32):
   ``k``/``v`` tiles like the forward, and writes ``dq``.
 
 The kernel tile sizes come from :func:`choose_tiles`, the same function the launcher calls.
+
+The other kernel families keep their models beside their kernels and are reachable from here too:
+``traffic.dense`` (:mod:`sparse_io_attn.dense.traffic`: the paper's Algorithms 6 and 9 and the
+forward) and ``traffic.paper`` (:mod:`sparse_io_attn.paper.traffic`: block-sparse operands).
 """
 from __future__ import annotations
 
@@ -251,3 +255,11 @@ def block_sparse_flops(layout: BlockSparseLayout, batch: int, num_heads_q: int, 
     """Matmul FLOPs over kept elements: forward ``4 * D`` per element (``QK^T`` and ``PV``), backward
     ``10 * D`` (``QK^T`` recomputed, ``dO V^T``, ``dV``, ``dQ``, ``dK``), the FlashAttention convention."""
     return (10 if backward else 4) * head_dim * kept_elements(layout, batch, num_heads_q, causal=causal)
+
+
+def __getattr__(name):
+    # ``traffic.dense`` / ``traffic.paper``: imported on first use (those packages import this one).
+    if name in ("dense", "paper"):
+        import importlib
+        return importlib.import_module(f"sparse_io_attn.{name}.traffic")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
