@@ -10,6 +10,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# `make test` runs two xdist workers on a 2-core machine: one intra-op thread each avoids
+# oversubscription (tests that need several threads set them explicitly).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
