@@ -105,6 +105,8 @@ def test_bounds_json_numbers(capsys):
     lay = patterns.from_spec("sliding_window:512", seqlen=n, block_size=64)
     assert out["sparse"]["params"]["Z_AXA"] == traffic.kept_elements(lay, 1, 1)
     assert out["sparse"]["params"]["Z_A"] == n * d
+    # a QK pattern's kept scores are outside Theorem 4.5's hypotheses: the record says so
+    assert "not a proven lower bound" in out["sparse"]["note"]
 
 
 def test_bounds_small_cache_regime_text(capsys):

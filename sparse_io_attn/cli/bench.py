@@ -294,6 +294,8 @@ def _emit(rows, header, bound, args) -> None:
         else:
             bound_lines.append(f"- bound ({pass_}): {b['bound_bytes']:,} B = max(compulsory {b['compulsory_bytes']:,} B, "
                                f"{b['theorem']} {b['theorem_bytes']:,.0f} B, unit constants); binding: {b['binds']}")
+            if b.get("note"):
+                bound_lines.append(f"  note: {b['note']}")
     text = "\n".join([C.format_header(header),
                       f"# pattern {header['pattern']} (density {header['density']}), n={header['seq_len']}, "
                       f"B={header['batch']}, H={header['heads']}/{header['kv_heads']}, D={header['head_dim']}, "

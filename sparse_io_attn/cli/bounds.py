@@ -69,6 +69,11 @@ def qk_nnz(layout, causal: bool) -> int:
     return round(total / layout.num_layouts)
 
 
+PATTERN_NOTE = ("Z_AXA counts the kept scores of the QK pattern: Theorem 4.5 is proven for structurally "
+                "sparse operands, not for masked attention, so this term is the theorem's formula used "
+                "as an estimate, not a proven lower bound")
+
+
 def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, causal: bool = False,
                     pass_: str = "fwd+bwd", batch: int = 1, heads: int = 1, kv_heads: int | None = None) -> dict:
     """The lower bound a benchmark compares its traffic with, in bytes, for ``batch * heads``
@@ -98,7 +103,8 @@ def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, cau
     return {"bound_bytes": int(max(theorem_bytes, compulsory_bytes)), "theorem_bytes": theorem_bytes,
             "compulsory_bytes": int(compulsory_bytes), "theorem": "Thm 4.5",
             "binds": "compulsory" if compulsory_bytes >= theorem_bytes else "Thm 4.5",
-            "z_per_head": {"Z_A": n * d, "Z_X": d * d, "Z_AX": n * d, "Z_AXA": z_axa}, "cache_words": cache_words}
+            "z_per_head": {"Z_A": n * d, "Z_X": d * d, "Z_AX": n * d, "Z_AXA": z_axa}, "cache_words": cache_words,
+            "note": "" if layout is None or z_axa == n * n else PATTERN_NOTE}
 
 
 def _cuda() -> bool:
@@ -160,7 +166,8 @@ def run(args) -> int:
                                       "elements of the pattern" + (" with causal masking" if args.causal else "")}
         else:
             z = {k: getattr(args, k.lower()) for k in ("Z_A", "Z_X", "Z_AX", "Z_AXA")}
-        objs["sparse"] = B.sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, n=n, d=d, dtype=dtype)
+        objs["sparse"] = B.sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, n=n, d=d, dtype=dtype,
+                                  note=PATTERN_NOTE if args.pattern else "")
     for key, b in objs.items():
         out[key] = b.to_dict()
     if args.json:
