@@ -1,5 +1,6 @@
 """``sparse-io-attn demo``: build a pattern, draw it, check block-sparse attention forward and backward
-against the float64 reference, and time it against dense ``scaled_dot_product_attention``.
+against the float64 reference, time it against dense ``scaled_dot_product_attention``, and set the
+Triton kernels' memory traffic (predicted, and counted on a cut-down copy) against the lower bound.
 
 The demo is a list of sections (``SECTIONS``), each a function taking the shared :class:`DemoContext`
 and printing one part of the story; later parts of the library append their own (memory traffic,
@@ -177,7 +178,51 @@ def section_timing(ctx: DemoContext) -> None:
     ctx.results["timing_s"] = times
 
 
-SECTIONS = [section_layout, section_correctness, section_timing]
+COUNTED_SEQ_LEN = 256  # the counted run goes through Triton's interpreter on CPU: keep it to a few dozen tiles
+
+
+def section_traffic_and_bounds(ctx: DemoContext) -> None:
+    """Bytes the Triton kernels move for this problem (exact traffic model) against the lower bound;
+    then a cut-down copy runs through the kernels with ``IOCounter`` on, to show counted == model."""
+    from sparse_io_attn import block_sparse_attention
+    from sparse_io_attn.accounting import IOCounter, traffic
+
+    from .bounds import attention_bound, default_cache_words
+
+    a = ctx.args
+    B, Hq, N, D = ctx.q.shape
+    Hkv, dtype = ctx.k.shape[1], ctx.q.dtype
+    M = default_cache_words(None, dtype)
+    pred = traffic.block_sparse(ctx.layout, B, Hq, Hkv, D, dtype, causal=ctx.causal)
+    bound = attention_bound(N, D, M, dtype, layout=ctx.layout, causal=ctx.causal, pass_="fwd+bwd",
+                            batch=B, heads=Hq, kv_heads=Hkv)
+    print(f"memory traffic of the Triton kernels, forward+backward (exact traffic model, M = {M:,} words):")
+    print(f"  predicted {pred.total_bytes:,} B; lower bound {bound['bound_bytes']:,} B = max(compulsory "
+          f"{bound['compulsory_bytes']:,} B, {bound['theorem']} {bound['theorem_bytes']:,.0f} B, unit constants); "
+          f"traffic / bound = {pred.total_bytes / bound['bound_bytes']:.2f}")
+    if bound.get("note"):
+        print(f"  note: {bound['note']}")
+
+    n = min(COUNTED_SEQ_LEN, N)
+    small = build_layout(a.pattern, n, a.block, num_heads=1)
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    q, do = (torch.randn(1, 1, n, D, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, 1, n, D, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    q.requires_grad_()
+    with IOCounter() as io:
+        block_sparse_attention(q, k, v, small, causal=ctx.causal, backend="triton").backward(do)
+    model = traffic.block_sparse(small, 1, 1, 1, D, dtype, causal=ctx.causal)
+    same = io.report == model
+    print(f"\ncounted run (n = {n}, 1 head, backend='triton'{', interpreter' if q.device.type == 'cpu' else ''}): "
+          f"counted == model: {'yes' if same else 'NO'}")
+    print("  " + str(io.report).replace("\n", "\n  "))
+    print()
+    ctx.results["traffic"] = {"predicted_bytes": pred.total_bytes, "bound_bytes": bound["bound_bytes"],
+                              "counted_equals_model": same}
+    ctx.passed &= same
+
+
+SECTIONS = [section_layout, section_correctness, section_timing, section_traffic_and_bounds]
 
 
 def add_section(fn, *, after=None) -> None:
