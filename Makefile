@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(TORCH_SPEC)
 	$(BIN)/pip install -q -e ".[test,plot,examples]"
 	touch $(STAMP)
 
