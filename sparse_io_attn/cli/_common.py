@@ -338,3 +338,11 @@ def pyplot():
 def add_header_footnote(fig, header: dict) -> None:
     fig.text(0.01, 0.005, f"{header['device']} | torch {header['torch']} | triton {header['triton']} | "
              f"dtype {header['dtype']}", fontsize=6, color="0.4", ha="left", va="bottom")
+
+
+def save_figure(fig, path, header: dict) -> None:
+    """Machine footnote, tight layout, write ``path`` (PNG, 130 dpi) and close the figure."""
+    add_header_footnote(fig, header)
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(path, dpi=130)
+    pyplot().close(fig)

@@ -243,10 +243,7 @@ def plot_seq(rows, header, path) -> None:
                      fontsize=10)
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=7)
-    C.add_header_footnote(fig, header)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    C.save_figure(fig, path, header)
 
 
 def _run_point(spec, n, args, dtype) -> dict:

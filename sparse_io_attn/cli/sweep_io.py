@@ -326,10 +326,7 @@ def plot_cache(rows, header, path) -> None:
         ax2.set_title(f"n={cn}, d={d}: kernels counted (interpreter) vs model; executor run", fontsize=10)
         ax2.legend(fontsize=7, loc="upper right", framealpha=0.9)
         ax2.grid(True, which="both", alpha=0.25)
-    C.add_header_footnote(fig, header)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    C.save_figure(fig, path, header)
 
 
 def _line(ax, M, rows, key, color, ls, marker, label):
@@ -462,10 +459,7 @@ def plot_dim(rows, header, path) -> None:
     ax.set_title(f"threshold sweep, n={header['n']}, dtype {header['dtype']}", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.25)
-    C.add_header_footnote(fig, header)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    C.save_figure(fig, path, header)
 
 
 # ============================================================================== sparsity
@@ -544,7 +538,4 @@ def plot_sparsity(rows, header, path) -> None:
     ax.set_title(f"Theorem 4.5 stress test, n={header['n']}, d={header['d']}", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.25)
-    C.add_header_footnote(fig, header)
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    C.save_figure(fig, path, header)
