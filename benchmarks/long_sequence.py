@@ -60,19 +60,11 @@ def _child(cfg: dict) -> dict:
         return out, t1 - t0, t2 - t1
 
     if cfg["mode"] == "profile":
-        from torch._C._profiler import _EventType
-        from torch.profiler import ProfilerActivity, profile
+        from sparse_io_attn._profiling import allocation_sizes
 
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            run()
-        sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-        while stack:
-            e = stack.pop()
-            if e.tag == _EventType.Allocation:
-                sizes.append(e.extra_fields.alloc_size)
-            stack.extend(e.children)
+        sizes = allocation_sizes(run)
         res["largest_alloc"] = max(sizes)
-        res["num_allocs"] = sum(s > 0 for s in sizes)
+        res["num_allocs"] = len(sizes)
     else:
         out, t_fwd, t_bwd = run()
         res.update(fwd_s=t_fwd, bwd_s=t_bwd, finite=bool(torch.isfinite(out).all() and all(

@@ -4,10 +4,9 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 from sparse_io_attn import BlockSparseLayout
+from sparse_io_attn._profiling import largest_allocation
 from sparse_io_attn.nn import SparseSelfAttention
 from sparse_io_attn.reference import element_mask, masked_attention, rel_err
 
@@ -153,26 +152,12 @@ def test_forward_errors():
         SparseSelfAttention(16, 2, lambda n: None)(torch.randn(1, 32, 16))
 
 
-def _largest_allocation(fn) -> int:
-    """Largest single CPU allocation (bytes) made while ``fn`` runs, from the profiler's
-    allocation events."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.tag == _EventType.Allocation:
-            sizes.append(e.extra_fields.alloc_size)
-        stack.extend(e.children)
-    return max(sizes)
-
-
 def test_no_quadratic_buffer_at_16k():
     """Forward+backward at n = 16384: the largest allocation stays far below one n x n fp32
     buffer (1 GiB). The probe is checked first on dense attention, where it must see n^2."""
     n_small = 1024
     qd = torch.randn(1, 1, n_small, 16, requires_grad=True)
-    dense = _largest_allocation(
+    dense = largest_allocation(
         lambda: masked_attention(qd, qd, qd, torch.ones(n_small, n_small, dtype=torch.bool), 0.25)[0]
         .sum().backward())
     assert dense >= n_small * n_small * 4
@@ -182,6 +167,6 @@ def test_no_quadratic_buffer_at_16k():
                                                        global_blocks=1), causal=True, backend="torch")
     x = torch.randn(1, n, 64, requires_grad=True)
     mod.layout_for(n)
-    largest = _largest_allocation(lambda: mod(x).sum().backward())
+    largest = largest_allocation(lambda: mod(x).sum().backward())
     assert largest < n * n * 4 // 64, f"largest allocation {largest} bytes"
     assert torch.isfinite(x.grad).all()
