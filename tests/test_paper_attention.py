@@ -1,8 +1,12 @@
 """paper.attention with block-sparse A1, X, A2: outputs and (masked) gradients against a float64 dense
 reference, for the torch backend and the Triton kernels (interpreter); counted traffic == model;
-counted traffic >= compulsory and >= Theorem 4.5 at the kernels' fast-memory size."""
+counted traffic >= compulsory and >= Theorem 4.5 at the kernels' fast-memory size; the multiply-adds
+the interpreter executes in the attention kernels == the model (absent head-dim tiles are skipped)."""
+import collections
+import contextlib
 import functools
 import math
+import sys
 
 import pytest
 import torch
@@ -10,7 +14,9 @@ import torch
 from sparse_io_attn import bounds, paper
 from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.accounting.compare import compare
+from sparse_io_attn.kernels import INTERPRET
 from sparse_io_attn.layout import BlockSparseLayout
+from sparse_io_attn.paper.flops import ATTENTION_KERNELS, predict_dot_macs
 from sparse_io_attn.paper_reference import paper_gradients
 from sparse_io_attn.reference import masked_attention, rel_err
 from sparse_io_attn.sparse_matrix import BlockSparseMatrix
@@ -145,11 +151,47 @@ TRITON_CASES = {
 }
 
 
+_KERNEL_FRAMES = {f"_{k}_kernel": k for k in ATTENTION_KERNELS}
+DOT_MACS: dict = {}  # case id -> {attention kernel: multiply-adds executed by tl.dot}
+
+
+@contextlib.contextmanager
+def count_dot_macs():
+    """Tally ``M * N * K`` of every ``tl.dot`` the interpreter executes, per attention kernel (found
+    by the kernel function's frame on the Python stack), independently of the kernels' own code."""
+    tally = collections.Counter()
+    if not INTERPRET:
+        yield tally
+        return
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    orig = builder.create_dot
+
+    def create_dot(a, b, d, *args):
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_name not in _KERNEL_FRAMES:
+            f = f.f_back
+        if f is not None:
+            (m, k), n = a.data.shape, b.data.shape[1]
+            tally[_KERNEL_FRAMES[f.f_code.co_name]] += m * n * k
+        return orig(a, b, d, *args)
+
+    builder.create_dot = create_dot
+    try:
+        yield tally
+    finally:
+        del builder.create_dot
+
+
 @functools.lru_cache(maxsize=None)
 def triton_run(case_id: str):
     *shape, dens, qk_d, empty = TRITON_CASES[case_id]
     ops, qk, do = make_case(*shape, dens, qk_d, seed=sum(map(ord, case_id)), empty_rows=empty)
-    return ops, qk, do, run(ops, qk, 0.4, do, "triton")
+    with count_dot_macs() as macs:
+        res = run(ops, qk, 0.4, do, "triton")
+    DOT_MACS[case_id] = dict(macs)
+    return ops, qk, do, res
 
 
 @pytest.mark.parametrize("case_id", list(TRITON_CASES))
@@ -176,6 +218,19 @@ def test_counted_traffic_equals_model(case_id):
     assert predicted.source == "predicted" and counted.source == "counted"
     assert counted == predicted, f"\n{counted}\n{predicted}"
     assert counted.total_bytes == predicted.total_bytes > 0
+
+
+@pytest.mark.parametrize("case_id", list(TRITON_CASES))
+def test_executed_dot_macs_equal_model(case_id):
+    """Head-dim tiles absent from either operand cost no FLOPs: the multiply-adds executed per
+    attention kernel equal the model, which counts only tiles stored in both Q = A1 X and A2."""
+    if not INTERPRET:
+        pytest.skip("tl.dot work is counted through Triton's interpreter")
+    ops, qk, _, _ = triton_run(case_id)
+    A1, A2, A3, X, Y = ops
+    executed = {k: DOT_MACS[case_id].get(k, 0) for k in ATTENTION_KERNELS}
+    assert set(DOT_MACS[case_id]) <= set(ATTENTION_KERNELS)
+    assert executed == predict_dot_macs(A1, A2, A3, X, Y, qk_layout=qk)
 
 
 # cases whose shapes nnz_stats takes (square X, whole blocks: scipy's BSR rounds shapes up to blocks)

@@ -108,3 +108,22 @@ def test_product_plan_lists_exactly_the_structural_pairs():
         assert [int(t) for t in p.pair_a[p.pair_ptr[i]:p.pair_ptr[i + 1]]] == [int(amap[i, k]) for k in ks]
     sp = plan_mod.structural_product(a, b)
     assert torch.equal(sp, (a.double() @ b.double()) > 0)
+
+
+def test_dot_mac_model_closed_forms():
+    """Dense: every kept block multiplies all d-tiles. X with its last column tile removed: Q has
+    that tile nowhere, so every score product loses exactly one of its 4 tile products."""
+    g = torch.Generator().manual_seed(5)
+    n, d, dv, bm, bd = 256, 64, 32, 64, 16
+    A1, A2, A3, X, Y = (torch.randn(s, generator=g) for s in ((n, d), (n, d), (n, d), (d, d), (d, dv)))
+    nb, nt, tile, pv = n // bm, d // bd, bm * bm * bd, bm * bm * dv
+    dense = paper.predict_dot_macs(A1, A2, A3, BlockSparseMatrix.from_dense(X, (bd, bd)), Y)
+    assert dense == {"paper_attn_fwd": nb * nb * (nt * tile + pv),
+                     "paper_attn_bwd_dkv": nb * nb * (2 * nt * tile + 2 * pv),
+                     "paper_attn_bwd_dq": nb * nb * (2 * nt * tile + pv)}
+    Xs = X.clone()
+    Xs[:, -bd:] = 0
+    sparse = paper.predict_dot_macs(A1, A2, A3, BlockSparseMatrix.from_dense(Xs, (bd, bd)), Y)
+    assert sparse["paper_attn_fwd"] == dense["paper_attn_fwd"] - nb * nb * tile
+    assert sparse["paper_attn_bwd_dkv"] == dense["paper_attn_bwd_dkv"] - 2 * nb * nb * tile
+    assert sparse["paper_attn_bwd_dq"] == dense["paper_attn_bwd_dq"] - 2 * nb * nb * tile

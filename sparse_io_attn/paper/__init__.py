@@ -3,9 +3,12 @@ A2 may each be a :class:`~sparse_io_attn.BlockSparseMatrix` (Section 4.3 / Appen
 
 * :func:`attention` — the public, differentiable function (backends ``"torch"`` / ``"triton"``).
 * :func:`predict_traffic` — the exact traffic model of the Triton kernels (``TrafficReport``).
+* :func:`predict_dot_macs` — the exact model of the ``tl.dot`` multiply-adds of the attention
+  kernels (head-dim tiles absent from either operand are skipped: no load, no FLOPs).
 * :mod:`.stress` — the sparsity stress test against Theorem 4.5.
 """
 from .attention import attention
+from .flops import predict_dot_macs
 from .traffic import kernel_fast_memory_words, predict_traffic
 
-__all__ = ["attention", "predict_traffic", "kernel_fast_memory_words"]
+__all__ = ["attention", "predict_traffic", "predict_dot_macs", "kernel_fast_memory_words"]

@@ -2,10 +2,18 @@
 
 Tiles are addressed as described in :mod:`sparse_io_attn.paper.operands`: tile id ``t`` from a block
 map, element ``(r, c)`` at ``base + (t // nb) * stride_ta + (t % nb) * stride_tb + r * stride_r +
-c * stride_c``. The attention kernels load a row block of Q / A2 across the whole head dimension
-(``D_PAD`` columns) with a per-column mask built from the block map: columns whose d-tile is absent
-in either operand are never loaded (no traffic). ``tl.dot`` still runs over the padded width, on
-zeros.
+c * stride_c``.
+
+Head dimension (attention kernels): the head dimension is cut into ``NUM_D_TILES`` d-tiles of
+``BLOCK_D`` columns (a compile-time count). A program holds its own operand as a tuple of per-d-tile
+register tensors (built in ``tl.static_range``, indexed by the static tile index) and, for each
+kept score block, reads only the other operand's d-tiles stored in both block rows (a fully masked
+load elsewhere: no traffic). Every product over the head dimension — ``S = Q A2^T`` in all three
+kernels, ``dA2 += dS^T Q`` and ``dQ += dS A2`` — is a sum of per-tile ``tl.dot`` calls each behind a
+runtime branch on the tile-presence flags, so d-tiles absent from either operand cost neither loads
+nor FLOPs (:mod:`sparse_io_attn.paper.flops` models the issued multiply-adds exactly). The row-panel
+product kernel ``_bsr_matmul_kernel`` still runs ``tl.dot`` over its whole padded output panel
+(``N_PAD`` columns, zeros where B's or C's column tiles are absent): no loads there, but FLOPs.
 
 I/O counting (``COUNT_IO``, see :mod:`sparse_io_attn.accounting.counter`): each program tallies the
 in-bounds, unmasked elements it loads and stores, times the element size, per tensor, and adds them
@@ -43,7 +51,7 @@ def _tile_ptrs(base, t, offs_r, offs_c, nb, stride_ta, stride_tb, stride_r, stri
 
 @triton.jit
 def _row_tiles(map_ptr, row, num_tiles, offs_d, BLOCK_D: tl.constexpr, NT_PAD: tl.constexpr):
-    """Tile id of each column of one block row: ``[D_PAD]`` int32 (-1 where absent), and the bytes of
+    """(Row-panel products.) Tile id of each column of one block row: ``[len(offs_d)]`` int32 (-1 where absent), and the bytes of
     the block-map row that were loaded."""
     offs_t = tl.arange(0, NT_PAD)
     tmask = offs_t < num_tiles
@@ -55,7 +63,8 @@ def _row_tiles(map_ptr, row, num_tiles, offs_d, BLOCK_D: tl.constexpr, NT_PAD: t
 
 @triton.jit
 def _wide_ptrs(base, tix, offs_r, offs_d, nb, stride_ta, stride_tb, stride_r, stride_c, BLOCK_D: tl.constexpr):
-    """Pointers ``[len(offs_r), D_PAD]`` of one block row across the head dimension."""
+    """(Row-panel products.) Pointers ``[len(offs_r), len(offs_d)]`` of one block row across all its
+    column tiles."""
     t = tl.maximum(tix, 0).to(tl.int64)
     col = (t // nb) * stride_ta + (t % nb) * stride_tb + (offs_d % BLOCK_D) * stride_c  # [D_PAD]
     return base + offs_r[:, None] * stride_r + col[None, :]
@@ -124,38 +133,113 @@ def _bsr_matmul_kernel(
 
 
 @triton.jit
+def _d_ids(map_ptr, row, NUM_D_TILES: tl.constexpr):
+    """Tile ids (int32 scalars, -1 where absent) of the ``NUM_D_TILES`` d-tiles of one block row, as a
+    tuple; reads ``4 * NUM_D_TILES`` bytes of the block map."""
+    ids = ()
+    for t in tl.static_range(NUM_D_TILES):
+        ids = ids + (tl.load(map_ptr + row * NUM_D_TILES + t),)
+    return ids
+
+
+@triton.jit
+def _shared(ids_a, ids_b, NUM_D_TILES: tl.constexpr):
+    """Tuple of scalar flags: d-tile ``t`` is stored in both block rows."""
+    keep = ()
+    for t in tl.static_range(NUM_D_TILES):
+        keep = keep + ((ids_a[t] >= 0) & (ids_b[t] >= 0),)
+    return keep
+
+
+@triton.jit
+def _load_d_tiles(base, ids, keep, offs_r, r_ok, offs_c, nb, stride_ta, stride_tb, stride_r, stride_c, head_dim,
+                  BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr):
+    """Tuple of ``[len(offs_r), BLOCK_D]`` tiles of one block row, tile ``t`` read only where
+    ``keep[t]`` (elsewhere the whole load is masked off: zeros, no traffic); and the number of
+    in-bounds head-dim columns read (int32)."""
+    tiles = ()
+    cols = 0
+    for t in tl.static_range(NUM_D_TILES):
+        width = tl.where(keep[t], tl.minimum(BLOCK_D, head_dim - t * BLOCK_D), 0)
+        x = tl.load(_tile_ptrs(base, tl.maximum(ids[t], 0), offs_r, offs_c, nb, stride_ta, stride_tb, stride_r,
+                               stride_c), mask=r_ok[:, None] & (offs_c < width)[None, :], other=0.0)
+        tiles = tiles + (x,)
+        cols += width
+    return tiles, cols
+
+
+@triton.jit
+def _store_d_tiles(base, ids, tiles, offs_r, r_ok, offs_c, nb, stride_ta, stride_tb, stride_r, stride_c, head_dim,
+                   BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr):
+    """Store a tuple of ``[len(offs_r), BLOCK_D]`` tiles on the stored d-tiles of one block row."""
+    for t in tl.static_range(NUM_D_TILES):
+        width = tl.where(ids[t] >= 0, tl.minimum(BLOCK_D, head_dim - t * BLOCK_D), 0)
+        tl.store(_tile_ptrs(base, tl.maximum(ids[t], 0), offs_r, offs_c, nb, stride_ta, stride_tb, stride_r,
+                            stride_c), tiles[t].to(base.dtype.element_ty), mask=r_ok[:, None] & (offs_c < width)[None, :])
+
+
+@triton.jit
+def _scores(q_tiles, k_tiles, keep, s, IEEE: tl.constexpr, NUM_D_TILES: tl.constexpr):
+    """``s + sum_t q_t k_t^T`` over the d-tiles with ``keep[t]`` only: absent tiles issue no ``tl.dot``."""
+    for t in tl.static_range(NUM_D_TILES):
+        if keep[t]:
+            s = _dot(q_tiles[t], tl.trans(k_tiles[t]), s, IEEE)
+    return s
+
+
+@triton.jit
+def _acc_d_tiles(accs, a, b_tiles, keep, IEEE: tl.constexpr, NUM_D_TILES: tl.constexpr):
+    """``accs[t] + a @ b_t`` for the d-tiles with ``keep[t]``; other accumulators unchanged (no FLOPs)."""
+    out = ()
+    for t in tl.static_range(NUM_D_TILES):
+        c = accs[t]
+        if keep[t]:
+            c = _dot(a, b_tiles[t], c, IEEE)
+        out = out + (c,)
+    return out
+
+
+@triton.jit
+def _zero_d_tiles(ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr):
+    """Tuple of ``NUM_D_TILES`` fp32 zero accumulators ``[ROWS, BLOCK_D]``."""
+    out = ()
+    for t in tl.static_range(NUM_D_TILES):
+        out = out + (tl.zeros([ROWS, BLOCK_D], dtype=tl.float32),)
+    return out
+
+
+@triton.jit
 def _paper_attn_fwd_kernel(
     q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, hsum_ptr, o_ptr, lse_ptr,
     kept_crow_ptr, kept_col_ptr, zero_crow_ptr, zero_col_ptr,
     q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
     a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
     stride_hn, stride_hd, stride_hsum_blk, stride_om, stride_od,
-    seqlen_q, seqlen_k, head_dim, head_dim_v, num_d_tiles, sm_scale,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
     io_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, NT_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
+    DV_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """One program per query block ``i``: online softmax over the kept score blocks of row ``i`` plus
-    the structurally zero blocks (score 0, counted ``cnt`` times, values summed in ``hsum``).
-    Counter slots: q, a2, h, hsum, o, lse, q_map, a2_map, layout."""
+    the structurally zero blocks (score 0, counted ``cnt`` times, values summed in ``hsum``). Q's
+    stored d-tiles are held for the whole program; per kept block only the d-tiles of A2 stored in
+    both rows are read and multiplied. Counter slots: q, a2, h, hsum, o, lse, q_map, a2_map, layout."""
     i = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
+    offs_bd = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, DV_PAD)
     rows = i * BLOCK_M + offs_m
     row_ok = rows < seqlen_q
     dv_ok = offs_dv < head_dim_v
     n_rows = _nsum(row_ok)
     n_dv = _nsum(dv_ok)
-    q_tix, b_qmap = _row_tiles(qmap_ptr, i, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
-    q_col = (q_tix >= 0) & (offs_d < head_dim)
-    q = tl.load(_wide_ptrs(q_ptr, q_tix, offs_m, offs_d, q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
-                           BLOCK_D), mask=row_ok[:, None] & q_col[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+    q_ids = _d_ids(qmap_ptr, i, NUM_D_TILES)
+    q_tiles, q_cols = _load_d_tiles(q_ptr, q_ids, _shared(q_ids, q_ids, NUM_D_TILES), offs_m, row_ok, offs_bd, q_nb,
+                                    stride_q_ta, stride_q_tb, stride_q_r, stride_q_c, head_dim, BLOCK_D, NUM_D_TILES)
     n_a2 = n_rows * 0
     n_h = n_rows * 0
-    b_a2map = n_rows * 0
+    n_kept = n_rows * 0
     b_layout = n_rows * 0 + 8
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -180,11 +264,12 @@ def _paper_attn_fwd_kernel(
         j = tl.load(kept_col_ptr + p)
         keys = j * BLOCK_N + offs_n
         key_ok = keys < seqlen_k
-        a2_tix, b_map = _row_tiles(a2map_ptr, j, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
-        both = q_col & (a2_tix >= 0)
-        a2 = tl.load(_wide_ptrs(a2_ptr, a2_tix, offs_n, offs_d, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
-                                stride_a2_c, BLOCK_D), mask=key_ok[:, None] & both[None, :], other=0.0)  # [BLOCK_N, D_PAD]
-        s = _dot(q, tl.trans(a2), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        a2_ids = _d_ids(a2map_ptr, j, NUM_D_TILES)
+        both = _shared(q_ids, a2_ids, NUM_D_TILES)
+        a2_tiles, a2_cols = _load_d_tiles(a2_ptr, a2_ids, both, offs_n, key_ok, offs_bd, a2_nb, stride_a2_ta,
+                                          stride_a2_tb, stride_a2_r, stride_a2_c, head_dim, BLOCK_D, NUM_D_TILES)
+        s = _scores(q_tiles, a2_tiles, both, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, NUM_D_TILES)
+        s = s * sm_scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -196,9 +281,9 @@ def _paper_attn_fwd_kernel(
         m_i = m_new
         if COUNT_IO:
             n_k = _nsum(key_ok)
-            n_a2 += n_k * _nsum(both)
+            n_a2 += n_k * a2_cols
             n_h += n_k * n_dv
-            b_a2map += b_map
+            n_kept += 1
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -207,15 +292,15 @@ def _paper_attn_fwd_kernel(
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     if COUNT_IO:
         es = q_ptr.dtype.element_ty.primitive_bitwidth // 8
-        tl.atomic_add(io_ptr + 0, n_rows * _nsum(q_col) * es)
+        tl.atomic_add(io_ptr + 0, n_rows * q_cols * es)
         tl.atomic_add(io_ptr + 2, n_a2 * es)
         tl.atomic_add(io_ptr + 4, n_h * es)
         if HAS_ZERO:
             tl.atomic_add(io_ptr + 6, (ze - zs).to(tl.int64) * n_dv * 4)
         tl.atomic_add(io_ptr + 9, n_rows * n_dv * es)
         tl.atomic_add(io_ptr + 11, n_rows * 4)
-        tl.atomic_add(io_ptr + 12, b_qmap)
-        tl.atomic_add(io_ptr + 14, b_a2map)
+        tl.atomic_add(io_ptr + 12, n_rows * 0 + 4 * NUM_D_TILES)
+        tl.atomic_add(io_ptr + 14, n_kept * 4 * NUM_D_TILES)
         tl.atomic_add(io_ptr + 16, b_layout + 4 * (ke - ks).to(tl.int64))
 
 
@@ -263,37 +348,37 @@ def _paper_attn_bwd_dkv_kernel(
     q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
     a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
     stride_hn, stride_hd, stride_dom, stride_dod, stride_w_blk, stride_dhn, stride_dhd,
-    seqlen_q, seqlen_k, head_dim, head_dim_v, num_d_tiles, sm_scale,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
     io_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, NT_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
+    DV_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """One program per key block ``j``: ``dH[j] = sum_i P_ij^T dO_i`` (+ the structurally zero blocks'
-    ``w``) and ``dA2[j] = sum_i dS_ij^T Q_i`` on A2's stored tiles (``da2`` has A2's addressing).
+    ``w``) and ``dA2[j] = sum_i dS_ij^T Q_i`` on A2's stored tiles (``da2`` has A2's addressing). A2's
+    stored d-tiles and their dA2 accumulators are held per d-tile; per kept block only the Q d-tiles
+    stored in both rows are read, and only they enter ``S`` and ``dA2``.
     Counter slots: q, a2, h, do, lse, delta, w, da2, dh, q_map, a2_map, layout."""
     j = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
+    offs_bd = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, DV_PAD)
     keys = j * BLOCK_N + offs_n
     key_ok = keys < seqlen_k
     dv_ok = offs_dv < head_dim_v
     n_k = _nsum(key_ok)
     n_dv = _nsum(dv_ok)
-    a2_tix, b_a2map = _row_tiles(a2map_ptr, j, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
-    a2_col = (a2_tix >= 0) & (offs_d < head_dim)
-    a2_ptrs = _wide_ptrs(a2_ptr, a2_tix, offs_n, offs_d, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
-                         stride_a2_c, BLOCK_D)
-    a2 = tl.load(a2_ptrs, mask=key_ok[:, None] & a2_col[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+    a2_ids = _d_ids(a2map_ptr, j, NUM_D_TILES)
+    a2_tiles, a2_cols = _load_d_tiles(a2_ptr, a2_ids, _shared(a2_ids, a2_ids, NUM_D_TILES), offs_n, key_ok, offs_bd,
+                                      a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c, head_dim, BLOCK_D,
+                                      NUM_D_TILES)
     h = tl.load(h_ptr + keys[:, None] * stride_hn + offs_dv[None, :] * stride_hd,
                 mask=key_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
     dh = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
-    da2 = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
+    da2 = _zero_d_tiles(BLOCK_N, BLOCK_D, NUM_D_TILES)  # tuple of [BLOCK_N, BLOCK_D]
     n_q = n_k * 0
     n_rows_all = n_k * 0
-    b_qmap = n_k * 0
+    n_kept = n_k * 0
     b_layout = n_k * 0 + 8
     ks = tl.load(kept_ccol_ptr + j)
     ke = tl.load(kept_ccol_ptr + j + 1)
@@ -301,25 +386,26 @@ def _paper_attn_bwd_dkv_kernel(
         i = tl.load(kept_row_ptr + p)
         rows = i * BLOCK_M + offs_m
         row_ok = rows < seqlen_q
-        q_tix, b_map = _row_tiles(qmap_ptr, i, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
-        both = a2_col & (q_tix >= 0)
-        q = tl.load(_wide_ptrs(q_ptr, q_tix, offs_m, offs_d, q_nb, stride_q_ta, stride_q_tb, stride_q_r,
-                               stride_q_c, BLOCK_D), mask=row_ok[:, None] & both[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+        q_ids = _d_ids(qmap_ptr, i, NUM_D_TILES)
+        both = _shared(q_ids, a2_ids, NUM_D_TILES)
+        q_tiles, q_cols = _load_d_tiles(q_ptr, q_ids, both, offs_m, row_ok, offs_bd, q_nb, stride_q_ta, stride_q_tb,
+                                        stride_q_r, stride_q_c, head_dim, BLOCK_D, NUM_D_TILES)
         do = tl.load(do_ptr + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                      mask=row_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_M, DV_PAD]
         lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
-        s = _dot(q, tl.trans(a2), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        s = _scores(q_tiles, a2_tiles, both, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, NUM_D_TILES)
+        s = s * sm_scale  # [BLOCK_M, BLOCK_N]
         pr = tl.where(row_ok[:, None] & key_ok[None, :], tl.exp(s - lse[:, None]), 0.0)
         dh = _dot(tl.trans(pr.to(do.dtype)), do, dh, IEEE)  # [BLOCK_N, DV_PAD]
         dp = _dot(do, tl.trans(h), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)  # [BLOCK_M, BLOCK_N]
         ds = pr * (dp - delta[:, None]) * sm_scale
-        da2 = _dot(tl.trans(ds.to(q.dtype)), q, da2, IEEE)  # [BLOCK_N, D_PAD]
+        da2 = _acc_d_tiles(da2, tl.trans(ds.to(q_ptr.dtype.element_ty)), q_tiles, both, IEEE, NUM_D_TILES)
         if COUNT_IO:
             n_r = _nsum(row_ok)
-            n_q += n_r * _nsum(both)
+            n_q += n_r * q_cols
             n_rows_all += n_r
-            b_qmap += b_map
+            n_kept += 1
     if HAS_ZERO:
         zs = tl.load(zero_ccol_ptr + j)
         ze = tl.load(zero_ccol_ptr + j + 1)
@@ -331,12 +417,11 @@ def _paper_attn_bwd_dkv_kernel(
         b_layout += 8 + 4 * (ze - zs).to(tl.int64)
     tl.store(dh_ptr + keys[:, None] * stride_dhn + offs_dv[None, :] * stride_dhd, dh.to(dh_ptr.dtype.element_ty),
              mask=key_ok[:, None] & dv_ok[None, :])
-    da2_ptrs = _wide_ptrs(da2_ptr, a2_tix, offs_n, offs_d, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
-                          stride_a2_c, BLOCK_D)
-    tl.store(da2_ptrs, da2.to(da2_ptr.dtype.element_ty), mask=key_ok[:, None] & a2_col[None, :])
+    _store_d_tiles(da2_ptr, a2_ids, da2, offs_n, key_ok, offs_bd, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
+                   stride_a2_c, head_dim, BLOCK_D, NUM_D_TILES)
     if COUNT_IO:
         es = q_ptr.dtype.element_ty.primitive_bitwidth // 8
-        n_a2 = n_k * _nsum(a2_col)
+        n_a2 = n_k * a2_cols
         tl.atomic_add(io_ptr + 0, n_q * es)
         tl.atomic_add(io_ptr + 2, n_a2 * es)
         tl.atomic_add(io_ptr + 4, n_k * n_dv * es)
@@ -347,8 +432,8 @@ def _paper_attn_bwd_dkv_kernel(
             tl.atomic_add(io_ptr + 12, (ze - zs).to(tl.int64) * n_dv * 4)
         tl.atomic_add(io_ptr + 15, n_a2 * es)
         tl.atomic_add(io_ptr + 17, n_k * n_dv * es)
-        tl.atomic_add(io_ptr + 18, b_qmap)
-        tl.atomic_add(io_ptr + 20, b_a2map)
+        tl.atomic_add(io_ptr + 18, n_kept * 4 * NUM_D_TILES)
+        tl.atomic_add(io_ptr + 20, n_k * 0 + 4 * NUM_D_TILES)
         tl.atomic_add(io_ptr + 22, b_layout + 4 * (ke - ks).to(tl.int64))
 
 
@@ -359,63 +444,65 @@ def _paper_attn_bwd_dq_kernel(
     q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
     a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
     stride_hn, stride_hd, stride_dom, stride_dod,
-    seqlen_q, seqlen_k, head_dim, head_dim_v, num_d_tiles, sm_scale,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
     io_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D_PAD: tl.constexpr,
-    DV_PAD: tl.constexpr, NT_PAD: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
+    DV_PAD: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """One program per query block ``i``: ``dQ[i] = sum_j dS_ij A2_j`` on Q's stored tiles (``dq`` has
-    Q's addressing). Structurally zero score blocks add nothing to dQ on Q's pattern.
+    Q's addressing). Structurally zero score blocks add nothing to dQ on Q's pattern. Q's stored
+    d-tiles and their dQ accumulators are held per d-tile; per kept block only the A2 d-tiles stored
+    in both rows are read, and only they enter ``S`` and ``dQ``.
     Counter slots: q, a2, h, do, lse, delta, dq, q_map, a2_map, layout."""
     i = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
+    offs_bd = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, DV_PAD)
     rows = i * BLOCK_M + offs_m
     row_ok = rows < seqlen_q
     dv_ok = offs_dv < head_dim_v
     n_rows = _nsum(row_ok)
     n_dv = _nsum(dv_ok)
-    q_tix, b_qmap = _row_tiles(qmap_ptr, i, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
-    q_col = (q_tix >= 0) & (offs_d < head_dim)
-    q = tl.load(_wide_ptrs(q_ptr, q_tix, offs_m, offs_d, q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
-                           BLOCK_D), mask=row_ok[:, None] & q_col[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+    q_ids = _d_ids(qmap_ptr, i, NUM_D_TILES)
+    q_tiles, q_cols = _load_d_tiles(q_ptr, q_ids, _shared(q_ids, q_ids, NUM_D_TILES), offs_m, row_ok, offs_bd, q_nb,
+                                    stride_q_ta, stride_q_tb, stride_q_r, stride_q_c, head_dim, BLOCK_D, NUM_D_TILES)
     do = tl.load(do_ptr + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=row_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_M, DV_PAD]
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    dq = _zero_d_tiles(BLOCK_M, BLOCK_D, NUM_D_TILES)  # tuple of [BLOCK_M, BLOCK_D]
     n_a2 = n_rows * 0
     n_h = n_rows * 0
-    b_a2map = n_rows * 0
+    n_kept = n_rows * 0
     ks = tl.load(kept_crow_ptr + i)
     ke = tl.load(kept_crow_ptr + i + 1)
     for p in range(ks, ke):
         j = tl.load(kept_col_ptr + p)
         keys = j * BLOCK_N + offs_n
         key_ok = keys < seqlen_k
-        a2_tix, b_map = _row_tiles(a2map_ptr, j, num_d_tiles, offs_d, BLOCK_D, NT_PAD)
-        both = q_col & (a2_tix >= 0)
-        a2 = tl.load(_wide_ptrs(a2_ptr, a2_tix, offs_n, offs_d, a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r,
-                                stride_a2_c, BLOCK_D), mask=key_ok[:, None] & both[None, :], other=0.0)  # [BLOCK_N, D_PAD]
+        a2_ids = _d_ids(a2map_ptr, j, NUM_D_TILES)
+        both = _shared(q_ids, a2_ids, NUM_D_TILES)
+        a2_tiles, a2_cols = _load_d_tiles(a2_ptr, a2_ids, both, offs_n, key_ok, offs_bd, a2_nb, stride_a2_ta,
+                                          stride_a2_tb, stride_a2_r, stride_a2_c, head_dim, BLOCK_D, NUM_D_TILES)
         h = tl.load(h_ptr + keys[:, None] * stride_hn + offs_dv[None, :] * stride_hd,
                     mask=key_ok[:, None] & dv_ok[None, :], other=0.0)  # [BLOCK_N, DV_PAD]
-        s = _dot(q, tl.trans(a2), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        s = _scores(q_tiles, a2_tiles, both, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE, NUM_D_TILES)
+        s = s * sm_scale  # [BLOCK_M, BLOCK_N]
         pr = tl.where(row_ok[:, None] & key_ok[None, :], tl.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(h), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)  # [BLOCK_M, BLOCK_N]
         ds = pr * (dp - delta[:, None]) * sm_scale
-        dq = _dot(ds.to(a2.dtype), a2, dq, IEEE)  # [BLOCK_M, D_PAD]
+        dq = _acc_d_tiles(dq, ds.to(a2_ptr.dtype.element_ty), a2_tiles, both, IEEE, NUM_D_TILES)
         if COUNT_IO:
             n_kk = _nsum(key_ok)
-            n_a2 += n_kk * _nsum(both)
+            n_a2 += n_kk * a2_cols
             n_h += n_kk * n_dv
-            b_a2map += b_map
-    tl.store(_wide_ptrs(dq_ptr, q_tix, offs_m, offs_d, q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
-                        BLOCK_D), dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & q_col[None, :])
+            n_kept += 1
+    _store_d_tiles(dq_ptr, q_ids, dq, offs_m, row_ok, offs_bd, q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
+                   head_dim, BLOCK_D, NUM_D_TILES)
     if COUNT_IO:
         es = q_ptr.dtype.element_ty.primitive_bitwidth // 8
-        n_qe = n_rows * _nsum(q_col)
+        n_qe = n_rows * q_cols
         tl.atomic_add(io_ptr + 0, n_qe * es)
         tl.atomic_add(io_ptr + 2, n_a2 * es)
         tl.atomic_add(io_ptr + 4, n_h * es)
@@ -423,6 +510,6 @@ def _paper_attn_bwd_dq_kernel(
         tl.atomic_add(io_ptr + 8, n_rows * 4)
         tl.atomic_add(io_ptr + 10, n_rows * 4)
         tl.atomic_add(io_ptr + 13, n_qe * es)
-        tl.atomic_add(io_ptr + 14, b_qmap)
-        tl.atomic_add(io_ptr + 16, b_a2map)
+        tl.atomic_add(io_ptr + 14, n_rows * 0 + 4 * NUM_D_TILES)
+        tl.atomic_add(io_ptr + 16, n_kept * 4 * NUM_D_TILES)
         tl.atomic_add(io_ptr + 18, 8 + 4 * (ke - ks).to(tl.int64))

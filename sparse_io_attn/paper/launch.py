@@ -71,10 +71,10 @@ def _grad_buffer(op: Operand) -> torch.Tensor:
 
 
 def _attn_meta(Q: Operand, A2: Operand, dv: int) -> dict:
-    nd = Q.block_map.shape[1]
-    return dict(BLOCK_M=Q.block[0], BLOCK_N=A2.block[0], BLOCK_D=Q.block[1],
-                D_PAD=max(16, next_pow2(Q.shape[1])), DV_PAD=max(16, next_pow2(dv)), NT_PAD=max(2, next_pow2(nd)),
-                IEEE=_ieee(Q.data.dtype))
+    """Compile-time parameters of the attention kernels; the head dimension is handled as
+    ``NUM_D_TILES`` separate d-tiles of ``BLOCK_D`` columns (one compiled variant per tile count)."""
+    return dict(BLOCK_M=Q.block[0], BLOCK_N=A2.block[0], BLOCK_D=Q.block[1], NUM_D_TILES=Q.block_map.shape[1],
+                DV_PAD=max(16, next_pow2(dv)), IEEE=_ieee(Q.data.dtype))
 
 
 def q_operand(A1: Operand, X: Operand, q_map: torch.Tensor, nnz_q: int) -> Operand:
@@ -109,7 +109,7 @@ def forward(A1: Operand, X: Operand, A2: Operand, A3: Operand, Y: Operand, q_map
         zero_col_ptr=plan.zero_col, **Q.strides("q"), **A2.strides("a2"),
         stride_hn=h.stride(0), stride_hd=h.stride(1), stride_hsum_blk=hsum.stride(0) if hsum is not None else 0,
         stride_om=o.stride(0), stride_od=o.stride(1),
-        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv, num_d_tiles=Q.block_map.shape[1],
+        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
         sm_scale=scale, io_ptr=io.buffer if io else _dummy(device), HAS_ZERO=plan.has_zero,
         COUNT_IO=io is not None, **_attn_meta(Q, A2, dv),
     )
@@ -149,7 +149,7 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, A1: Operand, 
         zero_row_ptr=plan.zero_row, **Q.strides("q"), **A2.strides("a2"),
         stride_hn=h.stride(0), stride_hd=h.stride(1), stride_dom=do.stride(0), stride_dod=do.stride(1),
         stride_w_blk=w.stride(0) if plan.has_zero else 0, stride_dhn=dh.stride(0), stride_dhd=dh.stride(1),
-        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv, num_d_tiles=Q.block_map.shape[1],
+        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
         sm_scale=scale, io_ptr=io.buffer if io else _dummy(device), HAS_ZERO=plan.has_zero,
         COUNT_IO=io is not None, **meta)
     if io:
@@ -161,7 +161,7 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, A1: Operand, 
         lse_ptr=lse, delta_ptr=delta, dq_ptr=dQ.data, kept_crow_ptr=plan.kept_crow, kept_col_ptr=plan.kept_col,
         **Q.strides("q"), **A2.strides("a2"), stride_hn=h.stride(0), stride_hd=h.stride(1),
         stride_dom=do.stride(0), stride_dod=do.stride(1),
-        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv, num_d_tiles=Q.block_map.shape[1],
+        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
         sm_scale=scale, io_ptr=io.buffer if io else _dummy(device), COUNT_IO=io is not None,
         **{k: v for k, v in meta.items() if k != "HAS_ZERO"})
     if io:

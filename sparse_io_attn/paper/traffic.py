@@ -16,6 +16,10 @@ blocks of ``Q = A1 X`` and ``A2``; ``es``: element size; indices are 4-byte int3
   once; per kept ``(i, j)``: a2 ``keys(j) w(Pq[i] & Pa2[j])`` and h.
 * products ``C = A B`` (one program per row block ``i`` of C): per pair ``(i, k)`` the A tile and
   B's row ``k`` on the column tiles stored in both ``B[k, :]`` and ``C[i, :]``; one C row panel.
+
+Block maps are read as whole rows (``4 * num_d_tiles`` bytes, one int32 tile id per d-tile) even
+though only the d-tiles stored in both operands are then read and multiplied
+(:mod:`sparse_io_attn.paper.flops` is the matching model of the multiply-adds).
 """
 from __future__ import annotations
 
@@ -155,7 +159,8 @@ def predict_traffic(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) 
 
 def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     """Fast memory (words) the counted algorithm uses: the largest per-program working set of the
-    kernels, counting every register tile a program holds at once (padded sizes):
+    kernels, counting every register tile a program holds at once (padded sizes; ``D``: the head
+    dimension rounded up to whole d-tiles, ``NUM_D_TILES * BLOCK_D``, held as per-d-tile tiles):
 
     * forward: ``q, acc [BM, D|DV] + a2, h [BN, D|DV] + s [BM, BN] + m, l [BM] + hsum row [DV]``;
     * backward dkv: ``a2, da2 [BN, D] + h, dh [BN, DV] + q [BM, D] + dO [BM, DV] + s/p, dp, ds
@@ -170,7 +175,7 @@ def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     from .operands import next_pow2
 
     bm, bn = blocks.m, blocks.n
-    D, DV = max(16, next_pow2(X.shape[1])), max(16, next_pow2(Y.shape[1]))
+    D, DV = -(-X.shape[1] // blocks.d2) * blocks.d2, max(16, next_pow2(Y.shape[1]))
     fwd = bm * D + bm * DV + bn * D + bn * DV + bm * bn + 2 * bm + DV
     dkv = 2 * bn * D + 2 * bn * DV + bm * D + bm * DV + 3 * bm * bn + 2 * bm
     dq = 2 * bm * D + bm * DV + bn * D + bn * DV + 3 * bm * bn + 2 * bm
