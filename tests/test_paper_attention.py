@@ -16,7 +16,7 @@ from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.accounting.compare import compare
 from sparse_io_attn.kernels import INTERPRET
 from sparse_io_attn.layout import BlockSparseLayout
-from sparse_io_attn.paper.flops import ATTENTION_KERNELS, predict_dot_macs
+from sparse_io_attn.paper.flops import ATTENTION_KERNELS, PRODUCT_KERNELS, predict_dot_macs
 from sparse_io_attn.paper_reference import paper_gradients
 from sparse_io_attn.reference import masked_attention, rel_err
 from sparse_io_attn.sparse_matrix import BlockSparseMatrix
@@ -151,14 +151,15 @@ TRITON_CASES = {
 }
 
 
-_KERNEL_FRAMES = {f"_{k}_kernel": k for k in ATTENTION_KERNELS}
-DOT_MACS: dict = {}  # case id -> {attention kernel: multiply-adds executed by tl.dot}
+_KERNEL_FRAMES = {f"_{k}_kernel": k for k in ATTENTION_KERNELS} | {"_bsr_matmul_kernel": "products"}
+DOT_MACS: dict = {}  # case id -> {attention kernel or "products": multiply-adds executed by tl.dot}
 
 
 @contextlib.contextmanager
 def count_dot_macs():
-    """Tally ``M * N * K`` of every ``tl.dot`` the interpreter executes, per attention kernel (found
-    by the kernel function's frame on the Python stack), independently of the kernels' own code."""
+    """Tally ``M * N * K`` of every ``tl.dot`` the interpreter executes, per attention kernel and for
+    all products together (found by the kernel function's frame on the Python stack), independently
+    of the kernels' own code."""
     tally = collections.Counter()
     if not INTERPRET:
         yield tally
@@ -222,15 +223,19 @@ def test_counted_traffic_equals_model(case_id):
 
 @pytest.mark.parametrize("case_id", list(TRITON_CASES))
 def test_executed_dot_macs_equal_model(case_id):
-    """Head-dim tiles absent from either operand cost no FLOPs: the multiply-adds executed per
-    attention kernel equal the model, which counts only tiles stored in both Q = A1 X and A2."""
+    """Tiles absent from either operand cost no FLOPs: the multiply-adds executed per attention
+    kernel (and by all products together) equal the model, which counts only the head-dim tiles
+    stored in both Q = A1 X and A2 (column tiles stored in both B and C for products)."""
     if not INTERPRET:
         pytest.skip("tl.dot work is counted through Triton's interpreter")
     ops, qk, _, _ = triton_run(case_id)
     A1, A2, A3, X, Y = ops
-    executed = {k: DOT_MACS[case_id].get(k, 0) for k in ATTENTION_KERNELS}
-    assert set(DOT_MACS[case_id]) <= set(ATTENTION_KERNELS)
-    assert executed == predict_dot_macs(A1, A2, A3, X, Y, qk_layout=qk)
+    executed = DOT_MACS[case_id]
+    model = predict_dot_macs(A1, A2, A3, X, Y, qk_layout=qk)
+    assert set(executed) <= set(ATTENTION_KERNELS) | {"products"}
+    for k in ATTENTION_KERNELS:
+        assert executed.get(k, 0) == model[k], (k, executed, model)
+    assert executed["products"] == sum(model[k] for k in PRODUCT_KERNELS) > 0, (executed, model)
 
 
 # cases whose shapes nnz_stats takes (square X, whole blocks: scipy's BSR rounds shapes up to blocks)

@@ -1,5 +1,5 @@
-"""The paper attention kernels compile for sm_90 (Hopper) without a GPU, with the per-d-tile
-products behind runtime branches (absent head-dim tiles: no FLOPs on the compiled path either)."""
+"""The paper kernels compile for sm_90 (Hopper) without a GPU, with the per-tile products behind
+runtime branches (absent head-dim / column tiles: no FLOPs on the compiled path either)."""
 import ast
 import os
 import subprocess
@@ -15,12 +15,13 @@ def test_paper_attention_kernels_compile_for_sm90(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=500)
     assert res.returncode == 0, res.stderr[-3000:]
     out = ast.literal_eval(res.stdout.strip().splitlines()[-1])
-    assert set(out) == {"paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq"}
+    assert set(out) == {"paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "matmul"}
     assert all(0 < r["shared"] <= 227 * 1024 for r in out.values()), out  # fits an H100 block
     assert all(r["mma"] > 0 for r in out.values()), out  # tensor-core products
     # one runtime branch per d-tile per product over the head dimension: S (all three kernels),
-    # dA2 += dS^T Q (dkv) and dQ += dS A2 (dq)
+    # dA2 += dS^T Q (dkv) and dQ += dS A2 (dq); one per column tile in the row-panel product
     n_tiles = 3
     assert out["paper_attn_fwd"]["scf_if"] == n_tiles, out
     assert out["paper_attn_bwd_dkv"]["scf_if"] == 2 * n_tiles, out
     assert out["paper_attn_bwd_dq"]["scf_if"] == 2 * n_tiles, out
+    assert out["matmul"]["scf_if"] == n_tiles, out

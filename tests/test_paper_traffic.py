@@ -118,12 +118,17 @@ def test_dot_mac_model_closed_forms():
     A1, A2, A3, X, Y = (torch.randn(s, generator=g) for s in ((n, d), (n, d), (n, d), (d, d), (d, dv)))
     nb, nt, tile, pv = n // bm, d // bd, bm * bm * bd, bm * bm * dv
     dense = paper.predict_dot_macs(A1, A2, A3, BlockSparseMatrix.from_dense(X, (bd, bd)), Y)
-    assert dense == {"paper_attn_fwd": nb * nb * (nt * tile + pv),
-                     "paper_attn_bwd_dkv": nb * nb * (2 * nt * tile + 2 * pv),
-                     "paper_attn_bwd_dq": nb * nb * (2 * nt * tile + pv)}
+    assert {k: dense[k] for k in ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq")} == {
+            "paper_attn_fwd": nb * nb * (nt * tile + pv),
+            "paper_attn_bwd_dkv": nb * nb * (2 * nt * tile + 2 * pv),
+            "paper_attn_bwd_dq": nb * nb * (2 * nt * tile + pv)}
     Xs = X.clone()
     Xs[:, -bd:] = 0
     sparse = paper.predict_dot_macs(A1, A2, A3, BlockSparseMatrix.from_dense(Xs, (bd, bd)), Y)
     assert sparse["paper_attn_fwd"] == dense["paper_attn_fwd"] - nb * nb * tile
     assert sparse["paper_attn_bwd_dkv"] == dense["paper_attn_bwd_dkv"] - 2 * nb * nb * tile
     assert sparse["paper_attn_bwd_dq"] == dense["paper_attn_bwd_dq"] - 2 * nb * nb * tile
+    # Q = A1 X: one program per query block, per pair (i, k) a [bm, bd] x [bd, bd] product per column
+    # tile of X's row k stored in Q's row i: 4 tiles dense, 3 without the last column tile
+    assert dense["paper_q"] == nb * nt * nt * bm * bd * bd
+    assert sparse["paper_q"] == nb * nt * (nt - 1) * bm * bd * bd

@@ -1,6 +1,6 @@
-"""Exact model of the ``tl.dot`` work of the :mod:`sparse_io_attn.paper` attention kernels.
+"""Exact model of the ``tl.dot`` work of the :mod:`sparse_io_attn.paper` Triton kernels.
 
-:func:`predict_dot_macs` returns, per attention kernel, the multiply-adds its ``tl.dot`` calls issue
+:func:`predict_dot_macs` returns, per kernel (report names), the multiply-adds its ``tl.dot`` calls issue
 (``M * N * K`` of every call, on the padded register tiles the kernel holds), from block patterns and
 shapes only. The kernels split every product over the head dimension into d-tiles and issue a tile's
 product only when the tile is stored in both operands, so the model counts, per kept score block
@@ -12,24 +12,41 @@ product only when the tile is stored in both operands, so the model counts, per 
 * ``paper_attn_bwd_dkv``: per kept ``(i, j)``: ``S`` and ``dA2 += dS^T Q`` on shared tiles
   (``2 |both| BM BN BD``), ``dH += P^T dO`` and ``dP = dO H^T`` (``2 BM BN DV``);
 * ``paper_attn_bwd_dq``: per kept ``(i, j)``: ``S`` and ``dQ += dS A2`` on shared tiles
-  (``2 |both| BM BN BD``), ``dP`` (``BM BN DV``).
+  (``2 |both| BM BN BD``), ``dP`` (``BM BN DV``);
+* products ``C = A B`` (``paper_q``, ``paper_h``, ``paper_da1``, ``paper_dx``, ``paper_da3``,
+  ``paper_dy``; one kernel, ``_bsr_matmul_kernel``): per pair ``(i, k)`` of the product plan,
+  ``BM_A BK BN`` per column tile stored in both ``B[k, :]`` and ``C[i, :]``.
 
 ``BM``, ``BN``, ``BD``: query, key and head-dim block sizes; ``DV``: the padded value width
-(``max(16, next_pow2(dv))``). The products ``C = A B`` (``paper_q``, ``paper_h``, gradients of the
-operands) are not modelled here. Tests compare these numbers with the multiply-adds the interpreter
-actually executes (tests/test_paper_flops.py).
+(``max(16, next_pow2(dv))``). Tests compare these numbers with the multiply-adds the interpreter
+actually executes (tests/test_paper_attention.py::test_executed_dot_macs_equal_model).
 """
 from __future__ import annotations
 
+import torch
+
 from .attention import build_problem
 from .operands import check_operands, next_pow2
+from .plan import ProductPlan
+from .traffic import products
 
 ATTENTION_KERNELS = ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq")
+PRODUCT_KERNELS = ("paper_q", "paper_h", "paper_da1", "paper_dx", "paper_da3", "paper_dy")
+
+
+def _product_macs(A, B, C, plan: ProductPlan) -> int:
+    """``BM_A BK BN`` per (pair, column tile stored in both ``B[k, :]`` and ``C[i, :]``)."""
+    ptr = plan.pair_ptr.cpu().long()
+    pi = torch.repeat_interleave(torch.arange(plan.num_rows), ptr[1:] - ptr[:-1])
+    pk = plan.pair_k.cpu().long()
+    shared = int(((C.block_map >= 0).cpu().long()[pi] * (B.block_map >= 0).cpu().long()[pk]).sum())
+    return shared * A.block[0] * A.block[1] * B.block[1]
 
 
 def predict_dot_macs(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) -> dict:
-    """``{kernel: multiply-adds issued by tl.dot}`` for the attention kernels of one
-    ``paper.attention(..., backend="triton")`` call (and its backward when ``backward``)."""
+    """``{kernel: multiply-adds issued by tl.dot}`` for the kernels of one
+    ``paper.attention(..., backend="triton")`` call (and its backward when ``backward``, all five
+    gradients): the three attention kernels and the products, by report name."""
     blocks, _, _ = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")
     p = build_problem(A1, A2, A3, X, Y, qk_layout, blocks)
     bm, bn, bd = blocks.m, blocks.n, blocks.d2
@@ -44,4 +61,6 @@ def predict_dot_macs(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True)
     if backward:
         out["paper_attn_bwd_dkv"] = 2 * shared * tile + 2 * n_kept * bm * bn * dv
         out["paper_attn_bwd_dq"] = 2 * shared * tile + n_kept * bm * bn * dv
+    for kernel, A, B, C, plan, _ in products(p, Y.shape[1], backward=backward):
+        out[kernel] = _product_macs(A, B, C, plan)
     return out

@@ -12,8 +12,9 @@ load elsewhere: no traffic). Every product over the head dimension — ``S = Q A
 kernels, ``dA2 += dS^T Q`` and ``dQ += dS A2`` — is a sum of per-tile ``tl.dot`` calls each behind a
 runtime branch on the tile-presence flags, so d-tiles absent from either operand cost neither loads
 nor FLOPs (:mod:`sparse_io_attn.paper.flops` models the issued multiply-adds exactly). The row-panel
-product kernel ``_bsr_matmul_kernel`` still runs ``tl.dot`` over its whole padded output panel
-(``N_PAD`` columns, zeros where B's or C's column tiles are absent): no loads there, but FLOPs.
+product kernel ``_bsr_matmul_kernel`` treats its output columns the same way: one accumulator per
+column tile of C, and per pair only the column tiles stored in both ``B[k, :]`` and ``C[i, :]`` are
+loaded and multiplied.
 
 I/O counting (``COUNT_IO``, see :mod:`sparse_io_attn.accounting.counter`): each program tallies the
 in-bounds, unmasked elements it loads and stores, times the element size, per tensor, and adds them
@@ -50,89 +51,6 @@ def _tile_ptrs(base, t, offs_r, offs_c, nb, stride_ta, stride_tb, stride_r, stri
 
 
 @triton.jit
-def _row_tiles(map_ptr, row, num_tiles, offs_d, BLOCK_D: tl.constexpr, NT_PAD: tl.constexpr):
-    """(Row-panel products.) Tile id of each column of one block row: ``[len(offs_d)]`` int32 (-1 where absent), and the bytes of
-    the block-map row that were loaded."""
-    offs_t = tl.arange(0, NT_PAD)
-    tmask = offs_t < num_tiles
-    row_map = tl.load(map_ptr + row * num_tiles + offs_t, mask=tmask, other=-1)  # [NT_PAD]
-    sel = (offs_d[:, None] // BLOCK_D) == offs_t[None, :]  # [D_PAD, NT_PAD]
-    tix = tl.sum(tl.where(sel, row_map[None, :] + 1, 0), axis=1) - 1  # [D_PAD]
-    return tix, _nsum(tmask) * 4
-
-
-@triton.jit
-def _wide_ptrs(base, tix, offs_r, offs_d, nb, stride_ta, stride_tb, stride_r, stride_c, BLOCK_D: tl.constexpr):
-    """(Row-panel products.) Pointers ``[len(offs_r), len(offs_d)]`` of one block row across all its
-    column tiles."""
-    t = tl.maximum(tix, 0).to(tl.int64)
-    col = (t // nb) * stride_ta + (t % nb) * stride_tb + (offs_d % BLOCK_D) * stride_c  # [D_PAD]
-    return base + offs_r[:, None] * stride_r + col[None, :]
-
-
-@triton.jit
-def _bsr_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, colsum_ptr, bmap_ptr, cmap_ptr, pair_ptr_ptr, pair_a_ptr, pair_k_ptr,
-    a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c,
-    b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c,
-    c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c,
-    stride_colsum_blk,
-    size_m, size_k, size_n, num_n_tiles,
-    io_ptr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, N_PAD: tl.constexpr,
-    NT_PAD: tl.constexpr, WRITE_COLSUM: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
-):
-    """One program per row block ``i`` of ``C = A B``, computing the whole row panel ``C[i, :]``
-    (all ``N_PAD`` columns): for each listed pair ``(A tile of (i, k), k)`` it loads the A tile once
-    and the row panel ``B[k, :]`` restricted to the tiles stored in both ``B[k, :]`` and ``C[i, :]``;
-    the panel is stored on ``C[i, :]``'s stored tiles. With ``WRITE_COLSUM`` it also writes the
-    panel's column sums (fp32) to ``colsum[i, :]``. Counter slots: a, b, c, colsum, plan
-    (pair lists and block-map rows)."""
-    i = tl.program_id(0)
-    start = tl.load(pair_ptr_ptr + i)
-    end = tl.load(pair_ptr_ptr + i + 1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_n = tl.arange(0, N_PAD)
-    row_ok = i * BLOCK_M + offs_m < size_m
-    n_rows = _nsum(row_ok)
-    c_tix, b_plan = _row_tiles(cmap_ptr, i, num_n_tiles, offs_n, BLOCK_N, NT_PAD)
-    c_col = (c_tix >= 0) & (offs_n < size_n)
-    acc = tl.zeros([BLOCK_M, N_PAD], dtype=tl.float32)
-    n_ab = n_rows * 0  # elements of A loaded
-    n_bb = n_rows * 0  # elements of B loaded
-    for p in range(start, end):
-        ta = tl.load(pair_a_ptr + p)
-        k = tl.load(pair_k_ptr + p)
-        k_ok = k * BLOCK_K + offs_k < size_k
-        b_tix, b_map = _row_tiles(bmap_ptr, k, num_n_tiles, offs_n, BLOCK_N, NT_PAD)
-        b_col = c_col & (b_tix >= 0)
-        a = tl.load(_tile_ptrs(a_ptr, ta, offs_m, offs_k, a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c),
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(_wide_ptrs(b_ptr, b_tix, offs_k, offs_n, b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c,
-                               BLOCK_N), mask=k_ok[:, None] & b_col[None, :], other=0.0)  # [BLOCK_K, N_PAD]
-        acc = _dot(a, b, acc, IEEE)  # [BLOCK_M, N_PAD]
-        if COUNT_IO:
-            n_k = _nsum(k_ok)
-            n_ab += n_rows * n_k
-            n_bb += n_k * _nsum(b_col)
-            b_plan += b_map
-    out = acc.to(c_ptr.dtype.element_ty)
-    tl.store(_wide_ptrs(c_ptr, c_tix, offs_m, offs_n, c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c,
-                        BLOCK_N), out, mask=row_ok[:, None] & c_col[None, :])
-    if WRITE_COLSUM:
-        colsum = tl.sum(out.to(tl.float32), axis=0)  # [N_PAD]; rows outside the matrix are 0
-        tl.store(colsum_ptr + i * stride_colsum_blk + offs_n, colsum, mask=c_col)
-    if COUNT_IO:
-        tl.atomic_add(io_ptr + 0, n_ab * (a_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        tl.atomic_add(io_ptr + 2, n_bb * (b_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        tl.atomic_add(io_ptr + 5, n_rows * _nsum(c_col) * (c_ptr.dtype.element_ty.primitive_bitwidth // 8))
-        if WRITE_COLSUM:
-            tl.atomic_add(io_ptr + 7, _nsum(c_col) * 4)
-        tl.atomic_add(io_ptr + 8, b_plan + (2 + 2 * (end - start)).to(tl.int64) * 4)
-
-
-@triton.jit
 def _d_ids(map_ptr, row, NUM_D_TILES: tl.constexpr):
     """Tile ids (int32 scalars, -1 where absent) of the ``NUM_D_TILES`` d-tiles of one block row, as a
     tuple; reads ``4 * NUM_D_TILES`` bytes of the block map."""
@@ -152,15 +70,16 @@ def _shared(ids_a, ids_b, NUM_D_TILES: tl.constexpr):
 
 
 @triton.jit
-def _load_d_tiles(base, ids, keep, offs_r, r_ok, offs_c, nb, stride_ta, stride_tb, stride_r, stride_c, head_dim,
+def _load_d_tiles(base, ids, keep, offs_r, r_ok, offs_c, nb, stride_ta, stride_tb, stride_r, stride_c, n_cols,
                   BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr):
     """Tuple of ``[len(offs_r), BLOCK_D]`` tiles of one block row, tile ``t`` read only where
     ``keep[t]`` (elsewhere the whole load is masked off: zeros, no traffic); and the number of
-    in-bounds head-dim columns read (int32)."""
+    in-bounds columns read (int32). ``n_cols``: the operand's width (head dimension, or the columns
+    of a product's row panel)."""
     tiles = ()
     cols = 0
     for t in tl.static_range(NUM_D_TILES):
-        width = tl.where(keep[t], tl.minimum(BLOCK_D, head_dim - t * BLOCK_D), 0)
+        width = tl.where(keep[t], tl.minimum(BLOCK_D, n_cols - t * BLOCK_D), 0)
         x = tl.load(_tile_ptrs(base, tl.maximum(ids[t], 0), offs_r, offs_c, nb, stride_ta, stride_tb, stride_r,
                                stride_c), mask=r_ok[:, None] & (offs_c < width)[None, :], other=0.0)
         tiles = tiles + (x,)
@@ -169,11 +88,11 @@ def _load_d_tiles(base, ids, keep, offs_r, r_ok, offs_c, nb, stride_ta, stride_t
 
 
 @triton.jit
-def _store_d_tiles(base, ids, tiles, offs_r, r_ok, offs_c, nb, stride_ta, stride_tb, stride_r, stride_c, head_dim,
+def _store_d_tiles(base, ids, tiles, offs_r, r_ok, offs_c, nb, stride_ta, stride_tb, stride_r, stride_c, n_cols,
                    BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr):
     """Store a tuple of ``[len(offs_r), BLOCK_D]`` tiles on the stored d-tiles of one block row."""
     for t in tl.static_range(NUM_D_TILES):
-        width = tl.where(ids[t] >= 0, tl.minimum(BLOCK_D, head_dim - t * BLOCK_D), 0)
+        width = tl.where(ids[t] >= 0, tl.minimum(BLOCK_D, n_cols - t * BLOCK_D), 0)
         tl.store(_tile_ptrs(base, tl.maximum(ids[t], 0), offs_r, offs_c, nb, stride_ta, stride_tb, stride_r,
                             stride_c), tiles[t].to(base.dtype.element_ty), mask=r_ok[:, None] & (offs_c < width)[None, :])
 
@@ -206,6 +125,71 @@ def _zero_d_tiles(ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.con
     for t in tl.static_range(NUM_D_TILES):
         out = out + (tl.zeros([ROWS, BLOCK_D], dtype=tl.float32),)
     return out
+
+
+@triton.jit
+def _bsr_matmul_kernel(
+    a_ptr, b_ptr, c_ptr, colsum_ptr, bmap_ptr, cmap_ptr, pair_ptr_ptr, pair_a_ptr, pair_k_ptr,
+    a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c,
+    b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c,
+    c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c,
+    stride_colsum_blk,
+    size_m, size_k, size_n,
+    io_ptr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, NUM_N_TILES: tl.constexpr,
+    WRITE_COLSUM: tl.constexpr, IEEE: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    """One program per row block ``i`` of ``C = A B``, computing the whole row panel ``C[i, :]``
+    (``NUM_N_TILES`` column tiles, one fp32 accumulator each): for each listed pair ``(A tile of
+    (i, k), k)`` it loads the A tile once and, of the row panel ``B[k, :]``, only the tiles stored in
+    both ``B[k, :]`` and ``C[i, :]``, and multiplies only those (absent column tiles: no load, no
+    FLOPs). The panel is stored on ``C[i, :]``'s stored tiles. With ``WRITE_COLSUM`` it also writes
+    the panel's column sums (fp32) to ``colsum[i, :]``. Counter slots: a, b, c, colsum, plan
+    (pair lists and block-map rows)."""
+    i = tl.program_id(0)
+    start = tl.load(pair_ptr_ptr + i)
+    end = tl.load(pair_ptr_ptr + i + 1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_bn = tl.arange(0, BLOCK_N)
+    row_ok = i * BLOCK_M + offs_m < size_m
+    n_rows = _nsum(row_ok)
+    c_ids = _d_ids(cmap_ptr, i, NUM_N_TILES)
+    acc = _zero_d_tiles(BLOCK_M, BLOCK_N, NUM_N_TILES)  # tuple of [BLOCK_M, BLOCK_N]
+    n_ab = n_rows * 0  # elements of A loaded
+    n_bb = n_rows * 0  # elements of B loaded
+    for p in range(start, end):
+        ta = tl.load(pair_a_ptr + p)
+        k = tl.load(pair_k_ptr + p)
+        k_ok = k * BLOCK_K + offs_k < size_k
+        b_ids = _d_ids(bmap_ptr, k, NUM_N_TILES)
+        both = _shared(c_ids, b_ids, NUM_N_TILES)
+        a = tl.load(_tile_ptrs(a_ptr, ta, offs_m, offs_k, a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c),
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b_tiles, b_cols = _load_d_tiles(b_ptr, b_ids, both, offs_k, k_ok, offs_bn, b_nb, stride_b_ta, stride_b_tb,
+                                        stride_b_r, stride_b_c, size_n, BLOCK_N, NUM_N_TILES)
+        acc = _acc_d_tiles(acc, a, b_tiles, both, IEEE, NUM_N_TILES)
+        if COUNT_IO:
+            n_k = _nsum(k_ok)
+            n_ab += n_rows * n_k
+            n_bb += n_k * b_cols
+    _store_d_tiles(c_ptr, c_ids, acc, offs_m, row_ok, offs_bn, c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c,
+                   size_n, BLOCK_N, NUM_N_TILES)
+    c_cols = 0
+    for t in tl.static_range(NUM_N_TILES):
+        width = tl.where(c_ids[t] >= 0, tl.minimum(BLOCK_N, size_n - t * BLOCK_N), 0)
+        c_cols += width
+        if WRITE_COLSUM:  # column sums of the stored (rounded) values; rows outside the matrix are 0
+            colsum = tl.sum(acc[t].to(c_ptr.dtype.element_ty).to(tl.float32), axis=0)  # [BLOCK_N]
+            tl.store(colsum_ptr + i * stride_colsum_blk + t * BLOCK_N + offs_bn, colsum, mask=offs_bn < width)
+    if COUNT_IO:
+        tl.atomic_add(io_ptr + 0, n_ab * (a_ptr.dtype.element_ty.primitive_bitwidth // 8))
+        tl.atomic_add(io_ptr + 2, n_bb * (b_ptr.dtype.element_ty.primitive_bitwidth // 8))
+        tl.atomic_add(io_ptr + 5, n_rows * c_cols * (c_ptr.dtype.element_ty.primitive_bitwidth // 8))
+        if WRITE_COLSUM:
+            tl.atomic_add(io_ptr + 7, c_cols.to(tl.int64) * 4)
+        n_pairs = (end - start).to(tl.int64)
+        tl.atomic_add(io_ptr + 8, (1 + n_pairs) * 4 * NUM_N_TILES + (2 + 2 * n_pairs) * 4)
 
 
 @triton.jit

@@ -51,17 +51,13 @@ def matmul(kernel: str, A: Operand, B: Operand, C: Operand, plan: ProductPlan,
         bmap_ptr=B.block_map, cmap_ptr=C.block_map, pair_ptr_ptr=plan.pair_ptr, pair_a_ptr=plan.pair_a,
         pair_k_ptr=plan.pair_k, **A.strides("a"), **B.strides("b"), **C.strides("c"),
         stride_colsum_blk=colsum.stride(0) if colsum is not None else 0,
-        size_m=A.shape[0], size_k=A.shape[1], size_n=B.shape[1], num_n_tiles=C.block_map.shape[1],
+        size_m=A.shape[0], size_k=A.shape[1], size_n=B.shape[1],
         io_ptr=io.buffer if io else _dummy(device),
-        BLOCK_M=A.block[0], BLOCK_K=A.block[1], BLOCK_N=B.block[1], **panel_meta(B.shape[1], C.block_map.shape[1]),
+        BLOCK_M=A.block[0], BLOCK_K=A.block[1], BLOCK_N=B.block[1], NUM_N_TILES=C.block_map.shape[1],
         WRITE_COLSUM=colsum is not None, IEEE=_ieee(A.data.dtype), COUNT_IO=io is not None,
     )
     if io:
         io.commit()
-
-
-def panel_meta(n_cols: int, n_tiles: int) -> dict:
-    return dict(N_PAD=max(16, next_pow2(n_cols)), NT_PAD=max(2, next_pow2(n_tiles)))
 
 
 def _grad_buffer(op: Operand) -> torch.Tensor:

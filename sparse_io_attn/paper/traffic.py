@@ -123,24 +123,33 @@ def _attention_terms(rep: TrafficReport, p: Problem, dv: int, es: int, backward:
     }, {"dq": tot(rows * q_cols) * es})
 
 
+def products(p: Problem, dv: int, *, backward: bool = True, needs=(True, True, True, True, True)) -> list:
+    """The row-panel products of one call, in launch order: ``(kernel, A, B, C, plan, colsum)``
+    (``Q = A1 X`` and ``H = A3 Y`` forward; ``dA1, dX, dA3, dY`` backward where ``needs``)."""
+    Q = Operand("q", p.A1.data, (p.A1.shape[0], p.X.shape[1]), (p.blocks.m, p.blocks.d2), p.q_map, 1, 0, 0, 0, 0,
+                True)
+    H = dense_operand("h", torch.empty(p.A3.shape[0], dv, dtype=p.A3.data.dtype), (p.blocks.n, p.blocks.dv))
+    out = [("paper_q", p.A1, p.X, Q, product_plan(p.A1.block_map, p.X.block_map, p.q_map), False),
+           ("paper_h", p.A3, p.Y, H, product_plan(p.A3.block_map, p.Y.block_map, H.block_map), p.plan.has_zero)]
+    if backward:
+        dQ, dH = _renamed(Q, "dq"), _renamed(H, "dh")
+        for need, name, res, a, b in ((needs[0], "da1", p.A1, dQ, p.X.t()), (needs[1], "dx", p.X, p.A1.t(), dQ),
+                                      (needs[3], "da3", p.A3, dH, p.Y.t()), (needs[4], "dy", p.Y, p.A3.t(), dH)):
+            if need:
+                out.append((f"paper_{name}", a, b, _renamed(res, name),
+                            product_plan(a.block_map, b.block_map, res.block_map), False))
+    return out
+
+
 def predict(p: Problem, dv: int, *, backward: bool = True, needs=(True, True, True, True, True)) -> TrafficReport:
     """The traffic of one forward (and backward) call on problem ``p`` (see the module docstring)."""
     rep = TrafficReport(source="predicted")
-    es = p.A1.element_size
-    Q = Operand("q", p.A1.data, (p.A1.shape[0], p.X.shape[1]), (p.blocks.m, p.blocks.d2), p.q_map, 1, 0, 0, 0, 0,
-                True)
-    _matmul(rep, "paper_q", p.A1, p.X, Q, product_plan(p.A1.block_map, p.X.block_map, p.q_map))
-    H = dense_operand("h", torch.empty(p.A3.shape[0], dv, dtype=p.A3.data.dtype), (p.blocks.n, p.blocks.dv))
-    _matmul(rep, "paper_h", p.A3, p.Y, H, product_plan(p.A3.block_map, p.Y.block_map, H.block_map),
-            colsum=p.plan.has_zero)
-    _attention_terms(rep, p, dv, es, backward)
-    if backward:
-        dQ, dH = _renamed(Q, "dq"), _renamed(H, "dh")
-        for need, name, out, a, b in ((needs[0], "da1", p.A1, dQ, p.X.t()), (needs[1], "dx", p.X, p.A1.t(), dQ),
-                                      (needs[3], "da3", p.A3, dH, p.Y.t()), (needs[4], "dy", p.Y, p.A3.t(), dH)):
-            if need:
-                _matmul(rep, f"paper_{name}", a, b, _renamed(out, name), product_plan(a.block_map, b.block_map,
-                                                                                        out.block_map))
+    prods = products(p, dv, backward=backward, needs=needs)
+    for kernel, A, B, C, plan, colsum in prods[:2]:
+        _matmul(rep, kernel, A, B, C, plan, colsum=colsum)
+    _attention_terms(rep, p, dv, p.A1.element_size, backward)
+    for kernel, A, B, C, plan, colsum in prods[2:]:
+        _matmul(rep, kernel, A, B, C, plan, colsum=colsum)
     return rep
 
 
@@ -166,7 +175,8 @@ def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     * backward dkv: ``a2, da2 [BN, D] + h, dh [BN, DV] + q [BM, D] + dO [BM, DV] + s/p, dp, ds
       [BM, BN] + lse, delta [BM]`` (the largest);
     * backward dq: ``q, dq [BM, D] + dO [BM, DV] + a2 [BN, D] + h [BN, DV] + 3 [BM, BN] + 2 [BM]``;
-    * products (row panels): ``A [BM, BK] + B [BK, N] + C [BM, N]``.
+    * products (row panels): ``A [BM, BK] + B [BK, N] + C [BM, N]`` (``N``: C's width rounded up
+      to whole column tiles).
 
     This is the ``M`` at which Theorem 4.5 is evaluated against counted traffic: each program
     moves its data between global memory and a private fast memory of this size.
@@ -179,12 +189,14 @@ def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     fwd = bm * D + bm * DV + bn * D + bn * DV + bm * bn + 2 * bm + DV
     dkv = 2 * bn * D + 2 * bn * DV + bm * D + bm * DV + 3 * bm * bn + 2 * bm
     dq = 2 * bm * D + bm * DV + bn * D + bn * DV + 3 * bm * bn + 2 * bm
-    def panel(bi, bk, ncols):
-        npad = max(16, next_pow2(ncols))
-        return bi * bk + bk * npad + bi * npad
+
+    def panel(bi, bk, ncols, bc):  # A tile, one B tile per column tile, one C accumulator per column tile
+        width = -(-ncols // bc) * bc
+        return bi * bk + bk * width + bi * width
 
     d1, d2, d3, dv = X.shape[0], X.shape[1], A3.shape[1], Y.shape[1]
-    mm = max(panel(bm, blocks.d1, d2), panel(bn, blocks.d3, dv),  # Q = A1 X, H = A3 Y
-             panel(bm, blocks.d2, d1), panel(blocks.d1, bm, d2),  # dA1 = dQ X^T, dX = A1^T dQ
-             panel(bn, blocks.dv, d3), panel(blocks.d3, bn, dv))  # dA3 = dH Y^T, dY = A3^T dH
+    b = blocks
+    mm = max(panel(bm, b.d1, d2, b.d2), panel(bn, b.d3, dv, b.dv),  # Q = A1 X, H = A3 Y
+             panel(bm, b.d2, d1, b.d1), panel(b.d1, bm, d2, b.d2),  # dA1 = dQ X^T, dX = A1^T dQ
+             panel(bn, b.dv, d3, b.d3), panel(b.d3, bn, dv, b.dv))  # dA3 = dH Y^T, dY = A3^T dH
     return max(fwd, dkv, dq, mm)
