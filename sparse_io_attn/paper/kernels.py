@@ -93,8 +93,8 @@ def _store_d_tiles(base, ids, tiles, offs_r, r_ok, offs_c, nb, stride_ta, stride
     """Store a tuple of ``[len(offs_r), BLOCK_D]`` tiles on the stored d-tiles of one block row."""
     for t in tl.static_range(NUM_D_TILES):
         width = tl.where(ids[t] >= 0, tl.minimum(BLOCK_D, n_cols - t * BLOCK_D), 0)
-        tl.store(_tile_ptrs(base, tl.maximum(ids[t], 0), offs_r, offs_c, nb, stride_ta, stride_tb, stride_r,
-                            stride_c), tiles[t].to(base.dtype.element_ty), mask=r_ok[:, None] & (offs_c < width)[None, :])
+        ptrs = _tile_ptrs(base, tl.maximum(ids[t], 0), offs_r, offs_c, nb, stride_ta, stride_tb, stride_r, stride_c)
+        tl.store(ptrs, tiles[t].to(base.dtype.element_ty), mask=r_ok[:, None] & (offs_c < width)[None, :])
 
 
 @triton.jit
