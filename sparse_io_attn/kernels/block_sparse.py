@@ -21,6 +21,7 @@ import os
 import torch
 
 from . import INTERPRET, check_device
+from .aot import compile_for_cuda
 from ..accounting.counter import kernel_io
 from ..accounting.traffic import (DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS, PREPROCESS_TENSORS, KernelTiles,
                                   choose_tiles, padded_head_dim)
@@ -142,13 +143,6 @@ def aot_compile(dtype: torch.dtype, head_dim: int, block_size=(128, 128), *, cau
     """Compile the four kernels for CUDA ``sm_<arch>`` without a GPU or a launch (Triton's ``ptxas``
     only); returns ``{kernel: shared memory bytes}``. Checks the compiled path (typing, loops,
     shared memory) where only the interpreter runs. Needs Triton imported without the interpreter."""
-    if INTERPRET:
-        raise RuntimeError("aot_compile needs Triton imported with TRITON_INTERPRET unset (run it in a "
-                           "fresh process with TRITON_INTERPRET=0)")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    tl_dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     tiles = choose_tiles(block_size, head_dim, dtype)
     common = dict(BLOCK_SIZE_Q=block_size[0], BLOCK_SIZE_KV=block_size[1], HEAD_DIM=padded_head_dim(head_dim),
                   IS_CAUSAL=causal, DOT_FP32=dtype == torch.float32,
@@ -160,23 +154,7 @@ def aot_compile(dtype: torch.dtype, head_dim: int, block_size=(128, 128), *, cau
         "attn_bwd_dkdv": (_attn_bwd_dkdv_kernel, dict(common, BLOCK_M=tiles.dkdv[0], BLOCK_N=tiles.dkdv[1])),
         "attn_bwd_dq": (_attn_bwd_dq_kernel, dict(common, BLOCK_M=tiles.dq[0], BLOCK_N=tiles.dq[1])),
     }
-    out = {}
-    for name, (kernel, consts) in jobs.items():
-        signature = {}
-        for arg in kernel.arg_names:
-            if arg in consts:
-                signature[arg] = "constexpr"
-            elif arg == "io_ptr":
-                signature[arg] = "*i64"
-            elif arg in ("crow_ptr", "col_ptr", "ccol_ptr", "row_ptr"):
-                signature[arg] = "*i32"
-            elif arg in ("lse_ptr", "delta_ptr"):
-                signature[arg] = "*fp32"
-            elif arg.endswith("_ptr"):
-                signature[arg] = "*" + tl_dtype
-            else:
-                signature[arg] = "fp32" if arg == "sm_scale" else "i32"
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
-        out[name] = compiled.metadata.shared
-    return out
+    return {name: compile_for_cuda(kernel, consts, dtype, int_ptrs=("crow_ptr", "col_ptr", "ccol_ptr", "row_ptr"),
+                                   fp32_ptrs=("lse_ptr", "delta_ptr"), arch=arch, num_warps=num_warps,
+                                   num_stages=num_stages).metadata.shared
+            for name, (kernel, consts) in jobs.items()}

@@ -23,17 +23,9 @@ def aot_compile(dtype: torch.dtype, head_dim: int, dv: int, *, block_m: int = 64
     "mma": (w)gmma instructions in the PTX}}``. ``head_dim`` is cut into ``ceil(head_dim / block_d)``
     d-tiles, as the launchers do; each per-tile product over the head dimension sits behind one
     runtime branch (``scf.if``) on the tile-presence flags."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from ..kernels import INTERPRET
+    from ..kernels.aot import compile_for_cuda
     from .operands import next_pow2
 
-    if INTERPRET:
-        raise RuntimeError("aot_compile needs Triton imported with TRITON_INTERPRET unset (run it in a "
-                           "fresh process with TRITON_INTERPRET=0)")
-    tl_dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_D_TILES=-(-head_dim // block_d),
                 DV_PAD=max(16, next_pow2(dv)), IEEE=dtype == torch.float32, COUNT_IO=count_io)
     jobs = {"paper_attn_fwd": (K._paper_attn_fwd_kernel, dict(meta, HAS_ZERO=has_zero)),
@@ -44,22 +36,8 @@ def aot_compile(dtype: torch.dtype, head_dim: int, dv: int, *, block_m: int = 64
                                                   IEEE=meta["IEEE"], COUNT_IO=count_io))}
     out = {}
     for name, (kernel, consts) in jobs.items():
-        signature = {}
-        for arg in kernel.arg_names:
-            if arg in consts:
-                signature[arg] = "constexpr"
-            elif arg == "io_ptr":
-                signature[arg] = "*i64"
-            elif arg in _INT_PTRS:
-                signature[arg] = "*i32"
-            elif arg in _FP32_PTRS:
-                signature[arg] = "*fp32"
-            elif arg.endswith("_ptr"):
-                signature[arg] = "*" + tl_dtype
-            else:
-                signature[arg] = "fp32" if arg == "sm_scale" else "i32"
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=consts), target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        compiled = compile_for_cuda(kernel, consts, dtype, int_ptrs=_INT_PTRS, fp32_ptrs=_FP32_PTRS, arch=arch,
+                                    num_warps=num_warps, num_stages=num_stages)
         ptx = compiled.asm["ptx"]
         out[name] = dict(shared=compiled.metadata.shared, scf_if=compiled.asm["ttgir"].count("scf.if "),
                          mma=ptx.count("mma.sync") + ptx.count("wgmma.mma_async"))
