@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from sparse_io_attn import block_sparse_attention, patterns
 from sparse_io_attn.cli._common import format_header, format_table, machine_header, write_csv, write_json
-from sparse_io_attn.reference import rel_err
+from sparse_io_attn.block_sparse.reference import rel_err
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PATTERNS = ("sliding_window", "bigbird", "causal", "dense")

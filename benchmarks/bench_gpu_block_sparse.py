@@ -132,7 +132,7 @@ def machine_header(device: str, dtype: torch.dtype) -> dict:
 
 
 def run(args) -> tuple[dict, list[dict]]:
-    import sparse_io_attn.kernels  # noqa: F401  (picks compiled vs interpreter before triton is imported)
+    import sparse_io_attn._triton.runtime  # noqa: F401  (picks compiled vs interpreter before triton is imported)
     from sparse_io_attn import block_sparse_attention
     from sparse_io_attn.accounting import traffic
 

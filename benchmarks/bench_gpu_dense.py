@@ -109,7 +109,7 @@ def header(device) -> list[str]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import sparse_io_attn.kernels  # noqa: F401  (interpreter on CPU-only machines)
+    import sparse_io_attn._triton.runtime  # noqa: F401  (interpreter on CPU-only machines)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
         args.n, args.d, args.bh, args.m_over_d2, args.reps = [48], [32], 1, [1.0, 4.0, 8.0], 1

@@ -60,7 +60,7 @@ def _child(cfg: dict) -> dict:
         return out, t1 - t0, t2 - t1
 
     if cfg["mode"] == "profile":
-        from sparse_io_attn._profiling import allocation_sizes
+        from sparse_io_attn.accounting.allocations import allocation_sizes
 
         sizes = allocation_sizes(run)
         res["largest_alloc"] = max(sizes)

@@ -53,7 +53,7 @@ def _setup(args):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
 
-    import sparse_io_attn.kernels  # noqa: F401
+    import sparse_io_attn._triton.runtime  # noqa: F401
     from bench_gpu_block_sparse import make_layout
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]

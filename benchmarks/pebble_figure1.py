@@ -1,7 +1,7 @@
 """The paper's Figure 1 from exact word counts: Algorithm 6 (small cache) and Algorithm 9 (large
 cache, as written and in FlashAttention-2 loop order) against Theorem 1.1, for a sweep of M.
 
-Counts come from the closed forms in ``sparse_io_attn.accounting.pebble`` (equal to the executor's
+Counts come from the closed forms in ``sparse_io_attn.bounds.pebble`` (equal to the executor's
 counts exactly; tests/test_pebble.py checks that, and this script re-checks one point per table on
 the executor). Counts are in words and do not depend on the machine.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import sparse_io_attn.accounting.pebble as P
+import sparse_io_attn.bounds.pebble as P
 from sparse_io_attn.bounds import dense_backward
 
 OUT = Path(__file__).parent / "results" / "pebble_figure1.md"

@@ -2,7 +2,7 @@
 
 Attention is Sparse Transformer "strided" (Child et al. 2019): each query block reads a local
 window of ``stride`` positions plus every ``stride``-th diagonal, built by
-``sparse_io_attn.patterns.strided`` and run by ``sparse_io_attn.nn.SparseSelfAttention``.
+``sparse_io_attn.layout.patterns.strided`` and run by ``sparse_io_attn.nn.SparseSelfAttention``.
 
     python examples/train_char_lm.py                       # ~3-5 minutes on 2 CPU cores
     python examples/train_char_lm.py --steps 50 --eval-every 10   # a quick look
@@ -26,7 +26,7 @@ from torch import nn
 
 from sparse_io_attn import patterns
 from sparse_io_attn.nn import SparseSelfAttention
-from sparse_io_attn.reference import element_mask, masked_attention
+from sparse_io_attn.block_sparse.reference import element_mask, masked_attention
 
 DATA = Path(__file__).parent / "data" / "sonnets.txt"
 

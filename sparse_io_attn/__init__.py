@@ -1,27 +1,37 @@
 """sparse_io_attn: block-sparse attention for PyTorch with I/O-aware, I/O-accounted kernels.
 
-Public API (see README): :class:`BlockSparseLayout`, :mod:`patterns`, :func:`block_sparse_attention`,
-:mod:`reference`, :mod:`accounting`, :mod:`bounds`, :class:`BlockSparseMatrix`, and the lazily
-imported :mod:`dense`, :mod:`paper` and :mod:`nn`.
+One folder per capability (map in ``docs/ARCHITECTURE.md``):
+
+* :mod:`.layout`: :class:`BlockSparseLayout` (the centre object), its conversions, ``patterns``,
+  and :class:`BlockSparseMatrix` (block-sparse operands).
+* :mod:`.block_sparse`: :func:`block_sparse_attention` with its backends (``triton/``,
+  ``torch_path/``), float64 ``reference``, kernel ``tiles`` and exact ``traffic`` model.
+* :mod:`.dense`: the paper's dense form with its two regime-specific backward kernels.
+* :mod:`.sparse_operands`: the paper's form with block-sparse operands A1, X, A2.
+* :mod:`.accounting`: byte counters, traffic reports, ``compare`` with a bound.
+* :mod:`.bounds`: the lower-bound calculator and the two-level-memory executor (``bounds.pebble``).
+* :mod:`.nn`: ``SparseSelfAttention`` and the ``torch.library`` custom ops; :mod:`.cli`: the command.
+
 Importing the package touches neither CUDA nor Triton; Triton is imported on first kernel use.
 """
 import importlib
 
-from . import accounting, bounds, patterns, reference
-from .attention import block_sparse_attention
-from .layout import BlockSparseLayout, stack_layouts
-from .sparse_matrix import BlockSparseMatrix
+from sparse_io_attn import accounting, bounds
+from sparse_io_attn.block_sparse import block_sparse_attention, reference
+from sparse_io_attn.layout import BlockSparseLayout, BlockSparseMatrix, patterns, stack_layouts
 
 __version__ = "0.1.0"
 
-_LAZY = ("dense", "paper", "nn")
+# imported on first use; ``paper`` is the former name of ``sparse_operands``
+_LAZY = {"dense": "dense", "sparse_operands": "sparse_operands", "paper": "sparse_operands", "nn": "nn"}
 
 
 def __getattr__(name):
     if name in _LAZY:
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{__name__}.{_LAZY[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["BlockSparseLayout", "BlockSparseMatrix", "stack_layouts", "block_sparse_attention",
-           "accounting", "bounds", "patterns", "reference", "dense", "paper", "nn", "__version__"]
+           "accounting", "bounds", "patterns", "reference", "dense", "sparse_operands", "nn",
+           "__version__"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..bounds.calculator import Bound
-from ..bounds.units import dtype_name, itemsize
-from .report import TrafficReport
+from sparse_io_attn.bounds.calculator import Bound
+from sparse_io_attn.bounds.units import dtype_name, itemsize
+from sparse_io_attn.accounting.report import TrafficReport
 
 
 @dataclass(frozen=True)

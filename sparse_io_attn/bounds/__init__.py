@@ -9,12 +9,12 @@ Every bound is the asymptotic (Θ/Ω) expression of its theorem evaluated with u
 paper states no constants. Compare measurements with ``max(compulsory, bound)`` (``Bound.floor_words``).
 Units: words (matrix elements); ``Bound.bytes(dtype)`` converts.
 """
-from .calculator import (LARGE_CACHE, SMALL_CACHE, Bound, dense_backward, dense_forward, sparse,
+from sparse_io_attn.bounds.calculator import (LARGE_CACHE, SMALL_CACHE, Bound, dense_backward, dense_forward, sparse,
                          sparse_crossover)
-from .devices import (DEFAULT_CPU_FAST_MEMORY_BYTES, DEVICES, DeviceSpec, Regime, device_fast_memory_bytes,
+from sparse_io_attn.bounds.devices import (DEFAULT_CPU_FAST_MEMORY_BYTES, DEVICES, DeviceSpec, Regime, device_fast_memory_bytes,
                       device_fast_memory_words, get_device, regime_for)
-from .nnz import NnzStats, nnz_stats
-from .units import dtype_name, itemsize, parse_memory
+from sparse_io_attn.bounds.nnz import NnzStats, nnz_stats
+from sparse_io_attn.bounds.units import dtype_name, itemsize, parse_memory
 
 __all__ = ["Bound", "dense_backward", "dense_forward", "sparse", "sparse_crossover", "LARGE_CACHE",
            "SMALL_CACHE", "DEVICES", "DeviceSpec", "DEFAULT_CPU_FAST_MEMORY_BYTES", "Regime",

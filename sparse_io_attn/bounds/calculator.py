@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .units import dtype_name, itemsize, parse_memory
+from sparse_io_attn.bounds.units import dtype_name, itemsize, parse_memory
 
 #: Term names shared by the calculator, the pebble closed forms and the benchmarks.
 LARGE_CACHE = "large_cache"   # the 1/M term, binds when M >= dividing point

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .units import dtype_name, itemsize
+from sparse_io_attn.bounds.units import dtype_name, itemsize
 
 KiB = 1024
 MiB = 1024 ** 2

@@ -52,7 +52,7 @@ class NnzStats:
 
     def bound(self, M, *, dtype=None, heads: int = 1):
         """:func:`~sparse_io_attn.bounds.sparse` evaluated on these counts (element level only)."""
-        from .calculator import sparse
+        from sparse_io_attn.bounds.calculator import sparse
         if self.level != "element":
             raise ValueError("a bound in words needs element-level counts; call nnz_stats(..., "
                              "level='element')")

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from ._common import Unavailable
+    from sparse_io_attn.cli._common import Unavailable
 
     args = build_parser().parse_args(argv)
     try:

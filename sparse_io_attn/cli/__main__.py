@@ -1,6 +1,6 @@
 """``python -m sparse_io_attn.cli ...`` runs the ``sparse-io-attn`` command."""
 import sys
 
-from . import main
+from sparse_io_attn.cli import main
 
 sys.exit(main())

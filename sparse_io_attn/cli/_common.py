@@ -76,8 +76,8 @@ def require_attr(module, attr: str, what: str):
 
 def build_layout(spec: str, seqlen: int, block_size: int, *, num_heads: int = 1):
     """A :class:`BlockSparseLayout` from a pattern spec such as ``"sliding_window:512"`` (see
-    ``sparse_io_attn.patterns.from_spec`` for the grammar)."""
-    patterns = optional_module("sparse_io_attn.patterns", "--pattern")
+    ``sparse_io_attn.layout.patterns.from_spec`` for the grammar)."""
+    patterns = optional_module("sparse_io_attn.layout.patterns", "--pattern")
     from_spec = require_attr(patterns, "from_spec", "--pattern")
     kwargs = {"seqlen": seqlen, "block_size": block_size}
     if num_heads != 1:

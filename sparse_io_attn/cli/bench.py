@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from . import _common as C
-from .bounds import attention_bound, default_cache_words
+from sparse_io_attn.cli import _common as C
+from sparse_io_attn.cli.bounds import attention_bound, default_cache_words
 
 BACKENDS = ("torch", "triton", "sdpa", "flex")
 PASSES = ("fwd", "fwd+bwd")
@@ -87,15 +87,15 @@ class Skip(Exception):
 
 def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
     """A callable computing the forward for one backend, or :class:`Skip`."""
-    from ..attention import block_sparse_attention
+    from sparse_io_attn.block_sparse.api import block_sparse_attention
 
     if backend == "torch":
-        C.optional_module("sparse_io_attn.torch_path", "backend torch")
+        C.optional_module("sparse_io_attn.block_sparse.torch_path", "backend torch")
         return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="torch")
     if backend == "triton":
         try:
-            import sparse_io_attn.kernels as K
-            C.optional_module("sparse_io_attn.kernels.block_sparse", "backend triton")
+            import sparse_io_attn._triton.runtime as K
+            C.optional_module("sparse_io_attn.block_sparse.triton.launch", "backend triton")
         except C.Unavailable as e:
             raise Skip(str(e)) from None
         if q.device.type != "cuda":
@@ -159,7 +159,7 @@ def triton_traffic(layout, q, k, v, causal: bool, pass_: str, count: bool, fwd):
     """``(bytes, "counted" | "predicted")`` for the triton backend: counted by the kernels under
     ``IOCounter`` (an extra run) with ``count``, else predicted by ``accounting.traffic``."""
     if count:
-        from ..accounting import IOCounter
+        from sparse_io_attn.accounting import IOCounter
         with IOCounter() as io:
             if pass_ == "fwd":
                 with torch.no_grad():
@@ -176,7 +176,7 @@ def triton_traffic(layout, q, k, v, causal: bool, pass_: str, count: bool, fwd):
 # ------------------------------------------------------------------------------------ main
 def run(args) -> int:
     if "triton" in C.parse_list(args.backends, allowed=BACKENDS, what="--backends"):
-        import sparse_io_attn.kernels  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
+        import sparse_io_attn._triton.runtime  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
     dtype = C.parse_dtype(args.dtype)
     backends = C.parse_list(args.backends, allowed=BACKENDS, what="--backends")
     passes = C.parse_list(args.passes, allowed=PASSES, what="--pass")

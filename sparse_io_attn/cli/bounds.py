@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import _common as C
+from sparse_io_attn.cli import _common as C
 
 EXAMPLES = """examples:
   sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --dtype bf16

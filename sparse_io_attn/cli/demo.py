@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._common import DTYPES, build_layout, format_header, machine_header, parse_count, parse_dtype, time_fn
+from sparse_io_attn.cli._common import DTYPES, build_layout, format_header, machine_header, parse_count, parse_dtype, time_fn
 
 EXAMPLES = """examples:
   sparse-io-attn demo                                  # BigBird, N=2048, block 64, H=4, D=64, fp32
@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="draw a pattern, check attention against float64, time it vs SDPA",
                        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pattern", default="bigbird",
-                   help="pattern spec (sparse_io_attn.patterns.from_spec), e.g. bigbird, causal, "
+                   help="pattern spec (sparse_io_attn.layout.patterns.from_spec), e.g. bigbird, causal, "
                         "sliding_window:256, random:0.1 (default bigbird)")
     p.add_argument("--seq-len", type=parse_count, default=2048, help="sequence length (default 2048)")
     p.add_argument("--block", type=parse_count, default=64, help="block size (default 64)")
@@ -68,7 +68,7 @@ def make_context(args) -> DemoContext:
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if kv_heads < 1 or args.heads % kv_heads:
         raise ValueError(f"--kv-heads must divide --heads ({args.heads}), got {kv_heads}")
-    from sparse_io_attn.patterns import parse_spec
+    from sparse_io_attn.layout.patterns import parse_spec
 
     name, spec_kwargs = parse_spec(args.pattern)
     causal = bool(args.causal or name == "causal" or spec_kwargs.get("causal", False))
@@ -106,7 +106,7 @@ def _run_ours(ctx: DemoContext, *, backward: bool):
 def section_correctness(ctx: DemoContext) -> None:
     """Relative errors ||x - ref|| / ||ref|| against the float64 reference; fp32 passes at 1e-5,
     fp16/bf16 at 2x (output) / 3x (gradients) the error of dense PyTorch attention in that dtype."""
-    from sparse_io_attn.reference import attention_reference, element_mask, masked_attention, rel_err
+    from sparse_io_attn.block_sparse.reference import attention_reference, element_mask, masked_attention, rel_err
 
     got = _run_ours(ctx, backward=True)
     ref = attention_reference(ctx.q, ctx.k, ctx.v, ctx.layout, causal=ctx.causal, do=ctx.do)
@@ -187,7 +187,7 @@ def section_traffic_and_bounds(ctx: DemoContext) -> None:
     from sparse_io_attn import block_sparse_attention
     from sparse_io_attn.accounting import IOCounter, traffic
 
-    from .bounds import attention_bound, default_cache_words
+    from sparse_io_attn.cli.bounds import attention_bound, default_cache_words
 
     a = ctx.args
     B, Hq, N, D = ctx.q.shape

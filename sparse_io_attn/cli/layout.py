@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import build_layout, optional_module, parse_count, pyplot, to_json
+from sparse_io_attn.cli._common import build_layout, optional_module, parse_count, pyplot, to_json
 
 EXAMPLES = """examples:
   sparse-io-attn layout sliding_window:256 --seq-len 2048 --block 64
   sparse-io-attn layout bigbird --seq-len 4096 --block 128 --png bigbird.png
   sparse-io-attn layout causal --seq-len 1000 --block 64 --json
 
-PATTERN is a spec for sparse_io_attn.patterns.from_spec, e.g. dense, causal, sliding_window:512,
+PATTERN is a spec for sparse_io_attn.layout.patterns.from_spec, e.g. dense, causal, sliding_window:512,
 bigbird, longformer, random:0.1 (run with an unknown name to list the known ones)."""
 
 

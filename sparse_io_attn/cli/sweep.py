@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from . import _common as C
-from . import sweep_io as F
+from sparse_io_attn.cli import _common as C
+from sparse_io_attn.cli import sweep_io as F
 
 EXAMPLES = """examples:
   sparse-io-attn sweep cache --seq-len 1024 --head-dim 64
@@ -113,7 +113,7 @@ def _seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: 
 
     import torch
 
-    from ..attention import block_sparse_attention
+    from sparse_io_attn.block_sparse.api import block_sparse_attention
     layout = C.build_layout(spec, n, block)
     dt = C.parse_dtype(dtype)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

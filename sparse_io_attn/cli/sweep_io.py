@@ -5,7 +5,7 @@ Sources of each number (a column says which):
 
 * ``executor``: closed-form word counts of the paper's Algorithm 6 (small cache) and Algorithm 9
   (large cache; ``faithful`` as the appendix writes it, ``fa2`` the FlashAttention-2 loop order)
-  from :mod:`sparse_io_attn.accounting.pebble`, whose tests check them against the exact
+  from :mod:`sparse_io_attn.bounds.pebble`, whose tests check them against the exact
   two-level-memory executor.
 * ``kernel predicted``: the dense kernels' traffic model (:mod:`sparse_io_attn.dense.traffic`) at
   the requested ``n`` on the paper's ``g = dL/dX`` path, fp32: bytes / 4 = words.
@@ -19,14 +19,14 @@ import math
 
 import torch
 
-from . import _common as C
+from sparse_io_attn.cli import _common as C
 
 # ============================================================================== adapters
 # (the only places that know the other modules' function names)
 
 
 def _pebble():
-    return C.optional_module("sparse_io_attn.accounting.pebble", "the executor's closed forms")
+    return C.optional_module("sparse_io_attn.bounds.pebble", "the executor's closed forms")
 
 
 def executor_io(kind: str, n: int, d: int, M: int) -> int | None:
@@ -85,9 +85,9 @@ def kernel_predicted(kind: str, n: int, d: int, M: int) -> int | None:
 def kernel_counted(kind: str, n: int, d: int, M: int) -> int | None:
     """Bytes the dense backward kernels of ``kind`` count on the ``dX`` path (fp32 random inputs of
     size ``n x d``; Triton's interpreter on a CPU)."""
-    import sparse_io_attn.kernels  # noqa: F401  (interpreter set-up before triton is imported)
+    import sparse_io_attn._triton.runtime  # noqa: F401  (interpreter set-up before triton is imported)
     dense = C.optional_module("sparse_io_attn.dense", "counted kernel traffic")
-    from ..accounting import IOCounter
+    from sparse_io_attn.accounting import IOCounter
     g = torch.Generator().manual_seed(0)
     A1, A2, A3, dO = (torch.randn(n, d, generator=g) for _ in range(4))
     X, Y = (torch.randn(d, d, generator=g) / d for _ in range(2))
@@ -357,7 +357,7 @@ def run_dim(args):
         s.strip().isdigit() for s in args.dims.split(",") if s.strip()) else None
     if not dims or any(x < 16 or x > 256 for x in dims):
         raise ValueError(f"--dims must be integers in 16..256, got {args.dims!r}")
-    from .bounds import default_cache_words
+    from sparse_io_attn.cli.bounds import default_cache_words
     M_dev = default_cache_words(args.cache, dtype, None if args.cache else args.device)
     es = torch.empty((), dtype=dtype).element_size()
     n = args.seq_len
@@ -467,7 +467,7 @@ SPARSITY_DOC = """Theorem 4.5 stress test: sweeps the block density of A1/A2, of
 independently (the other operands full) and tabulates the sparse-operand kernels' traffic (forward and
 backward, matrix elements; the exact traffic model, or --count to run the kernels through Triton's
 interpreter at small n), Z_A, Z_X, Z_AX, Z_AXA, the Theorem 4.5 bound with unit constants at M = the
-kernels' per-program fast memory, and measured/bound (sparse_io_attn.paper.stress.sparsity_sweep)."""
+kernels' per-program fast memory, and measured/bound (sparse_io_attn.sparse_operands.stress.sparsity_sweep)."""
 
 
 def add_sparsity_args(p) -> None:
@@ -481,14 +481,14 @@ def add_sparsity_args(p) -> None:
 
 
 def run_sparsity(args):
-    stress = C.optional_module("sparse_io_attn.paper.stress", "sweep sparsity")
+    stress = C.optional_module("sparse_io_attn.sparse_operands.stress", "sweep sparsity")
     densities = [_density(x) for x in C.parse_list(args.densities, what="--densities")]
     axes = C.parse_list(args.axes, allowed=stress.AXES, what="--axes")
     if args.count and args.seq_len > 512:
         raise ValueError(f"--count runs the kernels through the Triton interpreter; use --seq-len <= 512, "
                          f"got {args.seq_len}")
     if args.count:
-        import sparse_io_attn.kernels  # noqa: F401  (interpreter set-up before triton is imported)
+        import sparse_io_attn._triton.runtime  # noqa: F401  (interpreter set-up before triton is imported)
     header = C.machine_header(torch.float32)
     header.update({"n": args.seq_len, "d": args.head_dim, "block_n": args.block_n, "block_d": args.block_d,
                    "M": "kernel per-program fast memory (paper.traffic.kernel_fast_memory_words)"})

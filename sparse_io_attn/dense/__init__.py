@@ -12,13 +12,13 @@ for ``A1, A2, A3 [..., n, d]`` and ``X, Y [d, d]``.
 
 Kernels run on CUDA, or on CPU through Triton's interpreter (slow; for tests and counting).
 """
-from ._launch import DenseGrads
-from .forward import forward
-from .function import attention, backward
-from .large_cache import backward_large_cache
-from .regime import choose_regime, default_M
-from .small_cache import backward_small_cache
-from .tiling import large_cache_blocks, min_large_cache_M, small_cache_block, working_set_words
+from sparse_io_attn.dense.launch import DenseGrads
+from sparse_io_attn.dense.forward import forward
+from sparse_io_attn.dense.function import attention, backward
+from sparse_io_attn.dense.large_cache import backward_large_cache
+from sparse_io_attn.dense.regime import choose_regime, default_M
+from sparse_io_attn.dense.small_cache import backward_small_cache
+from sparse_io_attn.dense.tiling import large_cache_blocks, min_large_cache_M, small_cache_block, working_set_words
 
 __all__ = ["forward", "backward", "backward_small_cache", "backward_large_cache", "attention",
            "DenseGrads", "choose_regime", "default_M", "small_cache_block", "large_cache_blocks",

@@ -24,9 +24,9 @@ import math
 
 import torch
 
-from ..accounting.report import TrafficReport
-from .tiling import small_cache_block
-from .traffic import _itemsize, large_cache_traffic, small_cache_traffic
+from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.dense.tiling import small_cache_block
+from sparse_io_attn.dense.traffic import _itemsize, large_cache_traffic, small_cache_traffic
 
 
 def tensor_bytes(n: int, d: int, dtype=torch.float32) -> dict:
@@ -87,7 +87,7 @@ def sweep(n: int, d: int, Ms, dtype=torch.float32) -> list[dict]:
             r[f"{name}_g"] = g.total_bytes if g else None
             r[f"{name}_all"] = a.total_bytes if a else None
             r[f"{name}_g_rereads"] = reread_bytes(g, sizes) if g else None
-        from ..bounds import dense_backward
+        from sparse_io_attn.bounds import dense_backward
         b = dense_backward(n, d, M, form="paper")
         r["bound_bytes"] = b.value_words * _itemsize(dtype)
         r["bound_small_term_bytes"] = b.terms["small_cache"] * _itemsize(dtype)

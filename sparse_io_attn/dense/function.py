@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import DenseGrads
-from .forward import forward
-from .large_cache import backward_large_cache
-from .regime import choose_regime, default_M
-from .small_cache import backward_small_cache
+from sparse_io_attn.dense.launch import DenseGrads
+from sparse_io_attn.dense.forward import forward
+from sparse_io_attn.dense.large_cache import backward_large_cache
+from sparse_io_attn.dense.regime import choose_regime, default_M
+from sparse_io_attn.dense.small_cache import backward_small_cache
 
 
 def backward(A1, A2, A3, X, Y, dO, O=None, lse=None, *, M: int | None = None, regime: str = "auto",

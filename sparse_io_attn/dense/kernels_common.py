@@ -13,7 +13,7 @@ lanes only) times the element size and adds them with one ``tl.atomic_add`` per 
 """
 from __future__ import annotations
 
-from ..kernels import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from sparse_io_attn._triton.runtime import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
 import triton
 import triton.language as tl

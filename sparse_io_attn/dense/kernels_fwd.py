@@ -8,12 +8,12 @@ and runs the online softmax (natural-log units). Writes ``O`` (output dtype) and
 """
 from __future__ import annotations
 
-from ..kernels import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from sparse_io_attn._triton.runtime import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
 import triton
 import triton.language as tl
 
-from .kernels_common import _io_add, _mm, _nbytes, _nbytes1
+from sparse_io_attn.dense.kernels_common import _io_add, _mm, _nbytes, _nbytes1
 
 
 @triton.jit

@@ -16,12 +16,12 @@ most three tiles and two length-``BLOCK`` vectors (see :mod:`.tiling`).
 """
 from __future__ import annotations
 
-from ..kernels import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from sparse_io_attn._triton.runtime import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 
 import triton
 import triton.language as tl
 
-from .kernels_common import _io_add, _mm, _nbytes
+from sparse_io_attn.dense.kernels_common import _io_add, _mm, _nbytes
 
 
 @triton.jit

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import (DenseGrads, atb, check_inputs, check_like, delta, dot_dtype, finish, launch, proj,
+from sparse_io_attn.dense.launch import (DenseGrads, atb, check_inputs, check_like, delta, dot_dtype, finish, launch, proj,
                       triton_cdiv)
-from .tiling import head_dim_padded, large_cache_blocks
+from sparse_io_attn.dense.tiling import head_dim_padded, large_cache_blocks
 
 VARIANTS = ("faithful", "fa2")
 
@@ -68,7 +68,7 @@ def backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, *, M: int, scale: float =
     _, dl_short = large_cache_blocks("large.delta", M, d)
     v = delta("large.delta", o, do, block_m=dl_short)
     dS = torch.empty(Z, n, d, dtype=torch.float32, device=dev)
-    from .kernels_large import _col_kernel, _row_kernel
+    from sparse_io_attn.dense.kernels_large import _col_kernel, _row_kernel
     common = dict(s_ptr=S, a2_ptr=a2, h_ptr=h, do_ptr=do, lse_ptr=lse, ds_ptr=dS,
                   seqlen=n, head_dim=d, sm_scale=float(scale), HEAD_DIM=D, DOT_DTYPE=dt)
     at_long, at_short = large_cache_blocks("large.atb", M, d)

@@ -11,14 +11,14 @@ import functools
 
 import torch
 
-from .tiling import min_large_cache_M
+from sparse_io_attn.dense.tiling import min_large_cache_M
 
 REGIMES = ("auto", "small", "large")
 
 
 def default_M(dtype: torch.dtype, device=None) -> int:
     """Fast memory ``M`` in words of ``dtype`` for ``device`` (see the module docstring)."""
-    from ..bounds import DEFAULT_CPU_FAST_MEMORY_BYTES, device_fast_memory_words
+    from sparse_io_attn.bounds import DEFAULT_CPU_FAST_MEMORY_BYTES, device_fast_memory_words
     if device is not None and torch.device(device).type == "cuda":
         words = device_fast_memory_words(dtype, torch.device(device))
     else:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import (DenseGrads, available_memory_bytes, check_inputs, check_like, dot_dtype, finish,
+from sparse_io_attn.dense.launch import (DenseGrads, available_memory_bytes, check_inputs, check_like, dot_dtype, finish,
                       launch, triton_cdiv)
-from .tiling import small_cache_block
+from sparse_io_attn.dense.tiling import small_cache_block
 
 #: Kernels of the small-cache backward that lie on the paper's ``dX`` path (Algorithm 6).
 G_PATH = ("small.phase1.S", "small.phase1.f", "small.phase2.h", "small.phase2.q", "small.phase3.p",
@@ -37,7 +37,7 @@ def nn_buffer_bytes(n: int, d: int, batch: int = 1) -> int:
 def _tile_mm(name, tensors, a, b, *, B, out_dtype=torch.float32, alpha=1.0):
     """``alpha * a @ b`` per batch element on ``B x B`` tiles; ``a [Z, m, k]``, ``b [Z, k, n]``
     (any strides, stride 0 for a weight shared by the batch)."""
-    from .kernels_small import _tile_matmul_kernel
+    from sparse_io_attn.dense.kernels_small import _tile_matmul_kernel
     Z, m, k = a.shape
     n = b.shape[2]
     c = torch.empty(Z, m, n, dtype=out_dtype, device=a.device)
@@ -84,7 +84,7 @@ def backward_small_cache(A1, A2, A3, X, Y, dO, *, M: int, scale: float = 1.0) ->
     # Phase 1 (Algorithm 2): S = A1 X, then f
     S = _tile_mm("small.phase1.S", ("A1", "X", "S"), a1, x3, B=B)
     f = torch.empty(Z, n, n, dtype=torch.float32, device=a1.device)
-    from .kernels_small import _phase3_kernel, _softmax_kernel
+    from sparse_io_attn.dense.kernels_small import _phase3_kernel, _softmax_kernel
     launch(_softmax_kernel, (triton_cdiv(n, B), Z), "small.phase1.f", ("S", "A2", "f"), a1.device,
            s_ptr=S, a2_ptr=a2, f_ptr=f,
            stride_sz=S.stride(0), stride_sm=S.stride(1), stride_sd=S.stride(2),

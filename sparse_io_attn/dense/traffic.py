@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from ..accounting.report import TrafficReport
-from .large_cache import G_PATH as LARGE_G_PATH
-from .large_cache import VARIANTS
-from .small_cache import G_PATH as SMALL_G_PATH
-from .tiling import MIN_BLOCK, forward_blocks, small_cache_block
-from .tiling import large_cache_blocks as _blocks
+from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.dense.large_cache import G_PATH as LARGE_G_PATH
+from sparse_io_attn.dense.large_cache import VARIANTS
+from sparse_io_attn.dense.small_cache import G_PATH as SMALL_G_PATH
+from sparse_io_attn.dense.tiling import MIN_BLOCK, forward_blocks, small_cache_block
+from sparse_io_attn.dense.tiling import large_cache_blocks as _blocks
 
 F32 = 4
 

@@ -1,7 +1,7 @@
 """Training integration: :class:`SparseSelfAttention` and the ``torch.library`` custom ops
 (``torch.ops.sparse_io_attn.block_sparse_attn_fwd`` / ``_bwd``) it calls, which let
 ``torch.compile(fullgraph=True)`` trace through block-sparse attention."""
-from .module import SparseSelfAttention
-from .ops import block_sparse_attention_op
+from sparse_io_attn.nn.module import SparseSelfAttention
+from sparse_io_attn.nn.ops import block_sparse_attention_op
 
 __all__ = ["SparseSelfAttention", "block_sparse_attention_op"]

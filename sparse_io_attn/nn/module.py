@@ -6,9 +6,9 @@ from typing import Callable, Union
 import torch
 from torch import nn
 
-from ..attention import BACKENDS
-from ..layout import BlockSparseLayout
-from .ops import block_sparse_attention_op
+from sparse_io_attn.block_sparse.api import BACKENDS
+from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.nn.ops import block_sparse_attention_op
 
 LayoutOrPattern = Union[BlockSparseLayout, Callable[[int], BlockSparseLayout]]
 

@@ -1,6 +1,6 @@
 """Block-sparse attention as ``torch.library`` custom ops, so ``torch.compile`` traces through it.
 
-Two opaque ops, each a thin shell over a backend of :mod:`sparse_io_attn.attention`:
+Two opaque ops, each a thin shell over a backend of :mod:`sparse_io_attn.block_sparse.api`:
 
 * ``sparse_io_attn::block_sparse_attn_fwd(q, k, v, crow_indices, col_indices, ccol_indices,
   row_indices, block_size_q, block_size_kv, layout_batch, layout_heads, causal, sm_scale, backend)
@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..attention import backend_module, check_inputs, resolve_backend
-from ..layout import BlockSparseLayout
+from sparse_io_attn.block_sparse.api import backend_module, check_inputs, resolve_backend
+from sparse_io_attn.layout.core import BlockSparseLayout
 
 # Layout objects rebuilt inside the ops, keyed by the crow_indices tensor they were built from, so a
 # backend's per-layout caches survive across calls with the same index tensors.

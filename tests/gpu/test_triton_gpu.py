@@ -6,7 +6,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 if torch.cuda.is_available():
-    from sparse_io_attn.kernels import INTERPRET
+    from sparse_io_attn._triton.runtime import INTERPRET
 
     if INTERPRET:  # Triton was imported in interpreter mode by an earlier test module
         pytestmark.append(pytest.mark.skip(reason="run tests/gpu in its own process (make test-gpu): "
@@ -14,7 +14,7 @@ if torch.cuda.is_available():
 
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns  # noqa: E402
 from sparse_io_attn.accounting import IOCounter, traffic  # noqa: E402
-from sparse_io_attn.reference import attention_reference, element_mask, masked_attention, rel_err  # noqa: E402
+from sparse_io_attn.block_sparse.reference import attention_reference, element_mask, masked_attention, rel_err  # noqa: E402
 
 DEV = "cuda"
 

@@ -1,0 +1,119 @@
+"""`block_sparse_attention`: the public entry point, its autograd Function and input checks.
+
+Backends share one interface (inputs already validated):
+
+* ``forward(q, k, v, layout, *, causal, sm_scale) -> (out, lse)``
+* ``backward(do, q, k, v, out, lse, layout, *, causal, sm_scale) -> (dq, dk, dv)``
+
+``"torch"`` is :mod:`sparse_io_attn.block_sparse.torch_path` (any device, fast on CPU); ``"triton"`` is
+:mod:`sparse_io_attn.block_sparse.triton.launch` (compiled on CUDA, Triton's interpreter on CPU).
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from sparse_io_attn.layout.core import BlockSparseLayout
+
+BACKENDS = ("auto", "torch", "triton")
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BACKEND_MODULES = {"torch": "sparse_io_attn.block_sparse.torch_path", "triton": "sparse_io_attn.block_sparse.triton.launch"}
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"triton"`` on CUDA, ``"torch"`` elsewhere; other names are checked."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return backend
+
+
+def backend_module(name: str):
+    return importlib.import_module(_BACKEND_MODULES[name])
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
+                 sm_scale: float | None) -> float:
+    """Validate shapes, dtypes, devices and the layout; return the resolved ``sm_scale``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [batch, heads, seqlen, head_dim], got {tuple(t.shape)}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+    if not isinstance(layout, BlockSparseLayout):
+        raise TypeError(f"layout must be a BlockSparseLayout (see sparse_io_attn.layout.patterns), "
+                        f"got {type(layout).__name__}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, Nq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    Bk, Hkv, Nk, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"q has batch {B} and k has batch {Bk}; they must match")
+    if Dk != D:
+        raise ValueError(f"q has head_dim {D} and k/v have {Dk}; they must match")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q has {Hq} heads and k has {Hkv}; num_heads_q must be a multiple of "
+                         f"num_heads_kv (GQA/MQA)")
+    if (Nq, Nk) != layout.seqlen:
+        raise ValueError(f"layout was built for seqlen (q, k) = {layout.seqlen} but the inputs have "
+                         f"({Nq}, {Nk}); build the layout with seqlen=({Nq}, {Nk})")
+    layout.broadcast_strides(B, Hq)
+    if sm_scale is None:
+        return D ** -0.5
+    if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
+        raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    return float(sm_scale)
+
+
+class _BlockSparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, layout, causal, sm_scale, backend):
+        impl = backend_module(backend)
+        out, lse = impl.forward(q, k, v, layout, causal=causal, sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.causal, ctx.sm_scale, ctx.backend = layout, causal, sm_scale, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        impl = backend_module(ctx.backend)
+        dq, dk, dv = impl.backward(do, q, k, v, out, lse, ctx.layout, causal=ctx.causal,
+                                   sm_scale=ctx.sm_scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
+                           *, causal: bool = False, sm_scale: float | None = None,
+                           return_lse: bool = False, backend: str = "auto"):
+    """Block-sparse scaled dot-product attention.
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA: query
+            head ``h`` reads kv head ``h // (Hq // Hkv)``). float32, float16 or bfloat16.
+        layout: a :class:`BlockSparseLayout` with ``seqlen == (Nq, Nk)``; its masks are shared or
+            per (batch, query head).
+        causal: also mask key positions ``j > i`` inside kept blocks (element level, top-left
+            aligned like ``scaled_dot_product_attention(is_causal=True)`` when ``Nq != Nk``).
+        sm_scale: softmax scale, default ``D ** -0.5``.
+        return_lse: also return the row log-sum-exp ``[B, Hq, Nq]`` (float32, natural log; not
+            differentiable).
+        backend: ``"auto"`` (triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+
+    Softmax runs over the keys of the kept blocks of each query row. A row with no kept key gets
+    output 0, lse ``-inf`` and zero gradients.
+    """
+    sm_scale = check_inputs(q, k, v, layout, sm_scale)
+    name = resolve_backend(backend, q.device)
+    layout = layout.to(q.device)
+    out, lse = _BlockSparseAttention.apply(q, k, v, layout, bool(causal), sm_scale, name)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,323 @@
+"""Plans of the PyTorch backend: which chunks of matmuls compute a layout (see the package docstring).
+
+A plan depends only on the layout, ``(B, Hq, Hkv)``, ``causal`` and the device; :func:`get_plan`
+builds it once and caches it per layout object.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from sparse_io_attn.layout.core import BlockSparseLayout
+
+SCORE_BUDGET = 1 << 20
+# Query rows (x stacked heads) a matmul should reach when rows can be stacked: M >= 256 runs ~15%
+# faster than M = 64 on CPU. Consecutive rows with different key ranges are stacked over the union
+# of their ranges when at most MERGE_WASTE of the scores are masked-out padding.
+MIN_ROWS_M = 256
+MERGE_WASTE = 0.10
+
+
+# ------------------------------------------------------------------------------------------ plan
+@dataclass
+class _Task:
+    units: tuple[int, ...]
+    rows: tuple[int, ...]   # query blocks, stacked into one matmul
+    cols: tuple[int, ...]   # key blocks read for these rows
+    kept: tuple | None = None  # per row, the blocks of `cols` it keeps (None: all of them)
+
+
+@dataclass
+class _Chunk:
+    """``steps`` matmuls of ``nb`` items each; an item is ``R`` query blocks x ``C`` key blocks.
+
+    kind ``"units"``: one step, items = the units ``u0 + i*du`` (kv ``kv0 + i*dkv``), all reading
+    query blocks ``[q0, q0+R)`` and key blocks ``[k0, k0+C)`` as views.
+    kind ``"strided"``: one step per unit (``units``/``kv_units``), items ``j < nb`` read query
+    blocks ``[q0 + j*qstep, +R)`` and key blocks ``[k0 + j*kstep, +C)`` as views.
+    kind ``"gather"``: one step; ``q_idx``/``k_idx`` are flat block ids (``unit*nqb + row``,
+    ``kv_unit*nkb + col``) of the ``nb`` items.
+    ``k_idx`` is also set for the strided kind (scatter-add of dK/dV over overlapping windows).
+    ``mask`` bool ``[nb or 1, R*BLOCK_SIZE_Q, 1, ncols]`` (True = drop) covers score columns
+    ``mask_cols``.
+    """
+    kind: str
+    steps: int
+    nb: int
+    R: int
+    C: int
+    units: list = field(default_factory=list)
+    kv_units: list = field(default_factory=list)
+    q0: int = 0
+    k0: int = 0
+    qstep: int = 0
+    kstep: int = 0
+    du: int = 0
+    dkv: int = 0
+    q_idx: torch.Tensor | None = None
+    k_idx: torch.Tensor | None = None
+    mask_cols: slice | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class _Plan:
+    num_units: int
+    heads_per_unit: int
+    chunks: list
+    max_scores: int        # largest chunk, in score elements
+    max_q_rows: int        # largest chunk, in gathered query rows (items x rows)
+    max_k_rows: int        # largest chunk, in gathered key rows
+    has_empty_rows: bool   # some (unit, query block) keeps no key block: its output must be zeroed
+    chunks_by_cost: list = field(default_factory=list)   # largest first (work-queue order)
+    cache: dict = field(default_factory=dict)            # per-worker-count splits
+
+
+def _unit_maps(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int):
+    """``(U, heads_per_unit, layout_index[U], kv_unit[U])``."""
+    stride_lb, stride_lh = layout.broadcast_strides(B, Hq)
+    group = Hq // Hkv
+    if layout.layout_heads == 1:
+        U = B * Hkv
+        return U, group, [(u // Hkv) * stride_lb for u in range(U)], list(range(U))
+    U = B * Hq
+    lidx = [(u // Hq) * stride_lb + (u % Hq) * stride_lh for u in range(U)]
+    return U, 1, lidx, [(u // Hq) * Hkv + (u % Hq) // group for u in range(U)]
+
+
+def _row_lists(layout: BlockSparseLayout, l: int, causal: bool) -> list[tuple[int, ...]]:
+    """Kept key blocks of each query-block row of mask ``l``, minus blocks fully above the causal
+    diagonal (every key position > every query position of the row)."""
+    bq, bk = layout.block_size
+    crow = layout.crow_indices[l].tolist()
+    col = layout.col_indices[crow[0]:crow[-1]].tolist()
+    base = crow[0]
+    rows = []
+    for r in range(layout.num_q_blocks):
+        cols = col[crow[r] - base:crow[r + 1] - base]
+        if causal:
+            last_q = min((r + 1) * bq, layout.seqlen_q) - 1
+            cols = [c for c in cols if c * bk <= last_q]
+        rows.append(tuple(cols))
+    return rows
+
+
+def _contiguous(ids) -> bool:
+    return all(b == a + 1 for a, b in zip(ids, ids[1:]))
+
+
+def _arith(xs) -> int | None:
+    """The common step of an arithmetic sequence, or None."""
+    if len(xs) < 2:
+        return 0
+    d = xs[1] - xs[0]
+    return d if all(b - a == d for a, b in zip(xs, xs[1:])) else None
+
+
+def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, causal: bool) -> tuple[list[_Task], bool]:
+    """Rows with identical key lists (merged across masks), split to fit the score budget; and
+    whether some row keeps no key block."""
+    bq, bk = layout.block_size
+    by_cols: dict[tuple, dict[int, list[int]]] = {}   # cols -> row -> units
+    has_empty = False
+    for l, units in units_of.items():
+        for r, cols in enumerate(_row_lists(layout, l, causal)):
+            if cols:
+                by_cols.setdefault(cols, {}).setdefault(r, []).extend(units)
+            else:
+                has_empty = True
+    tasks = []
+    for cols, row_units in by_cols.items():
+        groups: dict[tuple, list[int]] = {}
+        for r in sorted(row_units):
+            groups.setdefault(tuple(sorted(row_units[r])), []).append(r)
+        for units, rows in groups.items():
+            per_row = G * bq * len(cols) * bk     # score elements of one row of one unit
+            step = max(-(-MIN_ROWS_M // (G * bq)), SCORE_BUDGET // (len(units) * per_row))
+            step = max(1, min(step, SCORE_BUDGET // per_row))
+            # split into contiguous pieces of at most `step` rows
+            pieces, cur = [], [rows[0]]
+            for r in rows[1:]:
+                if r == cur[-1] + 1 and len(cur) < step:
+                    cur.append(r)
+                else:
+                    pieces.append(cur)
+                    cur = [r]
+            pieces.append(cur)
+            # non-contiguous rows of one class can share a matmul (gathered); keep pieces if contiguous
+            if len(pieces) > 1 and all(len(p) == 1 for p in pieces):
+                pieces = [rows[i:i + step] for i in range(0, len(rows), step)]
+            tasks += [_Task(units, tuple(p), cols) for p in pieces]
+    return _merge_rows(tasks, G * bq, bk), has_empty
+
+
+def _merge_rows(tasks: list[_Task], rows_m: int, bk: int) -> list[_Task]:
+    """Stack runs of consecutive single-row tasks with contiguous key ranges (a causal prefix,
+    a band) into one task over the union of their ranges when that wastes at most
+    ``MERGE_WASTE`` of the scores: taller matmuls (up to ``MIN_ROWS_M`` rows) run faster; the
+    blocks a row does not keep are masked (``kept``)."""
+    single, out = {}, []
+    for t in tasks:
+        if len(t.rows) == 1 and _contiguous(t.cols):
+            single.setdefault(t.units, []).append(t)
+        else:
+            out.append(t)
+    gmax = max(1, MIN_ROWS_M // rows_m)
+    for units, ts in single.items():
+        ts.sort(key=lambda t: t.rows[0])
+        group = [ts[0]]
+        for t in ts[1:] + [None]:
+            if t is not None and len(group) < gmax and t.rows[0] == group[-1].rows[0] + 1:
+                lo = min(g.cols[0] for g in group + [t])
+                hi = max(g.cols[-1] for g in group + [t])
+                width = hi - lo + 1
+                waste = sum(width - len(g.cols) for g in group + [t]) / (width * (len(group) + 1))
+                if waste <= MERGE_WASTE and (len(group) + 1) * rows_m * width * bk <= SCORE_BUDGET:
+                    group.append(t)
+                    continue
+            if len(group) == 1:
+                out.append(group[0])
+            else:
+                lo, hi = min(g.cols[0] for g in group), max(g.cols[-1] for g in group)
+                cols = tuple(range(lo, hi + 1))
+                kept = tuple(g.cols for g in group)
+                out.append(_Task(units, tuple(g.rows[0] for g in group), cols,
+                                 None if all(k == cols for k in kept) else kept))
+            group = [t]
+    return out
+
+
+def _drop_mask(t: _Task, layout: BlockSparseLayout, causal: bool):
+    """bool ``[len(rows)*bq, len(cols)*bk]`` (True = drop: key padding, causal ``j > i``, a block
+    the row does not keep), or None if nothing is dropped."""
+    bq, bk = layout.block_size
+    qpos = (torch.tensor(t.rows).view(-1, 1) * bq + torch.arange(bq)).view(-1)
+    kpos = (torch.tensor(t.cols).view(-1, 1) * bk + torch.arange(bk)).view(-1)
+    drop = (kpos >= layout.seqlen_k).view(1, -1).expand(qpos.numel(), -1)
+    if causal:
+        drop = drop | (kpos.view(1, -1) > qpos.view(-1, 1))
+    if t.kept is not None:
+        keep = torch.tensor([[c in set(k) for c in t.cols] for k in t.kept])   # [rows, cols]
+        drop = drop | ~keep.repeat_interleave(bq, 0).repeat_interleave(bk, 1)
+    return drop if bool(drop.any()) else None
+
+
+def _set_mask(ch: _Chunk, items: list, layout: BlockSparseLayout, causal: bool) -> None:
+    """``items``: the task of each item (or one task shared by all items)."""
+    bk = layout.BLOCK_SIZE_KV
+    memo: dict[int, torch.Tensor | None] = {}
+    masks = [memo[id(t)] if id(t) in memo else memo.setdefault(id(t), _drop_mask(t, layout, causal))
+             for t in items]
+    if all(m is None for m in masks):
+        return
+    hit = torch.zeros(ch.C, dtype=torch.bool)
+    for m in masks:
+        if m is not None:
+            hit |= m.view(m.shape[0], ch.C, bk).any(dim=2).any(dim=0)
+    cols = hit.nonzero().view(-1).tolist()
+    ch.mask_cols = slice(cols[0] * bk, (cols[-1] + 1) * bk)
+    sub = [m[:, ch.mask_cols] if m is not None else None for m in masks]
+    like = next(m for m in sub if m is not None)
+    ch.mask = torch.stack([m if m is not None else torch.zeros_like(like) for m in sub]).unsqueeze(2)
+
+
+def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bool,
+                device: torch.device) -> _Plan:
+    bq, bk = layout.block_size
+    nqb, nkb = layout.num_q_blocks, layout.num_kv_blocks
+    U, G, lidx, kv_unit = _unit_maps(layout, B, Hq, Hkv)
+    units_of: dict[int, list[int]] = {}
+    for u, l in enumerate(lidx):
+        units_of.setdefault(l, []).append(u)
+
+    viewable, gathered = {}, {}
+    tasks, has_empty = _tasks(layout, units_of, G, causal)
+    for t in tasks:
+        key = (len(t.rows), len(t.cols))
+        if _contiguous(t.rows) and _contiguous(t.cols):
+            viewable.setdefault((t.units,) + key, []).append(t)
+        else:
+            gathered.setdefault(key, []).append(t)
+
+    chunks: list[_Chunk] = []
+    for (units, R, C), tasks in viewable.items():
+        per_item = G * R * bq * C * bk
+        tasks.sort(key=lambda t: t.rows[0])
+        kvs = [kv_unit[u] for u in units]
+        du, dkv = _arith(list(units)), _arith(kvs)
+        # strided series: row and key starts advancing by fixed steps, one matmul per unit
+        i = 0
+        while i < len(tasks):
+            j = i + 1
+            cap = max(1, SCORE_BUDGET // (per_item * len(units)))
+            if j < len(tasks) and tasks[j].cols[0] >= tasks[i].cols[0]:
+                qstep = tasks[j].rows[0] - tasks[i].rows[0]
+                kstep = tasks[j].cols[0] - tasks[i].cols[0]
+                while (j < len(tasks) and j - i < cap and tasks[j].rows[0] - tasks[j - 1].rows[0] == qstep
+                       and tasks[j].cols[0] - tasks[j - 1].cols[0] == kstep):
+                    j += 1
+            run = tasks[i:j]
+            t0 = run[0]
+            if len(run) == 1 and du is not None and dkv is not None:
+                cap_u = max(1, SCORE_BUDGET // per_item)     # units per chunk
+                for a in range(0, len(units), cap_u):
+                    sub, sub_kv = list(units[a:a + cap_u]), kvs[a:a + cap_u]
+                    ch = _Chunk("units", 1, len(sub), R, C, sub, sub_kv, q0=t0.rows[0], k0=t0.cols[0],
+                                du=du, dkv=dkv)
+                    _set_mask(ch, [t0], layout, causal)
+                    chunks.append(ch)
+                i = j
+                continue
+            else:
+                qstep = run[1].rows[0] - t0.rows[0] if len(run) > 1 else R
+                kstep = run[1].cols[0] - t0.cols[0] if len(run) > 1 else 0
+                ch = _Chunk("strided", len(units), len(run), R, C, list(units), kvs, q0=t0.rows[0],
+                            k0=t0.cols[0], qstep=qstep, kstep=kstep, du=du)
+                ch.k_idx = torch.tensor([kv * nkb + t.cols[0] + c for kv in kvs for t in run for c in range(C)],
+                                        dtype=torch.int64)
+                _set_mask(ch, run, layout, causal)
+                if ch.mask is not None and ch.mask.shape[0] > 1 and all(
+                        torch.equal(ch.mask[0], m) for m in ch.mask[1:]):
+                    ch.mask = ch.mask[:1]
+            chunks.append(ch)
+            i = j
+    for (R, C), tasks in gathered.items():
+        per_item = G * R * bq * C * bk
+        cap = max(1, SCORE_BUDGET // per_item)
+        items = [(u, t) for t in tasks for u in t.units]
+        for i in range(0, len(items), cap):
+            part = items[i:i + cap]
+            ch = _Chunk("gather", 1, len(part), R, C)
+            ch.q_idx = torch.tensor([u * nqb + r for u, t in part for r in t.rows], dtype=torch.int64)
+            ch.k_idx = torch.tensor([kv_unit[u] * nkb + c for u, t in part for c in t.cols], dtype=torch.int64)
+            same = all(t is part[0][1] for _, t in part)
+            _set_mask(ch, [t for _, t in (part[:1] if same else part)], layout, causal)
+            chunks.append(ch)
+
+    for ch in chunks:
+        for name in ("q_idx", "k_idx", "mask"):
+            t = getattr(ch, name)
+            if t is not None:
+                setattr(ch, name, t.to(device))
+    max_scores = max((ch.steps * ch.nb * G * ch.R * bq * ch.C * bk for ch in chunks), default=0)
+    max_q = max((ch.steps * ch.nb * ch.R * bq for ch in chunks), default=0)
+    max_k = max((ch.steps * ch.nb * ch.C * bk for ch in chunks), default=0)
+    by_cost = sorted(chunks, key=lambda ch: -(ch.steps * ch.nb * ch.R * ch.C))
+    return _Plan(U, G, chunks, max_scores, max_q, max_k, has_empty, by_cost)
+
+
+# Plans per layout object; an entry disappears with its layout.
+_PLANS: "weakref.WeakKeyDictionary[BlockSparseLayout, dict]" = weakref.WeakKeyDictionary()
+
+
+def get_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bool,
+             device: torch.device) -> _Plan:
+    """The plan for these shapes, built on first use and cached per layout (weakly: the cache never
+    keeps a layout alive, and writes nothing into the layout object)."""
+    cache = _PLANS.setdefault(layout, {})
+    key = (B, Hq, Hkv, bool(causal), str(device))
+    if key not in cache:
+        cache[key] = _build_plan(layout, B, Hq, Hkv, causal, device)
+    return cache[key]

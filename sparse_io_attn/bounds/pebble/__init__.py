@@ -1,0 +1,28 @@
+"""An exact two-level-memory (red-blue pebble) executor and the paper's Algorithms 1-9 on it.
+
+* :class:`TwoLevelMemory`: fast memory of ``capacity`` words with explicit load/store/alloc/free/
+  compute; raises :class:`CapacityError` / :class:`NotResidentError`; counts every word moved.
+* Algorithms (NumPy, line by line from Appendices C and D): :func:`algorithm1`,
+  :func:`algorithm2`-:func:`algorithm6` (small cache), :func:`algorithm7`-:func:`algorithm9`
+  (large cache; ``variant="fa2"`` is Algorithm 8 in FlashAttention-2's loop order).
+* Closed forms (words): :func:`small_cache_io`, :func:`large_cache_io` and the ``*_counts``
+  functions (reads, writes, peak), equal to the executor's counts exactly.
+* Runners: :func:`run_small_cache`, :func:`run_large_cache` put the inputs in slow memory, run, and
+  return g = dL/dX (Definition 3.2) with the counts.
+"""
+from sparse_io_attn.bounds.pebble.closed_form import (IOCount, algorithm1_counts, algorithm7_counts, algorithm8_counts, large_cache_counts,
+                          large_cache_io, large_cache_peak, loglog_slope, small_cache_counts, small_cache_io,
+                          small_cache_m_independent)
+from sparse_io_attn.bounds.pebble.executor import CapacityError, NotResidentError, TwoLevelMemory
+from sparse_io_attn.bounds.pebble.algorithm9 import algorithm7, algorithm8, algorithm8_fa2, algorithm9, large_cache_blocks
+from sparse_io_attn.bounds.pebble.runner import PebbleRun, run_no_cache, run_large_cache, run_small_cache
+from sparse_io_attn.bounds.pebble.algorithm6 import (algorithm1, algorithm2, algorithm3, algorithm4, algorithm5, algorithm6,
+                          small_cache_block)
+
+__all__ = ["TwoLevelMemory", "CapacityError", "NotResidentError", "IOCount", "PebbleRun",
+           "algorithm1", "algorithm2", "algorithm3", "algorithm4", "algorithm5", "algorithm6",
+           "algorithm7", "algorithm8", "algorithm8_fa2", "algorithm9", "small_cache_block",
+           "large_cache_blocks", "small_cache_io", "large_cache_io", "small_cache_counts",
+           "large_cache_counts", "large_cache_peak", "small_cache_m_independent", "algorithm1_counts",
+           "algorithm7_counts", "algorithm8_counts", "loglog_slope", "run_small_cache",
+           "run_large_cache", "run_no_cache"]

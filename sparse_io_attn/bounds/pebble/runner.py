@@ -1,0 +1,71 @@
+"""Run the paper's algorithms on fresh inputs: put them in slow memory, execute, collect counts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparse_io_attn.dense.reference import paper_forward
+from sparse_io_attn.bounds.pebble.closed_form import algorithm1_counts, large_cache_peak
+from sparse_io_attn.bounds.pebble.executor import TwoLevelMemory
+from sparse_io_attn.bounds.pebble.algorithm9 import algorithm9
+from sparse_io_attn.bounds.pebble.algorithm6 import algorithm1, algorithm6
+
+
+@dataclass
+class PebbleRun:
+    """Result of one executor run: ``g`` (d x d, float64) and the words moved."""
+    g: np.ndarray
+    reads: int
+    writes: int
+    peak: int
+    capacity: int
+    reads_by_array: dict
+    writes_by_array: dict
+
+    @property
+    def total(self) -> int:
+        return self.reads + self.writes
+
+
+def _np(x) -> np.ndarray:
+    return x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+
+
+def _setup(capacity: int, **arrays) -> TwoLevelMemory:
+    mem = TwoLevelMemory(capacity)
+    for name, a in arrays.items():
+        mem.put(name, _np(a))
+    return mem
+
+
+def _result(mem: TwoLevelMemory, g) -> PebbleRun:
+    assert not mem.fast, f"algorithm left tiles resident: {sorted(mem.fast)}"
+    return PebbleRun(np.array(g), mem.words_read, mem.words_written, mem.peak, mem.capacity,
+                     dict(mem.reads), dict(mem.writes))
+
+
+def run_small_cache(A1, A2, A3, X, Y, dO, M: int, *, capacity: int | None = None) -> PebbleRun:
+    """Algorithm 6 with a fast memory of ``capacity`` words (default ``M``: the algorithm fits)."""
+    mem = _setup(M if capacity is None else capacity, A1=A1, A2=A2, A3=A3, X=X, Y=Y, dO=dO)
+    return _result(mem, algorithm6(mem, M))
+
+
+def run_large_cache(A1, A2, A3, X, Y, dO, M: int, *, variant: str = "faithful",
+                    capacity: int | None = None) -> PebbleRun:
+    """Algorithm 9 (``variant`` "faithful" or "fa2"). O and l come from the forward pass (computed
+    here by :func:`paper_forward`, as Appendix D assumes). Default capacity: the algorithm's exact
+    high-water mark :func:`large_cache_peak`, which exceeds ``M`` (the paper's constants are loose);
+    pass ``capacity=M`` to see it fail."""
+    O, l = paper_forward(A1, A2, A3, X, Y)
+    n, d = _np(A1).shape
+    cap = large_cache_peak(n, d, M, variant) if capacity is None else capacity
+    mem = _setup(cap, A1=A1, A2=A2, A3=A3, X=X, Y=Y, dO=dO, O=O, l=l)
+    return _result(mem, algorithm9(mem, M, variant))
+
+
+def run_no_cache(A1, A2, A3, X, Y, dO) -> PebbleRun:
+    """Algorithm 1 with a fast memory exactly as large as it needs."""
+    n, d = _np(A1).shape
+    mem = _setup(algorithm1_counts(n, d).peak, A1=A1, A2=A2, A3=A3, X=X, Y=Y, dO=dO)
+    return _result(mem, algorithm1(mem))

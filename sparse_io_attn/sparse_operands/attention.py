@@ -1,0 +1,107 @@
+"""`attention`: the paper's attention ``softmax(A1 X A2^T * scale) A3 Y`` with block-sparse operands,
+its autograd Function and backend dispatch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_io_attn.block_sparse.api import resolve_backend
+from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.layout.matrix import BlockSparseMatrix
+from sparse_io_attn.sparse_operands import torch_path
+from sparse_io_attn.sparse_operands.operands import Blocks, Operand, as_operand, check_operands, like
+from sparse_io_attn.sparse_operands.plan import AttentionPlan, attention_plan, structural_product
+
+
+@dataclass
+class Problem:
+    """Structure of one call: operand templates (addressing and block maps), the block pattern of
+    ``Q = A1 X`` and the score plan. Built on the host from patterns only."""
+    A1: Operand
+    X: Operand
+    A2: Operand
+    A3: Operand
+    Y: Operand
+    q_map: torch.Tensor
+    nnz_q: int
+    plan: AttentionPlan
+    blocks: Blocks
+
+
+def _contig(t):
+    return t if isinstance(t, BlockSparseMatrix) or t.is_contiguous() else t.contiguous()
+
+
+def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks: Blocks) -> Problem:
+    b = blocks
+    ops = dict(A1=as_operand("a1", A1, (b.m, b.d1)), X=as_operand("x", X, (b.d1, b.d2)),
+               A2=as_operand("a2", A2, (b.n, b.d2)), A3=as_operand("a3", A3, (b.n, b.d3)),
+               Y=as_operand("y", Y, (b.d3, b.dv)))
+    q_pat = structural_product(ops["A1"].pattern, ops["X"].pattern)
+    q_map = torch.full(q_pat.shape, -1, dtype=torch.int32, device=q_pat.device)
+    nnz_q = int(q_pat.sum())
+    q_map[q_pat] = torch.arange(nnz_q, dtype=torch.int32, device=q_pat.device)
+    qk_mask = None if qk_layout is None else qk_layout.to_block_mask()[0, 0]
+    plan = attention_plan(q_pat, ops["A2"].pattern, qk_mask)
+    return Problem(q_map=q_map, nnz_q=nnz_q, plan=plan, blocks=blocks, **ops)
+
+
+class _PaperAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a1, x, a2, a3, y, prob: Problem, scale: float):
+        from sparse_io_attn.sparse_operands import launch
+
+        ops = [like(t, t.name, d) for t, d in ((prob.A1, a1), (prob.X, x), (prob.A2, a2), (prob.A3, a3), (prob.Y, y))]
+        o, lse, Q, H = launch.forward(*ops, prob.q_map, prob.nnz_q, prob.plan, scale)
+        ctx.save_for_backward(a1, x, a2, a3, y, o, lse, Q.data, H.data)
+        ctx.prob, ctx.scale, ctx.Q, ctx.H = prob, scale, Q, H
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        from sparse_io_attn.sparse_operands import launch
+
+        a1, x, a2, a3, y, o, lse, qd, hd = ctx.saved_tensors
+        p = ctx.prob
+        ops = [like(t, t.name, d) for t, d in ((p.A1, a1), (p.X, x), (p.A2, a2), (p.A3, a3), (p.Y, y))]
+        Q, H = like(ctx.Q, "q", qd), like(ctx.H, "h", hd)
+        dA1, dX, dA2, dA3, dY = launch.backward(do, o, lse, *ops, Q, H, p.plan, ctx.scale,
+                                                needs=ctx.needs_input_grad[:5])
+        return dA1, dX, dA2, dA3, dY, None, None
+
+
+def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, scale: float = 1.0,
+              backend: str = "auto", return_lse: bool = False):
+    """The paper's attention (Definition 3.1 / B.7): ``O = softmax(A1 X A2^T * scale) A3 Y``.
+
+    Args:
+        A1: ``[nq, d1]`` queries' inputs; X: ``[d1, d2]`` (e.g. a pruned ``W_Q W_K^T``);
+            A2: ``[nk, d2]`` keys' inputs. Each a dense tensor or a :class:`BlockSparseMatrix`
+            (block sizes must agree along shared axes).
+        A3: ``[nk, d3]`` dense, Y: ``[d3, dv]`` dense (``h = A3 Y``, Definition B.6).
+        qk_layout: optional :class:`BlockSparseLayout` (one mask, ``seqlen == (nq, nk)``, block
+            ``(A1 row block, A2 row block)``): the keys each query block attends to.
+        scale: multiplies the scores (the paper uses 1).
+        backend: ``"auto"`` (triton on CUDA, torch elsewhere), ``"torch"``, ``"triton"`` (on CPU:
+            Triton's interpreter, slow, counts I/O).
+        return_lse: also return the row log-sum-exp (fp32, natural log, not differentiable).
+
+    Semantics: softmax over the keys of the QK pattern (all keys if None). Inside it, a score whose
+    product is structurally zero is exactly 0 and enters the softmax as ``exp(0 - m)`` (it is not
+    masked); the Triton path computes score blocks only where the structural block product of
+    ``A1 X`` and ``A2^T`` is nonzero and folds the zero blocks in through block sums of ``h``.
+    A query row with no key gets output 0 and lse ``-inf``. Gradients: dense operands get dense
+    gradients; block-sparse ones get gradients on their own block pattern (``values.grad``).
+    """
+    blocks, dtype, device = check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend)
+    name = resolve_backend(backend, device)
+    if name == "torch":
+        o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, float(scale))
+    else:
+        A1, A2, A3, X, Y = (_contig(t) for t in (A1, A2, A3, X, Y))
+        prob = build_problem(A1, A2, A3, X, Y, None if qk_layout is None else qk_layout.to(device), blocks)
+        data = [t.values if isinstance(t, BlockSparseMatrix) else t for t in (A1, X, A2, A3, Y)]
+        o, lse = _PaperAttention.apply(*data, prob, float(scale))
+    return (o, lse) if return_lse else o

@@ -1,0 +1,66 @@
+"""Exact model of the ``tl.dot`` work of the :mod:`sparse_io_attn.sparse_operands` Triton kernels.
+
+:func:`predict_dot_macs` returns, per kernel (report names), the multiply-adds its ``tl.dot`` calls issue
+(``M * N * K`` of every call, on the padded register tiles the kernel holds), from block patterns and
+shapes only. The kernels split every product over the head dimension into d-tiles and issue a tile's
+product only when the tile is stored in both operands, so the model counts, per kept score block
+``(i, j)``, ``|Pq[i] & Pa2[j]|`` tile products (``Pq[i]``, ``Pa2[j]``: stored d-tiles of row block
+``i`` of ``Q = A1 X`` and of ``A2``), never ``num_d_tiles``:
+
+* ``paper_attn_fwd``: per kept ``(i, j)``: ``S`` over shared tiles ``|both| BM BN BD`` and ``P H``
+  ``BM BN DV``;
+* ``paper_attn_bwd_dkv``: per kept ``(i, j)``: ``S`` and ``dA2 += dS^T Q`` on shared tiles
+  (``2 |both| BM BN BD``), ``dH += P^T dO`` and ``dP = dO H^T`` (``2 BM BN DV``);
+* ``paper_attn_bwd_dq``: per kept ``(i, j)``: ``S`` and ``dQ += dS A2`` on shared tiles
+  (``2 |both| BM BN BD``), ``dP`` (``BM BN DV``);
+* products ``C = A B`` (``paper_q``, ``paper_h``, ``paper_da1``, ``paper_dx``, ``paper_da3``,
+  ``paper_dy``; one kernel, ``_bsr_matmul_kernel``): per pair ``(i, k)`` of the product plan,
+  ``BM_A BK BN`` per column tile stored in both ``B[k, :]`` and ``C[i, :]``.
+
+``BM``, ``BN``, ``BD``: query, key and head-dim block sizes; ``DV``: the padded value width
+(``max(16, next_pow2(dv))``). Tests compare these numbers with the multiply-adds the interpreter
+actually executes (tests/test_paper_attention.py::test_executed_dot_macs_equal_model).
+"""
+from __future__ import annotations
+
+import torch
+
+from sparse_io_attn.sparse_operands.attention import build_problem
+from sparse_io_attn.sparse_operands.operands import check_operands, next_pow2
+from sparse_io_attn.sparse_operands.plan import ProductPlan
+from sparse_io_attn.sparse_operands.traffic import products
+
+ATTENTION_KERNELS = ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq")
+PRODUCT_KERNELS = ("paper_q", "paper_h", "paper_da1", "paper_dx", "paper_da3", "paper_dy")
+
+
+def _product_macs(A, B, C, plan: ProductPlan) -> int:
+    """``BM_A BK BN`` per (pair, column tile stored in both ``B[k, :]`` and ``C[i, :]``)."""
+    ptr = plan.pair_ptr.cpu().long()
+    pi = torch.repeat_interleave(torch.arange(plan.num_rows), ptr[1:] - ptr[:-1])
+    pk = plan.pair_k.cpu().long()
+    shared = int(((C.block_map >= 0).cpu().long()[pi] * (B.block_map >= 0).cpu().long()[pk]).sum())
+    return shared * A.block[0] * A.block[1] * B.block[1]
+
+
+def predict_dot_macs(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) -> dict:
+    """``{kernel: multiply-adds issued by tl.dot}`` for the kernels of one
+    ``paper.attention(..., backend="triton")`` call (and its backward when ``backward``, all five
+    gradients): the three attention kernels and the products, by report name."""
+    blocks, _, _ = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")
+    p = build_problem(A1, A2, A3, X, Y, qk_layout, blocks)
+    bm, bn, bd = blocks.m, blocks.n, blocks.d2
+    dv = max(16, next_pow2(Y.shape[1]))
+    pq = (p.q_map >= 0).cpu().long()
+    pa2 = p.A2.pattern.cpu().long()
+    kept = p.plan.kept_mask.cpu().long()
+    shared = int((kept * (pq @ pa2.t())).sum())  # sum over kept (i, j) of |Pq[i] & Pa2[j]|
+    n_kept = int(kept.sum())
+    tile = bm * bn * bd
+    out = {"paper_attn_fwd": shared * tile + n_kept * bm * bn * dv}
+    if backward:
+        out["paper_attn_bwd_dkv"] = 2 * shared * tile + 2 * n_kept * bm * bn * dv
+        out["paper_attn_bwd_dq"] = 2 * shared * tile + n_kept * bm * bn * dv
+    for kernel, A, B, C, plan, _ in products(p, Y.shape[1], backward=backward):
+        out[kernel] = _product_macs(A, B, C, plan)
+    return out

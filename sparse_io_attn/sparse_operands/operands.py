@@ -1,0 +1,191 @@
+"""Host-side view of the operands of ``softmax(A1 X A2^T * scale) A3 Y``: validation, block sizes,
+and one addressing scheme that lets a kernel load a tile of a dense tensor or of a
+:class:`BlockSparseMatrix` with the same code.
+
+Addressing (what :class:`Operand` hands the kernels). A *tile* is one block of the operand in its
+logical orientation; a tile is named by an int ``t`` taken from ``block_map[row_block, col_block]``
+(-1 = structurally zero, never loaded). Element ``(r, c)`` of tile ``t`` lives at::
+
+    data_ptr + (t // nb) * s_a + (t % nb) * s_b + r * s_r + c * s_c
+
+* BSR values ``[nnz_blocks, BR, BC]``: ``t`` = position in ``values``, ``nb = 1``, ``s_a = stride(0)``,
+  ``s_b = 0``, ``(s_r, s_c) = (stride(1), stride(2))``.
+* Dense ``[rows, cols]`` cut into blocks: ``t = row_block * col_blocks + col_block``,
+  ``nb = col_blocks``, ``s_a = BR * stride(0)``, ``s_b = BC * stride(1)``.
+* Transposition swaps ``s_r``/``s_c``, the block sizes, the shape, and transposes ``block_map``.
+
+No copy of a dense operand is made; gradients of dense operands are written in place of a dense
+tensor, those of block-sparse operands into a ``values``-shaped tensor (masked gradients).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from sparse_io_attn.layout._csr import INDEX_DTYPE
+from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.layout.matrix import BlockSparseMatrix
+
+DEFAULT_BLOCK = 64
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One operand (or output buffer) as the kernels see it. ``data`` is the dense tensor or the BSR
+    ``values``; ``shape``/``block`` are logical (after any transpose)."""
+    name: str
+    data: torch.Tensor
+    shape: tuple
+    block: tuple
+    block_map: torch.Tensor  # int32 [row_blocks, col_blocks], tile id or -1
+    nb: int
+    s_a: int
+    s_b: int
+    s_r: int
+    s_c: int
+    sparse: bool
+
+    @property
+    def pattern(self) -> torch.Tensor:
+        return self.block_map >= 0
+
+    @property
+    def element_size(self) -> int:
+        return self.data.element_size()
+
+    def t(self) -> "Operand":
+        return replace(self, shape=self.shape[::-1], block=self.block[::-1],
+                       block_map=self.block_map.t().contiguous(), s_r=self.s_c, s_c=self.s_r)
+
+    def strides(self, prefix: str) -> dict:
+        """Kernel keyword arguments ``{prefix}_nb, stride_{prefix}_blk0, ...``."""
+        return {f"{prefix}_nb": self.nb, f"stride_{prefix}_ta": self.s_a, f"stride_{prefix}_tb": self.s_b,
+                f"stride_{prefix}_r": self.s_r, f"stride_{prefix}_c": self.s_c}
+
+
+def dense_map(rows: int, cols: int, device) -> torch.Tensor:
+    return torch.arange(rows * cols, dtype=INDEX_DTYPE, device=device).view(rows, cols)
+
+
+def dense_operand(name: str, t: torch.Tensor, block) -> Operand:
+    br, bc = block
+    R, C = math.ceil(t.shape[0] / br), math.ceil(t.shape[1] / bc)
+    return Operand(name, t, tuple(t.shape), (br, bc), dense_map(R, C, t.device), C,
+                   br * t.stride(0), bc * t.stride(1), t.stride(0), t.stride(1), False)
+
+
+def bsr_operand(name: str, m: BlockSparseMatrix, values: torch.Tensor | None = None) -> Operand:
+    v = m.values if values is None else values
+    return Operand(name, v, m.shape, m.block_size, m.block_index_map().to(v.device), 1,
+                   v.stride(0), 0, v.stride(1), v.stride(2), True)
+
+
+def like(op: Operand, name: str, data: torch.Tensor) -> Operand:
+    """An operand with ``op``'s structure over another buffer of the same shape (e.g. its gradient)."""
+    if op.sparse:
+        return replace(op, name=name, data=data, s_a=data.stride(0), s_r=data.stride(1), s_c=data.stride(2))
+    br, bc = op.block
+    return replace(op, name=name, data=data, s_a=br * data.stride(0), s_b=bc * data.stride(1),
+                   s_r=data.stride(0), s_c=data.stride(1))
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, x))))
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Block sizes along each axis: query rows ``m``, key rows ``n``, the X row axis ``d1`` (A1's
+    columns), the X column axis ``d2`` (A2's columns), A3's column axis ``d3`` and Y's column axis ``dv``."""
+    m: int
+    n: int
+    d1: int
+    d2: int
+    d3: int
+    dv: int
+
+
+def _shape(x) -> tuple:
+    return tuple(x.shape)
+
+
+def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
+    """Validate the operands; return ``(Blocks, dtype, device)``. Errors name expected vs got."""
+    named = (("A1", A1), ("A2", A2), ("A3", A3), ("X", X), ("Y", Y))
+    for name, t in named:
+        sparse_ok = name in ("A1", "A2", "X")
+        if isinstance(t, BlockSparseMatrix):
+            if not sparse_ok:
+                raise TypeError(f"{name} must be a dense torch.Tensor (only A1, X, A2 may be "
+                                f"BlockSparseMatrix), got BlockSparseMatrix; use {name}.to_dense()")
+        elif not isinstance(t, torch.Tensor):
+            kinds = "a torch.Tensor or a BlockSparseMatrix" if sparse_ok else "a torch.Tensor"
+            raise TypeError(f"{name} must be {kinds}, got {type(t).__name__}")
+        elif t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (the paper's single-head form), got shape {tuple(t.shape)}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+    dtypes = {t.dtype for _, t in named}
+    if len(dtypes) != 1:
+        raise TypeError(f"A1, A2, A3, X, Y must share a dtype, got {[str(t.dtype) for _, t in named]}")
+    devices = {t.device for _, t in named}
+    if len(devices) != 1:
+        raise ValueError(f"A1, A2, A3, X, Y must be on one device, got {[str(t.device) for _, t in named]}")
+    (nq, d1), (nk, d2), (nv, d3) = _shape(A1), _shape(A2), _shape(A3)
+    if _shape(X) != (d1, d2):
+        raise ValueError(f"X must have shape [A1 columns, A2 columns] = {(d1, d2)}, got {_shape(X)}")
+    if nv != nk:
+        raise ValueError(f"A3 must have as many rows as A2 (keys): {nk}, got {nv}")
+    if _shape(Y)[0] != d3:
+        raise ValueError(f"Y must have {d3} rows (A3's columns), got shape {_shape(Y)}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if qk_layout is not None:
+        if not isinstance(qk_layout, BlockSparseLayout):
+            raise TypeError(f"qk_layout must be a BlockSparseLayout or None, got {type(qk_layout).__name__}")
+        if qk_layout.num_layouts != 1:
+            raise ValueError(f"qk_layout must hold one mask (the paper's single head), got "
+                             f"{qk_layout.layout_batch} x {qk_layout.layout_heads}")
+        if qk_layout.seqlen != (nq, nk):
+            raise ValueError(f"qk_layout was built for seqlen {qk_layout.seqlen} but A1/A2 have "
+                             f"{(nq, nk)} rows; build it with seqlen=({nq}, {nk})")
+
+    def pick(axis: str, *claims):
+        given = {(who, b) for who, b in claims if b is not None}
+        sizes = {b for _, b in given}
+        if len(sizes) > 1:
+            raise ValueError(f"inconsistent block sizes along the {axis} axis: "
+                             + ", ".join(f"{who}={b}" for who, b in sorted(given))
+                             + "; build the operands with matching block_size")
+        return sizes.pop() if sizes else None
+
+    def blk(t, k):
+        return t.block_size[k] if isinstance(t, BlockSparseMatrix) else None
+
+    qb = qk_layout.block_size if qk_layout is not None else (None, None)
+    bm = pick("query (A1 rows)", ("A1", blk(A1, 0)), ("qk_layout", qb[0]))
+    bn = pick("key (A2 rows)", ("A2", blk(A2, 0)), ("qk_layout", qb[1]))
+    bd1 = pick("A1 column / X row", ("A1", blk(A1, 1)), ("X", blk(X, 0)))
+    bd2 = pick("X column / A2 column", ("X", blk(X, 1)), ("A2", blk(A2, 1)))
+    dv = _shape(Y)[1]
+    blocks = Blocks(
+        m=bm or DEFAULT_BLOCK, n=bn or DEFAULT_BLOCK,
+        d1=bd1 or min(DEFAULT_BLOCK, max(16, next_pow2(d1))),
+        d2=bd2 or min(DEFAULT_BLOCK, max(16, next_pow2(d2))),
+        d3=min(DEFAULT_BLOCK, max(16, next_pow2(d3))), dv=min(DEFAULT_BLOCK, max(16, next_pow2(dv))))
+    if backend == "triton":
+        for name, b in vars(blocks).items():
+            if b < 16 or b & (b - 1):
+                raise ValueError(f"backend='triton' needs block sizes that are powers of two >= 16 "
+                                 f"(tl.dot), got {b} along axis {name!r}; use other block sizes or "
+                                 f"backend='torch'")
+    return blocks, dtypes.pop(), devices.pop()
+
+
+def as_operand(name: str, t, block) -> Operand:
+    if isinstance(t, BlockSparseMatrix):
+        return bsr_operand(name, t)
+    return dense_operand(name, t, block)

@@ -1,0 +1,142 @@
+"""The traffic model predicts exactly the bytes the Triton kernels count (exact integer equality)."""
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention
+from sparse_io_attn.block_sparse.tiles import choose_tiles
+from sparse_io_attn.accounting import IOCounter, traffic
+from sparse_io_attn._triton.runtime import INTERPRET
+from sparse_io_attn.block_sparse.reference import element_mask
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def random_config(rng: random.Random):
+    bq, bk = rng.choice([(16, 16), (32, 32), (16, 32), (32, 16), (64, 64), (128, 64), (48, 32)])
+    Hkv = rng.choice([1, 2])
+    Hq = Hkv * rng.choice([1, 2])
+    B = rng.choice([1, 2])
+    Nq, Nk = rng.randint(20, 160), rng.randint(20, 160)
+    D = rng.choice([16, 24, 48, 64, 80])
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    causal = rng.random() < 0.5
+    lb = B if rng.random() < 0.3 else 1
+    lh = Hq if rng.random() < 0.4 else 1
+    nqb, nkb = -(-Nq // bq), -(-Nk // bk)
+    mask = torch.rand(lb, lh, nqb, nkb, generator=torch.Generator().manual_seed(rng.randrange(2**31))) < rng.random()
+    layout = BlockSparseLayout.from_block_mask(mask, (bq, bk), (Nq, Nk))
+    return layout, B, Hq, Hkv, D, dtype, causal
+
+
+def curated_config(block, seqlen, B, Hq, Hkv, D, dtype, causal, per_head):
+    nqb, nkb = -(-seqlen[0] // block[0]), -(-seqlen[1] // block[1])
+    mask = torch.rand(Hq if per_head else 1, nqb, nkb) < 0.7
+    return BlockSparseLayout.from_block_mask(mask, block, seqlen), B, Hq, Hkv, D, dtype, causal
+
+
+CURATED = [
+    pytest.param(((128, 128), (250, 230), 1, 2, 1, 40, torch.bfloat16, True, True), id="block128-tile64-causal-gqa"),
+    pytest.param(((64, 128), (130, 260), 1, 1, 1, 32, torch.float16, True, False), id="block64x128-causal-rect"),
+]
+
+
+@pytest.mark.parametrize("config", [pytest.param(s, id=f"seed{s}") for s in range(14)] + CURATED)
+def test_counted_equals_predicted(config):
+    if isinstance(config, int):
+        layout, B, Hq, Hkv, D, dtype, causal = random_config(random.Random(config))
+    else:
+        layout, B, Hq, Hkv, D, dtype, causal = curated_config(*config)
+    Nq, Nk = layout.seqlen
+    q = torch.randn(B, Hq, Nq, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Hkv, Nk, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Hkv, Nk, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    with IOCounter() as fwd_io:
+        out = block_sparse_attention(q, k, v, layout, causal=causal, backend="triton")
+    with IOCounter() as bwd_io:
+        out.backward(torch.randn_like(out))
+    args = (layout, B, Hq, Hkv, D, dtype)
+    assert fwd_io.report == traffic.block_sparse_forward(*args, causal=causal), (
+        f"{fwd_io.report}\n{traffic.block_sparse_forward(*args, causal=causal)}")
+    assert bwd_io.report == traffic.block_sparse_backward(*args, causal=causal), (
+        f"{bwd_io.report}\n{traffic.block_sparse_backward(*args, causal=causal)}")
+    total = fwd_io.report + bwd_io.report
+    assert total.total_bytes == traffic.block_sparse(*args, causal=causal).total_bytes
+
+
+def test_dense_forward_closed_form():
+    """Dense, non-causal: every query tile reads all of K and V once."""
+    B, Hq, Hkv, N, D, es = 2, 4, 2, 1000, 64, 2
+    layout = BlockSparseLayout.from_block_mask(torch.ones(16, 16, dtype=torch.bool), 64, N)
+    tiles = choose_tiles((64, 64), D, torch.bfloat16)
+    rep = traffic.block_sparse_forward(layout, B, Hq, Hkv, D, torch.bfloat16)
+    n_tiles = -(-N // tiles.fwd[0])
+    kt = rep.kernels["attn_fwd"]
+    assert kt.reads["k"] == kt.reads["v"] == B * Hq * n_tiles * N * D * es
+    assert kt.reads["q"] == kt.writes["o"] == B * Hq * N * D * es
+    assert kt.writes["lse"] == B * Hq * N * 4
+    assert kt.reads["layout"] == B * Hq * n_tiles * (2 + 16) * 4
+
+
+def test_model_scales_to_long_sequences():
+    """n = 131072 sliding window (band of 2 blocks each side), predicted without running."""
+    n, blk, w = 131072, 64, 2
+    nb = n // blk
+    i = torch.arange(nb)
+    mask = (i[:, None] - i[None, :]).abs() <= w
+    layout = BlockSparseLayout.from_block_mask(mask, blk, n)
+    B, H, D = 1, 16, 128
+    rep = traffic.block_sparse(layout, B, H, H, D, torch.bfloat16)
+    fwd = rep.kernels["attn_fwd"]
+    assert fwd.reads["k"] == B * H * layout.nnz_blocks * blk * D * 2  # each kept block read once
+    dkdv = rep.kernels["attn_bwd_dkdv"]
+    assert dkdv.reads["q"] == B * H * layout.nnz_blocks * blk * D * 2
+    assert rep.kernels["attn_bwd_dq"].reads["v"] == fwd.reads["v"]
+
+
+def test_causal_skips_tiles_above_the_diagonal():
+    N, D = 256, 64
+    layout = BlockSparseLayout.from_block_mask(torch.ones(4, 4, dtype=torch.bool), 64, N)
+    full = traffic.block_sparse_forward(layout, 1, 1, 1, D, torch.float16)
+    causal = traffic.block_sparse_forward(layout, 1, 1, 1, D, torch.float16, causal=True)
+    # 4 query tiles see 1, 2, 3, 4 key tiles instead of 4 each
+    assert causal.kernels["attn_fwd"].reads["k"] * 16 == full.kernels["attn_fwd"].reads["k"] * 10
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 200), st.sampled_from([16, 32, (16, 48), (64, 32)]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_kept_elements_matches_element_mask(Nq, Nk, block, causal, seed):
+    bq, bk = (block, block) if isinstance(block, int) else block
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(2, -(-Nq // bq), -(-Nk // bk), generator=g) < 0.5
+    layout = BlockSparseLayout.from_block_mask(mask, (bq, bk), (Nq, Nk))
+    expect = int(element_mask(layout, 3, 2, Nq, Nk, causal=causal).sum())
+    assert traffic.kept_elements(layout, 3, 2, causal=causal) == expect
+    assert traffic.block_sparse_flops(layout, 3, 2, 64, causal=causal) == 4 * 64 * expect
+    assert traffic.block_sparse_flops(layout, 3, 2, 64, causal=causal, backward=True) == 10 * 64 * expect
+
+
+@pytest.mark.parametrize("block,head_dim,dtype,expect", [
+    pytest.param((128, 128), 64, torch.bfloat16, ((128, 64), (64, 64), (64, 64)), id="b128-d64-bf16"),
+    pytest.param((64, 64), 128, torch.float16, ((64, 64), (64, 64), (64, 64)), id="b64-d128-fp16"),
+    pytest.param((128, 128), 256, torch.bfloat16, ((64, 32), (32, 32), (32, 32)), id="b128-d256-bf16"),
+    pytest.param((128, 128), 128, torch.float32, ((64, 32), (32, 32), (32, 32)), id="b128-d128-fp32"),
+    pytest.param((128, 128), 256, torch.float32, ((32, 32), (32, 32), (32, 32)), id="b128-d256-fp32"),
+    pytest.param((48, 16), 80, torch.bfloat16, ((16, 16), (16, 16), (16, 16)), id="b48x16-d80"),
+])
+def test_choose_tiles(block, head_dim, dtype, expect):
+    t = choose_tiles(block, head_dim, dtype)
+    assert (t.fwd, t.dq, t.dkdv) == expect
+    for bm, bn in (t.fwd, t.dq, t.dkdv):
+        assert block[0] % bm == 0 and block[1] % bn == 0
+
+
+def test_choose_tiles_rejects_small_blocks():
+    with pytest.raises(NotImplementedError, match="power-of-two divisor >= 16"):
+        choose_tiles((24, 64), 64)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        choose_tiles((64, 64), 512)

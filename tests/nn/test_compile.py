@@ -1,0 +1,126 @@
+"""The custom ops under `torch.library.opcheck` and `torch.compile(fullgraph=True)` on CPU."""
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
+from sparse_io_attn.nn import SparseSelfAttention, block_sparse_attention_op
+from sparse_io_attn.nn import ops
+from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
+
+OP_CASES = [
+    pytest.param(dict(B=2, Hq=4, Hkv=2, N=45, D=16, bs=16, causal=True, per_head=False),
+                 id="B2-H4-KV2-N45-D16-causal"),
+    pytest.param(dict(B=1, Hq=2, Hkv=2, N=32, D=8, bs=(16, 8), causal=False, per_head=True),
+                 id="B1-H2-N32-D8-bs16x8-perhead"),
+]
+
+
+def _op_inputs(c):
+    bq, bk = (c["bs"], c["bs"]) if isinstance(c["bs"], int) else c["bs"]
+    nqb, nkb = -(-c["N"] // bq), -(-c["N"] // bk)
+    keep = torch.rand(c["Hq"] if c["per_head"] else 1, nqb, nkb) < 0.6
+    keep[..., 0] = True
+    layout = BlockSparseLayout.from_block_mask(keep, (bq, bk), c["N"])
+    q = torch.randn(c["B"], c["Hq"], c["N"], c["D"], requires_grad=True)
+    k = torch.randn(c["B"], c["Hkv"], c["N"], c["D"], requires_grad=True)
+    v = torch.randn(c["B"], c["Hkv"], c["N"], c["D"], requires_grad=True)
+    return q, k, v, layout
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_opcheck(case):
+    q, k, v, layout = _op_inputs(case)
+    args = (q, k, v, *ops.layout_op_args(layout), case["causal"], case["D"] ** -0.5, "torch")
+    torch.library.opcheck(ops.block_sparse_attn_fwd, args)
+    out, lse = ops.block_sparse_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    do = torch.randn_like(out)
+    torch.library.opcheck(ops.block_sparse_attn_bwd,
+                          (do, q.detach(), k.detach(), v.detach(), out, lse, *args[3:]))
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_op_matches_reference_and_public_function(case):
+    q, k, v, layout = _op_inputs(case)
+    out, lse = block_sparse_attention_op(q, k, v, layout, causal=case["causal"], return_lse=True)
+    do = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    ref = attention_reference(q, k, v, layout, causal=case["causal"], do=do)
+    assert rel_err(out.detach(), ref[0]) < 1e-5
+    finite = torch.isfinite(ref[1])
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert rel_err(lse[finite], ref[1][finite]) < 1e-5
+    for got, want in zip((dq, dk, dv), ref[2:]):
+        assert rel_err(got, want) < 1e-5
+    # the op path and the autograd.Function path run the same backend: identical results
+    out2 = block_sparse_attention(q, k, v, layout, causal=case["causal"], backend="torch")
+    assert torch.equal(out, out2)
+    assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), torch.autograd.grad(out2, (q, k, v), do)))
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, pattern, E=32, H=4, kv=2):
+        super().__init__()
+        self.norm = nn.LayerNorm(E)
+        self.attn = SparseSelfAttention(E, H, pattern, num_kv_heads=kv, causal=True, backend="torch")
+        self.mlp = nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+def _grads(fn, model, x, w):
+    model.zero_grad()
+    x = x.detach().requires_grad_()
+    y = fn(x)
+    (y * w).sum().backward()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_compile_fullgraph_matches_eager():
+    pattern = functools.partial(patterns.strided, block_size=16, stride=32, causal=True)
+    model = TinyBlock(pattern)
+    N = 72
+    model.attn.layout_for(N)  # a new length is built eagerly (data-dependent), then traced
+    x = torch.randn(2, N, 32)
+    w = torch.randn(2, N, 32)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    y_c, gx_c, gp_c = _grads(compiled, model, x, w)
+    y_e, gx_e, gp_e = _grads(model, model, x, w)
+    assert rel_err(y_c, y_e) < 1e-6
+    assert rel_err(gx_c, gx_e) < 1e-5
+    for name in gp_e:
+        if name == "attn.k_proj.bias":  # gradient is 0 up to rounding (softmax shift invariance)
+            continue
+        assert rel_err(gp_c[name], gp_e[name]) < 1e-5, name
+
+    seen = []
+    torch._dynamo.reset()
+    torch.compile(model, backend=_recording(seen), fullgraph=True)(x)
+    assert "sparse_io_attn.block_sparse_attn_fwd.default" in seen
+
+
+def _recording(seen):
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    return backend
+
+
+def test_compile_new_length_needs_eager_layout():
+    """A length whose layout is not cached cannot be built inside a fullgraph trace: the error says
+    what to do; without fullgraph the build runs eagerly (one graph break) and the result is right."""
+    pattern = functools.partial(patterns.sliding_window, block_size=8, window=8, causal=True)
+    model = SparseSelfAttention(16, 2, pattern, causal=True, backend="torch")
+    x = torch.randn(1, 40, 16)
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="layout_for"):
+        torch.compile(model, backend="eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    y = torch.compile(model, backend="eager")(x)
+    assert torch.equal(y, model(x))
