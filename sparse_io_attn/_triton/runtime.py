@@ -1,14 +1,16 @@
-"""Triton kernels. Importing this package prepares Triton for the machine:
+"""The Triton runtime layer: interpreter switch, device check and the one counted launch helper.
 
-On a machine without CUDA, ``TRITON_INTERPRET=1`` is set (unless the user set it) *before* Triton
-is imported, so the same kernels run on CPU tensors through Triton's interpreter (slow; meant for
-tests and traffic counting). Every module that defines ``@triton.jit`` kernels imports this package
-first. This runs on first use of a Triton backend, never at ``import sparse_io_attn``.
+Importing this module prepares Triton for the machine: without CUDA, ``TRITON_INTERPRET=1`` is set
+(unless the user set it) *before* Triton is imported, so the same kernels run on CPU tensors
+through Triton's interpreter (slow; meant for tests and traffic counting). Every module that
+defines ``@triton.jit`` kernels imports this module (or :mod:`.jit`, which does) first. This runs
+on first use of a Triton backend, never at ``import sparse_io_attn``.
 """
 from __future__ import annotations
 
 import os
 import sys
+from typing import Sequence
 
 import torch
 
@@ -16,6 +18,14 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
+import triton.language as tl  # noqa: E402
+
+from sparse_io_attn.accounting.counter import kernel_io  # noqa: E402
+
+_DUMMY_IO: dict = {}   # device -> int64 buffer launched as io_ptr when nothing counts
+_TUNED: dict = {}      # (kernel, key, configs) -> triton.autotune wrapper
 
 
 def check_device(t: torch.Tensor, what: str = "Triton kernels") -> None:
@@ -29,5 +39,50 @@ def check_device(t: torch.Tensor, what: str = "Triton kernels") -> None:
 
 
 def dot_dtype(dtype: torch.dtype):
-    """Operand dtype for ``tl.dot``: the interpreter's bf16 ``tl.dot`` is wrong, so fp32 there."""
-    return torch.float32 if INTERPRET else dtype
+    """The ``DOT_DTYPE`` constexpr of :func:`sparse_io_attn._triton.jit.dot` for inputs of ``dtype``:
+    ``tl.float32`` (exact IEEE products) for fp32 inputs and under the interpreter, whose 16-bit
+    ``tl.dot`` is wrong; the input's own 16-bit type on a GPU."""
+    if INTERPRET or dtype == torch.float32:
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def autotune_enabled() -> bool:
+    """Autotuning runs on CUDA unless ``SPARSE_IO_ATTN_NO_AUTOTUNE=1``."""
+    return not INTERPRET and os.environ.get("SPARSE_IO_ATTN_NO_AUTOTUNE", "0") != "1"
+
+
+def _dummy_io(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _DUMMY_IO:
+        _DUMMY_IO[key] = torch.zeros(2, dtype=torch.int64, device=device)
+    return _DUMMY_IO[key]
+
+
+def tuned(kernel, configs: Sequence, key: Sequence[str]):
+    """``triton.autotune(configs, key)(kernel)``, built once per (kernel, configs, key)."""
+    k = (kernel, tuple(key), tuple(map(str, configs)))
+    if k not in _TUNED:
+        _TUNED[k] = triton.autotune(configs=list(configs), key=[a for a in key if a in kernel.arg_names])(kernel)
+    return _TUNED[k]
+
+
+def launch(kernel, grid, name: str, tensors: Sequence[str], device, *, tune=None, config=None,
+           **kwargs) -> None:
+    """Launch ``kernel[grid](**kwargs)`` with an I/O counter slot (see :mod:`sparse_io_attn.accounting.counter`).
+
+    ``name``/``tensors``: the kernel's name in a :class:`~sparse_io_attn.accounting.TrafficReport`
+    and its tensor names in slot order. When an :class:`~sparse_io_attn.accounting.IOCounter` is
+    active the kernel gets ``COUNT_IO=True`` and a fresh ``io_ptr`` buffer, committed after the
+    launch; otherwise ``COUNT_IO=False`` (the tally is compiled out) and a cached dummy buffer.
+    ``tune``: ``(configs, key)`` to autotune on CUDA (:func:`autotune_enabled`, never while
+    counting); otherwise ``config`` (a dict of launch options such as ``num_warps``) is used.
+    """
+    io = kernel_io(name, tensors, device)
+    kwargs.update(io_ptr=io.buffer if io is not None else _dummy_io(device), COUNT_IO=io is not None)
+    if io is None and tune is not None and autotune_enabled():
+        tuned(kernel, *tune)[grid](**kwargs)
+    else:
+        kernel[grid](**kwargs, **(config or {}))
+    if io is not None:
+        io.commit()

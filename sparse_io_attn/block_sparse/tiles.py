@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_io_attn._triton.shapes import MIN_TILE, padded_dim
 from sparse_io_attn.bounds.units import itemsize
 
-MIN_TILE = 16  # tl.dot needs tiles of at least 16
 MAX_HEAD_DIM = 256
 @dataclass(frozen=True)
 class KernelTiles:
@@ -27,11 +27,12 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def padded_head_dim(head_dim: int) -> int:
-    """``HEAD_DIM`` constexpr: the next power of two (at least 16); lanes past ``head_dim`` are masked."""
+    """``HEAD_DIM`` constexpr (:func:`~sparse_io_attn._triton.shapes.padded_dim`), after checking the
+    kernels' head-dim range."""
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise NotImplementedError(f"backend 'triton' supports head_dim 1..{MAX_HEAD_DIM}, got {head_dim}; "
                                   f"use backend='torch'")
-    return max(MIN_TILE, 1 << (head_dim - 1).bit_length())
+    return padded_dim(head_dim)
 
 
 def choose_tiles(block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> KernelTiles:
