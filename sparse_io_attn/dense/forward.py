@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.dense.launch import check_inputs, dot_dtype, launch, proj, triton_cdiv
+from sparse_io_attn._triton.runtime import dot_dtype, launch
+from sparse_io_attn._triton.shapes import padded_dim
+from sparse_io_attn.dense.launch import check_inputs, proj, triton_cdiv
 from sparse_io_attn.dense.regime import default_M
-from sparse_io_attn.dense.tiling import forward_blocks, head_dim_padded
+from sparse_io_attn.dense.tiling import forward_blocks
 
 
 def forward(A1, A2, A3, X, Y, *, scale: float = 1.0, M: int | None = None):
@@ -38,9 +40,9 @@ def forward(A1, A2, A3, X, Y, *, scale: float = 1.0, M: int | None = None):
     long, short = forward_blocks("fwd.attn", M, d)
     O = torch.empty(Z, n, d, dtype=inp.a1.dtype, device=inp.a1.device)
     lse = torch.empty(Z, n, dtype=torch.float32, device=inp.a1.device)
-    from sparse_io_attn.dense.kernels_fwd import _attn_fwd_kernel
-    launch(_attn_fwd_kernel, (triton_cdiv(n, short), Z), "fwd.attn", ("S", "A2", "h", "O", "lse"),
+    from sparse_io_attn.dense.kernels_fwd import _dense_fwd_kernel
+    launch(_dense_fwd_kernel, (triton_cdiv(n, short), Z), "fwd.attn", ("S", "A2", "h", "O", "lse"),
            inp.a1.device, s_ptr=S, a2_ptr=inp.a2, h_ptr=h, o_ptr=O, lse_ptr=lse,
            seqlen=n, head_dim=d, sm_scale=float(scale),
-           BLOCK_M=short, BLOCK_N=long, HEAD_DIM=head_dim_padded(d), DOT_DTYPE=dot_dtype(inp.a1.dtype))
+           BLOCK_M=short, BLOCK_N=long, HEAD_DIM=padded_dim(d), DOT_DTYPE=dot_dtype(inp.a1.dtype))
     return O.reshape(inp.batch_shape + (n, d)), lse.reshape(inp.batch_shape + (n,))

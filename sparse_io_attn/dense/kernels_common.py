@@ -7,48 +7,31 @@
   block of ``C``; it streams the rows of ``A`` and ``B``.
 * :func:`_delta_kernel`: ``v = (O o dO) 1`` (fp32), FlashAttention-2's preprocessing.
 
-Counting (``COUNT_IO``): each program tallies the elements of every masked load/store (in-range
-lanes only) times the element size and adds them with one ``tl.atomic_add`` per entry at its end;
-``io_ptr`` is ``[tensors, 2]`` int64 (read, write) in the order the launcher names the tensors.
+Counting (``COUNT_IO``): each program tallies the bytes of every masked load/store (in-range
+lanes only, :func:`~sparse_io_attn._triton.jit.nbytes`) and adds them at its end with
+:func:`~sparse_io_attn._triton.jit.io_add`. Counter slots are named by operand role: each kernel's
+role tuple (:data:`MATMUL_ROLES`, :data:`DELTA_ROLES`) is defined once here, and the launcher's tuple
+of real tensor names (e.g. ``("A1", "X", "S")``) maps onto it position by position.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.runtime import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from sparse_io_attn._triton.jit import dot, io_add, nbytes, slot
 
 import triton
 import triton.language as tl
 
+#: Counter roles of the two-operand products ``C = A B`` (:func:`_proj_kernel` with ``b`` = ``W``,
+#: :func:`_atb_kernel`, and :func:`~.kernels_small._tile_matmul_kernel`): ``a``, ``b`` read, ``c`` written.
+MATMUL_ROLES = ("a", "b", "c")
+MATMUL_A = slot(MATMUL_ROLES, "a")
+MATMUL_B = slot(MATMUL_ROLES, "b")
+MATMUL_C = slot(MATMUL_ROLES, "c")
 
-@triton.jit
-def _mm(a, b, DOT_DTYPE: tl.constexpr):
-    """``a @ b`` with an fp32 result, operands cast to ``DOT_DTYPE``. ``tl.float32`` gives exact
-    fp32 products (``input_precision="ieee"``, no tf32): used for fp32 inputs and under the
-    interpreter, whose bf16 ``tl.dot`` is wrong; bf16/fp16 inputs on a GPU use their own dtype."""
-    if DOT_DTYPE == tl.float32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
-
-
-@triton.jit
-def _nbytes(mask, ptr):
-    """Bytes a masked 2-D load/store of ``mask`` through pointer ``ptr`` moves (int64 scalar)."""
-    elem_bytes: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    return tl.sum(tl.sum(mask.to(tl.int64), axis=1), axis=0) * elem_bytes
-
-
-@triton.jit
-def _nbytes1(mask, ptr):
-    """:func:`_nbytes` for a 1-D mask."""
-    elem_bytes: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    return tl.sum(mask.to(tl.int64), axis=0) * elem_bytes
-
-
-@triton.jit
-def _io_add(io_ptr, slot: tl.constexpr, read, written):
-    """Add one program's tally of tensor ``slot`` to the launch's counter (one atomic per entry)."""
-    tl.atomic_add(io_ptr + 2 * slot, read)
-    tl.atomic_add(io_ptr + 2 * slot + 1, written)
+#: Counter roles of :func:`_delta_kernel`: ``o``, ``do`` read, ``v`` written.
+DELTA_ROLES = ("o", "do", "v")
+DELTA_O = slot(DELTA_ROLES, "o")
+DELTA_DO = slot(DELTA_ROLES, "do")
+DELTA_V = slot(DELTA_ROLES, "v")
 
 
 @triton.jit
@@ -61,7 +44,7 @@ def _proj_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 = A (read), 1 = W (read), 2 = C (written)
+    """``C = alpha * A W``; counter roles :data:`MATMUL_ROLES` (``a`` = A, ``b`` = W, ``c`` = C)."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -76,17 +59,17 @@ def _proj_kernel(
         mask_w = (offs_k[:, None] < d_in) & (offs_c[None, :] < d_out)
         w = tl.load(w_ptr + offs_k[:, None] * stride_wk + offs_c[None, :] * stride_wn,
                     mask=mask_w, other=0.0)  # [HEAD_DIM, BLOCK_C]
-        c = _mm(a, w, DOT_DTYPE) * alpha  # [BLOCK_M, BLOCK_C]
+        c = dot(a, w, None, DOT_DTYPE) * alpha  # [BLOCK_M, BLOCK_C]
         mask_c = (offs_m[:, None] < seqlen) & (offs_c[None, :] < d_out)
         tl.store(c_ptr + off_z * stride_cz + offs_m[:, None] * stride_cm + offs_c[None, :] * stride_cn,
                  c.to(c_ptr.dtype.element_ty), mask=mask_c)
         if COUNT_IO:
-            rd_w += _nbytes(mask_w, w_ptr)
-            wr_c += _nbytes(mask_c, c_ptr)
+            rd_w += nbytes(mask_w, w_ptr)
+            wr_c += nbytes(mask_c, c_ptr)
     if COUNT_IO:
-        _io_add(io_ptr, 0, _nbytes(mask_a, a_ptr), 0)
-        _io_add(io_ptr, 1, rd_w, 0)
-        _io_add(io_ptr, 2, 0, wr_c)
+        io_add(io_ptr, MATMUL_A, nbytes(mask_a, a_ptr), 0)
+        io_add(io_ptr, MATMUL_B, rd_w, 0)
+        io_add(io_ptr, MATMUL_C, 0, wr_c)
 
 
 @triton.jit
@@ -99,7 +82,7 @@ def _atb_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 = A (read), 1 = B (read), 2 = C (written, fp32 per batch element)
+    """``C[z] = alpha * A[z]^T B[z]`` (fp32); counter roles :data:`MATMUL_ROLES` (``a`` = A, ``b`` = B, ``c`` = C)."""
     pid_c = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_k = tl.arange(0, HEAD_DIM)
@@ -115,17 +98,17 @@ def _atb_kernel(
                     mask=mask_a, other=0.0)  # [BLOCK_M, HEAD_DIM]
         b = tl.load(b_ptr + off_z * stride_bz + offs_m[:, None] * stride_bm + offs_c[None, :] * stride_bd,
                     mask=mask_b, other=0.0)  # [BLOCK_M, BLOCK_C]
-        acc += _mm(tl.trans(a), b, DOT_DTYPE)  # [HEAD_DIM, BLOCK_C]
+        acc = dot(tl.trans(a), b, acc, DOT_DTYPE)  # [HEAD_DIM, BLOCK_C]
         if COUNT_IO:
-            rd_a += _nbytes(mask_a, a_ptr)
-            rd_b += _nbytes(mask_b, b_ptr)
+            rd_a += nbytes(mask_a, a_ptr)
+            rd_b += nbytes(mask_b, b_ptr)
     mask_o = (offs_k[:, None] < d_a) & (offs_c[None, :] < d_b)
     tl.store(c_ptr + off_z * stride_cz + offs_k[:, None] * stride_ck + offs_c[None, :] * stride_cn,
              (acc * alpha).to(c_ptr.dtype.element_ty), mask=mask_o)
     if COUNT_IO:
-        _io_add(io_ptr, 0, rd_a, 0)
-        _io_add(io_ptr, 1, rd_b, 0)
-        _io_add(io_ptr, 2, 0, _nbytes(mask_o, c_ptr))
+        io_add(io_ptr, MATMUL_A, rd_a, 0)
+        io_add(io_ptr, MATMUL_B, rd_b, 0)
+        io_add(io_ptr, MATMUL_C, 0, nbytes(mask_o, c_ptr))
 
 
 @triton.jit
@@ -136,7 +119,7 @@ def _delta_kernel(
     seqlen, head_dim,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 = O (read), 1 = dO (read), 2 = v (written, fp32 [Z, n])
+    """``v = (O o dO) 1`` (fp32 ``[Z, n]``); counter roles :data:`DELTA_ROLES`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -150,6 +133,6 @@ def _delta_kernel(
     mask_m = offs_m < seqlen
     tl.store(v_ptr + off_z * seqlen + offs_m, v, mask=mask_m)
     if COUNT_IO:
-        _io_add(io_ptr, 0, _nbytes(mask, o_ptr), 0)
-        _io_add(io_ptr, 1, _nbytes(mask, do_ptr), 0)
-        _io_add(io_ptr, 2, 0, _nbytes1(mask_m, v_ptr))
+        io_add(io_ptr, DELTA_O, nbytes(mask, o_ptr), 0)
+        io_add(io_ptr, DELTA_DO, nbytes(mask, do_ptr), 0)
+        io_add(io_ptr, DELTA_V, 0, nbytes(mask_m, v_ptr))

@@ -4,26 +4,33 @@
 :func:`~.kernels_common._proj_kernel`. One program per row block of ``BLOCK_M`` rows: it keeps
 ``S_i`` and the output accumulator, streams the key/value tiles ``A2_j, h_j`` of ``BLOCK_N`` rows,
 and runs the online softmax (natural-log units). Writes ``O`` (output dtype) and
-``lse = m + log(l)`` (fp32 ``[Z, n]``). Operands are contiguous ``[Z, n, d]``.
+``lse = m + log(l)`` (fp32 ``[Z, n]``). Operands are contiguous ``[Z, n, d]``. Counter slots are
+named by the roles :data:`FWD_ROLES` (see :mod:`.kernels_common`).
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.runtime import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from sparse_io_attn._triton.jit import dot, io_add, nbytes, slot
 
 import triton
 import triton.language as tl
 
-from sparse_io_attn.dense.kernels_common import _io_add, _mm, _nbytes, _nbytes1
+#: Counter roles of :func:`_dense_fwd_kernel`: ``s``, ``a2``, ``h`` read; ``o``, ``lse`` written.
+FWD_ROLES = ("s", "a2", "h", "o", "lse")
+FWD_S = slot(FWD_ROLES, "s")
+FWD_A2 = slot(FWD_ROLES, "a2")
+FWD_H = slot(FWD_ROLES, "h")
+FWD_O = slot(FWD_ROLES, "o")
+FWD_LSE = slot(FWD_ROLES, "lse")
 
 
 @triton.jit
-def _attn_fwd_kernel(
+def _dense_fwd_kernel(
     s_ptr, a2_ptr, h_ptr, o_ptr, lse_ptr, io_ptr,
     seqlen, head_dim, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 S, 1 A2, 2 h (read); 3 O, 4 lse (written)
+    """One row block of ``O`` and ``lse``; counter roles :data:`FWD_ROLES`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     base = off_z * seqlen * head_dim
@@ -46,23 +53,23 @@ def _attn_fwd_kernel(
         cols = base + offs_n[:, None] * head_dim + offs_d[None, :]
         a2 = tl.load(a2_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
         h = tl.load(h_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
-        scores = _mm(s, tl.trans(a2), DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        scores = dot(s, tl.trans(a2), None, DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N]
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
         e = tl.exp(scores - m_new[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(e, axis=1)
-        acc = acc * alpha[:, None] + _mm(e, h, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+        acc = dot(e, h, acc * alpha[:, None], DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
         m_i = m_new
         if COUNT_IO:
-            rd_kv += _nbytes(mask_nd, a2_ptr)
-            rd_h += _nbytes(mask_nd, h_ptr)
+            rd_kv += nbytes(mask_nd, a2_ptr)
+            rd_h += nbytes(mask_nd, h_ptr)
     o = acc / l_i[:, None]
     tl.store(o_ptr + rows, o.to(o_ptr.dtype.element_ty), mask=mask_md)
     tl.store(lse_ptr + off_z * seqlen + offs_m, m_i + tl.log(l_i), mask=mask_m)
     if COUNT_IO:
-        _io_add(io_ptr, 0, _nbytes(mask_md, s_ptr), 0)
-        _io_add(io_ptr, 1, rd_kv, 0)
-        _io_add(io_ptr, 2, rd_h, 0)
-        _io_add(io_ptr, 3, 0, _nbytes(mask_md, o_ptr))
-        _io_add(io_ptr, 4, 0, _nbytes1(mask_m, lse_ptr))
+        io_add(io_ptr, FWD_S, nbytes(mask_md, s_ptr), 0)
+        io_add(io_ptr, FWD_A2, rd_kv, 0)
+        io_add(io_ptr, FWD_H, rd_h, 0)
+        io_add(io_ptr, FWD_O, 0, nbytes(mask_md, o_ptr))
+        io_add(io_ptr, FWD_LSE, 0, nbytes(mask_m, lse_ptr))

@@ -13,15 +13,41 @@ fp32 ``[Z, n]``; ``f = exp(scale * S A2^T - lse)`` is recomputed tile by tile an
   Without ``FAITHFUL`` it is FlashAttention-2's dQ loop: ``v`` comes precomputed, no ``g``.
 * :func:`_col_kernel` (keys outer, rows inner; FlashAttention-2's dK/dV loop): a program keeps
   ``A2_j, h_j`` and accumulates ``dA2_j = scale * p_{:,j}^T S`` and ``dh_j = f_{:,j}^T dO``.
+
+Counter slots are named by operand role (:data:`ROW_ROLES`, :data:`COL_ROLES`); the launcher's
+tensor names map onto them by position.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.runtime import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from sparse_io_attn._triton.jit import dot, io_add, nbytes, slot
 
 import triton
 import triton.language as tl
 
-from sparse_io_attn.dense.kernels_common import _io_add, _mm, _nbytes, _nbytes1
+#: Counter roles of :func:`_row_kernel`: ``s, a2, h, do, lse`` read; ``ov`` = ``O`` (``FAITHFUL``) or
+#: ``v`` read; ``ds`` written; ``a1`` read and ``g`` (the ``dX`` partials) written with ``FAITHFUL``
+#: only (the non-faithful launch names the first seven).
+ROW_ROLES = ("s", "a2", "h", "do", "lse", "ov", "ds", "a1", "g")
+ROW_S = slot(ROW_ROLES, "s")
+ROW_A2 = slot(ROW_ROLES, "a2")
+ROW_H = slot(ROW_ROLES, "h")
+ROW_DO = slot(ROW_ROLES, "do")
+ROW_LSE = slot(ROW_ROLES, "lse")
+ROW_OV = slot(ROW_ROLES, "ov")
+ROW_DS = slot(ROW_ROLES, "ds")
+ROW_A1 = slot(ROW_ROLES, "a1")
+ROW_G = slot(ROW_ROLES, "g")
+
+#: Counter roles of :func:`_col_kernel`: ``s, a2, h, do, lse, v`` read; ``da2``, ``dh`` written.
+COL_ROLES = ("s", "a2", "h", "do", "lse", "v", "da2", "dh")
+COL_S = slot(COL_ROLES, "s")
+COL_A2 = slot(COL_ROLES, "a2")
+COL_H = slot(COL_ROLES, "h")
+COL_DO = slot(COL_ROLES, "do")
+COL_LSE = slot(COL_ROLES, "lse")
+COL_V = slot(COL_ROLES, "v")
+COL_DA2 = slot(COL_ROLES, "da2")
+COL_DH = slot(COL_ROLES, "dh")
 
 
 @triton.jit
@@ -31,7 +57,8 @@ def _row_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, FAITHFUL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 S, 1 A2, 2 h, 3 dO, 4 lse, 5 O (FAITHFUL) or v, 6 dS, 7 A1 and 8 dX (FAITHFUL only)
+    """Rows outer, keys inner (Algorithm 8 with ``FAITHFUL``, else the dQ loop); counter roles
+    :data:`ROW_ROLES`."""
     pid_s = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     base = off_z * seqlen * head_dim
@@ -70,46 +97,46 @@ def _row_kernel(
             mask_nd = mask_n[:, None] & mask_d[None, :]
             cols = base + offs_n[:, None] * head_dim + offs_d[None, :]
             h = tl.load(h_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
-            q = _mm(do, tl.trans(h), DOT_DTYPE)  # [BLOCK_M, BLOCK_N], line 12
+            q = dot(do, tl.trans(h), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N], line 12
             a2 = tl.load(a2_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
-            scores = _mm(s, tl.trans(a2), DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N], line 14
+            scores = dot(s, tl.trans(a2), None, DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N], line 14
             f = tl.exp(scores - lse[:, None])  # lines 15-16
             f = tl.where(mask_m[:, None] & mask_n[None, :], f, 0.0)
             p = f * (q - v[:, None])  # [BLOCK_M, BLOCK_N], line 18
-            ds += _mm(p, a2, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+            ds = dot(p, a2, ds, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
             if FAITHFUL:
-                t = _mm(tl.trans(a1), p, DOT_DTYPE)  # [HEAD_DIM, BLOCK_N], line 20
-                g += _mm(t, a2, DOT_DTYPE)  # [HEAD_DIM, HEAD_DIM], line 21
+                t = dot(tl.trans(a1), p, None, DOT_DTYPE)  # [HEAD_DIM, BLOCK_N], line 20
+                g = dot(t, a2, g, DOT_DTYPE)  # [HEAD_DIM, HEAD_DIM], line 21
             if COUNT_IO:
-                rd_h += _nbytes(mask_nd, h_ptr)
-                rd_a2 += _nbytes(mask_nd, a2_ptr)
+                rd_h += nbytes(mask_nd, h_ptr)
+                rd_a2 += nbytes(mask_nd, a2_ptr)
         tl.store(ds_ptr + rows, ds.to(ds_ptr.dtype.element_ty), mask=mask_md)
         if COUNT_IO:
-            rd_do += _nbytes(mask_md, do_ptr)
-            rd_s += _nbytes(mask_md, s_ptr)
-            rd_l += _nbytes1(mask_m, lse_ptr)
-            wr_ds += _nbytes(mask_md, ds_ptr)
+            rd_do += nbytes(mask_md, do_ptr)
+            rd_s += nbytes(mask_md, s_ptr)
+            rd_l += nbytes(mask_m, lse_ptr)
+            wr_ds += nbytes(mask_md, ds_ptr)
             if FAITHFUL:
-                rd_ov += _nbytes(mask_md, ov_ptr)
-                rd_a1 += _nbytes(mask_md, a1_ptr)
+                rd_ov += nbytes(mask_md, ov_ptr)
+                rd_a1 += nbytes(mask_md, a1_ptr)
             else:
-                rd_ov += _nbytes1(mask_m, ov_ptr)
+                rd_ov += nbytes(mask_m, ov_ptr)
     if FAITHFUL:  # line 26: write g (one partial per program)
         mask_g = mask_d[:, None] & mask_d[None, :]
         g_ptrs = g_ptr + (off_z * num_splits + pid_s) * head_dim * head_dim \
             + offs_d[:, None] * head_dim + offs_d[None, :]
         tl.store(g_ptrs, g * sm_scale, mask=mask_g)
     if COUNT_IO:
-        _io_add(io_ptr, 0, rd_s, 0)
-        _io_add(io_ptr, 1, rd_a2, 0)
-        _io_add(io_ptr, 2, rd_h, 0)
-        _io_add(io_ptr, 3, rd_do, 0)
-        _io_add(io_ptr, 4, rd_l, 0)
-        _io_add(io_ptr, 5, rd_ov, 0)
-        _io_add(io_ptr, 6, 0, wr_ds)
+        io_add(io_ptr, ROW_S, rd_s, 0)
+        io_add(io_ptr, ROW_A2, rd_a2, 0)
+        io_add(io_ptr, ROW_H, rd_h, 0)
+        io_add(io_ptr, ROW_DO, rd_do, 0)
+        io_add(io_ptr, ROW_LSE, rd_l, 0)
+        io_add(io_ptr, ROW_OV, rd_ov, 0)
+        io_add(io_ptr, ROW_DS, 0, wr_ds)
         if FAITHFUL:
-            _io_add(io_ptr, 7, rd_a1, 0)
-            _io_add(io_ptr, 8, 0, _nbytes(mask_g, g_ptr))
+            io_add(io_ptr, ROW_A1, rd_a1, 0)
+            io_add(io_ptr, ROW_G, 0, nbytes(mask_g, g_ptr))
 
 
 @triton.jit
@@ -119,7 +146,7 @@ def _col_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 S, 1 A2, 2 h, 3 dO, 4 lse, 5 v (read); 6 dA2, 7 dh (written)
+    """Keys outer, rows inner (the dK/dV loop); counter roles :data:`COL_ROLES`."""
     pid_n = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     base = off_z * seqlen * head_dim
@@ -146,25 +173,25 @@ def _col_kernel(
         do = tl.load(do_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
         lse = tl.load(lse_ptr + off_z * seqlen + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
         v = tl.load(v_ptr + off_z * seqlen + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
-        scores = _mm(s, tl.trans(a2), DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N]
+        scores = dot(s, tl.trans(a2), None, DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N]
         f = tl.where(mask_m[:, None] & mask_n[None, :], tl.exp(scores - lse[:, None]), 0.0)
-        q = _mm(do, tl.trans(h), DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
+        q = dot(do, tl.trans(h), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
         p = f * (q - v[:, None])  # [BLOCK_M, BLOCK_N]
-        dh += _mm(tl.trans(f), do, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-        da2 += _mm(tl.trans(p), s, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+        dh = dot(tl.trans(f), do, dh, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+        da2 = dot(tl.trans(p), s, da2, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
         if COUNT_IO:
-            rd_s += _nbytes(mask_md, s_ptr)
-            rd_do += _nbytes(mask_md, do_ptr)
-            rd_l += _nbytes1(mask_m, lse_ptr)
-            rd_v += _nbytes1(mask_m, v_ptr)
+            rd_s += nbytes(mask_md, s_ptr)
+            rd_do += nbytes(mask_md, do_ptr)
+            rd_l += nbytes(mask_m, lse_ptr)
+            rd_v += nbytes(mask_m, v_ptr)
     tl.store(da2_ptr + cols, (da2 * sm_scale).to(da2_ptr.dtype.element_ty), mask=mask_nd)
     tl.store(dh_ptr + cols, dh.to(dh_ptr.dtype.element_ty), mask=mask_nd)
     if COUNT_IO:
-        _io_add(io_ptr, 0, rd_s, 0)
-        _io_add(io_ptr, 1, _nbytes(mask_nd, a2_ptr), 0)
-        _io_add(io_ptr, 2, _nbytes(mask_nd, h_ptr), 0)
-        _io_add(io_ptr, 3, rd_do, 0)
-        _io_add(io_ptr, 4, rd_l, 0)
-        _io_add(io_ptr, 5, rd_v, 0)
-        _io_add(io_ptr, 6, 0, _nbytes(mask_nd, da2_ptr))
-        _io_add(io_ptr, 7, 0, _nbytes(mask_nd, dh_ptr))
+        io_add(io_ptr, COL_S, rd_s, 0)
+        io_add(io_ptr, COL_A2, nbytes(mask_nd, a2_ptr), 0)
+        io_add(io_ptr, COL_H, nbytes(mask_nd, h_ptr), 0)
+        io_add(io_ptr, COL_DO, rd_do, 0)
+        io_add(io_ptr, COL_LSE, rd_l, 0)
+        io_add(io_ptr, COL_V, rd_v, 0)
+        io_add(io_ptr, COL_DA2, 0, nbytes(mask_nd, da2_ptr))
+        io_add(io_ptr, COL_DH, 0, nbytes(mask_nd, dh_ptr))

@@ -13,15 +13,30 @@ most three tiles and two length-``BLOCK`` vectors (see :mod:`.tiling`).
   the maximum overflows).
 * :func:`_phase3_kernel`: Algorithm 4, ``p = f o q - diag((f o q) 1) f`` in two sweeps over a row
   block (the row sums ``v_i`` first, then ``p``).
+
+Counter slots are named by operand role (:data:`~.kernels_common.MATMUL_ROLES`,
+:data:`SOFTMAX_ROLES`, :data:`PHASE3_ROLES`); the launcher's tensor names map onto them by position.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.runtime import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from sparse_io_attn._triton.jit import dot, io_add, nbytes, slot
 
 import triton
 import triton.language as tl
 
-from sparse_io_attn.dense.kernels_common import _io_add, _mm, _nbytes
+from sparse_io_attn.dense.kernels_common import MATMUL_A, MATMUL_B, MATMUL_C
+
+#: Counter roles of :func:`_softmax_kernel`: ``s``, ``a2`` read; ``f`` written twice and read once.
+SOFTMAX_ROLES = ("s", "a2", "f")
+SOFTMAX_S = slot(SOFTMAX_ROLES, "s")
+SOFTMAX_A2 = slot(SOFTMAX_ROLES, "a2")
+SOFTMAX_F = slot(SOFTMAX_ROLES, "f")
+
+#: Counter roles of :func:`_phase3_kernel`: ``f``, ``q`` read twice; ``p`` written.
+PHASE3_ROLES = ("f", "q", "p")
+PHASE3_F = slot(PHASE3_ROLES, "f")
+PHASE3_Q = slot(PHASE3_ROLES, "q")
+PHASE3_P = slot(PHASE3_ROLES, "p")
 
 
 @triton.jit
@@ -34,7 +49,8 @@ def _tile_matmul_kernel(
     BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr,
     COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 = A (read), 1 = B (read), 2 = C (written)
+    """``C = alpha * A B`` on ``BLOCK x BLOCK`` tiles; counter roles
+    :data:`~.kernels_common.MATMUL_ROLES` (``a`` = A, ``b`` = B, ``c`` = C)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     off_z = tl.program_id(2).to(tl.int64)
@@ -54,17 +70,17 @@ def _tile_matmul_kernel(
                     mask=mask_a, other=0.0)  # [BLOCK, BLOCK]
         b = tl.load(b_ptr + off_z * stride_bz + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
                     mask=mask_b, other=0.0)  # [BLOCK, BLOCK]
-        acc += _mm(a, b, DOT_DTYPE)  # [BLOCK, BLOCK]
+        acc = dot(a, b, acc, DOT_DTYPE)  # [BLOCK, BLOCK]
         if COUNT_IO:
-            rd_a += _nbytes(mask_a, a_ptr)
-            rd_b += _nbytes(mask_b, b_ptr)
+            rd_a += nbytes(mask_a, a_ptr)
+            rd_b += nbytes(mask_b, b_ptr)
     mask_c = mask_m[:, None] & mask_n[None, :]
     tl.store(c_ptr + off_z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
              (acc * alpha).to(c_ptr.dtype.element_ty), mask=mask_c)
     if COUNT_IO:
-        _io_add(io_ptr, 0, rd_a, 0)
-        _io_add(io_ptr, 1, rd_b, 0)
-        _io_add(io_ptr, 2, 0, _nbytes(mask_c, c_ptr))
+        io_add(io_ptr, MATMUL_A, rd_a, 0)
+        io_add(io_ptr, MATMUL_B, rd_b, 0)
+        io_add(io_ptr, MATMUL_C, 0, nbytes(mask_c, c_ptr))
 
 
 @triton.jit
@@ -76,7 +92,7 @@ def _softmax_kernel(
     seqlen, head_dim, sm_scale,
     BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 = S (read), 1 = A2 (read), 2 = f (written twice, read once)
+    """Phase 1: ``f = softmax(scale * S A2^T)`` for one row block; counter roles :data:`SOFTMAX_ROLES`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -104,10 +120,10 @@ def _softmax_kernel(
                         mask=mask_s, other=0.0)  # [BLOCK, BLOCK] tile S[i, k]
             kt = tl.load(k_base + offs_n[None, :] * stride_kn + offs_k[:, None] * stride_kd,
                          mask=mask_a2, other=0.0)  # [BLOCK, BLOCK] tile (A2^T)[k, j]
-            acc += _mm(s, kt, DOT_DTYPE)
+            acc = dot(s, kt, acc, DOT_DTYPE)  # [BLOCK, BLOCK]
             if COUNT_IO:
-                rd_s += _nbytes(mask_s, s_ptr)
-                rd_k += _nbytes(mask_a2, a2_ptr)
+                rd_s += nbytes(mask_s, s_ptr)
+                rd_k += nbytes(mask_a2, a2_ptr)
         scores = tl.where(mask_n[None, :], acc * sm_scale, float("-inf"))  # [BLOCK, BLOCK]
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -117,7 +133,7 @@ def _softmax_kernel(
         tl.store(f_base + offs_m[:, None] * stride_fm + offs_n[None, :] * stride_fn,
                  scores.to(f_ptr.dtype.element_ty), mask=mask_f)
         if COUNT_IO:
-            wr_f += _nbytes(mask_f, f_ptr)
+            wr_f += nbytes(mask_f, f_ptr)
     # lines 28-33: f[i, j] = diag(l_i)^-1 exp(A[i, j] - m_i)
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
@@ -129,12 +145,12 @@ def _softmax_kernel(
         f = tl.exp(scores - m_safe[:, None]) * inv_l[:, None]
         tl.store(ptrs, f.to(f_ptr.dtype.element_ty), mask=mask_f)
         if COUNT_IO:
-            rd_f += _nbytes(mask_f, f_ptr)
-            wr_f += _nbytes(mask_f, f_ptr)
+            rd_f += nbytes(mask_f, f_ptr)
+            wr_f += nbytes(mask_f, f_ptr)
     if COUNT_IO:
-        _io_add(io_ptr, 0, rd_s, 0)
-        _io_add(io_ptr, 1, rd_k, 0)
-        _io_add(io_ptr, 2, rd_f, wr_f)
+        io_add(io_ptr, SOFTMAX_S, rd_s, 0)
+        io_add(io_ptr, SOFTMAX_A2, rd_k, 0)
+        io_add(io_ptr, SOFTMAX_F, rd_f, wr_f)
 
 
 @triton.jit
@@ -144,7 +160,8 @@ def _phase3_kernel(
     seqlen,
     BLOCK: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    # tensors: 0 = f (read twice), 1 = q (read twice), 2 = p (written); f, q, p share strides
+    """Phase 3: ``p = f o q - diag((f o q) 1) f`` for one row block (``f, q, p`` share strides);
+    counter roles :data:`PHASE3_ROLES`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -162,8 +179,8 @@ def _phase3_kernel(
         q = tl.load(q_ptr + base + offs_n[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
         v += tl.sum(f * q, axis=1)  # [BLOCK]
         if COUNT_IO:
-            rd_f += _nbytes(mask, f_ptr)
-            rd_q += _nbytes(mask, q_ptr)
+            rd_f += nbytes(mask, f_ptr)
+            rd_q += nbytes(mask, q_ptr)
     # lines 10-16: p[i, j] = f o q - diag(v_i) f
     for n0 in range(0, seqlen, BLOCK):
         offs_n = n0 + tl.arange(0, BLOCK)
@@ -173,10 +190,10 @@ def _phase3_kernel(
         p = f * q - v[:, None] * f  # [BLOCK, BLOCK]
         tl.store(p_ptr + base + offs_n[None, :] * stride_n, p.to(p_ptr.dtype.element_ty), mask=mask)
         if COUNT_IO:
-            rd_f += _nbytes(mask, f_ptr)
-            rd_q += _nbytes(mask, q_ptr)
-            wr += _nbytes(mask, p_ptr)
+            rd_f += nbytes(mask, f_ptr)
+            rd_q += nbytes(mask, q_ptr)
+            wr += nbytes(mask, p_ptr)
     if COUNT_IO:
-        _io_add(io_ptr, 0, rd_f, 0)
-        _io_add(io_ptr, 1, rd_q, 0)
-        _io_add(io_ptr, 2, 0, wr)
+        io_add(io_ptr, PHASE3_F, rd_f, 0)
+        io_add(io_ptr, PHASE3_Q, rd_q, 0)
+        io_add(io_ptr, PHASE3_P, 0, wr)

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.dense.launch import (DenseGrads, atb, check_inputs, check_like, delta, dot_dtype, finish, launch, proj,
-                      triton_cdiv)
-from sparse_io_attn.dense.tiling import head_dim_padded, large_cache_blocks
+from sparse_io_attn._triton.runtime import dot_dtype, launch
+from sparse_io_attn._triton.shapes import padded_dim
+from sparse_io_attn.dense.launch import DenseGrads, atb, check_inputs, check_like, delta, finish, proj, triton_cdiv
+from sparse_io_attn.dense.tiling import large_cache_blocks
 
 VARIANTS = ("faithful", "fa2")
 
@@ -58,7 +59,7 @@ def backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, *, M: int, scale: float =
     Z, n, d = inp.a1.shape
     a1, a2, a3 = inp.a1, inp.a2, inp.a3
     dev = a1.device
-    D = head_dim_padded(d)
+    D = padded_dim(d)
     dt = dot_dtype(a1.dtype)
 
     # Algorithm 7: S = A1 X, h = A3 Y

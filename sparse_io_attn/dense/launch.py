@@ -1,5 +1,7 @@
-"""Host-side helpers shared by the dense launchers: input checks, the counted launch, and the
-launchers of the shared kernels (projection ``A W``, ``A^T B``, ``v = (O o dO) 1``).
+"""Host-side helpers shared by the dense launchers: input checks and the launchers of the shared
+kernels (projection ``A W``, ``A^T B``, ``v = (O o dO) 1``). Every kernel is launched through
+:func:`sparse_io_attn._triton.runtime.launch`; the tensor-name tuple it gets maps position by position
+onto the kernel's counter roles (e.g. :data:`~.kernels_common.MATMUL_ROLES`).
 
 Storage convention: inputs and their gradients (``A1, A2, A3, X, Y, dO, O, dA*``) keep the input
 dtype; every intermediate (``S, h, f, q, p, T, dS, dh``), ``lse``/``v`` and the per-batch-element
@@ -9,19 +11,14 @@ counted) and cast to the input dtype.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
-from sparse_io_attn.accounting.counter import kernel_io
-from sparse_io_attn._triton.runtime import INTERPRET, check_device
-from sparse_io_attn.dense.tiling import head_dim_padded
+from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
+from sparse_io_attn._triton.shapes import padded_dim
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-#: Host-memory budget used for the small-cache kernels' ``n x n`` buffers when ``/proc/meminfo``
-#: cannot be read (bytes).
-CPU_MEMORY_CAP_BYTES = 16 * 1024 ** 3
 
 
 class DenseGrads(NamedTuple):
@@ -44,14 +41,6 @@ class DenseInputs(NamedTuple):
     batch_shape: tuple
     n: int
     d: int
-
-
-def dot_dtype(dtype: torch.dtype):
-    """``tl.dot`` operand dtype: exact fp32 for fp32 inputs and under the interpreter."""
-    import triton.language as tl
-    if INTERPRET or dtype == torch.float32:
-        return tl.float32
-    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
 def check_inputs(A1, A2, A3, X, Y) -> DenseInputs:
@@ -101,22 +90,6 @@ def check_like(name: str, t, inp: DenseInputs, *, dtype=None, shape=None) -> tor
     return t.reshape(Z, *shape[len(inp.batch_shape):]).contiguous()
 
 
-_DUMMY: dict = {}
-
-
-def launch(kernel, grid, name: str, tensors: Sequence[str], device, **kwargs) -> None:
-    """Launch ``kernel[grid](**kwargs)`` with a counter slot named ``name`` (see accounting.counter)."""
-    io = kernel_io(name, tensors, device)
-    if io is None:
-        key = str(device)
-        if key not in _DUMMY:
-            _DUMMY[key] = torch.zeros(2, dtype=torch.int64, device=device)
-        kernel[grid](io_ptr=_DUMMY[key], COUNT_IO=False, **kwargs)
-    else:
-        kernel[grid](io_ptr=io.buffer, COUNT_IO=True, **kwargs)
-        io.commit()
-
-
 def proj(name: str, tensors, a: torch.Tensor, w: torch.Tensor, *, block_m: int, block_c: int,
          out_dtype=torch.float32, alpha: float = 1.0) -> torch.Tensor:
     """``alpha * a @ w`` for ``a [Z, n, d_in]`` and ``w [d_in, d_out]`` (any strides); Algorithm 7's
@@ -131,7 +104,7 @@ def proj(name: str, tensors, a: torch.Tensor, w: torch.Tensor, *, block_m: int, 
            stride_wk=w.stride(0), stride_wn=w.stride(1),
            stride_cz=c.stride(0), stride_cm=c.stride(1), stride_cn=c.stride(2),
            seqlen=n, d_in=d_in, d_out=d_out, alpha=float(alpha),
-           BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=head_dim_padded(max(d_in, 1)),
+           BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=padded_dim(d_in),
            DOT_DTYPE=dot_dtype(a.dtype))
     return c
 
@@ -150,7 +123,7 @@ def atb(name: str, tensors, a: torch.Tensor, b: torch.Tensor, *, block_m: int, b
            stride_bz=b.stride(0), stride_bm=b.stride(1), stride_bd=b.stride(2),
            stride_cz=c.stride(0), stride_ck=c.stride(1), stride_cn=c.stride(2),
            seqlen=n, d_a=d_a, d_b=d_b, alpha=float(alpha),
-           BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=head_dim_padded(d_a),
+           BLOCK_M=block_m, BLOCK_C=block_c, HEAD_DIM=padded_dim(d_a),
            DOT_DTYPE=dot_dtype(a.dtype))
     return c
 
@@ -164,27 +137,12 @@ def delta(name: str, o: torch.Tensor, do: torch.Tensor, *, block_m: int) -> torc
            o_ptr=o, do_ptr=do, v_ptr=v,
            stride_oz=o.stride(0), stride_om=o.stride(1), stride_od=o.stride(2),
            stride_dz=do.stride(0), stride_dm=do.stride(1), stride_dd=do.stride(2),
-           seqlen=n, head_dim=d, BLOCK_M=block_m, HEAD_DIM=head_dim_padded(d))
+           seqlen=n, head_dim=d, BLOCK_M=block_m, HEAD_DIM=padded_dim(d))
     return v
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def available_memory_bytes(device: torch.device) -> tuple[int, str]:
-    """Free memory on ``device`` and where the figure comes from."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free), "torch.cuda.mem_get_info"
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "/proc/meminfo MemAvailable"
-    except OSError:
-        pass
-    return CPU_MEMORY_CAP_BYTES, "CPU_MEMORY_CAP_BYTES"
 
 
 def finish(inp: DenseInputs, dX, dY, dA1, dA2, dA3) -> DenseGrads:

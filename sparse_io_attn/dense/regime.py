@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.dense.tiling import min_large_cache_M
 
 REGIMES = ("auto", "small", "large")
@@ -24,7 +25,7 @@ def default_M(dtype: torch.dtype, device=None) -> int:
     else:
         words = None
     if words is None:
-        words = DEFAULT_CPU_FAST_MEMORY_BYTES // torch.tensor([], dtype=dtype).element_size()
+        words = DEFAULT_CPU_FAST_MEMORY_BYTES // itemsize(dtype)
     return int(words)
 
 

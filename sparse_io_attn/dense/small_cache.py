@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.dense.launch import (DenseGrads, available_memory_bytes, check_inputs, check_like, dot_dtype, finish,
-                      launch, triton_cdiv)
+from sparse_io_attn._triton.runtime import dot_dtype, launch
+from sparse_io_attn.bounds.devices import available_memory_bytes
+from sparse_io_attn.dense.launch import DenseGrads, check_inputs, check_like, finish, triton_cdiv
 from sparse_io_attn.dense.tiling import small_cache_block
 
 #: Kernels of the small-cache backward that lie on the paper's ``dX`` path (Algorithm 6).
 G_PATH = ("small.phase1.S", "small.phase1.f", "small.phase2.h", "small.phase2.q", "small.phase3.p",
           "small.phase4.T", "small.phase4.g")
+
+#: Host-memory budget for the ``n x n`` buffers when the free memory cannot be read (bytes).
+CPU_MEMORY_CAP_BYTES = 16 * 1024 ** 3
 
 
 def nn_buffer_bytes(n: int, d: int, batch: int = 1) -> int:
@@ -73,6 +77,8 @@ def backward_small_cache(A1, A2, A3, X, Y, dO, *, M: int, scale: float = 1.0) ->
     Z, n, d = inp.a1.shape
     need = nn_buffer_bytes(n, d, Z)
     free, source = available_memory_bytes(inp.a1.device)
+    if free is None:
+        free, source = CPU_MEMORY_CAP_BYTES, "CPU_MEMORY_CAP_BYTES"
     if need > free:
         raise ValueError(f"the small-cache backward materializes f, q, p (n x n, fp32) and T: "
                          f"{need:,} bytes for n = {n}, d = {d}, batch = {Z}, but only {free:,} bytes are "

@@ -2,8 +2,9 @@
 kernel's per-program working set in words.
 
 Words are elements of the input dtype (fp32 accumulators and the fp32 ``lse``/``v`` vectors count one
-word each). ``HEAD_DIM`` = the head dimension ``d`` rounded up to a power of two (at least 16, the
-smallest ``tl.dot`` operand); tiles are held at that padded width, so the working sets count it.
+word each). ``HEAD_DIM`` = the head dimension ``d`` rounded up to a power of two, at least 16, the
+smallest ``tl.dot`` operand (:func:`~sparse_io_attn._triton.shapes.padded_dim`); tiles are held at
+that padded width, so the working sets count it.
 
 Small cache (Algorithm 6, Appendix C): square ``B x B`` tiles, ``B`` = the largest power of two
 ``<= sqrt(M/4)``; every small-cache kernel holds at most ``3B^2 + 2B <= 4B^2 <= M`` words.
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import math
 
+from sparse_io_attn._triton.shapes import MIN_TILE, padded_dim
+
 #: ``tl.dot`` needs every tile side >= 16.
-MIN_BLOCK = 16
+MIN_BLOCK = MIN_TILE
 
 #: The large-cache kernels and their tile roles: ``(long side, short side)`` are the paper's
 #: ``(B_c, B_r)``; which loop dimension each one tiles is documented per kernel.
@@ -32,11 +35,6 @@ SMALL_KERNELS = ("small.matmul", "small.softmax", "small.phase3")
 def pow2_floor(x: float) -> int:
     """Largest power of two ``<= x`` (``x >= 1``)."""
     return 1 << int(math.floor(math.log2(x))) if x >= 1 else 0
-
-
-def head_dim_padded(d: int) -> int:
-    """``HEAD_DIM``: ``d`` rounded up to a power of two, at least :data:`MIN_BLOCK`."""
-    return max(MIN_BLOCK, 1 << (int(d) - 1).bit_length())
 
 
 def working_set_words(kernel: str, d: int, *, B: int | None = None, long: int | None = None,
@@ -64,7 +62,7 @@ def working_set_words(kernel: str, d: int, *, B: int | None = None, long: int | 
       ``short x D`` and ``short x min(long, D)``.
     * ``large.delta``: ``O_i, dO_i`` (``short x D``) and ``v_i``.
     """
-    D = head_dim_padded(d)
+    D = padded_dim(d)
     if kernel in SMALL_KERNELS:
         if B is None:
             raise TypeError(f"working_set_words({kernel!r}) needs B")
@@ -108,7 +106,7 @@ def large_cache_blocks(kernel: str, M: int, d: int, *, min_block: int = MIN_BLOC
     FlashAttention-style schedule to small ``M`` for comparison.
     """
     M = _check_M(M)
-    D = head_dim_padded(d)
+    D = padded_dim(d)
     long = pow2_floor(M / (4 * d)) if M >= 4 * d else 0
     short = min(long, max(pow2_floor(d), min_block)) if long else 0  # B_r <= d, but >= the tl.dot minimum
     if kernel in ("large.phase1", "large.atb"):

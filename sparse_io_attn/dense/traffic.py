@@ -2,7 +2,7 @@
 kernel and tensor names, launch counts and byte counts as the counted kernels (tests compare with
 ``==``), for any ``n, d, M`` -- so it reaches sizes the interpreter cannot.
 
-Conventions (see :mod:`._launch`): inputs, ``O`` and the ``dA*`` gradients have the input dtype's
+Conventions (see :mod:`.launch`): inputs, ``O`` and the ``dA*`` gradients have the input dtype's
 size ``I``; intermediates, ``lse``, ``v`` and the ``d x d`` partials are fp32 (4 bytes). ``Z`` is the
 batch (product of leading dims). A tile re-read counts again; masked-off lanes do not count.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.dense.large_cache import G_PATH as LARGE_G_PATH
 from sparse_io_attn.dense.large_cache import VARIANTS
 from sparse_io_attn.dense.small_cache import G_PATH as SMALL_G_PATH
@@ -40,10 +41,6 @@ F32 = 4
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _itemsize(dtype) -> int:
-    return torch.tensor([], dtype=dtype).element_size()
 
 
 class _Model:
@@ -73,7 +70,7 @@ class _Model:
 
 def forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32) -> TrafficReport:
     """Predicted traffic of :func:`~sparse_io_attn.dense.forward`."""
-    I = _itemsize(dtype)
+    I = itemsize(dtype)
     m = _Model(batch)
     _forward(m, n, d, M, I)
     return m.report
@@ -92,7 +89,7 @@ def small_cache_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.f
                         g_only: bool = False) -> TrafficReport:
     """Predicted traffic of :func:`~sparse_io_attn.dense.backward_small_cache`; ``g_only`` keeps the
     kernels of the paper's Algorithm 6 (the ``dX`` path, :data:`.small_cache.G_PATH`)."""
-    I = _itemsize(dtype)
+    I = itemsize(dtype)
     B = small_cache_block(M)
     m = _Model(batch)
     m.tile_mm("small.phase1.S", ("A1", "X", "S"), n, d, d, B, (I, I, F32))
@@ -120,7 +117,7 @@ def large_cache_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.f
     schedule to tiles the kernels cannot run (``tl.dot`` needs 16): a model-only comparison."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    I = _itemsize(dtype)
+    I = itemsize(dtype)
     m = _Model(batch)
     blocks = lambda kernel, M, d: _blocks(kernel, M, d, min_block=min_block)  # noqa: E731
     pc_long, pc_short = blocks("large.phase1", M, d)
