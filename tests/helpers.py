@@ -1,0 +1,58 @@
+"""Helpers shared by the test modules (importable as ``helpers``: ``pythonpath = ["tests"]``)."""
+from __future__ import annotations
+
+import torch
+
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention
+from sparse_io_attn.block_sparse.reference import rel_err
+
+FP32_TOL = 1e-5
+
+
+def make_layout(B, Hq, Nq, Nk, block, *, density=0.5, per_head=False, per_batch=False, empty_rows=(),
+                fill=None, diagonal=False) -> BlockSparseLayout:
+    """Random block mask ``torch.rand(...) < density`` (``fill`` True/False: all kept/none kept),
+    ``diagonal``: block ``(r, r % nkb)`` kept in every row; ``empty_rows``: query-block rows emptied."""
+    bq, bk = (block, block) if isinstance(block, int) else block
+    nqb, nkb = -(-Nq // bq), -(-Nk // bk)
+    lb, lh = (B if per_batch else 1), (Hq if per_head else 1)
+    if fill is None:
+        mask = torch.rand(lb, lh, nqb, nkb) < density
+    else:
+        mask = torch.full((lb, lh, nqb, nkb), fill, dtype=torch.bool)
+    if diagonal:
+        mask[..., torch.arange(nqb), torch.arange(nqb) % nkb] = True
+    for r in empty_rows:
+        mask[..., r, :] = False
+    return BlockSparseLayout.from_block_mask(mask, (bq, bk), (Nq, Nk))
+
+
+def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, device="cpu"):
+    """Fresh random ``q, k, v, do`` (never zeros)."""
+    mk = lambda h, n: torch.randn(B, h, n, D, dtype=dtype, device=device)  # noqa: E731
+    return mk(Hq, Nq), mk(Hkv, Nk), mk(Hkv, Nk), mk(Hq, Nq)
+
+
+def run(q, k, v, do, layout, causal, *, backend, sm_scale=None):
+    """Forward + backward through the public API: ``(out, lse, dq, dk, dv)``."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = block_sparse_attention(q, k, v, layout, causal=causal, sm_scale=sm_scale,
+                                      return_lse=True, backend=backend)
+    out.backward(do)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+def check_close(got, ref, tol=FP32_TOL):
+    """``(out, lse, dq, dk, dv)`` against a reference: no NaN, ``lse = -inf`` exactly on the
+    reference's empty rows, relative error <= ``tol`` for every tensor (lse over finite rows)."""
+    out, lse = got[0], got[1]
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+        assert not torch.isnan(x).any(), f"NaN in {name}"
+    assert lse.dtype == torch.float32 and lse.shape == out.shape[:3]
+    r_lse = ref[1]
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(r_lse)), "lse must be -inf exactly on empty rows"
+    fin = torch.isfinite(r_lse)
+    errs = {"out": rel_err(out, ref[0]), "lse": rel_err(lse[fin], r_lse[fin]),
+            "dq": rel_err(got[2], ref[2]), "dk": rel_err(got[3], ref[3]), "dv": rel_err(got[4], ref[4])}
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"relative errors above {tol}: {bad}"
