@@ -2,8 +2,11 @@
 
 Backends share one interface (inputs already validated):
 
-* ``forward(q, k, v, layout, *, causal, sm_scale) -> (out, lse)``
-* ``backward(do, q, k, v, out, lse, layout, *, causal, sm_scale) -> (dq, dk, dv)``
+* ``forward(q, k, v, layout, *, causal_offset, sm_scale) -> (out, lse)``
+* ``backward(do, q, k, v, out, lse, layout, *, causal_offset, sm_scale) -> (dq, dk, dv)``
+
+``causal_offset`` is ``None`` (no causal mask) or ``delta``: key ``j`` is allowed for query ``i``
+only if ``j <= i + delta`` (:func:`causal_offset`).
 
 ``"torch"`` is :mod:`sparse_io_attn.block_sparse.torch_path` (any device, fast on CPU); ``"triton"`` is
 :mod:`sparse_io_attn.block_sparse.triton.launch` (compiled on CUDA, Triton's interpreter on CPU).
@@ -32,6 +35,26 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def backend_module(name: str):
     return importlib.import_module(_BACKEND_MODULES[name])
+
+
+CAUSAL_MODES = (False, True, "top_left", "bottom_right")
+
+
+def causal_offset(causal, seqlen_q: int, seqlen_k: int) -> int | None:
+    """``causal`` -> the offset ``delta`` of the causal mask ``j <= i + delta``, or ``None``.
+
+    ``False``: no causal mask. ``True`` or ``"top_left"``: ``delta = 0`` (query ``i`` sees keys
+    ``0..i``, like ``scaled_dot_product_attention(is_causal=True)``). ``"bottom_right"``:
+    ``delta = seqlen_k - seqlen_q`` (the last query sees every key; FlashAttention-2's convention
+    for ``seqlen_q != seqlen_k``, what decoding with a KV cache and chunked prefill need).
+    """
+    if causal is False or causal is None:
+        return None
+    if causal is True or causal == "top_left":
+        return 0
+    if causal == "bottom_right":
+        return int(seqlen_k) - int(seqlen_q)
+    raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
@@ -75,11 +98,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Bloc
 
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, layout, causal, sm_scale, backend):
+    def forward(ctx, q, k, v, layout, delta, sm_scale, backend):
         impl = backend_module(backend)
-        out, lse = impl.forward(q, k, v, layout, causal=causal, sm_scale=sm_scale)
+        out, lse = impl.forward(q, k, v, layout, causal_offset=delta, sm_scale=sm_scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.layout, ctx.causal, ctx.sm_scale, ctx.backend = layout, causal, sm_scale, backend
+        ctx.layout, ctx.delta, ctx.sm_scale, ctx.backend = layout, delta, sm_scale, backend
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -87,13 +110,13 @@ class _BlockSparseAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         impl = backend_module(ctx.backend)
-        dq, dk, dv = impl.backward(do, q, k, v, out, lse, ctx.layout, causal=ctx.causal,
+        dq, dk, dv = impl.backward(do, q, k, v, out, lse, ctx.layout, causal_offset=ctx.delta,
                                    sm_scale=ctx.sm_scale)
         return dq, dk, dv, None, None, None, None
 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,
-                           *, causal: bool = False, sm_scale: float | None = None,
+                           *, causal=False, sm_scale: float | None = None,
                            return_lse: bool = False, backend: str = "auto"):
     """Block-sparse scaled dot-product attention.
 
@@ -101,19 +124,24 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA: query
             head ``h`` reads kv head ``h // (Hq // Hkv)``). float32, float16 or bfloat16.
         layout: a :class:`BlockSparseLayout` with ``seqlen == (Nq, Nk)``; its masks are shared or
-            per (batch, query head).
-        causal: also mask key positions ``j > i`` inside kept blocks (element level, top-left
-            aligned like ``scaled_dot_product_attention(is_causal=True)`` when ``Nq != Nk``).
+            per (batch, query head). The layout is the mask: full blocks and element-masked
+            partial blocks, exactly the elements it allows are attended.
+        causal: intersect the layout with a causal mask: ``True`` or ``"top_left"`` (key ``j``
+            allowed for query ``i`` iff ``j <= i``, like ``scaled_dot_product_attention(
+            is_causal=True)``), ``"bottom_right"`` (iff ``j <= i + Nk - Nq``: KV-cache decoding,
+            chunked prefill), ``False`` (default; a layout built with ``causal=True`` carries its
+            causality already).
         sm_scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the row log-sum-exp ``[B, Hq, Nq]`` (float32, natural log; not
             differentiable).
         backend: ``"auto"`` (triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
 
-    Softmax runs over the keys of the kept blocks of each query row. A row with no kept key gets
-    output 0, lse ``-inf`` and zero gradients.
+    Softmax runs over the allowed keys of each query row. A row with no allowed key gets output 0,
+    lse ``-inf`` and zero gradients.
     """
     sm_scale = check_inputs(q, k, v, layout, sm_scale)
+    delta = causal_offset(causal, q.shape[2], k.shape[2])
     name = resolve_backend(backend, q.device)
     layout = layout.to(q.device)
-    out, lse = _BlockSparseAttention.apply(q, k, v, layout, bool(causal), sm_scale, name)
+    out, lse = _BlockSparseAttention.apply(q, k, v, layout, delta, sm_scale, name)
     return (out, lse) if return_lse else out

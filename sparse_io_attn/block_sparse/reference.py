@@ -8,23 +8,28 @@ from __future__ import annotations
 
 import torch
 
+from sparse_io_attn.block_sparse.api import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 
 def element_mask(layout: BlockSparseLayout | None, batch: int, num_heads_q: int, seqlen_q: int,
-                 seqlen_k: int, *, causal: bool = False, device=None) -> torch.Tensor:
-    """``bool [batch, num_heads_q, seqlen_q, seqlen_k]``: the elements attention may use.
+                 seqlen_k: int, *, causal=False, device=None) -> torch.Tensor:
+    """``bool [batch, num_heads_q, seqlen_q, seqlen_k]``: the elements attention may use (the layout's
+    element mask, partial blocks included).
 
-    ``causal`` keeps key ``j`` for query ``i`` only if ``j <= i`` (top-left alignment, as
-    ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``).
+    ``causal`` (see :func:`~sparse_io_attn.block_sparse.api.causal_offset`): ``True``/``"top_left"``
+    keeps key ``j`` for query ``i`` only if ``j <= i`` (as ``scaled_dot_product_attention(
+    is_causal=True)``), ``"bottom_right"`` only if ``j <= i + seqlen_k - seqlen_q``.
     """
     if layout is None:
         mask = torch.ones(batch, num_heads_q, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     else:
         mask = layout.to(device or layout.device).expand_dense_mask(batch, num_heads_q)
-    if causal:
-        tri = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=mask.device).tril()
-        mask = mask & tri
+    delta = causal_offset(causal, seqlen_q, seqlen_k)
+    if delta is not None:
+        i = torch.arange(seqlen_q, device=mask.device)[:, None]
+        j = torch.arange(seqlen_k, device=mask.device)[None, :]
+        mask = mask & (j <= i + delta)
     return mask
 
 
@@ -52,7 +57,7 @@ def masked_attention(q, k, v, mask, sm_scale):
     return out, lse
 
 
-def attention_reference(q, k, v, layout: BlockSparseLayout | None = None, *, causal: bool = False,
+def attention_reference(q, k, v, layout: BlockSparseLayout | None = None, *, causal=False,
                         sm_scale: float | None = None, do: torch.Tensor | None = None):
     """Float64 block-sparse attention: ``(out, lse)`` or, with ``do``, ``(out, lse, dq, dk, dv)``.
 

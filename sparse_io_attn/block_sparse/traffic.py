@@ -29,9 +29,12 @@ import math
 
 import torch
 
+from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout._csr import csr_row_ids
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.block_sparse.api import causal_offset
+from sparse_io_attn.block_sparse.schedule import BlockLists, schedule
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, element_size
 
 INDEX_BYTES = 4  # int32 crow/col/ccol/row indices
@@ -39,10 +42,10 @@ STAT_BYTES = 4  # fp32 lse and delta
 
 # Tensor names of each kernel's I/O counter, in slot order (the kernels' named slots are built
 # from these tuples in :mod:`.triton.slots`).
-FWD_TENSORS = ("q", "k", "v", "o", "lse", "layout")
+FWD_TENSORS = ("q", "k", "v", "o", "lse", "layout", "mask")
 PREPROCESS_TENSORS = ("o", "do", "delta")
-DKDV_TENSORS = ("q", "k", "v", "do", "lse", "delta", "dk", "dv", "layout")
-DQ_TENSORS = ("q", "k", "v", "do", "lse", "delta", "dq", "layout")
+DKDV_TENSORS = ("q", "k", "v", "do", "lse", "delta", "dk", "dv", "layout", "mask")
+DQ_TENSORS = ("q", "k", "v", "do", "lse", "delta", "dq", "layout", "mask")
 
 
 def _layout_multiplicity(layout: BlockSparseLayout, batch: int, num_heads_q: int) -> torch.Tensor:
@@ -52,54 +55,55 @@ def _layout_multiplicity(layout: BlockSparseLayout, batch: int, num_heads_q: int
     return torch.full((layout.num_layouts,), per, dtype=torch.int64)
 
 
-def _visited_extent(lo, hi, tile: int, seqlen: int):
-    """Elements loaded by the tiles ``lo, lo + tile, ... < hi`` (the last clipped at ``seqlen``)."""
-    n_tiles = torch.clamp(hi - lo, min=0).add(tile - 1).div(tile, rounding_mode="floor")
-    return torch.where(n_tiles > 0, torch.minimum(n_tiles * tile, seqlen - lo), torch.zeros_like(lo))
+def _walk(layout: BlockSparseLayout, lists: BlockLists, tile_own: int, tile_other: int, delta: int | None,
+          transposed: bool):
+    """What the programs of one kernel kind read, summed per stored mask (``int64 [L]`` each):
+    ``index`` (int32 schedule entries: 4 list offsets per program, then per loop iteration 2 for a
+    partial tile and 1 for a full tile), ``loaded`` (elements of the other axis: keys for the
+    forward and dQ, queries for dK/dV) and ``mask_rows`` (rows of element-mask words read).
 
-
-def _walk(layout: BlockSparseLayout, tile_own: int, tile_other: int, causal: bool, transposed: bool):
-    """Per stored mask, the sums over the programs of one kernel kind (``int64 [L]`` each):
-    ``programs`` (tiles along the program axis), ``index_entries`` (2 + list length per program)
-    and ``loaded`` (elements of the other axis loaded, summed over visited tiles).
-
-    Not transposed: programs are query tiles walking CSR rows (attn_fwd, attn_bwd_dq).
-    Transposed: programs are key tiles walking CSC columns (attn_bwd_dkdv), per query head.
+    Not transposed: programs are query tiles walking the CSR lists (attn_fwd, attn_bwd_dq).
+    Transposed: programs are key tiles walking the CSC lists (attn_bwd_dkdv), per query head.
+    Mirrors the kernels' loops: a partial tile is *live* (loaded) when it starts inside the other
+    axis and, under a causal offset, holds an element on the allowed side of the diagonal.
     """
     L = layout.num_layouts
-    if transposed:
-        ptr, idx = layout.ccol_indices.cpu(), layout.row_indices.cpu()
-        blk_own, blk_other = layout.BLOCK_SIZE_KV, layout.BLOCK_SIZE_Q
-        len_own, len_other = layout.seqlen_k, layout.seqlen_q
-    else:
-        ptr, idx = layout.crow_indices.cpu(), layout.col_indices.cpu()
-        blk_own, blk_other = layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV
-        len_own, len_other = layout.seqlen_q, layout.seqlen_k
-    nb = ptr.shape[1] - 1
-    tiles_total = math.ceil(len_own / tile_own)
-    per_block = blk_own // tile_own
-    # programs per block row: tiles of that row that start before len_own
-    first = torch.arange(nb, dtype=torch.int64) * per_block
-    tiles_in_block = torch.clamp(tiles_total - first, min=0, max=per_block)
-    counts = (ptr[:, 1:] - ptr[:, :-1]).to(torch.int64)  # [L, nb]
-    programs = torch.full((L,), tiles_total, dtype=torch.int64)
-    index_entries = 2 * programs + (counts * tiles_in_block).sum(dim=1)
+    (bq, bk), (sq, sk) = layout.block_size, layout.seqlen
+    blk_own, blk_other, len_own, len_other = (bk, bq, sk, sq) if transposed else (bq, bk, sq, sk)
+    part_ptr, full_ptr = lists.part_ptr.cpu().to(torch.int64), lists.full_ptr.cpu().to(torch.int64)
+    n_own = part_ptr.shape[1] - 1
+    tiles_own = math.ceil(len_own / tile_own)
+    per_own, per_other = blk_own // tile_own, blk_other // tile_other
+    first = torch.arange(n_own, dtype=torch.int64) * per_own
+    programs_in_block = torch.clamp(tiles_own - first, min=0, max=per_own)          # [n_own]
+    n_part = part_ptr[:, 1:] - part_ptr[:, :-1]                                      # [L, n_own]
+    n_full = full_ptr[:, 1:] - full_ptr[:, :-1]
+    index = 4 * tiles_own + (programs_in_block * per_other * (2 * n_part + n_full)).sum(1)
+    loaded = (programs_in_block * n_full).sum(1) * blk_other
 
-    flat = csr_row_ids(ptr)  # l * nb + block row of each entry
-    lid, own_blk = flat // nb, flat % nb
-    other_blk = idx.to(torch.int64)
-    sub = torch.arange(per_block, dtype=torch.int64)
-    tile_start = ((own_blk * blk_own)[:, None] + sub[None, :] * tile_own)  # [nnz, per_block]
-    keep = tile_start < len_own
-    lo = (other_blk * blk_other)[:, None].expand_as(tile_start)
-    hi = torch.clamp(lo + blk_other, max=len_other)
-    if causal and not transposed:  # key tiles starting at or after the query tile's end are skipped
-        hi = torch.minimum(hi, tile_start + tile_own)
-    if causal and transposed:  # query tiles ending at or before the key tile's start are skipped
-        lo = lo + torch.clamp(tile_start - lo, min=0).div(tile_other, rounding_mode="floor") * tile_other
-    ext = torch.where(keep, _visited_extent(lo, hi, tile_other, len_other), torch.zeros_like(lo))
-    loaded = torch.zeros(L, dtype=torch.int64).index_add_(0, lid, ext.sum(dim=1))
-    return programs, index_entries, loaded
+    # partial entries x (own tile i, other tile j)
+    flat = csr_row_ids(lists.part_ptr.cpu())
+    lid, own_blk = flat // n_own, flat % n_own
+    other_blk = lists.part_idx.cpu().to(torch.int64)
+    has_bits = lists.part_mask.cpu() >= 0
+    i = torch.arange(per_own, dtype=torch.int64)
+    j = torch.arange(per_other, dtype=torch.int64)
+    own_start = (own_blk * blk_own)[:, None, None] + (i * tile_own)[None, :, None]       # [E, I, 1]
+    other_start = (other_blk * blk_other)[:, None, None] + (j * tile_other)[None, None, :]  # [E, 1, J]
+    program = own_start < len_own
+    live = program & (other_start < len_other)
+    if delta is not None:
+        if transposed:  # query tile [other_start, ...) against key tile starting at own_start
+            live = live & (torch.clamp(other_start + tile_other, max=len_other) - 1 + delta >= own_start)
+        else:           # key tile starting at other_start against the query tile's last row
+            live = live & (other_start <= torch.clamp(own_start + tile_own, max=len_own) - 1 + delta)
+    other_n = torch.clamp(len_other - other_start, max=tile_other)
+    own_n = torch.clamp(len_own - own_start, max=tile_own)
+    got = torch.where(live, other_n, 0)
+    rows = torch.where(live & has_bits[:, None, None], other_n if transposed else own_n, 0)
+    loaded += torch.zeros(L, dtype=torch.int64).index_add_(0, lid, got.sum((1, 2)))
+    mask_rows = torch.zeros(L, dtype=torch.int64).index_add_(0, lid, rows.sum((1, 2)))
+    return index, loaded, mask_rows
 
 
 def _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype):
@@ -110,87 +114,104 @@ def _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype):
     return element_size(dtype), head_dim
 
 
+def _schedule(layout: BlockSparseLayout, causal):
+    delta = causal_offset(causal, layout.seqlen_q, layout.seqlen_k)
+    return schedule(layout, delta), delta
+
+
 def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
-                         head_dim: int, dtype: torch.dtype, *, causal: bool = False,
+                         head_dim: int, dtype: torch.dtype, *, causal=False,
                          tiles: KernelTiles | None = None) -> TrafficReport:
-    """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``)."""
+    """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``);
+    ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`."""
     es, D = _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
-    Nq = layout.seqlen_q
-    _, entries, keys = _walk(layout, tiles.fwd[0], tiles.fwd[1], causal, transposed=False)
-    rows = batch * num_heads_q * Nq
+    sched, delta = _schedule(layout, causal)
+    index, keys, mask_rows = _walk(layout, sched.rows, tiles.fwd[0], tiles.fwd[1], delta, transposed=False)
+    rows = batch * num_heads_q * layout.seqlen_q
     kv = int((mult * keys).sum()) * D * es
     rep = TrafficReport(source="predicted")
-    rep.add("attn_fwd", {"q": rows * D * es, "k": kv, "v": kv, "layout": int((mult * entries).sum()) * INDEX_BYTES},
+    rep.add("attn_fwd", {"q": rows * D * es, "k": kv, "v": kv, "layout": int((mult * index).sum()) * INDEX_BYTES,
+                         "mask": int((mult * mask_rows).sum()) * _words(tiles.fwd[1]) * INDEX_BYTES},
             {"o": rows * D * es, "lse": rows * STAT_BYTES})
     return rep
 
 
 def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
-                          head_dim: int, dtype: torch.dtype, *, causal: bool = False,
+                          head_dim: int, dtype: torch.dtype, *, causal=False,
                           tiles: KernelTiles | None = None) -> TrafficReport:
     """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``)."""
     es, D = _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
+    sched, delta = _schedule(layout, causal)
     rows_q = batch * num_heads_q * layout.seqlen_q
     rows_k = batch * num_heads_kv * layout.seqlen_k
     rep = TrafficReport(source="predicted")
     rep.add("attn_bwd_preprocess", {"o": rows_q * D * es, "do": rows_q * D * es}, {"delta": rows_q * STAT_BYTES})
 
-    _, entries, queries = _walk(layout, tiles.dkdv[1], tiles.dkdv[0], causal, transposed=True)
     # every query head of a group walks its own mask; summing over (b, h) covers all programs
+    index, queries, mask_rows = _walk(layout, sched.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True)
     q_rows = int((mult * queries).sum())
     rep.add("attn_bwd_dkdv",
             {"q": q_rows * D * es, "do": q_rows * D * es, "lse": q_rows * STAT_BYTES, "delta": q_rows * STAT_BYTES,
-             "k": rows_k * D * es, "v": rows_k * D * es, "layout": int((mult * entries).sum()) * INDEX_BYTES},
+             "k": rows_k * D * es, "v": rows_k * D * es, "layout": int((mult * index).sum()) * INDEX_BYTES,
+             "mask": int((mult * mask_rows).sum()) * _words(tiles.dkdv[1]) * INDEX_BYTES},
             {"dk": rows_k * D * es, "dv": rows_k * D * es})
 
-    _, entries, keys = _walk(layout, tiles.dq[0], tiles.dq[1], causal, transposed=False)
+    index, keys, mask_rows = _walk(layout, sched.rows, tiles.dq[0], tiles.dq[1], delta, transposed=False)
     kv = int((mult * keys).sum()) * D * es
     rep.add("attn_bwd_dq",
             {"q": rows_q * D * es, "do": rows_q * D * es, "lse": rows_q * STAT_BYTES, "delta": rows_q * STAT_BYTES,
-             "k": kv, "v": kv, "layout": int((mult * entries).sum()) * INDEX_BYTES},
+             "k": kv, "v": kv, "layout": int((mult * index).sum()) * INDEX_BYTES,
+             "mask": int((mult * mask_rows).sum()) * _words(tiles.dq[1]) * INDEX_BYTES},
             {"dq": rows_q * D * es})
     return rep
 
 
+def _words(block_n: int) -> int:
+    """Element-mask words one row of a key tile of ``block_n`` keys reads."""
+    return -(-block_n // 32)
+
+
 def block_sparse(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                 dtype: torch.dtype, *, causal: bool = False, tiles: KernelTiles | None = None) -> TrafficReport:
+                 dtype: torch.dtype, *, causal=False, tiles: KernelTiles | None = None) -> TrafficReport:
     """Predicted bytes of forward + backward (what ``IOCounter`` sees around ``out.backward(...)``)."""
     args = (layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     return (block_sparse_forward(*args, causal=causal, tiles=tiles)
             + block_sparse_backward(*args, causal=causal, tiles=tiles))
 
 
-def kept_elements(layout: BlockSparseLayout, batch: int, num_heads_q: int, *, causal: bool = False) -> int:
-    """Score elements ``(i, j)`` inside kept blocks (clipped to the lengths; with ``causal`` only
-    ``j <= i``), summed over batch and query heads."""
+def kept_elements(layout: BlockSparseLayout, batch: int, num_heads_q: int, *, causal=False) -> int:
+    """Score elements ``(i, j)`` attention computes: the layout's allowed elements (full blocks
+    clipped to the lengths, partial blocks' mask bits), with ``causal`` only ``j <= i + delta``;
+    summed over batch and query heads."""
     mult = _layout_multiplicity(layout, batch, num_heads_q)
-    crow = layout.crow_indices.cpu()
-    flat = csr_row_ids(crow)
-    nqb = layout.num_q_blocks
-    lid, r = flat // nqb, flat % nqb
-    c = layout.col_indices.cpu().to(torch.int64)
-    bq, bk = layout.block_size
-    r0, c0 = r * bq, c * bk
-    rows = torch.clamp(layout.seqlen_q - r0, max=bq)
-    cols = torch.clamp(layout.seqlen_k - c0, max=bk)
-    if causal:
-        def prefix(x):  # sum over i < x of clamp(i - c0 + 1, 0, cols)
-            y = torch.clamp(x - c0, min=0)
-            inside = torch.minimum(y, cols)
-            return inside * (inside + 1) // 2 + torch.clamp(y - cols, min=0) * cols
-        per_entry = prefix(r0 + rows) - prefix(r0)
+    lo = layout.to("cpu")
+    lid, r, c = lo.entries()
+    (bq, bk), (sq, sk) = lo.block_size, lo.seqlen
+    words = lo.entry_words()
+    delta = causal_offset(causal, sq, sk)
+    if delta is None:
+        per_entry = _bits.popcount(words)
     else:
-        per_entry = rows * cols
-    per_layout = torch.zeros(layout.num_layouts, dtype=torch.int64).index_add_(0, lid, per_entry)
+        q_lo, q_hi = r * bq, torch.clamp((r + 1) * bq, max=sq) - 1
+        k_lo, k_hi = c * bk, torch.clamp((c + 1) * bk, max=sk) - 1
+        below = k_hi <= q_lo + delta
+        cross = ~below & (k_lo <= q_hi + delta)
+        per_entry = torch.where(below, _bits.popcount(words), 0)
+        if cross.any():
+            iq = torch.arange(bq)[None, :, None] + q_lo[cross][:, None, None]
+            ik = torch.arange(bk)[None, None, :] + k_lo[cross][:, None, None]
+            elems = _bits.unpack(words[cross], bk) & (ik <= iq + delta)
+            per_entry[cross] = elems.sum((1, 2))
+    per_layout = torch.zeros(lo.num_layouts, dtype=torch.int64).index_add_(0, lid, per_entry)
     return int((mult * per_layout).sum())
 
 
 def block_sparse_flops(layout: BlockSparseLayout, batch: int, num_heads_q: int, head_dim: int, *,
-                       causal: bool = False, backward: bool = False) -> int:
+                       causal=False, backward: bool = False) -> int:
     """Matmul FLOPs over kept elements: forward ``4 * D`` per element (``QK^T`` and ``PV``), backward
     ``10 * D`` (``QK^T`` recomputed, ``dO V^T``, ``dV``, ``dQ``, ``dK``), the FlashAttention convention."""
     return (10 if backward else 4) * head_dim * kept_elements(layout, batch, num_heads_q, causal=causal)

@@ -18,6 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+_CHUNK_ROWS = 4096  # product rows per chunk when counting inside partial blocks
 _CHUNK_ENTRIES = 1 << 23   # rows per chunk = max(1, _CHUNK_ENTRIES // n_k)
 
 
@@ -183,8 +184,30 @@ def _count_product(W: sp.csr_matrix, row_of: np.ndarray, A2T: sp.csr_matrix, row
     return total, restricted
 
 
+def _count_inside(W: sp.csr_matrix, row_of: np.ndarray, A2T: sp.csr_matrix, inside: sp.csr_matrix) -> int:
+    """Structural nonzeros of ``P = W[row_of] @ A2T`` at the entries of ``inside`` (only the rows
+    ``inside`` touches are multiplied)."""
+    rows = np.unique(inside.tocoo().row)
+    total = 0
+    for s0 in range(0, len(rows), _CHUNK_ROWS):
+        r = rows[s0:s0 + _CHUNK_ROWS]
+        prod = _bool(W[row_of[r]].astype(np.int64) @ A2T.astype(np.int64))
+        total += int(prod.multiply(inside[r]).sum())
+    return total
+
+
+def _block_pattern(elements: sp.csr_matrix, bq: int, bk: int):
+    """Blocks holding an element of ``elements``, boolean ``[ceil(n/bq), ceil(m/bk)]``."""
+    coo = elements.tocoo()
+    shape = (math.ceil(elements.shape[0] / bq), math.ceil(elements.shape[1] / bk))
+    m = sp.csr_matrix((np.ones(coo.nnz, dtype=bool), (coo.row // bq, coo.col // bk)), shape=shape)
+    m.sum_duplicates()
+    return m.astype(bool)
+
+
 def _layout_keep(layout, layout_index):
-    """The boolean block pattern ``[num_q_blocks, num_kv_blocks]`` of one mask of ``layout``."""
+    """One mask of ``layout``: ``(full-block pattern csr [num_q_blocks, num_kv_blocks], partial
+    elements csr [seqlen_q, seqlen_k])`` (the allowed elements of its partial blocks)."""
     L = layout.num_layouts
     if layout_index is None:
         if L != 1:
@@ -193,10 +216,23 @@ def _layout_keep(layout, layout_index):
         layout_index = 0
     if not 0 <= layout_index < L:
         raise ValueError(f"layout_index must be in [0, {L}), got {layout_index}")
-    crow = layout.crow_indices[layout_index].cpu().numpy().astype(np.int64)
-    col = layout.col_indices.cpu().numpy().astype(np.int64)[crow[0]:crow[-1]]
-    return sp.csr_matrix((np.ones(len(col), dtype=bool), col, crow - crow[0]),
-                         shape=(layout.num_q_blocks, layout.num_kv_blocks))
+    from sparse_io_attn.layout import _bits
+
+    lo = layout.to("cpu")
+    crow = lo.crow_indices[layout_index].numpy().astype(np.int64)
+    a, b = int(crow[0]), int(crow[-1])
+    col = lo.col_indices.numpy().astype(np.int64)[a:b]
+    pid = lo.partial_ids.numpy()[a:b]
+    full = pid < 0
+    row = np.repeat(np.arange(lo.num_q_blocks), np.diff(crow))
+    keep = sp.csr_matrix((np.ones(int(full.sum()), dtype=bool), (row[full], col[full])),
+                         shape=(lo.num_q_blocks, lo.num_kv_blocks))
+    (bq, bk), (sq, sk) = lo.block_size, lo.seqlen
+    elems = _bits.unpack(lo.partial_masks[torch.from_numpy(pid[~full]).long()], bk).numpy()  # [P, bq, bk]
+    e, i, j = np.nonzero(elems)
+    qi, kj = row[~full][e] * bq + i, col[~full][e] * bk + j
+    partial = sp.csr_matrix((np.ones(len(qi), dtype=bool), (qi, kj)), shape=(sq, sk))
+    return keep, partial
 
 
 def nnz_stats(A1, X, A2, qk_layout=None, *, level: str = "element", block_size=None,
@@ -210,8 +246,8 @@ def nnz_stats(A1, X, A2, qk_layout=None, *, level: str = "element", block_size=N
     ``level="element"`` counts entries; ``level="block"`` counts blocks of the BSR structure
     (``block_size`` gives it for operands that are not BSR). ``qk_layout``: a
     :class:`~sparse_io_attn.BlockSparseLayout` of the n x n_k score matrix; Z_AXA then counts only
-    entries (or blocks) inside kept layout blocks. A layout with several masks needs
-    ``layout_index``.
+    the entries the layout allows (element level: full blocks and the mask bits of partial blocks,
+    exactly) or the kept blocks (block level). A layout with several masks needs ``layout_index``.
     """
     if level not in ("element", "block"):
         raise ValueError(f"level must be 'element' or 'block', got {level!r}")
@@ -243,14 +279,18 @@ def nnz_stats(A1, X, A2, qk_layout=None, *, level: str = "element", block_size=N
         if tuple(qk_layout.seqlen) != (n, n_k):
             raise ValueError(f"qk_layout covers seqlen {tuple(qk_layout.seqlen)} but A1 X A2^T is "
                              f"{n} x {n_k}; build the layout for ({n}, {n_k})")
-        keep = _layout_keep(qk_layout, layout_index)
+        keep, partial = _layout_keep(qk_layout, layout_index)
         bq, bk = qk_layout.block_size
         if level == "element":
             row_unit, col_unit = bq, bk
-        elif (b1[0], b2[0]) != (bq, bk):
+        else:  # a partial block counts as a kept block
+            keep = (keep + _block_pattern(partial, bq, bk)).astype(bool)
+        if level == "block" and (b1[0], b2[0]) != (bq, bk):
             raise ValueError(f"at level='block' the layout's block size {(bq, bk)} must equal the "
                              f"row blocks of A1 and A2 {(b1[0], b2[0])}")
     total, restricted = _count_product(w, inv_w[inv1], a2.T.tocsr(), row_unit, col_unit, keep)
+    if qk_layout is not None and level == "element" and partial.nnz:
+        restricted += _count_inside(w, inv_w[inv1], a2.T.tocsr(), partial)
     return NnzStats(
         Z_A=min(a1.nnz, a2.nnz), Z_X=x.nnz, Z_AX=min(nnz_a1x, nnz_xa2t), Z_AXA=restricted,
         level=level, restricted_to_qk_pattern=qk_layout is not None, n=n, n_k=n_k, d=d,

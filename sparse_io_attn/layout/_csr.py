@@ -30,10 +30,8 @@ def mask_to_csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     counts = mask.reshape(L * R, C).sum(dim=1, dtype=torch.int64)
     crow = torch.zeros(L * R + 1, dtype=torch.int64, device=mask.device)
     torch.cumsum(counts, dim=0, out=crow[1:])
-    # [L, R+1] with absolute offsets: row r of matrix l ends where row r+1 starts.
-    crow_lr = torch.cat([crow[:-1].view(L, R), crow[R::R].view(L, 1)], dim=1)
     col = mask.reshape(L * R, C).nonzero()[:, 1]  # row-major order: sorted inside each row
-    return crow_lr.to(INDEX_DTYPE), col.to(INDEX_DTYPE)
+    return _absolute_crow(crow, L, R).to(INDEX_DTYPE), col.to(INDEX_DTYPE)
 
 
 def csr_row_ids(crow: torch.Tensor) -> torch.Tensor:
@@ -75,8 +73,7 @@ def csr_transpose(crow: torch.Tensor, col: torch.Tensor, num_cols: int):
     counts = torch.bincount(lid * C + c, minlength=L * C)
     flat = torch.zeros(L * C + 1, dtype=torch.int64, device=crow.device)
     torch.cumsum(counts, dim=0, out=flat[1:])
-    ccol = torch.cat([flat[:-1].view(L, C), flat[C::C].view(L, 1)], dim=1)
-    return ccol.to(INDEX_DTYPE), r[perm].to(INDEX_DTYPE), perm
+    return _absolute_crow(flat, L, C).to(INDEX_DTYPE), r[perm].to(INDEX_DTYPE), perm
 
 
 def validate_csr(crow: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols: int,
@@ -139,3 +136,22 @@ def from_relative_offsets(crow: torch.Tensor) -> torch.Tensor:
     start = torch.zeros_like(nnz)
     torch.cumsum(nnz[:-1], dim=0, out=start[1:])
     return crow - crow[:, :1] + start[:, None].to(crow.dtype)
+
+
+def _absolute_crow(flat: torch.Tensor, L: int, R: int) -> torch.Tensor:
+    """Flat offsets ``[L * R + 1]`` -> ``[L, R + 1]`` absolute offsets (row r of matrix l ends where
+    row r + 1 starts)."""
+    return torch.cat([flat[:-1].view(L, R), flat[R::R].view(L, 1)], dim=1)
+
+
+def coo_to_csr(lid: torch.Tensor, row: torch.Tensor, col: torch.Tensor, L: int, R: int):
+    """Unique entries ``(lid, row, col)`` (int64) of ``L`` matrices with ``R`` block rows ->
+    ``(crow [L, R+1], col [nnz], order)``: absolute-offset int32 CSR and the permutation ``order``
+    that sorts the entries by ``(lid, row, col)`` (apply it to per-entry data)."""
+    flat_row = lid * R + row
+    ncol = int(col.max()) + 1 if col.numel() else 1
+    order = torch.argsort(flat_row * ncol + col)
+    counts = torch.bincount(flat_row, minlength=L * R)
+    flat = torch.zeros(L * R + 1, dtype=torch.int64, device=col.device)
+    torch.cumsum(counts, dim=0, out=flat[1:])
+    return _absolute_crow(flat, L, R).to(INDEX_DTYPE), col[order].to(INDEX_DTYPE), order

@@ -1,7 +1,10 @@
 """Conversions between :class:`~sparse_io_attn.BlockSparseLayout` and the block-sparse formats of
 SciPy (BSR), PyTorch (``torch.sparse_bsr``) and FlexAttention (``BlockMask``).
 
-The layout's own ``from_*``/``to_*`` methods call these functions; round trips are exact.
+The layout's own ``from_*``/``to_*`` methods call these functions. Every conversion carries the
+element masks of partial blocks: BSR block *values* are the element mask (nonzero = allowed), a
+``BlockMask``'s ``mask_mod`` is evaluated on its partial blocks (and ``to_flex_block_mask`` writes
+one that reads ours), so round trips are exact.
 """
 from __future__ import annotations
 
@@ -10,40 +13,49 @@ import warnings
 
 import torch
 
-from sparse_io_attn.layout._csr import csr_to_mask, from_relative_offsets, to_relative_offsets, validate_csr
-from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout._csr import csr_row_ids, from_relative_offsets, to_relative_offsets, validate_csr
+from sparse_io_attn.layout.core import BlockSparseLayout, _pair, assemble
+
+_EVAL_CHUNK = 1 << 22  # mask_mod evaluations per vmap call
 
 
 # ---------------------------------------------------------------------------------------- SciPy / PyTorch BSR
-def from_scipy_bsr(bsr, seqlen=None, *, layout_batch: int = 1,
+def from_scipy_bsr(bsr, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
                    name: str = "custom") -> BlockSparseLayout:
     """Build from a ``scipy.sparse`` BSR matrix/array, or a list of them (one per head).
 
-    The block size is ``bsr.blocksize``; every *stored* block is kept (the values are ignored,
-    so a stored block of zeros is kept too). ``seqlen`` defaults to ``bsr.shape``; pass the
+    The block size is ``bsr.blocksize``. ``exact=True`` (default): a stored block's nonzero values
+    are its allowed elements (all nonzero: a full block; none: not kept). ``exact=False``: every
+    stored block is kept whole, values ignored. ``seqlen`` defaults to ``bsr.shape``; pass the
     layout's ``seqlen`` to round-trip a ragged layout exactly (SciPy shapes are whole blocks).
     A list of ``L`` matrices gives ``L`` masks, ``layout_heads = L // layout_batch`` (the order
-    :meth:`to_scipy_bsr` returns: mask ``l = b * layout_heads + h``).
+    :func:`to_scipy_bsr` returns: mask ``l = b * layout_heads + h``).
     """
     if isinstance(bsr, (list, tuple)):
         if not bsr:
             raise ValueError("from_scipy_bsr needs at least one matrix, got an empty list")
-        parts = [_scipy_block_mask(b, f"bsr[{i}]") for i, b in enumerate(bsr)]
-        for i, (m, bs) in enumerate(parts):
-            if bs != parts[0][1] or m.shape != parts[0][0].shape:
+        parts = [_scipy_blocks(b, f"bsr[{i}]") for i, b in enumerate(bsr)]
+        for i, p in enumerate(parts):
+            if p[4:] != parts[0][4:]:
                 raise ValueError(f"all matrices must share shape and blocksize: bsr[0] has "
-                                 f"{tuple(parts[0][0].shape)} blocks of {parts[0][1]}, bsr[{i}] "
-                                 f"has {tuple(m.shape)} blocks of {bs}")
-        mask, block = _split_batch(torch.stack([m for m, _ in parts]), layout_batch), parts[0][1]
+                                 f"{parts[0][4]} blocks of {parts[0][5]}, bsr[{i}] has {p[4]} blocks of {p[5]}")
+        lb, lh = _split_batch(len(parts), layout_batch)
+        lid = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(parts)])
+        r, c, vals = (torch.cat([p[k] for p in parts]) for k in (1, 2, 3))
+        grid, block = parts[0][4], parts[0][5]
     else:
-        mask, block = _scipy_block_mask(bsr, "bsr")
-    return BlockSparseLayout.from_block_mask(mask, block, seqlen, name=name)
+        lid, r, c, vals, grid, block = _scipy_blocks(bsr, "bsr")
+        lb = lh = 1
+    return _from_blocks(lid, r, c, vals, (lb, lh), grid, block, seqlen, exact, name)
+
 
 def to_scipy_bsr(layout: BlockSparseLayout, dtype=None):
     """``scipy.sparse.bsr_matrix`` of shape ``(num_q_blocks * BLOCK_SIZE_Q, num_kv_blocks *
-    BLOCK_SIZE_KV)``, blocksize ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, all-ones blocks of ``dtype``
-    (default ``numpy.int8``). A layout with several masks gives a list, mask ``l = b *
-    layout_heads + h`` at index ``l``. The shape covers whole blocks; ``seqlen`` is not stored."""
+    BLOCK_SIZE_KV)``, blocksize ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``; each kept block's values are its
+    element mask as ``dtype`` (default ``numpy.int8``: 1 allowed, 0 not; full blocks all ones). A
+    layout with several masks gives a list, mask ``l = b * layout_heads + h`` at index ``l``. The
+    shape covers whole blocks; ``seqlen`` is not stored."""
     import numpy as np
     import scipy.sparse as sp
 
@@ -52,36 +64,44 @@ def to_scipy_bsr(layout: BlockSparseLayout, dtype=None):
     shape = (layout.num_q_blocks * bq, layout.num_kv_blocks * bk)
     crow = layout.crow_indices.cpu().to(torch.int64)
     col = layout.col_indices.cpu().to(torch.int64)
+    values = _block_values(layout).cpu().numpy().astype(dtype)
     out = []
     for lid in range(layout.num_layouts):
         lo, hi = int(crow[lid, 0]), int(crow[lid, -1])
-        data = np.ones((hi - lo, bq, bk), dtype=dtype)
         indptr = (crow[lid] - lo).numpy()
-        out.append(sp.bsr_matrix((data, col[lo:hi].numpy(), indptr), shape=shape))
+        out.append(sp.bsr_matrix((values[lo:hi], col[lo:hi].numpy(), indptr), shape=shape))
     return out[0] if layout.num_layouts == 1 else out
 
-def from_torch_bsr(t, seqlen=None, *, layout_batch: int = 1,
+
+def from_torch_bsr(t, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
                    name: str = "custom") -> BlockSparseLayout:
     """Build from a ``torch.sparse_bsr`` tensor ``[M, N]``, ``[H, M, N]`` or ``[B, H, M, N]``
     (batched BSR), or a list of ``L`` 2-D ones (``layout_heads = L // layout_batch``, the order
-    ``to_torch_bsr(as_list=True)`` returns). Stored blocks are kept, values are ignored; the
-    block size is ``t.values().shape[-2:]``; ``seqlen`` defaults to ``(M, N)``."""
+    ``to_torch_bsr(as_list=True)`` returns). ``exact`` as in :func:`from_scipy_bsr` (nonzero
+    values are allowed elements; ``False``: stored blocks kept whole). The block size is
+    ``t.values().shape[-2:]``; ``seqlen`` defaults to ``(M, N)``."""
     if isinstance(t, (list, tuple)):
         if not t:
             raise ValueError("from_torch_bsr needs at least one tensor, got an empty list")
-        parts = [_torch_block_mask(x, f"t[{i}]") for i, x in enumerate(t)]
-        for i, (m, bs) in enumerate(parts):
-            if m.dim() != 2 or bs != parts[0][1] or m.shape != parts[0][0].shape:
+        parts = [_torch_blocks(x, f"t[{i}]") for i, x in enumerate(t)]
+        for i, p in enumerate(parts):
+            if p[0] != () or p[5:] != parts[0][5:]:
                 raise ValueError(f"a list must hold 2-D BSR tensors sharing shape and blocksize: "
-                                 f"t[0] has {tuple(parts[0][0].shape)} blocks of {parts[0][1]}, "
-                                 f"t[{i}] has {tuple(m.shape)} blocks of {bs}")
-        mask, block = _split_batch(torch.stack([m for m, _ in parts]), layout_batch), parts[0][1]
+                                 f"t[0] has {parts[0][5]} blocks of {parts[0][6]}, t[{i}] has "
+                                 f"{p[5]} blocks of {p[6]} and batch dims {p[0]}")
+        lb, lh = _split_batch(len(parts), layout_batch)
+        lid = torch.cat([torch.full_like(p[1], i) for i, p in enumerate(parts)])
+        r, c, vals = (torch.cat([p[k] for p in parts]) for k in (2, 3, 4))
+        grid, block = parts[0][5], parts[0][6]
     else:
-        mask, block = _torch_block_mask(t, "t")
-    return BlockSparseLayout.from_block_mask(mask, block, seqlen, name=name)
+        lead, lid, r, c, vals, grid, block = _torch_blocks(t, "t")
+        lb, lh = (lead[0], lead[1]) if len(lead) == 2 else (1, lead[0] if lead else 1)
+    return _from_blocks(lid, r, c, vals, (lb, lh), grid, block, seqlen, exact, name)
+
 
 def to_torch_bsr(layout: BlockSparseLayout, dtype: torch.dtype = torch.bool, *, as_list: bool = False):
-    """``torch.sparse_bsr`` tensor of all-ones blocks on the layout's device.
+    """``torch.sparse_bsr`` tensor on the layout's device whose block values are the element masks
+    (``dtype``: True/1 allowed; full blocks all ones).
 
     One mask: shape ``[num_q_blocks * BLOCK_SIZE_Q, num_kv_blocks * BLOCK_SIZE_KV]``. Several
     masks: a batched BSR tensor ``[layout_heads, M, N]`` (or ``[layout_batch, layout_heads, M,
@@ -94,39 +114,86 @@ def to_torch_bsr(layout: BlockSparseLayout, dtype: torch.dtype = torch.bool, *, 
     crow = to_relative_offsets(layout.crow_indices.to(torch.int64))
     col = layout.col_indices.to(torch.int64)
     nnz = (layout.crow_indices[:, -1] - layout.crow_indices[:, 0]).tolist()
+    values = _block_values(layout).to(dtype)
 
-    def bsr(crow_, col_, n_blocks, size):
-        values = torch.ones(*size[:-2], n_blocks, bq, bk, dtype=dtype, device=layout.device)
+    def bsr(crow_, col_, vals, size):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sparse BSR tensor support is in beta")
-            return torch.sparse_bsr_tensor(crow_, col_, values, size=size, check_invariants=False)
+            return torch.sparse_bsr_tensor(crow_, col_, vals, size=size, check_invariants=False)
 
+    starts = layout.crow_indices[:, 0].tolist()
     if as_list:
-        starts = layout.crow_indices[:, 0].tolist()
-        return [bsr(crow[lid], col[starts[lid]:starts[lid] + nnz[lid]], nnz[lid], (R * bq, C * bk))
+        return [bsr(crow[lid], col[starts[lid]:starts[lid] + nnz[lid]],
+                    values[starts[lid]:starts[lid] + nnz[lid]], (R * bq, C * bk))
                 for lid in range(layout.num_layouts)]
     if layout.num_layouts == 1:
-        return bsr(crow[0], col, nnz[0], (R * bq, C * bk))
+        return bsr(crow[0], col, values, (R * bq, C * bk))
     if min(nnz) != max(nnz):
         raise ValueError(f"torch's batched BSR needs the same number of stored blocks in every "
                          f"mask, but this layout's {layout.num_layouts} masks store between "
                          f"{min(nnz)} and {max(nnz)}; call to_torch_bsr(as_list=True) for one "
                          f"2-D tensor per mask")
     lead = (layout.layout_heads,) if layout.layout_batch == 1 else (layout.layout_batch, layout.layout_heads)
-    return bsr(crow.view(*lead, R + 1), col.view(*lead, nnz[0]), nnz[0], (*lead, R * bq, C * bk))
+    return bsr(crow.view(*lead, R + 1), col.view(*lead, nnz[0]), values.view(*lead, nnz[0], bq, bk),
+               (*lead, R * bq, C * bk))
+
+
+def _block_values(layout: BlockSparseLayout) -> torch.Tensor:
+    """Element masks of the kept blocks in CSR order, ``bool [nnz_blocks, bq, bk]``."""
+    return _bits.unpack(layout.entry_words(), layout.BLOCK_SIZE_KV)
+
+
+def _from_blocks(lid, r, c, vals, lead, grid, block, seqlen, exact: bool, name: str) -> BlockSparseLayout:
+    """Stored blocks (duplicates allowed: their values are OR-ed) -> a layout."""
+    (lb, lh), (R, C), (bq, bk) = lead, grid, block
+    if R == 0 or C == 0:
+        raise ValueError(f"a BSR matrix needs at least one block per axis, got {R} x {C}")
+    sq, sk = _pair((R * bq, C * bk) if seqlen is None else seqlen, "seqlen")
+    if math.ceil(sq / bq) != R or math.ceil(sk / bk) != C:
+        raise ValueError(f"seqlen {(sq, sk)} with block_size {(bq, bk)} needs {math.ceil(sq / bq)} x "
+                         f"{math.ceil(sk / bk)} blocks, the BSR input has {R} x {C}")
+    key = (lid * R + r) * C + c
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    merged = torch.zeros(uniq.numel(), bq, bk, dtype=torch.int32)
+    merged.index_add_(0, inverse, vals.to(torch.int32))
+    c_u, rest = uniq % C, uniq // C
+    r_u, l_u = rest % R, rest // R
+    words = _bits.pack(merged > 0) if exact else None
+    return assemble(l_u, r_u, c_u, words, block_size=(bq, bk), seqlen=(sq, sk), layout_batch=lb,
+                    layout_heads=lh, name=name)
+
 
 # ---------------------------------------------------------------------------------------- FlexAttention
-def to_flex_block_mask(layout: BlockSparseLayout, causal: bool = False, *, separate_full_blocks: bool = True):
-    """A ``torch.nn.attention.flex_attention.BlockMask`` with the same block sparsity.
+def _flex_block_tables(layout: BlockSparseLayout, causal: bool):
+    """``(kept, full)`` bool ``[lb, lh, R, C]`` for FlexAttention: ``full`` blocks have every element
+    of the block rectangle allowed (inside both lengths, below the diagonal with ``causal``)."""
+    bq, bk = layout.block_size
+    sq, sk = layout.seqlen
+    R, C = layout.num_q_blocks, layout.num_kv_blocks
+    dev = layout.device
+    r, c = torch.arange(R, device=dev), torch.arange(C, device=dev)
+    q_lo, q_hi = r * bq, torch.clamp((r + 1) * bq, max=sq) - 1
+    k_lo, k_hi = c * bk, torch.clamp((c + 1) * bk, max=sk) - 1
+    whole = ((r + 1) * bq <= sq)[:, None] & ((c + 1) * bk <= sk)[None, :]
+    table = layout.block_table()
+    kept = table >= -1
+    if causal:
+        kept = kept & (k_lo[None, :] <= q_hi[:, None])
+        whole = whole & (k_hi[None, :] <= q_lo[:, None])
+    return kept, kept & whole & (table == -1)
 
-    ``BLOCK_SIZE = (BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, ``seq_lengths = seqlen`` and batch/head
-    dims ``[layout_batch, layout_heads]`` (1 broadcasts). Its ``mask_mod`` keeps element
-    ``(q, k)`` iff its block is kept, ``q < seqlen_q`` and ``k < seqlen_k`` (and ``q >= k`` when
-    ``causal``, top-left aligned); it reads the block table, so eager ``flex_attention`` (which
-    evaluates ``mask_mod`` on every element and ignores the block lists) and the compiled
-    kernels agree. With ``separate_full_blocks`` blocks whose every element is kept go to the
-    ``full_kv_*`` lists, where the compiled kernels skip ``mask_mod``; with ``causal`` blocks
-    holding no element with ``q >= k`` are dropped.
+
+def to_flex_block_mask(layout: BlockSparseLayout, causal: bool = False, *, separate_full_blocks: bool = True):
+    """A ``torch.nn.attention.flex_attention.BlockMask`` computing exactly this layout's mask.
+
+    ``BLOCK_SIZE = (BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, ``seq_lengths = seqlen`` and batch/head dims
+    ``[layout_batch, layout_heads]`` (1 broadcasts). Its ``mask_mod`` keeps element ``(q, k)`` iff
+    the layout allows it (kept block, and the partial block's mask bit), ``q < seqlen_q`` and
+    ``k < seqlen_k`` (and ``q >= k`` with ``causal``, top-left aligned). It reads the layout's
+    block table and bit-packed masks, so eager ``flex_attention`` (which evaluates ``mask_mod`` on
+    every element) and the compiled kernels agree. With ``separate_full_blocks`` the full blocks
+    (every element of the block allowed) go to the ``full_kv_*`` lists, where the compiled kernels
+    skip ``mask_mod``; with ``causal`` blocks holding no element with ``q >= k`` are dropped.
 
     FlexAttention's compiled CUDA kernel also needs ``BLOCK_SIZE_Q % BLOCK_M == 0`` and
     ``BLOCK_SIZE_KV % BLOCK_N == 0`` for its own tile (on torch 2.13 the defaults are 128 x 64
@@ -141,38 +208,40 @@ def to_flex_block_mask(layout: BlockSparseLayout, causal: bool = False, *, separ
     bq, bk = layout.block_size
     sq, sk = layout.seqlen
     R, C = layout.num_q_blocks, layout.num_kv_blocks
-    dev = layout.device
-    r = torch.arange(R, device=dev)
-    c = torch.arange(C, device=dev)
-    q_lo, q_hi = r * bq, torch.clamp((r + 1) * bq, max=sq) - 1
-    k_lo, k_hi = c * bk, torch.clamp((c + 1) * bk, max=sk) - 1
-    whole = ((r + 1) * bq <= sq)[:, None] & ((c + 1) * bk <= sk)[None, :]  # [R, C] no padding
-    kept = layout.to_block_mask()
-    if causal:
-        kept = kept & (k_lo[None, :] <= q_hi[:, None])
-        whole = whole & (k_hi[None, :] <= q_lo[:, None])
-    full = kept & whole if separate_full_blocks else None
-    partial = kept & ~whole if separate_full_blocks else kept
-    kv_num_blocks, kv_indices = _ordered(partial)
+    kept, full = _flex_block_tables(layout, causal)
+    if not separate_full_blocks:
+        full = None
+    kv_num_blocks, kv_indices = _ordered(kept & ~full if full is not None else kept)
     full_num, full_idx = _ordered(full) if full is not None else (None, None)
 
-    table = kept
+    table = layout.block_table()
+    masks = layout.partial_masks if layout.partial_masks.shape[0] else torch.zeros(
+        1, bq, _bits.num_words(bk), dtype=torch.int32, device=layout.device)
     stride_b = 1 if layout.layout_batch > 1 else 0
     stride_h = 1 if layout.layout_heads > 1 else 0
 
     def mask_mod(b, h, q_idx, kv_idx):
         rb = torch.clamp(q_idx // bq, max=R - 1)
         cb = torch.clamp(kv_idx // bk, max=C - 1)
-        keep = table[b * stride_b, h * stride_h, rb, cb] & (q_idx < sq) & (kv_idx < sk)
+        entry = table[b * stride_b, h * stride_h, rb, cb]
+        kq, kk = q_idx % bq, kv_idx % bk
+        word = masks[torch.clamp(entry, min=0), kq, kk // 32]
+        bit = ((word >> (kk % 32)) & 1) == 1
+        keep = (entry == -1) | ((entry >= 0) & bit)
+        keep = keep & (q_idx < sq) & (kv_idx < sk)
         return keep & (q_idx >= kv_idx) if causal else keep
 
     return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num, full_idx,
                                     BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(sq, sk))
 
+
 def from_flex_block_mask(block_mask, *, name: str = "flex") -> BlockSparseLayout:
-    """Build from a FlexAttention ``BlockMask``: a block is kept if it is in the partial or the
-    full block lists. Block-granular: elements that the ``mask_mod`` removes inside a kept
-    block are not recorded (apply them with ``causal=True`` or keep the BlockMask)."""
+    """Build from a FlexAttention ``BlockMask``, element-exact: blocks in its full lists are full
+    blocks; on the blocks of its partial lists its ``mask_mod`` is evaluated element by element
+    (for ``b < B``, ``h < H`` of the BlockMask's own batch/head dims, ``q < seq_lengths[0]``,
+    ``kv < seq_lengths[1]``), giving partial blocks (or full/empty ones when every/no element is
+    allowed). A ``mask_mod`` that depends on ``b`` or ``h`` therefore needs a BlockMask built with
+    those dims, as for FlexAttention itself."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if not isinstance(block_mask, BlockMask):
@@ -181,26 +250,90 @@ def from_flex_block_mask(block_mask, *, name: str = "flex") -> BlockSparseLayout
     bq, bk = (int(x) for x in block_mask.BLOCK_SIZE)
     sq, sk = (int(x) for x in block_mask.seq_lengths)
     R, C = math.ceil(sq / bq), math.ceil(sk / bk)
-    dense = block_mask.to_dense() != 0  # [..., rows, cols] union of partial and full blocks
-    if dense.dim() > 4:
-        raise ValueError(f"BlockMask must have at most 2 batch dims [B, H], got shape "
-                         f"{tuple(dense.shape)}")
-    if dense.shape[-2] < R or dense.shape[-1] < C:
-        raise ValueError(f"BlockMask with seq_lengths {(sq, sk)} and BLOCK_SIZE {(bq, bk)} needs "
-                         f"{R} x {C} blocks, its kv_indices hold {tuple(dense.shape[-2:])}")
-    if dense[..., R:, :].any() or dense[..., C:].any():
-        raise ValueError(f"BlockMask keeps blocks beyond seq_lengths {(sq, sk)} "
-                         f"({R} x {C} blocks of {(bq, bk)})")
-    return BlockSparseLayout.from_block_mask(dense[..., :R, :C].contiguous(), (bq, bk), (sq, sk), name=name)
+    partial = _flex_list(block_mask.kv_num_blocks, block_mask.kv_indices, R, C, "kv")
+    full = None
+    if block_mask.full_kv_num_blocks is not None:
+        full = _flex_list(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, R, C, "full_kv")
+    lb, lh = partial.shape[:2]
+    if full is not None:
+        lb, lh = max(lb, full.shape[0]), max(lh, full.shape[1])
+        full = full.expand(lb, lh, R, C)
+    partial = partial.expand(lb, lh, R, C)
+    if full is not None:
+        partial = partial & ~full
+    lid_p, r_p, c_p = partial.reshape(lb * lh, R, C).nonzero(as_tuple=True)
+    words = _eval_mask_mod(block_mask.mask_mod, lid_p, r_p, c_p, lh, (bq, bk), (sq, sk))
+    if full is not None:
+        lid_f, r_f, c_f = full.reshape(lb * lh, R, C).nonzero(as_tuple=True)
+        lid_p, r_p, c_p = torch.cat([lid_p, lid_f]), torch.cat([r_p, r_f]), torch.cat([c_p, c_f])
+        partial_flag = torch.cat([torch.ones(words.shape[0], dtype=torch.bool),
+                                  torch.zeros(lid_f.numel(), dtype=torch.bool)])
+    else:
+        partial_flag = None
+    return assemble(lid_p, r_p, c_p, words, partial=partial_flag, block_size=(bq, bk), seqlen=(sq, sk),
+                    layout_batch=lb, layout_heads=lh, name=name)
 
 
-def _split_batch(mask: torch.Tensor, layout_batch: int) -> torch.Tensor:
-    """``[L, R, C]`` -> ``[layout_batch, L // layout_batch, R, C]``."""
+def _flex_list(num_blocks: torch.Tensor, indices: torch.Tensor, R: int, C: int, what: str) -> torch.Tensor:
+    """FlexAttention's padded block lists -> ``bool [B, H, R, C]``; indices used by ``num_blocks``
+    must lie in ``[0, C)`` (FlexAttention pads *after* them)."""
+    num_blocks, indices = num_blocks.cpu().to(torch.int64), indices.cpu().to(torch.int64)
+    if num_blocks.dim() > 3 or indices.dim() != num_blocks.dim() + 1:
+        raise ValueError(f"BlockMask {what}_num_blocks must be [B, H, rows] and {what}_indices "
+                         f"[B, H, rows, cols], got {tuple(num_blocks.shape)} and {tuple(indices.shape)}")
+    while num_blocks.dim() < 3:
+        num_blocks, indices = num_blocks[None], indices[None]
+    if num_blocks.shape[-1] < R:
+        raise ValueError(f"BlockMask {what} lists cover {num_blocks.shape[-1]} block rows, seq_lengths "
+                         f"need {R}")
+    num_blocks, indices = num_blocks[..., :R], indices[..., :R, :]
+    if (num_blocks < 0).any() or (num_blocks > indices.shape[-1]).any():
+        raise ValueError(f"BlockMask {what}_num_blocks must lie in [0, {indices.shape[-1]}], got values "
+                         f"in [{int(num_blocks.min())}, {int(num_blocks.max())}]")
+    used = torch.arange(indices.shape[-1]) < num_blocks[..., None]
+    bad = used & ((indices < 0) | (indices >= C))
+    if bad.any():
+        b, h, r, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"BlockMask {what}_indices[{b}, {h}, {r}, {j}] = {int(indices[b, h, r, j])} is one "
+                         f"of the {int(num_blocks[b, h, r])} blocks {what}_num_blocks counts in that row "
+                         f"but lies outside [0, {C}) ({C} key blocks for seq_lengths); put padding (-1 "
+                         f"or any value) only after the counted entries, or lower the count")
+    out = torch.zeros(*indices.shape[:-1], C, dtype=torch.bool)
+    b, h, r, j = used.nonzero(as_tuple=True)
+    out[b, h, r, indices[b, h, r, j]] = True
+    return out
+
+
+def _eval_mask_mod(mask_mod, lid, r, c, lh: int, block, seqlen) -> torch.Tensor:
+    """``mask_mod`` on every in-range element of blocks ``(lid, r, c)``: ``int32 [E, bq, W]`` words."""
+    (bq, bk), (sq, sk) = block, seqlen
+    out = torch.zeros(lid.numel(), bq, _bits.num_words(bk), dtype=torch.int32)
+    if lid.numel() == 0:
+        return out
+    fn = torch.vmap(mask_mod, in_dims=(0, 0, 0, 0))
+    iq, ik = torch.arange(bq), torch.arange(bk)
+    step = max(1, _EVAL_CHUNK // (bq * bk))
+    for a in range(0, lid.numel(), step):
+        sl = slice(a, a + step)
+        n = lid[sl].numel()
+        q = (r[sl] * bq)[:, None, None] + iq[None, :, None]
+        k = (c[sl] * bk)[:, None, None] + ik[None, None, :]
+        b = (lid[sl] // lh)[:, None, None].expand(n, bq, bk)
+        h = (lid[sl] % lh)[:, None, None].expand(n, bq, bk)
+        q, k = q.expand(n, bq, bk), k.expand(n, bq, bk)
+        inside = (q < sq) & (k < sk)
+        vals = fn(b.reshape(-1), h.reshape(-1), q.clamp(max=sq - 1).reshape(-1), k.clamp(max=sk - 1).reshape(-1))
+        out[sl] = _bits.pack(vals.view(n, bq, bk).bool() & inside)
+    return out
+
+
+def _split_batch(num: int, layout_batch: int) -> tuple[int, int]:
+    """``(layout_batch, layout_heads)`` for ``num`` masks."""
     if isinstance(layout_batch, bool) or not isinstance(layout_batch, int) or layout_batch < 1 \
-            or mask.shape[0] % layout_batch:
+            or num % layout_batch:
         raise ValueError(f"layout_batch must be a positive divisor of the number of masks "
-                         f"{mask.shape[0]}, got {layout_batch!r}")
-    return mask.view(layout_batch, mask.shape[0] // layout_batch, *mask.shape[1:])
+                         f"{num}, got {layout_batch!r}")
+    return layout_batch, num // layout_batch
 
 
 def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,8 +344,9 @@ def _ordered(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m.sum(dim=-1, dtype=torch.int32).contiguous(), idx.to(torch.int32).contiguous()
 
 
-def _scipy_block_mask(bsr, what: str) -> tuple[torch.Tensor, tuple[int, int]]:
-    """Stored-block mask ``bool [R, C]`` and blocksize of one SciPy BSR matrix."""
+def _scipy_blocks(bsr, what: str):
+    """Stored blocks of one SciPy BSR matrix: ``(lid, r, c, nonzero values bool [n, bq, bk],
+    (R, C), (bq, bk))``."""
     import numpy as np
     import scipy.sparse as sp
 
@@ -225,21 +359,25 @@ def _scipy_block_mask(bsr, what: str) -> tuple[torch.Tensor, tuple[int, int]]:
     bq, bk = (int(x) for x in bsr.blocksize)
     R, C = bsr.shape[0] // bq, bsr.shape[1] // bk
     indptr = torch.from_numpy(np.asarray(bsr.indptr, dtype=np.int64))
-    if indptr.shape != (R + 1,) or (indptr[1:] < indptr[:-1]).any():
-        raise ValueError(f"{what}: indptr must be non-decreasing of length {R + 1}, got length "
-                         f"{indptr.numel()}")
-    indices = torch.from_numpy(np.asarray(bsr.indices[: int(indptr[-1])], dtype=np.int64))
+    if indptr.shape != (R + 1,) or (indptr[1:] < indptr[:-1]).any() or indptr[0] != 0:
+        raise ValueError(f"{what}: indptr must start at 0 and be non-decreasing of length {R + 1}, "
+                         f"got length {indptr.numel()}")
+    n = int(indptr[-1])
+    if n > len(bsr.indices) or n > bsr.data.shape[0]:
+        raise ValueError(f"{what}: indptr counts {n} stored blocks but indices/data hold "
+                         f"{len(bsr.indices)}/{bsr.data.shape[0]}")
+    indices = torch.from_numpy(np.asarray(bsr.indices[:n], dtype=np.int64))
     if indices.numel() and (indices.min() < 0 or indices.max() >= C):
         raise ValueError(f"{what}: block column indices must lie in [0, {C}), got values in "
                          f"[{int(indices.min())}, {int(indices.max())}]")
-    mask = torch.zeros(R, C, dtype=torch.bool)
-    rows = torch.searchsorted(indptr[1:].contiguous(), torch.arange(indices.numel()), right=True)
-    mask[rows, indices] = True
-    return mask, (bq, bk)
+    rows = torch.searchsorted(indptr[1:].contiguous(), torch.arange(n), right=True)
+    vals = torch.from_numpy(np.asarray(bsr.data[:n]) != 0)
+    return torch.zeros_like(rows), rows, indices, vals, (R, C), (bq, bk)
 
 
-def _torch_block_mask(t, what: str) -> tuple[torch.Tensor, tuple[int, int]]:
-    """Stored-block mask ``bool [*batch, R, C]`` and blocksize of a (batched) ``torch.sparse_bsr``."""
+def _torch_blocks(t, what: str):
+    """Stored blocks of a (batched) ``torch.sparse_bsr``: ``(batch dims, lid, r, c, nonzero values
+    bool [n, bq, bk], (R, C), (bq, bk))``."""
     if not isinstance(t, torch.Tensor) or t.layout != torch.sparse_bsr:
         got = f"a tensor with layout {t.layout}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"{what} must be a torch.sparse_bsr tensor, got {got}; convert with "
@@ -253,6 +391,12 @@ def _torch_block_mask(t, what: str) -> tuple[torch.Tensor, tuple[int, int]]:
     M, N = t.shape[-2:]
     R, C = M // bq, N // bk
     lead = tuple(t.shape[:n_batch])
-    crow2 = from_relative_offsets(crow.reshape(-1, R + 1))
-    validate_csr(crow2, col.reshape(-1), R, C, what=what)
-    return csr_to_mask(crow2, col.reshape(-1), C).view(*lead, R, C), (bq, bk)
+    if crow.shape[-1] != R + 1:
+        raise ValueError(f"{what}: crow_indices must have {R + 1} entries per matrix ({M} rows in "
+                         f"blocks of {bq}), got {crow.shape[-1]}")
+    crow2 = from_relative_offsets(crow.reshape(-1, R + 1).cpu())
+    col2 = col.reshape(-1).cpu()
+    validate_csr(crow2, col2, R, C, what=what)
+    flat = csr_row_ids(crow2)
+    vals = values.reshape(-1, bq, bk).cpu() != 0
+    return lead, flat // R, flat % R, col2.to(torch.int64), vals, (R, C), (bq, bk)

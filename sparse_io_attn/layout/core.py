@@ -1,4 +1,4 @@
-"""`BlockSparseLayout`: which (query block, key block) tiles of attention are computed.
+"""`BlockSparseLayout`: the attention mask, as full blocks and element-masked partial blocks.
 
 This is the centre of the API: pattern builders return one, every backend consumes one, and the
 traffic model and bound calculator read their counts from one.
@@ -10,7 +10,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from sparse_io_attn.layout._csr import INDEX_DTYPE, csr_to_mask, csr_transpose, mask_to_csr, validate_csr
+from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout._csr import (INDEX_DTYPE, coo_to_csr, csr_row_ids, csr_to_mask, csr_transpose,
+                                         mask_to_csr, validate_csr)
 
 _DRAW_LIMIT = 64  # rows/cols drawn by __str__ before truncating
 
@@ -30,42 +32,56 @@ def _pair(x, what: str) -> tuple[int, int]:
 
 
 class BlockSparseLayout:
-    r"""A block-level CSR description of the attention tiles that are computed.
+    r"""The layout is the mask: full blocks and element-masked partial blocks.
 
-    The score matrix of one (batch, head) is cut into tiles of ``BLOCK_SIZE_Q x BLOCK_SIZE_KV``
-    elements; a tile is *kept* if its (query block, key block) pair is stored. Query positions
-    ``[r*BLOCK_SIZE_Q, (r+1)*BLOCK_SIZE_Q)`` attend to key positions of the kept blocks of row ``r``
-    only (the last block of each axis may be partial when a length is not a multiple of the block).
+    The score matrix of one (batch, head) is cut into blocks of ``BLOCK_SIZE_Q x BLOCK_SIZE_KV``
+    elements. A *kept* block is stored; it is either **full** (every in-range element is allowed)
+    or **partial** (an element mask says which of its elements are allowed). Query ``i`` attends to
+    key ``j`` iff the block holding ``(i, j)`` is kept and, if partial, its mask bit is set. Nothing
+    outside kept blocks is read. The last block of each axis may extend past ``seqlen``; elements
+    past the ends do not exist.
 
-    Layout heads: a layout holds ``L = layout_batch * layout_heads`` block masks. ``layout_batch`` is
-    1 (shared by the batch) or the batch size; ``layout_heads`` is 1 (shared by all heads) or the
+    Layout heads: a layout holds ``L = layout_batch * layout_heads`` masks. ``layout_batch`` is 1
+    (shared by the batch) or the batch size; ``layout_heads`` is 1 (shared by all heads) or the
     number of *query* heads. Mask ``l = b * layout_heads + h`` belongs to batch ``b``, head ``h``.
 
-    Storage (see :mod:`sparse_io_attn.layout._csr`): ``crow_indices [L, num_q_blocks + 1]`` (int32, absolute
-    offsets into ``col_indices``), ``col_indices [nnz_blocks]`` sorted and unique per row, and the
-    transposed copy ``ccol_indices [L, num_kv_blocks + 1]`` / ``row_indices`` that backward iterates,
-    built once on first use and cached.
+    Storage (see :mod:`sparse_io_attn.layout._csr` and :mod:`sparse_io_attn.layout._bits`):
+
+    * ``crow_indices [L, num_q_blocks + 1]`` (int32, absolute offsets into ``col_indices``) and
+      ``col_indices [nnz_blocks]``, sorted and unique per row: the kept blocks.
+    * ``partial_ids [nnz_blocks]`` (int32): ``-1`` for a full block, else the index of its element
+      mask in ``partial_masks [num_masks, BLOCK_SIZE_Q, ceil(BLOCK_SIZE_KV / 32)]`` (int32, bit
+      ``j`` of word ``w`` in row ``r`` = element ``(r, 32 w + j)`` of the block). Masks are
+      deduplicated (equal masks are stored once) and canonical: bits past the sequence ends are 0,
+      a mask with every in-range bit set is a full block, an empty one is not kept.
+    * the transposed copy ``ccol_indices [L, num_kv_blocks + 1]`` / ``row_indices`` (and
+      ``csc_partial_ids``) that backward iterates, built once on first use and cached.
 
     Rebuilding the dense element mask (what :meth:`to_dense_mask` returns)::
 
-        blocks = torch.zeros(L, num_q_blocks, num_kv_blocks, dtype=torch.bool)
+        mask = torch.zeros(L, num_q_blocks * BLOCK_SIZE_Q, num_kv_blocks * BLOCK_SIZE_KV, dtype=torch.bool)
         for l in range(L):
             for r in range(num_q_blocks):
-                blocks[l, r, col_indices[crow_indices[l, r]:crow_indices[l, r + 1]]] = True
-        mask = blocks.repeat_interleave(BLOCK_SIZE_Q, 1).repeat_interleave(BLOCK_SIZE_KV, 2)
+                for e in range(crow_indices[l, r], crow_indices[l, r + 1]):
+                    c, p = col_indices[e], partial_ids[e]
+                    block = True if p < 0 else _bits.unpack(partial_masks[p], BLOCK_SIZE_KV)
+                    mask[l, r*BLOCK_SIZE_Q:(r+1)*BLOCK_SIZE_Q, c*BLOCK_SIZE_KV:(c+1)*BLOCK_SIZE_KV] = block
         mask = mask[:, :seqlen_q, :seqlen_k]
 
     Constructors and conversions (round trips are exact, compare with :meth:`equal`):
-    ``from_block_mask``/``to_block_mask``, ``from_dense_mask``/``to_dense_mask``,
-    ``from_scipy_bsr``/``to_scipy_bsr``, ``from_torch_bsr``/``to_torch_bsr`` and
-    ``from_flex_block_mask``/``to_flex_block_mask`` (FlexAttention ``BlockMask``). The SciPy and
-    torch BSR forms cover whole blocks, so pass ``seqlen`` back when lengths are ragged.
+    ``from_block_mask``/``to_block_mask`` (whole blocks), ``from_dense_mask``/``to_dense_mask``
+    (element-exact), ``from_scipy_bsr``/``to_scipy_bsr``, ``from_torch_bsr``/``to_torch_bsr`` (block
+    values carry the element masks) and ``from_flex_block_mask``/``to_flex_block_mask``
+    (FlexAttention ``BlockMask`` with its ``mask_mod``). The SciPy and torch BSR forms cover whole
+    blocks, so pass ``seqlen`` back when lengths are ragged.
     """
 
     def __init__(self, crow_indices: torch.Tensor, col_indices: torch.Tensor, *,
                  block_size, seqlen, layout_batch: int = 1, layout_heads: int | None = None,
                  name: str = "custom", validate: bool = True,
-                 ccol_indices: torch.Tensor | None = None, row_indices: torch.Tensor | None = None):
+                 partial_ids: torch.Tensor | None = None, partial_masks: torch.Tensor | None = None,
+                 ccol_indices: torch.Tensor | None = None, row_indices: torch.Tensor | None = None,
+                 csc_partial_ids: torch.Tensor | None = None):
         self.block_size = _pair(block_size, "block_size")
         self.seqlen = _pair(seqlen, "seqlen")
         bq, bk = self.block_size
@@ -83,17 +99,33 @@ class BlockSparseLayout:
         self.layout_heads = int(layout_heads)
         self.crow_indices = crow_indices.to(INDEX_DTYPE)
         self.col_indices = col_indices.to(INDEX_DTYPE)
+        dev = self.crow_indices.device
+        if (partial_ids is None) != (partial_masks is None):
+            raise ValueError("pass partial_ids and partial_masks together (or neither: all blocks full)")
+        if partial_ids is None:
+            partial_ids = torch.full((self.col_indices.numel(),), -1, dtype=INDEX_DTYPE, device=dev)
+            partial_masks = torch.zeros(0, bq, _bits.num_words(bk), dtype=torch.int32, device=dev)
+        elif validate:
+            _validate_partial(partial_ids, partial_masks, self.col_indices.numel(), (bq, bk))
+        self.partial_ids = partial_ids.to(INDEX_DTYPE)
+        self.partial_masks = partial_masks.to(torch.int32)
         self.name = name
-        self._csc = None
+        self._csc = None  # (ccol_indices, row_indices, csc_partial_ids), built on first use
         if ccol_indices is not None and row_indices is not None:
-            self._csc = (ccol_indices.to(INDEX_DTYPE), row_indices.to(INDEX_DTYPE))
+            if csc_partial_ids is None:
+                if bool((self.partial_ids >= 0).any()):
+                    raise ValueError("a layout with partial blocks needs csc_partial_ids next to the "
+                                     "transposed indices (or neither)")
+                csc_partial_ids = self.partial_ids
+            self._csc = (ccol_indices.to(INDEX_DTYPE), row_indices.to(INDEX_DTYPE), csc_partial_ids.to(INDEX_DTYPE))
         self._device_copies: dict = {}
 
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_block_mask(cls, block_mask: torch.Tensor, block_size, seqlen=None, *,
                         name: str = "custom") -> "BlockSparseLayout":
-        """Build from a boolean block mask ``[nqb, nkb]``, ``[H, nqb, nkb]`` or ``[B, H, nqb, nkb]``.
+        """Build from a boolean block mask ``[nqb, nkb]``, ``[H, nqb, nkb]`` or ``[B, H, nqb, nkb]``:
+        every kept block is full.
 
         ``block_size`` is an int or ``(q, kv)`` pair; ``seqlen`` an int or ``(seqlen_q, seqlen_kv)``
         pair, defaulting to the full block extent ``(nqb * q, nkb * kv)``.
@@ -107,8 +139,7 @@ class BlockSparseLayout:
             raise ValueError(f"block_mask must have shape [nqb, nkb], [H, nqb, nkb] or "
                              f"[B, H, nqb, nkb], got {tuple(block_mask.shape)}")
         bq, bk = _pair(block_size, "block_size")
-        lb, lh = (block_mask.shape[0], block_mask.shape[1]) if block_mask.dim() == 4 else (
-            1, block_mask.shape[0] if block_mask.dim() == 3 else 1)
+        lb, lh = _lead(block_mask.shape[:-2])
         nqb, nkb = block_mask.shape[-2:]
         if nqb == 0 or nkb == 0:
             raise ValueError(f"block_mask needs at least one block per axis, got {nqb} x {nkb}")
@@ -123,10 +154,15 @@ class BlockSparseLayout:
                    layout_heads=lh, name=name, validate=False)
 
     @classmethod
-    def from_dense_mask(cls, mask: torch.Tensor, block_size, *, name: str = "custom") -> "BlockSparseLayout":
-        """Build from an element mask ``[Nq, Nk]``, ``[H, Nq, Nk]`` or ``[B, H, Nq, Nk]``: a block is
-        kept if any of its elements is ``True``. (Elements of a kept block that were ``False`` are
-        *computed*; the layout is block-granular.)"""
+    def from_dense_mask(cls, mask: torch.Tensor, block_size, *, exact: bool = True,
+                        name: str = "custom") -> "BlockSparseLayout":
+        """Build from an element mask ``[Nq, Nk]``, ``[H, Nq, Nk]`` or ``[B, H, Nq, Nk]``.
+
+        ``exact=True`` (default): the layout computes exactly this mask; blocks with every element
+        allowed are full, blocks with some are partial. ``exact=False``: the block-level
+        approximation, where a block is kept (full) if any of its elements is allowed, so elements
+        the mask removes inside a kept block *are* attended.
+        """
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
             got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise TypeError(f"mask must be a torch.bool tensor, got {got}")
@@ -135,12 +171,20 @@ class BlockSparseLayout:
                              f"got {tuple(mask.shape)}")
         bq, bk = _pair(block_size, "block_size")
         sq, sk = mask.shape[-2:]
-        lead = mask.shape[:-2]
+        if sq == 0 or sk == 0:
+            raise ValueError(f"mask needs at least one query and one key, got shape {tuple(mask.shape)}")
+        lb, lh = _lead(mask.shape[:-2])
         nqb, nkb = math.ceil(sq / bq), math.ceil(sk / bk)
-        padded = torch.zeros(*lead, nqb * bq, nkb * bk, dtype=torch.bool, device=mask.device)
-        padded[..., :sq, :sk] = mask
-        blocks = padded.reshape(*lead, nqb, bq, nkb, bk).any(dim=-1).any(dim=-2)
-        return cls.from_block_mask(blocks, (bq, bk), (sq, sk), name=name)
+        padded = torch.zeros(lb * lh, nqb * bq, nkb * bk, dtype=torch.bool, device=mask.device)
+        padded[:, :sq, :sk] = mask.reshape(lb * lh, sq, sk)
+        blocks = padded.view(lb * lh, nqb, bq, nkb, bk)
+        kept = blocks.any(dim=4).any(dim=2)  # [L, R, C]
+        if not exact:
+            return cls.from_block_mask(kept.view(lb, lh, nqb, nkb), (bq, bk), (sq, sk), name=name)
+        lid, r, c = kept.nonzero(as_tuple=True)
+        elems = blocks[lid, r, :, c, :]  # [E, bq, bk]
+        return assemble(lid, r, c, _bits.pack(elems), block_size=(bq, bk), seqlen=(sq, sk),
+                        layout_batch=lb, layout_heads=lh, name=name)
 
     # ------------------------------------------------------------------ SciPy / PyTorch BSR / Flex
     # (implemented in :mod:`sparse_io_attn.layout.convert`)
@@ -206,8 +250,13 @@ class BlockSparseLayout:
 
     @property
     def nnz_blocks(self) -> int:
-        """Kept blocks summed over all stored masks."""
+        """Kept blocks (full and partial) summed over all stored masks."""
         return int(self.col_indices.numel())
+
+    @property
+    def num_partial_blocks(self) -> int:
+        """Kept blocks with an element mask (not every in-range element allowed)."""
+        return int((self.partial_ids >= 0).sum())
 
     @property
     def density(self) -> float:
@@ -222,10 +271,15 @@ class BlockSparseLayout:
     def row_indices(self) -> torch.Tensor:
         return self._transposed()[1]
 
+    @property
+    def csc_partial_ids(self) -> torch.Tensor:
+        """``partial_ids`` in the order of the transposed copy (``row_indices``)."""
+        return self._transposed()[2]
+
     def _transposed(self):
         if self._csc is None:
-            ccol, row, _ = csr_transpose(self.crow_indices, self.col_indices, self.num_kv_blocks)
-            self._csc = (ccol, row)
+            ccol, row, perm = csr_transpose(self.crow_indices, self.col_indices, self.num_kv_blocks)
+            self._csc = (ccol, row, self.partial_ids[perm].contiguous())
         return self._csc
 
     def row_counts(self) -> torch.Tensor:
@@ -236,15 +290,42 @@ class BlockSparseLayout:
         """Kept query blocks per key-block column, ``[L, num_kv_blocks]`` (int64)."""
         return (self.ccol_indices[:, 1:] - self.ccol_indices[:, :-1]).to(torch.int64)
 
+    def entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(lid, row, col)`` (int64 ``[nnz_blocks]``) of every kept block, in CSR order."""
+        flat = csr_row_ids(self.crow_indices)
+        return flat // self.num_q_blocks, flat % self.num_q_blocks, self.col_indices.to(torch.int64)
+
     def to_block_mask(self) -> torch.Tensor:
-        """``bool [layout_batch, layout_heads, num_q_blocks, num_kv_blocks]``."""
+        """Kept blocks (full or partial), ``bool [layout_batch, layout_heads, num_q_blocks, num_kv_blocks]``."""
         m = csr_to_mask(self.crow_indices, self.col_indices, self.num_kv_blocks)
         return m.view(self.layout_batch, self.layout_heads, self.num_q_blocks, self.num_kv_blocks)
 
+    def block_table(self) -> torch.Tensor:
+        """``int32 [layout_batch, layout_heads, num_q_blocks, num_kv_blocks]``: ``-2`` not kept, ``-1``
+        full, ``p >= 0`` partial with element mask ``partial_masks[p]``."""
+        L, R, C = self.num_layouts, self.num_q_blocks, self.num_kv_blocks
+        table = torch.full((L * R, C), -2, dtype=torch.int32, device=self.device)
+        if self.nnz_blocks:
+            table[csr_row_ids(self.crow_indices), self.col_indices.to(torch.int64)] = self.partial_ids
+        return table.view(self.layout_batch, self.layout_heads, R, C)
+
+    def entry_words(self) -> torch.Tensor:
+        """The bit-packed element mask of every kept block, ``int32 [nnz_blocks, BLOCK_SIZE_Q, W]``
+        (full blocks: every in-range bit set)."""
+        _, r, c = self.entries()
+        words = inrange_words(r, c, self.block_size, self.seqlen)
+        part = self.partial_ids >= 0
+        words[part] = self.partial_masks[self.partial_ids[part].to(torch.int64)]
+        return words
+
     def to_dense_mask(self) -> torch.Tensor:
-        """``bool [layout_batch, layout_heads, seqlen_q, seqlen_k]`` element mask."""
+        """``bool [layout_batch, layout_heads, seqlen_q, seqlen_k]``: the elements attention uses."""
         bq, bk = self.block_size
-        m = self.to_block_mask().repeat_interleave(bq, dim=2).repeat_interleave(bk, dim=3)
+        L, R, C = self.num_layouts, self.num_q_blocks, self.num_kv_blocks
+        m = torch.zeros(L, R, bq, C, bk, dtype=torch.bool, device=self.device)
+        lid, r, c = self.entries()
+        m[lid, r, :, c, :] = _bits.unpack(self.entry_words(), bk)
+        m = m.view(self.layout_batch, self.layout_heads, R * bq, C * bk)
         return m[:, :, : self.seqlen_q, : self.seqlen_k]
 
     def broadcast_strides(self, batch: int, num_heads_q: int) -> tuple[int, int]:
@@ -273,59 +354,77 @@ class BlockSparseLayout:
             return self
         key = str(device)
         if key not in self._device_copies:
-            csc = self._transposed()
+            ccol, row, csc_ids = (t.to(device) for t in self._transposed())
             self._device_copies[key] = BlockSparseLayout(
                 self.crow_indices.to(device), self.col_indices.to(device), block_size=self.block_size,
                 seqlen=self.seqlen, layout_batch=self.layout_batch, layout_heads=self.layout_heads,
-                name=self.name, validate=False, ccol_indices=csc[0].to(device), row_indices=csc[1].to(device))
+                name=self.name, validate=False, partial_ids=self.partial_ids.to(device),
+                partial_masks=self.partial_masks.to(device), ccol_indices=ccol, row_indices=row,
+                csc_partial_ids=csc_ids)
         return self._device_copies[key]
 
-    def _combine(self, other: "BlockSparseLayout", op, symbol: str) -> "BlockSparseLayout":
+    def _combine(self, other: "BlockSparseLayout", union: bool, symbol: str) -> "BlockSparseLayout":
+        """Element-level union / intersection; masks broadcast over batch and heads."""
         if not isinstance(other, BlockSparseLayout):
             raise TypeError(f"expected a BlockSparseLayout, got {type(other).__name__}")
         if self.block_size != other.block_size or self.seqlen != other.seqlen:
             raise ValueError(f"layouts must share block_size and seqlen to combine: "
                              f"{self.block_size}/{self.seqlen} vs {other.block_size}/{other.seqlen}")
-        a, b = self.to_block_mask(), other.to_block_mask().to(self.device)
-        # (not torch.broadcast_shapes: its first call imports torch._refs, ~2 s)
-        if any(x != y and 1 not in (x, y) for x, y in zip(a.shape[:2], b.shape[:2])):
-            raise ValueError(f"layout batch/heads do not broadcast: {tuple(a.shape[:2])} vs "
-                             f"{tuple(b.shape[:2])}")
-        return BlockSparseLayout.from_block_mask(op(a, b), self.block_size, self.seqlen,
-                                                 name=f"({self.name} {symbol} {other.name})")
+        other = other.to(self.device)
+        ta, tb = self.block_table(), other.block_table()
+        if any(x != y and 1 not in (x, y) for x, y in zip(ta.shape[:2], tb.shape[:2])):
+            raise ValueError(f"layout batch/heads do not broadcast: {tuple(ta.shape[:2])} vs "
+                             f"{tuple(tb.shape[:2])}")
+        lb, lh = max(ta.shape[0], tb.shape[0]), max(ta.shape[1], tb.shape[1])
+        R, C = self.num_q_blocks, self.num_kv_blocks
+        ta, tb = ta.expand(lb, lh, R, C).reshape(-1, R, C), tb.expand(lb, lh, R, C).reshape(-1, R, C)
+        keep = (ta >= -1) | (tb >= -1) if union else (ta >= -1) & (tb >= -1)
+        lid, r, c = keep.nonzero(as_tuple=True)
+        wa = _words_at(ta[lid, r, c], self.partial_masks, r, c, self.block_size, self.seqlen)
+        wb = _words_at(tb[lid, r, c], other.partial_masks, r, c, self.block_size, self.seqlen)
+        return assemble(lid, r, c, wa | wb if union else wa & wb, block_size=self.block_size,
+                        seqlen=self.seqlen, layout_batch=lb, layout_heads=lh,
+                        name=f"({self.name} {symbol} {other.name})")
 
     def union(self, other: "BlockSparseLayout") -> "BlockSparseLayout":
-        return self._combine(other, torch.logical_or, "|")
+        """Elements allowed by either layout."""
+        return self._combine(other, True, "|")
 
     def intersection(self, other: "BlockSparseLayout") -> "BlockSparseLayout":
-        return self._combine(other, torch.logical_and, "&")
+        """Elements allowed by both layouts."""
+        return self._combine(other, False, "&")
 
     __or__ = union
     __and__ = intersection
 
     def equal(self, other: "BlockSparseLayout") -> bool:
-        """Exact equality of sizes and indices (names are ignored)."""
-        return (isinstance(other, BlockSparseLayout) and self.block_size == other.block_size
+        """Exact equality of sizes, kept blocks and element masks (names are ignored)."""
+        if not (isinstance(other, BlockSparseLayout) and self.block_size == other.block_size
                 and self.seqlen == other.seqlen and self.layout_batch == other.layout_batch
                 and self.layout_heads == other.layout_heads
                 and torch.equal(self.crow_indices.cpu(), other.crow_indices.cpu())
-                and torch.equal(self.col_indices.cpu(), other.col_indices.cpu()))
+                and torch.equal(self.col_indices.cpu(), other.col_indices.cpu())):
+            return False
+        return torch.equal(self.entry_words().cpu(), other.entry_words().cpu())
 
     # ------------------------------------------------------------------ printing
     def __repr__(self) -> str:
         return (f"BlockSparseLayout(name={self.name!r}, seqlen={self.seqlen}, block_size={self.block_size}, "
                 f"blocks={self.num_q_blocks}x{self.num_kv_blocks}, layouts={self.layout_batch}x"
-                f"{self.layout_heads}, nnz_blocks={self.nnz_blocks}, density={self.density:.4f})")
+                f"{self.layout_heads}, nnz_blocks={self.nnz_blocks} ({self.num_partial_blocks} partial), "
+                f"density={self.density:.4f})")
 
     def draw(self, layout_index: int = 0, limit: int = _DRAW_LIMIT) -> str:
-        """The pattern of one stored mask drawn with █ (kept) / ░ (skipped), truncated at ``limit``."""
-        m = self.to_block_mask().reshape(-1, self.num_q_blocks, self.num_kv_blocks)[layout_index].cpu()
+        """One stored mask drawn with █ (full block), ▒ (partial block) and ░ (not kept), truncated
+        at ``limit`` rows/columns."""
+        t = self.block_table().reshape(-1, self.num_q_blocks, self.num_kv_blocks)[layout_index].cpu()
+        glyph = {-2: "░", -1: "█"}
         rows = [
-            "".join("█" if v else "░" for v in row[:limit].tolist()) + ("…" if m.shape[1] > limit else "")
-            for row in m[:limit]
+            "".join(glyph.get(v, "▒") for v in row[:limit].tolist()) + ("…" if t.shape[1] > limit else "")
+            for row in t[:limit]
         ]
-        if m.shape[0] > limit:
-            rows.append(f"… ({m.shape[0] - limit} more block rows)")
+        if t.shape[0] > limit:
+            rows.append(f"… ({t.shape[0] - limit} more block rows)")
         return "\n".join(rows)
 
     def __str__(self) -> str:
@@ -344,6 +443,97 @@ def stack_layouts(layouts: Iterable[BlockSparseLayout], *, name: str | None = No
     for lo in layouts:
         if lo.block_size != first.block_size or lo.seqlen != first.seqlen or lo.num_layouts != 1:
             raise ValueError("stack_layouts needs single-mask layouts sharing block_size and seqlen")
-    mask = torch.stack([lo.to_block_mask()[0, 0] for lo in layouts])
-    return BlockSparseLayout.from_block_mask(mask, first.block_size, first.seqlen,
-                                             name=name or f"stack[{first.name}]")
+    parts = [lo.to(first.device) for lo in layouts]
+    lid = torch.cat([torch.full((lo.nnz_blocks,), i, dtype=torch.int64, device=first.device)
+                     for i, lo in enumerate(parts)])
+    r = torch.cat([lo.entries()[1] for lo in parts])
+    c = torch.cat([lo.entries()[2] for lo in parts])
+    return assemble(lid, r, c, torch.cat([lo.entry_words() for lo in parts]), block_size=first.block_size,
+                    seqlen=first.seqlen, layout_batch=1, layout_heads=len(parts),
+                    name=name or f"stack[{first.name}]")
+
+
+# ---------------------------------------------------------------------------------------- assembly
+def _lead(shape) -> tuple[int, int]:
+    """``(layout_batch, layout_heads)`` of a mask's leading dims ``()``, ``(H,)`` or ``(B, H)``."""
+    return (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0] if len(shape) == 1 else 1)
+
+
+def inrange_words(r: torch.Tensor, c: torch.Tensor, block_size, seqlen) -> torch.Tensor:
+    """Bit-packed masks with every in-range element of blocks ``(r, c)`` set, ``int32 [E, bq, W]``."""
+    (bq, bk), (sq, sk) = block_size, seqlen
+    W = _bits.num_words(bk)
+    rows_ok = torch.arange(bq, device=r.device)[None, :] < (sq - r * bq)[:, None]          # [E, bq]
+    cols = (sk - c * bk).clamp(max=bk)[:, None] - 32 * torch.arange(W, device=r.device)   # [E, W]
+    word = (torch.ones((), dtype=torch.int64, device=r.device) << cols.clamp(0, 32)) - 1
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    return torch.where(rows_ok[:, :, None], word[:, None, :], torch.zeros((), dtype=torch.int32, device=r.device))
+
+
+def _words_at(table_vals: torch.Tensor, masks: torch.Tensor, r, c, block_size, seqlen) -> torch.Tensor:
+    """Element-mask words of blocks whose table entries are ``table_vals`` (-2 empty, -1 full, id)."""
+    words = inrange_words(r, c, block_size, seqlen)
+    words[table_vals == -2] = 0
+    part = table_vals >= 0
+    words[part] = masks[table_vals[part].to(torch.int64)]
+    return words
+
+
+def assemble(lid: torch.Tensor, r: torch.Tensor, c: torch.Tensor, words: torch.Tensor | None = None, *,
+             partial: torch.Tensor | None = None, block_size, seqlen, layout_batch: int,
+             layout_heads: int, name: str) -> BlockSparseLayout:
+    """The one constructor of element-exact layouts: unique candidate blocks ``(lid, r, c)`` (int64,
+    any order) with their element masks -> a canonical :class:`BlockSparseLayout`.
+
+    ``words`` (``int32 [P, bq, W]``, :mod:`._bits` format) are the masks of the entries where
+    ``partial`` is True (all entries when ``partial`` is None); entries without words are full.
+    Bits past the sequence ends are cleared, masks left empty are dropped, masks with every
+    in-range bit set become full blocks, and the remaining masks are deduplicated.
+    """
+    bq, bk = block_size
+    dev = lid.device
+    ids = torch.full((lid.numel(),), -1, dtype=torch.int64, device=dev)
+    masks = torch.zeros(0, bq, _bits.num_words(bk), dtype=torch.int32, device=dev)
+    keep = torch.ones(lid.numel(), dtype=torch.bool, device=dev)
+    if words is not None:
+        sel = torch.ones_like(keep) if partial is None else partial
+        pr, pc = r[sel], c[sel]
+        full_words = inrange_words(pr, pc, block_size, seqlen)
+        words = words & full_words
+        empty = (words == 0).flatten(1).all(1)
+        is_full = (words == full_words).flatten(1).all(1)
+        where = sel.nonzero().squeeze(1)
+        keep[where[empty]] = False
+        still = ~empty & ~is_full
+        masks, inverse = _bits.dedup(words[still])
+        ids[where[still]] = inverse
+    return assemble_ids(lid[keep], r[keep], c[keep], ids[keep], masks, block_size=block_size,
+                        seqlen=seqlen, layout_batch=layout_batch, layout_heads=layout_heads, name=name)
+
+
+def assemble_ids(lid, r, c, ids, masks, *, block_size, seqlen, layout_batch: int, layout_heads: int,
+                 name: str) -> BlockSparseLayout:
+    """Unique kept blocks ``(lid, r, c)`` with their ``partial_ids`` (-1 full) into deduplicated,
+    canonical ``masks`` -> the layout (entries sorted into CSR order)."""
+    R = math.ceil(seqlen[0] / block_size[0])
+    crow, col, order = coo_to_csr(lid, r, c, layout_batch * layout_heads, R)
+    return BlockSparseLayout(crow, col, block_size=block_size, seqlen=seqlen, layout_batch=layout_batch,
+                             layout_heads=layout_heads, name=name, validate=False,
+                             partial_ids=ids[order].to(INDEX_DTYPE), partial_masks=masks)
+
+
+def _validate_partial(ids: torch.Tensor, masks: torch.Tensor, nnz: int, block_size) -> None:
+    bq, bk = block_size
+    for name, t in (("partial_ids", ids), ("partial_masks", masks)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be an int32 tensor, got {got}")
+    W = _bits.num_words(bk)
+    if masks.dim() != 3 or tuple(masks.shape[1:]) != (bq, W):
+        raise ValueError(f"partial_masks must have shape [num_masks, {bq}, {W}] (BLOCK_SIZE_Q, "
+                         f"ceil(BLOCK_SIZE_KV / 32) words), got {tuple(masks.shape)}")
+    if ids.shape != (nnz,):
+        raise ValueError(f"partial_ids must have one entry per kept block ({nnz}), got shape {tuple(ids.shape)}")
+    if nnz and (int(ids.min()) < -1 or int(ids.max()) >= masks.shape[0]):
+        raise ValueError(f"partial_ids must lie in [-1, {masks.shape[0]}) (-1: full block), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")

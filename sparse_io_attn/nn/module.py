@@ -6,7 +6,7 @@ from typing import Callable, Union
 import torch
 from torch import nn
 
-from sparse_io_attn.block_sparse.api import BACKENDS
+from sparse_io_attn.block_sparse.api import BACKENDS, causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.nn.ops import block_sparse_attention_op
 
@@ -36,7 +36,9 @@ class SparseSelfAttention(nn.Module):
             one mask per query head (``layout_heads == num_heads``).
         num_kv_heads: key/value heads ``Hkv`` (GQA/MQA); default ``num_heads``. Query head ``h``
             reads kv head ``h // (num_heads // num_kv_heads)``.
-        causal: also mask keys after the query inside kept blocks (element level, top-left).
+        causal: intersect the layout with a causal mask: ``True``/``"top_left"`` (key ``j`` allowed for
+            query ``i`` iff ``j <= i``) or ``"bottom_right"`` (see :func:`~sparse_io_attn.block_sparse_attention`);
+            a layout built with ``causal=True`` carries its causality already.
         dropout: attention dropout probability. Only ``0.0`` is supported: the block-sparse
             backends have no dropout, and a value > 0 raises ``NotImplementedError`` rather than
             being ignored. Put an ``nn.Dropout`` on the layer's output instead.
@@ -49,7 +51,7 @@ class SparseSelfAttention(nn.Module):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, layout_or_pattern: LayoutOrPattern, *,
-                 num_kv_heads: int | None = None, causal: bool = False, dropout: float = 0.0,
+                 num_kv_heads: int | None = None, causal=False, dropout: float = 0.0,
                  bias: bool = True, backend: str = "auto", device=None, dtype=None):
         super().__init__()
         embed_dim = _positive_int(embed_dim, "embed_dim")
@@ -70,7 +72,8 @@ class SparseSelfAttention(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
-        self.causal, self.dropout, self.backend = bool(causal), 0.0, backend
+        causal_offset(causal, 1, 1)  # ValueError naming the accepted modes
+        self.causal, self.dropout, self.backend = causal, 0.0, backend
         kv_dim = num_kv_heads * self.head_dim
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)

@@ -2,15 +2,16 @@
 
 Two opaque ops, each a thin shell over a backend of :mod:`sparse_io_attn.block_sparse.api`:
 
-* ``sparse_io_attn::block_sparse_attn_fwd(q, k, v, crow_indices, col_indices, ccol_indices,
-  row_indices, block_size_q, block_size_kv, layout_batch, layout_heads, causal, sm_scale, backend)
-  -> (out, lse)``
+* ``sparse_io_attn::block_sparse_attn_fwd(q, k, v, crow_indices, col_indices, partial_ids,
+  partial_masks, ccol_indices, row_indices, csc_partial_ids, block_size_q, block_size_kv,
+  layout_batch, layout_heads, causal_offset, sm_scale, backend) -> (out, lse)``
 * ``sparse_io_attn::block_sparse_attn_bwd(do, q, k, v, out, lse, <same layout args>) -> (dq, dk, dv)``
 
 A :class:`~sparse_io_attn.BlockSparseLayout` is not a tensor, so it crosses the op boundary as its
-four int32 index tensors (CSR and the transposed CSC copy backward needs) plus ints; the op rebuilds
-the layout object inside with ``validate=False`` (the indices were validated when the layout was
-first built). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
+index and element-mask tensors (CSR, partial-block ids and masks, and the transposed CSC copy
+backward needs) plus ints; the op rebuilds the layout object inside with ``validate=False`` (the
+indices were validated when the layout was first built). ``causal_offset`` is ``None`` or the
+``delta`` of ``j <= i + delta`` (:func:`sparse_io_attn.block_sparse.api.causal_offset`). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
 backward op, so ``torch.compile(model, fullgraph=True)`` sees two nodes and no graph break.
 
 Shapes and units are those of :func:`sparse_io_attn.block_sparse_attention`: ``out`` has q's shape
@@ -19,11 +20,13 @@ rows, and is not differentiable (its incoming gradient is ignored).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from sparse_io_attn.block_sparse.api import backend_module, check_inputs, resolve_backend
+from sparse_io_attn.block_sparse.api import backend_module, causal_offset, check_inputs, resolve_backend
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 # Layout objects rebuilt inside the ops, keyed by the crow_indices tensor they were built from, so a
@@ -31,89 +34,103 @@ from sparse_io_attn.layout.core import BlockSparseLayout
 _REBUILT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _layout_from_indices(crow_indices: Tensor, col_indices: Tensor, ccol_indices: Tensor,
-                         row_indices: Tensor, block_size_q: int, block_size_kv: int, layout_batch: int,
+def _layout_from_indices(crow_indices: Tensor, col_indices: Tensor, partial_ids: Tensor, partial_masks: Tensor,
+                         ccol_indices: Tensor, row_indices: Tensor, csc_partial_ids: Tensor,
+                         block_size_q: int, block_size_kv: int, layout_batch: int,
                          layout_heads: int, seqlen_q: int, seqlen_k: int) -> BlockSparseLayout:
+    tensors = (col_indices, partial_ids, partial_masks, ccol_indices, row_indices, csc_partial_ids)
     meta = (block_size_q, block_size_kv, layout_batch, layout_heads, seqlen_q, seqlen_k)
     hit = _REBUILT.get(crow_indices)
     if hit is not None:
-        layout, col, ccol, row, hit_meta = hit
-        if col is col_indices and ccol is ccol_indices and row is row_indices and hit_meta == meta:
+        layout, hit_tensors, hit_meta = hit
+        if all(a is b for a, b in zip(hit_tensors, tensors)) and hit_meta == meta:
             return layout
     layout = BlockSparseLayout(crow_indices, col_indices, block_size=(block_size_q, block_size_kv),
                                seqlen=(seqlen_q, seqlen_k), layout_batch=layout_batch,
                                layout_heads=layout_heads, name="custom_op", validate=False,
-                               ccol_indices=ccol_indices, row_indices=row_indices)
-    _REBUILT[crow_indices] = (layout, col_indices, ccol_indices, row_indices, meta)
+                               partial_ids=partial_ids, partial_masks=partial_masks,
+                               ccol_indices=ccol_indices, row_indices=row_indices,
+                               csc_partial_ids=csc_partial_ids)
+    _REBUILT[crow_indices] = (layout, tensors, meta)
     return layout
 
 
 @torch.library.custom_op("sparse_io_attn::block_sparse_attn_fwd", mutates_args=())
 def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, crow_indices: Tensor, col_indices: Tensor,
-                          ccol_indices: Tensor, row_indices: Tensor, block_size_q: int,
-                          block_size_kv: int, layout_batch: int, layout_heads: int, causal: bool,
-                          sm_scale: float, backend: str) -> tuple[Tensor, Tensor]:
+                          partial_ids: Tensor, partial_masks: Tensor, ccol_indices: Tensor, row_indices: Tensor,
+                          csc_partial_ids: Tensor, block_size_q: int, block_size_kv: int, layout_batch: int,
+                          layout_heads: int, causal_offset: Optional[int], sm_scale: float,
+                          backend: str) -> tuple[Tensor, Tensor]:
     """Forward of block-sparse attention: ``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])``."""
-    layout = _layout_from_indices(crow_indices, col_indices, ccol_indices, row_indices, block_size_q,
-                                  block_size_kv, layout_batch, layout_heads, q.shape[2], k.shape[2])
-    out, lse = backend_module(backend).forward(q, k, v, layout, causal=causal, sm_scale=sm_scale)
+    layout = _layout_from_indices(crow_indices, col_indices, partial_ids, partial_masks, ccol_indices,
+                                  row_indices, csc_partial_ids, block_size_q, block_size_kv, layout_batch,
+                                  layout_heads, q.shape[2], k.shape[2])
+    out, lse = backend_module(backend).forward(q, k, v, layout, causal_offset=causal_offset, sm_scale=sm_scale)
     return out.contiguous(), lse.contiguous()
 
 
 @block_sparse_attn_fwd.register_fake
-def _(q, k, v, crow_indices, col_indices, ccol_indices, row_indices, block_size_q, block_size_kv,
-      layout_batch, layout_heads, causal, sm_scale, backend):
+def _(q, k, v, crow_indices, col_indices, partial_ids, partial_masks, ccol_indices, row_indices,
+      csc_partial_ids, block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend):
     B, Hq, Nq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 @torch.library.custom_op("sparse_io_attn::block_sparse_attn_bwd", mutates_args=())
 def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          crow_indices: Tensor, col_indices: Tensor, ccol_indices: Tensor,
-                          row_indices: Tensor, block_size_q: int, block_size_kv: int,
-                          layout_batch: int, layout_heads: int, causal: bool, sm_scale: float,
+                          crow_indices: Tensor, col_indices: Tensor, partial_ids: Tensor, partial_masks: Tensor,
+                          ccol_indices: Tensor, row_indices: Tensor, csc_partial_ids: Tensor,
+                          block_size_q: int, block_size_kv: int, layout_batch: int, layout_heads: int,
+                          causal_offset: Optional[int], sm_scale: float,
                           backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of block-sparse attention: ``(dq, dk, dv)`` shaped like q, k, v (dk/dv summed over
     the query heads of a GQA group)."""
-    layout = _layout_from_indices(crow_indices, col_indices, ccol_indices, row_indices, block_size_q,
-                                  block_size_kv, layout_batch, layout_heads, q.shape[2], k.shape[2])
-    dq, dk, dv = backend_module(backend).backward(do, q, k, v, out, lse, layout, causal=causal,
+    layout = _layout_from_indices(crow_indices, col_indices, partial_ids, partial_masks, ccol_indices,
+                                  row_indices, csc_partial_ids, block_size_q, block_size_kv, layout_batch,
+                                  layout_heads, q.shape[2], k.shape[2])
+    dq, dk, dv = backend_module(backend).backward(do, q, k, v, out, lse, layout, causal_offset=causal_offset,
                                                   sm_scale=sm_scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @block_sparse_attn_bwd.register_fake
-def _(do, q, k, v, out, lse, crow_indices, col_indices, ccol_indices, row_indices, block_size_q,
-      block_size_kv, layout_batch, layout_heads, causal, sm_scale, backend):
+def _(do, q, k, v, out, lse, crow_indices, col_indices, partial_ids, partial_masks, ccol_indices, row_indices,
+      csc_partial_ids, block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+_NUM_LAYOUT_TENSORS = 7  # crow, col, partial_ids, partial_masks, ccol, row, csc_partial_ids
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, crow, col, ccol, row = inputs[:7]
+    q, k, v = inputs[:3]
+    layout_tensors = inputs[3:3 + _NUM_LAYOUT_TENSORS]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, crow, col, ccol, row)
-    ctx.meta = inputs[7:]  # block_size_q, block_size_kv, layout_batch, layout_heads, causal, sm_scale, backend
+    ctx.save_for_backward(q, k, v, out, lse, *layout_tensors)
+    # block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend
+    ctx.meta = inputs[3 + _NUM_LAYOUT_TENSORS:]
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, crow, col, ccol, row = ctx.saved_tensors
-    dq, dk, dv = block_sparse_attn_bwd(dout.contiguous(), q, k, v, out, lse, crow, col, ccol, row,
-                                       *ctx.meta)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    q, k, v, out, lse, *layout_tensors = ctx.saved_tensors
+    dq, dk, dv = block_sparse_attn_bwd(dout.contiguous(), q, k, v, out, lse, *layout_tensors, *ctx.meta)
+    return (dq, dk, dv) + (None,) * (_NUM_LAYOUT_TENSORS + len(ctx.meta))
 
 
 block_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def layout_op_args(layout: BlockSparseLayout) -> tuple:
-    """The layout as the op's arguments: ``(crow, col, ccol, row, bq, bkv, layout_batch, layout_heads)``."""
-    return (layout.crow_indices, layout.col_indices, layout.ccol_indices, layout.row_indices,
+    """The layout as the op's arguments: ``(crow, col, partial_ids, partial_masks, ccol, row,
+    csc_partial_ids, bq, bkv, layout_batch, layout_heads)``."""
+    return (layout.crow_indices, layout.col_indices, layout.partial_ids, layout.partial_masks,
+            layout.ccol_indices, layout.row_indices, layout.csc_partial_ids,
             layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV, layout.layout_batch, layout.layout_heads)
 
 
 def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, layout: BlockSparseLayout, *,
-                              causal: bool = False, sm_scale: float | None = None,
+                              causal=False, sm_scale: float | None = None,
                               return_lse: bool = False, backend: str = "auto"):
     """Same contract as :func:`sparse_io_attn.block_sparse_attention`, through the custom ops.
 
@@ -122,7 +139,8 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, layout: BlockSpar
     built (once, cached on the layout) before the call.
     """
     sm_scale = check_inputs(q, k, v, layout, sm_scale)
+    delta = causal_offset(causal, q.shape[2], k.shape[2])
     name = resolve_backend(backend, q.device)
     layout = layout.to(q.device)
-    out, lse = block_sparse_attn_fwd(q, k, v, *layout_op_args(layout), bool(causal), sm_scale, name)
+    out, lse = block_sparse_attn_fwd(q, k, v, *layout_op_args(layout), delta, sm_scale, name)
     return (out, lse) if return_lse else out

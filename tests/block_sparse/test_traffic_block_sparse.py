@@ -68,7 +68,8 @@ def test_counted_equals_predicted(config):
 
 
 def test_dense_forward_closed_form():
-    """Dense, non-causal: every query tile reads all of K and V once."""
+    """Dense, non-causal: every query tile reads all of K and V once; blocks at the ragged ends are
+    partial (2 schedule entries per tile), the others full (1)."""
     B, Hq, Hkv, N, D, es = 2, 4, 2, 1000, 64, 2
     layout = BlockSparseLayout.from_block_mask(torch.ones(16, 16, dtype=torch.bool), 64, N)
     tiles = choose_tiles((64, 64), D, torch.bfloat16)
@@ -78,7 +79,10 @@ def test_dense_forward_closed_form():
     assert kt.reads["k"] == kt.reads["v"] == B * Hq * n_tiles * N * D * es
     assert kt.reads["q"] == kt.writes["o"] == B * Hq * N * D * es
     assert kt.writes["lse"] == B * Hq * N * 4
-    assert kt.reads["layout"] == B * Hq * n_tiles * (2 + 16) * 4
+    last_row = 4 + 2 * 16                  # the ragged query-block row: every block partial
+    other_rows = 4 + 15 + 2                # 15 full blocks, the ragged key block partial
+    assert n_tiles == 16 and kt.reads["layout"] == B * Hq * ((n_tiles - 1) * other_rows + last_row) * 4
+    assert kt.reads["mask"] == 0           # no element masks: padding is tested, not loaded
 
 
 def test_model_scales_to_long_sequences():

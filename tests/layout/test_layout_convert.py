@@ -26,7 +26,25 @@ def random_layout(shape, block, seqlen, p=0.5):
 
 
 def elem_blocks(layout):
-    return layout.to_block_mask().reshape(-1, layout.num_q_blocks, layout.num_kv_blocks)
+    """Per stored mask, the element mask padded with False to whole blocks (what BSR values hold)."""
+    bq, bk = layout.block_size
+    pad = torch.zeros(layout.num_layouts, layout.num_q_blocks * bq, layout.num_kv_blocks * bk, dtype=torch.bool)
+    pad[:, :layout.seqlen_q, :layout.seqlen_k] = layout.to_dense_mask().reshape(-1, *layout.seqlen)
+    return pad
+
+
+def random_exact_layout(shape, block, seqlen, p=0.5):
+    """Element-exact layout of a random element mask with structure: some blocks full, some partial,
+    some empty."""
+    bq, bk = (block, block) if isinstance(block, int) else block
+    lead, (nqb, nkb) = shape[:-2], shape[-2:]
+    sq, sk = seqlen if seqlen is not None else (nqb * bq, nkb * bk)
+    sq, sk = (sq, sq) if isinstance(sq, int) and seqlen is not None and not isinstance(seqlen, tuple) else (sq, sk)
+    blocks = torch.rand(*lead, nqb, nkb) < p
+    elem = blocks.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :sq, :sk]
+    elem = elem & (torch.rand(elem.shape) < 0.7) | (elem & (torch.rand(*lead, nqb, nkb) < 0.5)
+                                                      .repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :sq, :sk])
+    return BlockSparseLayout.from_dense_mask(elem, block), elem
 
 
 @pytest.mark.parametrize("shape,block,seqlen", CASES)
@@ -39,9 +57,9 @@ def test_scipy_roundtrip(shape, block, seqlen):
     for mat, blocks in zip(mats, elem_blocks(lo)):
         assert mat.format == "bsr" and mat.blocksize == (bq, bk) and mat.dtype == np.int8
         assert mat.shape == (lo.num_q_blocks * bq, lo.num_kv_blocks * bk)
-        # the matrix is the block mask expanded to whole blocks of ones
+        # the matrix is the element mask (past the sequence ends: 0)
         dense = torch.from_numpy(mat.toarray()).bool()
-        assert torch.equal(dense, blocks.repeat_interleave(bq, 0).repeat_interleave(bk, 1))
+        assert torch.equal(dense, blocks)
     back = BlockSparseLayout.from_scipy_bsr(out, seqlen=lo.seqlen, layout_batch=lo.layout_batch)
     assert back.equal(lo)
 
@@ -69,7 +87,7 @@ def test_torch_bsr_roundtrip(shape, block, seqlen):
     assert len(parts) == lo.num_layouts
     for t, blocks in zip(parts, elem_blocks(lo)):
         assert t.layout == torch.sparse_bsr and t.values().shape[-2:] == (bq, bk)
-        assert torch.equal(t.to_dense(), blocks.repeat_interleave(bq, 0).repeat_interleave(bk, 1))
+        assert torch.equal(t.to_dense(), blocks)
     assert BlockSparseLayout.from_torch_bsr(parts, lo.seqlen, layout_batch=lo.layout_batch).equal(lo)
     nnz = lo.crow_indices[:, -1] - lo.crow_indices[:, 0]
     if lo.num_layouts == 1 or bool((nnz == nnz[0]).all()):
@@ -89,7 +107,7 @@ def test_torch_batched_bsr_equal_nnz(lead):
     lo = BlockSparseLayout.from_block_mask(m, (4, 8), (18, 45))
     t = lo.to_torch_bsr()
     assert t.shape == (*lead, 20, 48) and t.crow_indices().shape == (*lead, 6)
-    assert torch.equal(t.to_dense(), m.repeat_interleave(4, -2).repeat_interleave(8, -1))
+    assert torch.equal(t.to_dense(), elem_blocks(lo).view(*lead, 20, 48))
     assert BlockSparseLayout.from_torch_bsr(t, lo.seqlen).equal(lo)
     # torch's own conversion of the element mask gives the same layout
     with warnings.catch_warnings():
@@ -193,7 +211,7 @@ def test_conversion_errors():
         BlockSparseLayout.from_scipy_bsr([csr.tobsr((4, 4)), csr.tobsr((2, 2))])
     with pytest.raises(ValueError, match="positive divisor"):
         BlockSparseLayout.from_scipy_bsr([csr.tobsr((4, 4))] * 3, layout_batch=2)
-    with pytest.raises(ValueError, match="needs a block mask of"):
+    with pytest.raises(ValueError, match="the BSR input has 2 x 2"):
         BlockSparseLayout.from_scipy_bsr(csr.tobsr((4, 4)), seqlen=20)
     with pytest.raises(TypeError, match="torch.sparse_bsr tensor, got a tensor with layout torch.strided"):
         BlockSparseLayout.from_torch_bsr(torch.ones(8, 8))
@@ -212,5 +230,5 @@ def test_conversion_errors():
     forged = BlockMask.from_kv_blocks(torch.tensor([[[1, 1]]], dtype=torch.int32),
                                       torch.tensor([[[[1, 0], [0, 1]]]], dtype=torch.int32),
                                       BLOCK_SIZE=16, seq_lengths=(32, 10))  # 2 x 1 blocks, keeps (0, 1)
-    with pytest.raises(ValueError, match="beyond seq_lengths"):
+    with pytest.raises(ValueError, match=r"kv_indices\[0, 0, 0, 0\] = 1 .* outside \[0, 1\)"):
         BlockSparseLayout.from_flex_block_mask(forged)

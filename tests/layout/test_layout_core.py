@@ -20,16 +20,20 @@ def test_block_mask_roundtrip_and_csc(shape, block, seqlen):
     assert lo.density == pytest.approx(m.float().mean().item())
 
 
-def test_dense_mask_keeps_block_if_any_element():
+def test_dense_mask_exact_and_block_level():
     mask = torch.zeros(20, 12, dtype=torch.bool)
-    mask[17, 3] = True  # last (partial) query block, first key block
-    lo = BlockSparseLayout.from_dense_mask(mask, (8, 4))
+    mask[17, 3] = True       # last (ragged) query block, first key block: a partial block
+    mask[0:8, 4:8] = True    # block (0, 1) entirely: a full block
     expect = torch.zeros(3, 3, dtype=torch.bool)
-    expect[2, 0] = True
-    assert torch.equal(lo.to_block_mask()[0, 0], expect)
-    assert lo.seqlen == (20, 12)
-    dense = lo.to_dense_mask()[0, 0]
-    assert dense.shape == (20, 12) and dense[16:, :4].all() and dense.sum() == 4 * 4
+    expect[2, 0] = expect[0, 1] = True
+    exact = BlockSparseLayout.from_dense_mask(mask, (8, 4))
+    assert torch.equal(exact.to_block_mask()[0, 0], expect) and exact.seqlen == (20, 12)
+    assert exact.num_partial_blocks == 1 and exact.partial_masks.shape[0] == 1
+    assert torch.equal(exact.to_dense_mask()[0, 0], mask)
+    approx = BlockSparseLayout.from_dense_mask(mask, (8, 4), exact=False)
+    assert torch.equal(approx.to_block_mask()[0, 0], expect) and approx.num_partial_blocks == 0
+    dense = approx.to_dense_mask()[0, 0]
+    assert dense.shape == (20, 12) and dense[16:, :4].all() and dense.sum() == 4 * 4 + 8 * 4
 
 
 def test_validation_errors():

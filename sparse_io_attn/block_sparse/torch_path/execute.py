@@ -158,13 +158,13 @@ class _Exec:
         dst.view(-1, self.bk, self.D).index_add_(0, ch.k_idx, val.reshape(-1, self.bk, self.D))
 
 
-def forward(q, k, v, layout: BlockSparseLayout, *, causal: bool, sm_scale: float):
+def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
     """``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] float32 natural log)``."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     bq, bk = layout.block_size
     Nqp, Nkp = layout.num_q_blocks * bq, layout.num_kv_blocks * bk
-    plan = get_plan(layout, B, Hq, Hkv, causal, q.device)
+    plan = get_plan(layout, B, Hq, Hkv, causal_offset, q.device)
     dev = q.device
 
     qu = _q_units(q, plan.heads_per_unit, Nqp, scale=sm_scale * LOG2E)   # [U, Nqp, G, D], base-2 scores
@@ -195,13 +195,13 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal: bool, sm_scale: float
     return _from_q_units(out, B, Hq, Nq).to(q.dtype), _from_q_units(lse, B, Hq, Nq)
 
 
-def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal: bool, sm_scale: float):
+def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
     """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     bq, bk = layout.block_size
     Nqp, Nkp = layout.num_q_blocks * bq, layout.num_kv_blocks * bk
-    plan = get_plan(layout, B, Hq, Hkv, causal, q.device)
+    plan = get_plan(layout, B, Hq, Hkv, causal_offset, q.device)
     G = plan.heads_per_unit
     dev = q.device
 

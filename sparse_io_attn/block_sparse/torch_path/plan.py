@@ -1,7 +1,9 @@
 """Plans of the PyTorch backend: which chunks of matmuls compute a layout (see the package docstring).
 
-A plan depends only on the layout, ``(B, Hq, Hkv)``, ``causal`` and the device; :func:`get_plan`
-builds it once and caches it per layout object.
+A plan depends only on the layout, ``(B, Hq, Hkv)``, the causal offset and the device;
+:func:`get_plan` builds it once and caches it per layout object. A chunk reads only blocks its rows
+keep; elements to drop inside them (key padding, the causal diagonal, the element masks of partial
+blocks) are set to ``-inf`` through the chunk's ``mask``.
 """
 from __future__ import annotations
 
@@ -10,14 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 SCORE_BUDGET = 1 << 20
-# Query rows (x stacked heads) a matmul should reach when rows can be stacked: M >= 256 runs ~15%
-# faster than M = 64 on CPU. Consecutive rows with different key ranges are stacked over the union
-# of their ranges when at most MERGE_WASTE of the scores are masked-out padding.
+# Query rows (x stacked heads) a matmul should reach when rows with the same keys can be stacked:
+# M >= 256 runs ~15% faster than M = 64 on CPU.
 MIN_ROWS_M = 256
-MERGE_WASTE = 0.10
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -25,8 +26,8 @@ MERGE_WASTE = 0.10
 class _Task:
     units: tuple[int, ...]
     rows: tuple[int, ...]   # query blocks, stacked into one matmul
-    cols: tuple[int, ...]   # key blocks read for these rows
-    kept: tuple | None = None  # per row, the blocks of `cols` it keeps (None: all of them)
+    cols: tuple[int, ...]   # key blocks read for these rows (kept by every one of them)
+    pids: tuple[int, ...] = ()  # per col, the partial-mask id shared by the rows (-1: full block)
 
 
 @dataclass
@@ -87,20 +88,22 @@ def _unit_maps(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int):
     return U, 1, lidx, [(u // Hq) * Hkv + (u % Hq) // group for u in range(U)]
 
 
-def _row_lists(layout: BlockSparseLayout, l: int, causal: bool) -> list[tuple[int, ...]]:
-    """Kept key blocks of each query-block row of mask ``l``, minus blocks fully above the causal
-    diagonal (every key position > every query position of the row)."""
+def _row_lists(layout: BlockSparseLayout, l: int, delta: int | None) -> list[tuple[tuple[int, int], ...]]:
+    """Kept ``(key block, partial id)`` pairs of each query-block row of mask ``l``, minus blocks
+    entirely past the causal diagonal ``j <= i + delta`` (no element of the block allowed)."""
     bq, bk = layout.block_size
     crow = layout.crow_indices[l].tolist()
     col = layout.col_indices[crow[0]:crow[-1]].tolist()
+    pid = layout.partial_ids[crow[0]:crow[-1]].tolist()
     base = crow[0]
     rows = []
     for r in range(layout.num_q_blocks):
-        cols = col[crow[r] - base:crow[r + 1] - base]
-        if causal:
+        a, b = crow[r] - base, crow[r + 1] - base
+        pairs = tuple(zip(col[a:b], pid[a:b]))
+        if delta is not None:
             last_q = min((r + 1) * bq, layout.seqlen_q) - 1
-            cols = [c for c in cols if c * bk <= last_q]
-        rows.append(tuple(cols))
+            pairs = tuple(cp for cp in pairs if cp[0] * bk <= last_q + delta)
+        rows.append(pairs)
     return rows
 
 
@@ -116,20 +119,22 @@ def _arith(xs) -> int | None:
     return d if all(b - a == d for a, b in zip(xs, xs[1:])) else None
 
 
-def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, causal: bool) -> tuple[list[_Task], bool]:
-    """Rows with identical key lists (merged across masks), split to fit the score budget; and
-    whether some row keeps no key block."""
+def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, delta: int | None) -> tuple[list[_Task], bool]:
+    """Rows with identical kept blocks and element masks (merged across masks), split to fit the
+    score budget; and whether some row keeps no key block."""
     bq, bk = layout.block_size
-    by_cols: dict[tuple, dict[int, list[int]]] = {}   # cols -> row -> units
+    by_cols: dict[tuple, dict[int, list[int]]] = {}   # (col, pid) pairs -> row -> units
     has_empty = False
     for l, units in units_of.items():
-        for r, cols in enumerate(_row_lists(layout, l, causal)):
-            if cols:
-                by_cols.setdefault(cols, {}).setdefault(r, []).extend(units)
+        for r, pairs in enumerate(_row_lists(layout, l, delta)):
+            if pairs:
+                by_cols.setdefault(pairs, {}).setdefault(r, []).extend(units)
             else:
                 has_empty = True
     tasks = []
-    for cols, row_units in by_cols.items():
+    for pairs, row_units in by_cols.items():
+        cols = tuple(c for c, _ in pairs)
+        pids = tuple(p for _, p in pairs)
         groups: dict[tuple, list[int]] = {}
         for r in sorted(row_units):
             groups.setdefault(tuple(sorted(row_units[r])), []).append(r)
@@ -149,66 +154,32 @@ def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, causal: bool) -> t
             # non-contiguous rows of one class can share a matmul (gathered); keep pieces if contiguous
             if len(pieces) > 1 and all(len(p) == 1 for p in pieces):
                 pieces = [rows[i:i + step] for i in range(0, len(rows), step)]
-            tasks += [_Task(units, tuple(p), cols) for p in pieces]
-    return _merge_rows(tasks, G * bq, bk), has_empty
+            tasks += [_Task(units, tuple(p), cols, pids) for p in pieces]
+    return tasks, has_empty
 
 
-def _merge_rows(tasks: list[_Task], rows_m: int, bk: int) -> list[_Task]:
-    """Stack runs of consecutive single-row tasks with contiguous key ranges (a causal prefix,
-    a band) into one task over the union of their ranges when that wastes at most
-    ``MERGE_WASTE`` of the scores: taller matmuls (up to ``MIN_ROWS_M`` rows) run faster; the
-    blocks a row does not keep are masked (``kept``)."""
-    single, out = {}, []
-    for t in tasks:
-        if len(t.rows) == 1 and _contiguous(t.cols):
-            single.setdefault(t.units, []).append(t)
-        else:
-            out.append(t)
-    gmax = max(1, MIN_ROWS_M // rows_m)
-    for units, ts in single.items():
-        ts.sort(key=lambda t: t.rows[0])
-        group = [ts[0]]
-        for t in ts[1:] + [None]:
-            if t is not None and len(group) < gmax and t.rows[0] == group[-1].rows[0] + 1:
-                lo = min(g.cols[0] for g in group + [t])
-                hi = max(g.cols[-1] for g in group + [t])
-                width = hi - lo + 1
-                waste = sum(width - len(g.cols) for g in group + [t]) / (width * (len(group) + 1))
-                if waste <= MERGE_WASTE and (len(group) + 1) * rows_m * width * bk <= SCORE_BUDGET:
-                    group.append(t)
-                    continue
-            if len(group) == 1:
-                out.append(group[0])
-            else:
-                lo, hi = min(g.cols[0] for g in group), max(g.cols[-1] for g in group)
-                cols = tuple(range(lo, hi + 1))
-                kept = tuple(g.cols for g in group)
-                out.append(_Task(units, tuple(g.rows[0] for g in group), cols,
-                                 None if all(k == cols for k in kept) else kept))
-            group = [t]
-    return out
-
-
-def _drop_mask(t: _Task, layout: BlockSparseLayout, causal: bool):
-    """bool ``[len(rows)*bq, len(cols)*bk]`` (True = drop: key padding, causal ``j > i``, a block
-    the row does not keep), or None if nothing is dropped."""
+def _drop_mask(t: _Task, layout: BlockSparseLayout, delta: int | None):
+    """bool ``[len(rows)*bq, len(cols)*bk]`` (True = drop: key padding, causal ``j > i + delta``,
+    an element a partial block's mask removes), or None if nothing is dropped."""
     bq, bk = layout.block_size
     qpos = (torch.tensor(t.rows).view(-1, 1) * bq + torch.arange(bq)).view(-1)
     kpos = (torch.tensor(t.cols).view(-1, 1) * bk + torch.arange(bk)).view(-1)
     drop = (kpos >= layout.seqlen_k).view(1, -1).expand(qpos.numel(), -1)
-    if causal:
-        drop = drop | (kpos.view(1, -1) > qpos.view(-1, 1))
-    if t.kept is not None:
-        keep = torch.tensor([[c in set(k) for c in t.cols] for k in t.kept])   # [rows, cols]
-        drop = drop | ~keep.repeat_interleave(bq, 0).repeat_interleave(bk, 1)
+    if delta is not None:
+        drop = drop | (kpos.view(1, -1) > qpos.view(-1, 1) + delta)
+    if any(p >= 0 for p in t.pids):
+        masks = layout.partial_masks.cpu()
+        allowed = torch.stack([_bits.unpack(masks[p], bk) if p >= 0 else torch.ones(bq, bk, dtype=torch.bool)
+                               for p in t.pids], dim=1).view(bq, -1)       # [bq, cols*bk]
+        drop = drop | ~allowed.repeat(len(t.rows), 1)
     return drop if bool(drop.any()) else None
 
 
-def _set_mask(ch: _Chunk, items: list, layout: BlockSparseLayout, causal: bool) -> None:
+def _set_mask(ch: _Chunk, items: list, layout: BlockSparseLayout, delta: int | None) -> None:
     """``items``: the task of each item (or one task shared by all items)."""
     bk = layout.BLOCK_SIZE_KV
     memo: dict[int, torch.Tensor | None] = {}
-    masks = [memo[id(t)] if id(t) in memo else memo.setdefault(id(t), _drop_mask(t, layout, causal))
+    masks = [memo[id(t)] if id(t) in memo else memo.setdefault(id(t), _drop_mask(t, layout, delta))
              for t in items]
     if all(m is None for m in masks):
         return
@@ -223,7 +194,7 @@ def _set_mask(ch: _Chunk, items: list, layout: BlockSparseLayout, causal: bool) 
     ch.mask = torch.stack([m if m is not None else torch.zeros_like(like) for m in sub]).unsqueeze(2)
 
 
-def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bool,
+def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, delta: int | None,
                 device: torch.device) -> _Plan:
     bq, bk = layout.block_size
     nqb, nkb = layout.num_q_blocks, layout.num_kv_blocks
@@ -233,7 +204,7 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
         units_of.setdefault(l, []).append(u)
 
     viewable, gathered = {}, {}
-    tasks, has_empty = _tasks(layout, units_of, G, causal)
+    tasks, has_empty = _tasks(layout, units_of, G, delta)
     for t in tasks:
         key = (len(t.rows), len(t.cols))
         if _contiguous(t.rows) and _contiguous(t.cols):
@@ -266,7 +237,7 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
                     sub, sub_kv = list(units[a:a + cap_u]), kvs[a:a + cap_u]
                     ch = _Chunk("units", 1, len(sub), R, C, sub, sub_kv, q0=t0.rows[0], k0=t0.cols[0],
                                 du=du, dkv=dkv)
-                    _set_mask(ch, [t0], layout, causal)
+                    _set_mask(ch, [t0], layout, delta)
                     chunks.append(ch)
                 i = j
                 continue
@@ -277,7 +248,7 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
                             k0=t0.cols[0], qstep=qstep, kstep=kstep, du=du)
                 ch.k_idx = torch.tensor([kv * nkb + t.cols[0] + c for kv in kvs for t in run for c in range(C)],
                                         dtype=torch.int64)
-                _set_mask(ch, run, layout, causal)
+                _set_mask(ch, run, layout, delta)
                 if ch.mask is not None and ch.mask.shape[0] > 1 and all(
                         torch.equal(ch.mask[0], m) for m in ch.mask[1:]):
                     ch.mask = ch.mask[:1]
@@ -293,7 +264,7 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
             ch.q_idx = torch.tensor([u * nqb + r for u, t in part for r in t.rows], dtype=torch.int64)
             ch.k_idx = torch.tensor([kv_unit[u] * nkb + c for u, t in part for c in t.cols], dtype=torch.int64)
             same = all(t is part[0][1] for _, t in part)
-            _set_mask(ch, [t for _, t in (part[:1] if same else part)], layout, causal)
+            _set_mask(ch, [t for _, t in (part[:1] if same else part)], layout, delta)
             chunks.append(ch)
 
     for ch in chunks:
@@ -312,12 +283,12 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bo
 _PLANS: "weakref.WeakKeyDictionary[BlockSparseLayout, dict]" = weakref.WeakKeyDictionary()
 
 
-def get_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal: bool,
+def get_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal_offset: int | None,
              device: torch.device) -> _Plan:
     """The plan for these shapes, built on first use and cached per layout (weakly: the cache never
     keeps a layout alive, and writes nothing into the layout object)."""
     cache = _PLANS.setdefault(layout, {})
-    key = (B, Hq, Hkv, bool(causal), str(device))
+    key = (B, Hq, Hkv, causal_offset, str(device))
     if key not in cache:
-        cache[key] = _build_plan(layout, B, Hq, Hkv, causal, device)
+        cache[key] = _build_plan(layout.to("cpu"), B, Hq, Hkv, causal_offset, device)
     return cache[key]

@@ -1,40 +1,38 @@
-"""Block-sparse attention backward kernels (``@triton.jit`` only; the launcher is :mod:`.block_sparse`).
+"""Block-sparse attention backward kernels (``@triton.jit`` only; the launcher is :mod:`.launch`).
 
 FlashAttention-2 style and deterministic (no atomics on data):
 
 * ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` (fp32 ``[B, Hq, Nq]``).
 * ``_attn_bwd_dkdv_kernel``: one program per (key tile, batch x kv head). For every query head of
-  the GQA group it walks the CSC list (``ccol_indices``/``row_indices``) of query blocks that keep
-  its key block, so dK/dV are summed over the group inside one program.
-* ``_attn_bwd_dq_kernel``: one program per (query tile, batch x query head), walking the CSR list.
+  the GQA group it walks the CSC schedule of its key block (partial query blocks, then full ones,
+  each a flat loop over query tiles of ``BLOCK_M``), so dK/dV are summed over the group inside
+  one program.
+* ``_attn_bwd_dq_kernel``: one program per (query tile, batch x query head), walking the CSR
+  schedule like the forward.
 
-Probabilities are recomputed from ``lse`` (natural log, converted to base 2); rows with ``lse = -inf``
-(no allowed key) and padded rows get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
+Partial tiles apply padding, the causal test and the element-mask bits (:func:`.fwd._tile_bits`);
+full tiles run unmasked. Probabilities are recomputed from ``lse`` (natural log, converted to
+base 2); rows with ``lse = -inf`` (no allowed key) and padded rows get ``p = 0``, hence zero
+gradients. ``COUNT_IO`` as in the forward.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.runtime import INTERPRET  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.block_sparse.triton.fwd import _tile_bits
+from sparse_io_attn.block_sparse.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_LAYOUT,
+                                                      DKDV_LSE, DKDV_MASK, DKDV_Q, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ,
+                                                      DQ_K, DQ_LAYOUT, DQ_LSE, DQ_MASK, DQ_Q, DQ_V, PRE_DELTA,
+                                                      PRE_DO, PRE_O)
 
-import triton
-import triton.language as tl
-
-from sparse_io_attn.block_sparse.triton.fwd import _causal_key_end, _mm
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit
 def _load_lse2(lse_ptr, offs_m, mask_m):
     """Row lse in base-2 score units; ``+inf`` for empty and padded rows so that ``p = 0`` there."""
     lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
-    return tl.where(mask_m & (lse != float("-inf")), lse * 1.4426950408889634, float("inf"))
-
-
-@triton.jit
-def _causal_query_start(lo, n_start, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """First query tile (tiles start at ``lo + t * BLOCK_M``) that a key tile starting at
-    ``n_start`` can see: tiles with ``m_start + BLOCK_M <= n_start`` are fully masked and skipped."""
-    if IS_CAUSAL:
-        lo = lo + (tl.maximum(n_start - lo, 0) // BLOCK_M) * BLOCK_M
-    return lo
+    return tl.where(mask_m & (lse != float("-inf")), lse * LOG2E, float("inf"))
 
 
 @triton.jit
@@ -49,8 +47,7 @@ def _attn_bwd_preprocess_kernel(
     pid_zh = tl.program_id(1)
     off_z = (pid_zh // num_heads_q).to(tl.int64)
     off_h = (pid_zh % num_heads_q).to(tl.int64)
-    m_start = pid_m * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < seqlen_q
     mask = mask_m[:, None] & (offs_d < head_dim)[None, :]
@@ -60,16 +57,17 @@ def _attn_bwd_preprocess_kernel(
                  + offs_d[None, :] * stride_dod, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(delta_ptr + pid_zh.to(tl.int64) * seqlen_q + offs_m, delta, mask=mask_m)
-    if COUNT_IO:  # slots: o, do, delta
-        rows = tl.minimum(seqlen_q - m_start, BLOCK_M).to(tl.int64)
-        tl.atomic_add(io_ptr + 0, rows * head_dim * ELEM_BYTES)
-        tl.atomic_add(io_ptr + 2, rows * head_dim * ELEM_BYTES)
-        tl.atomic_add(io_ptr + 5, rows * 4)
+    if COUNT_IO:
+        rows = tl.sum(mask_m.to(tl.int64))
+        io_add(io_ptr, PRE_O, rows * head_dim * ELEM_BYTES, 0)
+        io_add(io_ptr, PRE_DO, rows * head_dim * ELEM_BYTES, 0)
+        io_add(io_ptr, PRE_DELTA, 0, rows * 4)
 
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, ccol_ptr, row_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -77,11 +75,12 @@ def _attn_bwd_dkdv_kernel(
     stride_dkz, stride_dkh, stride_dkn, stride_dkd,
     stride_dvz, stride_dvh, stride_dvn, stride_dvd,
     stride_lb, stride_lh, num_kv_blocks,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale,
-    BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
+    TILES_M: tl.constexpr = BLOCK_SIZE_Q // BLOCK_M
     pid_n = tl.program_id(0)
     pid_zg = tl.program_id(1)
     off_z = (pid_zg // num_heads_kv).to(tl.int64)
@@ -101,80 +100,119 @@ def _attn_bwd_dkdv_kernel(
                 + offs_d[None, :] * stride_vd, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
-    block_col = n_start // BLOCK_SIZE_KV
-    queries_loaded = tl.full([], 0, tl.int64)
-    index_entries = tl.full([], 0, tl.int64)
+    qk_scale = sm_scale * LOG2E
+    col_in_block = n_start % BLOCK_SIZE_KV + tl.arange(0, BLOCK_N)
+    queries_loaded = tl.zeros([], dtype=tl.int64)
+    index_entries = tl.zeros([], dtype=tl.int64)
+    mask_rows = tl.zeros([], dtype=tl.int64)
 
     for j in range(0, group):
         off_h = off_g * group + j
         q_base = q_ptr + off_z * stride_qz + off_h * stride_qh
         do_base = do_ptr + off_z * stride_doz + off_h * stride_doh
         row_base = (off_z * num_heads_q + off_h) * seqlen_q  # lse / delta are contiguous [B, Hq, Nq]
-        ccol = ccol_ptr + (off_z * stride_lb + off_h * stride_lh) * (num_kv_blocks + 1) + block_col
-        start = tl.load(ccol)
-        end = tl.load(ccol + 1)
-        for idx in range(start, end):
-            lo = tl.load(row_ptr + idx) * BLOCK_SIZE_Q
-            hi = tl.minimum(lo + BLOCK_SIZE_Q, seqlen_q)
-            lo = _causal_query_start(lo, n_start, BLOCK_M, IS_CAUSAL)
-            for m_start in range(lo, hi, BLOCK_M):
-                offs_m = m_start + offs_m0
-                mask_m = offs_m < seqlen_q
-                mask_md = mask_m[:, None] & mask_d[None, :]
+        col = (off_z * stride_lb + off_h * stride_lh) * (num_kv_blocks + 1) + n_start // BLOCK_SIZE_KV
+        part_start = tl.load(part_ptr_ptr + col)
+        part_end = tl.load(part_ptr_ptr + col + 1)
+        full_start = tl.load(full_ptr_ptr + col)
+        full_end = tl.load(full_ptr_ptr + col + 1)
+
+        # 1. partial blocks
+        for t in range(0, (part_end - part_start) * TILES_M):
+            e = part_start + t // TILES_M
+            blk = tl.load(part_idx_ptr + e)
+            mask_id = tl.load(part_mask_ptr + e)
+            m_start = blk * BLOCK_SIZE_Q + (t % TILES_M) * BLOCK_M
+            offs_m = m_start + offs_m0
+            live = m_start < seqlen_q
+            if IS_CAUSAL:
+                live = live & (tl.minimum(m_start + BLOCK_M, seqlen_q) - 1 + causal_offset >= n_start)
+            mask_m = tl.where(live, offs_m < seqlen_q, False)
+            mask_md = mask_m[:, None] & mask_d[None, :]
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                        mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                         mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+            lse2 = _load_lse2(lse_ptr + row_base, offs_m, mask_m)  # [BLOCK_M]
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
+            row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
+            valid = mask_m[:, None] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
+                                                 mask_m[:, None], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_M, BLOCK_N]
+            if IS_CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            sT = dot(k, tl.trans(q), None, DOT_DTYPE) * qk_scale  # [BLOCK_N, BLOCK_M]
+            pT = tl.where(tl.trans(valid), tl.math.exp2(sT - lse2[None, :]), 0.0)  # [BLOCK_N, BLOCK_M]
+            dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+            dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
+            dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
+            dk = dot(dsT, q, dk, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+            if COUNT_IO:
+                queries_loaded += tl.sum(mask_m.to(tl.int64))
+                mask_rows += tl.where(mask_id >= 0, tl.sum(mask_m.to(tl.int64)), 0)
+
+        # 2. full blocks: unmasked
+        for t in range(0, (full_end - full_start) * TILES_M):
+            blk = tl.load(full_idx_ptr + full_start + t // TILES_M)
+            m_start = tl.multiple_of(blk * BLOCK_SIZE_Q + (t % TILES_M) * BLOCK_M, BLOCK_M)
+            offs_m = m_start + offs_m0
+            if EVEN_D:
+                q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+            else:
                 q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                            mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+                            mask=mask_d[None, :], other=0.0)
                 do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                             mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-                lse2 = _load_lse2(lse_ptr + row_base, offs_m, mask_m)  # [BLOCK_M]
-                delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
-                sT = _mm(k, tl.trans(q), DOT_FP32) * qk_scale  # [BLOCK_N, BLOCK_M]
-                valid = mask_m[None, :]
-                if IS_CAUSAL:
-                    valid = valid & (offs_m[None, :] >= offs_n[:, None])
-                pT = tl.where(valid, tl.math.exp2(sT - lse2[None, :]), 0.0)  # [BLOCK_N, BLOCK_M]
-                dv += _mm(pT.to(do.dtype), do, DOT_FP32)  # [BLOCK_N, HEAD_DIM]
-                dpT = _mm(v, tl.trans(do), DOT_FP32)  # [BLOCK_N, BLOCK_M]
-                dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
-                dk += _mm(dsT.to(q.dtype), q, DOT_FP32)  # [BLOCK_N, HEAD_DIM]
-                if COUNT_IO:
-                    queries_loaded += tl.minimum(seqlen_q - m_start, BLOCK_M)
+                             mask=mask_d[None, :], other=0.0)
+            lse = tl.load(lse_ptr + row_base + offs_m)
+            lse2 = tl.where(lse != float("-inf"), lse * LOG2E, float("inf"))  # [BLOCK_M]
+            delta = tl.load(delta_ptr + row_base + offs_m)
+            sT = dot(k, tl.trans(q), None, DOT_DTYPE) * qk_scale  # [BLOCK_N, BLOCK_M]
+            pT = tl.math.exp2(sT - lse2[None, :])
+            dv = dot(pT, do, dv, DOT_DTYPE)
+            dpT = dot(v, tl.trans(do), None, DOT_DTYPE)
+            dsT = pT * (dpT - delta[None, :])
+            dk = dot(dsT, q, dk, DOT_DTYPE)
         if COUNT_IO:
-            index_entries += 2 + end - start
+            queries_loaded += (full_end - full_start).to(tl.int64) * BLOCK_SIZE_Q
+            index_entries += 4 + 2 * (part_end - part_start).to(tl.int64) * TILES_M \
+                + (full_end - full_start).to(tl.int64) * TILES_M
 
     tl.store(dk_ptr + off_z * stride_dkz + off_g * stride_dkh + offs_n[:, None] * stride_dkn
              + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_nd)
     tl.store(dv_ptr + off_z * stride_dvz + off_g * stride_dvh + offs_n[:, None] * stride_dvn
              + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
 
-    if COUNT_IO:  # slots: q, k, v, do, lse, delta, dk, dv, layout
-        rows = tl.minimum(seqlen_k - n_start, BLOCK_N).to(tl.int64)
+    if COUNT_IO:
+        rows = tl.sum(mask_n.to(tl.int64))
         row_bytes = head_dim * ELEM_BYTES
-        tl.atomic_add(io_ptr + 0, queries_loaded * row_bytes)
-        tl.atomic_add(io_ptr + 2, rows * row_bytes)
-        tl.atomic_add(io_ptr + 4, rows * row_bytes)
-        tl.atomic_add(io_ptr + 6, queries_loaded * row_bytes)
-        tl.atomic_add(io_ptr + 8, queries_loaded * 4)
-        tl.atomic_add(io_ptr + 10, queries_loaded * 4)
-        tl.atomic_add(io_ptr + 13, rows * row_bytes)
-        tl.atomic_add(io_ptr + 15, rows * row_bytes)
-        tl.atomic_add(io_ptr + 16, index_entries * 4)
+        io_add(io_ptr, DKDV_Q, queries_loaded * row_bytes, 0)
+        io_add(io_ptr, DKDV_K, rows * row_bytes, 0)
+        io_add(io_ptr, DKDV_V, rows * row_bytes, 0)
+        io_add(io_ptr, DKDV_DO, queries_loaded * row_bytes, 0)
+        io_add(io_ptr, DKDV_LSE, queries_loaded * 4, 0)
+        io_add(io_ptr, DKDV_DELTA, queries_loaded * 4, 0)
+        io_add(io_ptr, DKDV_DK, 0, rows * row_bytes)
+        io_add(io_ptr, DKDV_DV, 0, rows * row_bytes)
+        io_add(io_ptr, DKDV_LAYOUT, index_entries * 4, 0)
+        io_add(io_ptr, DKDV_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)
 
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, crow_ptr, col_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_dqz, stride_dqh, stride_dqm, stride_dqd,
     stride_lb, stride_lh, num_q_blocks,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale,
-    BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
+    TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
     pid_m = tl.program_id(0)
     pid_zh = tl.program_id(1)
     off_z = (pid_zh // num_heads_q).to(tl.int64)
@@ -182,7 +220,7 @@ def _attn_bwd_dq_kernel(
     off_hkv = (off_h // (num_heads_q // num_heads_kv)).to(tl.int64)
     m_start = pid_m * BLOCK_M
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < seqlen_q
     mask_d = offs_d < head_dim
@@ -198,47 +236,83 @@ def _attn_bwd_dq_kernel(
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
-    layout_id = off_z * stride_lb + off_h * stride_lh
-    crow = crow_ptr + layout_id * (num_q_blocks + 1) + m_start // BLOCK_SIZE_Q
-    start = tl.load(crow)
-    end = tl.load(crow + 1)
-    qk_scale = sm_scale * 1.4426950408889634
+    row = (off_z * stride_lb + off_h * stride_lh) * (num_q_blocks + 1) + m_start // BLOCK_SIZE_Q
+    part_start = tl.load(part_ptr_ptr + row)
+    part_end = tl.load(part_ptr_ptr + row + 1)
+    full_start = tl.load(full_ptr_ptr + row)
+    full_end = tl.load(full_ptr_ptr + row + 1)
+    row_in_block = m_start % BLOCK_SIZE_Q + tl.arange(0, BLOCK_M)
+    m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
+    qk_scale = sm_scale * LOG2E
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    keys_loaded = tl.full([], 0, tl.int64)
+    keys_loaded = tl.zeros([], dtype=tl.int64)
+    mask_rows = tl.zeros([], dtype=tl.int64)
 
-    for idx in range(start, end):
-        lo = tl.load(col_ptr + idx) * BLOCK_SIZE_KV
-        hi = _causal_key_end(tl.minimum(lo + BLOCK_SIZE_KV, seqlen_k), m_start, BLOCK_M, IS_CAUSAL)
-        for n_start in range(lo, hi, BLOCK_N):
-            cols = n_start + offs_n0
-            mask_n = cols < seqlen_k
-            mask_nd = mask_n[:, None] & mask_d[None, :]
+    # 1. partial blocks
+    for t in range(0, (part_end - part_start) * TILES_N):
+        e = part_start + t // TILES_N
+        blk = tl.load(part_idx_ptr + e)
+        mask_id = tl.load(part_mask_ptr + e)
+        col_in_block = (t % TILES_N) * BLOCK_N + offs_n
+        n_start = blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N
+        cols = n_start + offs_n
+        live = n_start < seqlen_k
+        if IS_CAUSAL:
+            live = live & (n_start <= m_last + causal_offset)
+        mask_n = tl.where(live, cols < seqlen_k, False)  # (scalar & vector: tl.where, for the interpreter)
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+        valid = mask_n[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
+                                             tl.where(live, mask_m[:, None], False), BLOCK_SIZE_Q, MASK_WORDS)
+        if IS_CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None] + causal_offset)
+        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        p = tl.where(valid, tl.math.exp2(s - lse2[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
+        dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
+        ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
+        dq = dot(ds, k, dq, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+        if COUNT_IO:
+            keys_loaded += tl.sum(mask_n.to(tl.int64))
+            mask_rows += tl.where(live & (mask_id >= 0), tl.sum(mask_m.to(tl.int64)), 0)
+
+    # 2. full blocks: unmasked
+    for t in range(0, (full_end - full_start) * TILES_N):
+        blk = tl.load(full_idx_ptr + full_start + t // TILES_N)
+        n_start = tl.multiple_of(blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N, BLOCK_N)
+        cols = n_start + offs_n
+        if EVEN_D:
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        else:
             k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+                        mask=mask_d[None, :], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
-            s = _mm(q, tl.trans(k), DOT_FP32) * qk_scale  # [BLOCK_M, BLOCK_N]
-            valid = mask_n[None, :]
-            if IS_CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None])
-            p = tl.where(valid, tl.math.exp2(s - lse2[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
-            dp = _mm(do, tl.trans(v), DOT_FP32)  # [BLOCK_M, BLOCK_N]
-            ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-            dq += _mm(ds.to(k.dtype), k, DOT_FP32)  # [BLOCK_M, HEAD_DIM]
-            if COUNT_IO:
-                keys_loaded += tl.minimum(seqlen_k - n_start, BLOCK_N)
+                        mask=mask_d[None, :], other=0.0)
+        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = dot(do, tl.trans(v), None, DOT_DTYPE)
+        ds = p * (dp - delta[:, None])
+        dq = dot(ds, k, dq, DOT_DTYPE)
+    if COUNT_IO:
+        keys_loaded += (full_end - full_start).to(tl.int64) * BLOCK_SIZE_KV
 
     tl.store(dq_ptr + off_z * stride_dqz + off_h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqm
              + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_md)
 
-    if COUNT_IO:  # slots: q, k, v, do, lse, delta, dq, layout
-        rows = tl.minimum(seqlen_q - m_start, BLOCK_M).to(tl.int64)
+    if COUNT_IO:
+        rows = tl.sum(mask_m.to(tl.int64))
         row_bytes = head_dim * ELEM_BYTES
-        tl.atomic_add(io_ptr + 0, rows * row_bytes)
-        tl.atomic_add(io_ptr + 2, keys_loaded * row_bytes)
-        tl.atomic_add(io_ptr + 4, keys_loaded * row_bytes)
-        tl.atomic_add(io_ptr + 6, rows * row_bytes)
-        tl.atomic_add(io_ptr + 8, rows * 4)
-        tl.atomic_add(io_ptr + 10, rows * 4)
-        tl.atomic_add(io_ptr + 13, rows * row_bytes)
-        tl.atomic_add(io_ptr + 14, (2 + end - start).to(tl.int64) * 4)
+        n_part = (part_end - part_start).to(tl.int64) * TILES_N
+        n_full = (full_end - full_start).to(tl.int64) * TILES_N
+        io_add(io_ptr, DQ_Q, rows * row_bytes, 0)
+        io_add(io_ptr, DQ_K, keys_loaded * row_bytes, 0)
+        io_add(io_ptr, DQ_V, keys_loaded * row_bytes, 0)
+        io_add(io_ptr, DQ_DO, rows * row_bytes, 0)
+        io_add(io_ptr, DQ_LSE, rows * 4, 0)
+        io_add(io_ptr, DQ_DELTA, rows * 4, 0)
+        io_add(io_ptr, DQ_DQ, 0, rows * row_bytes)
+        io_add(io_ptr, DQ_LAYOUT, (4 + 2 * n_part + n_full) * 4, 0)
+        io_add(io_ptr, DQ_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)

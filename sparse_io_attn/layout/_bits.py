@@ -1,0 +1,54 @@
+"""Bit-packed element masks of partial blocks.
+
+A partial block's element mask is stored as ``int32 [BLOCK_SIZE_Q, W]`` with ``W =
+ceil(BLOCK_SIZE_KV / 32)``: bit ``j`` (``(word >> j) & 1``) of word ``w`` in row ``r`` is element
+``(r, 32 * w + j)`` of the block (row = query offset, column = key offset inside the block). Bits
+past ``BLOCK_SIZE_KV`` and rows/columns past the sequence ends are 0. The kernels read the same
+words (:mod:`sparse_io_attn.block_sparse.triton`), so this module is the format's one definition.
+"""
+from __future__ import annotations
+
+import torch
+
+WORD_BITS = 32
+
+
+def num_words(block_size_kv: int) -> int:
+    """Words per mask row, ``ceil(BLOCK_SIZE_KV / 32)``."""
+    return -(-block_size_kv // WORD_BITS)
+
+
+def pack(mask: torch.Tensor) -> torch.Tensor:
+    """``bool [..., bq, bk]`` -> ``int32 [..., bq, ceil(bk / 32)]``."""
+    *lead, bq, bk = mask.shape
+    W = num_words(bk)
+    if W * WORD_BITS != bk:
+        pad = torch.zeros(*lead, bq, W * WORD_BITS - bk, dtype=torch.bool, device=mask.device)
+        mask = torch.cat([mask, pad], dim=-1)
+    weights = torch.ones(WORD_BITS, dtype=torch.int64, device=mask.device) << torch.arange(
+        WORD_BITS, device=mask.device)
+    words = (mask.view(*lead, bq, W, WORD_BITS).to(torch.int64) * weights).sum(-1)  # [0, 2^32)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)                 # as int32 bits
+    return words.to(torch.int32)
+
+
+def unpack(words: torch.Tensor, block_size_kv: int) -> torch.Tensor:
+    """``int32 [..., bq, W]`` -> ``bool [..., bq, block_size_kv]``."""
+    shifts = torch.arange(WORD_BITS, device=words.device)
+    bits = (words.to(torch.int64)[..., None] >> shifts) & 1
+    return bits.flatten(-2)[..., :block_size_kv].bool()
+
+
+def popcount(words: torch.Tensor) -> torch.Tensor:
+    """Set bits per mask, ``int64 [...]`` for ``words [..., bq, W]``."""
+    shifts = torch.arange(WORD_BITS, device=words.device)
+    return ((words.to(torch.int64)[..., None] >> shifts) & 1).sum(dim=(-3, -2, -1))
+
+
+def dedup(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique masks of ``words [P, bq, W]``: ``(unique [U, bq, W], inverse int64 [P])``."""
+    if words.shape[0] == 0:
+        return words, torch.zeros(0, dtype=torch.int64, device=words.device)
+    flat = words.reshape(words.shape[0], -1)
+    uniq, inverse = torch.unique(flat, dim=0, return_inverse=True)
+    return uniq.view(-1, *words.shape[1:]).contiguous(), inverse
