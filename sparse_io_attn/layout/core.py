@@ -189,11 +189,12 @@ class BlockSparseLayout:
     # ------------------------------------------------------------------ SciPy / PyTorch BSR / Flex
     # (implemented in :mod:`sparse_io_attn.layout.convert`)
     @classmethod
-    def from_scipy_bsr(cls, bsr, seqlen=None, *, layout_batch: int = 1,
+    def from_scipy_bsr(cls, bsr, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
                        name: str = "custom") -> "BlockSparseLayout":
-        """See :func:`sparse_io_attn.layout.convert.from_scipy_bsr`."""
+        """See :func:`sparse_io_attn.layout.convert.from_scipy_bsr` (``exact``: block values are the
+        element mask; ``False``: stored blocks kept whole)."""
         from sparse_io_attn.layout import convert
-        return convert.from_scipy_bsr(bsr, seqlen, layout_batch=layout_batch, name=name)
+        return convert.from_scipy_bsr(bsr, seqlen, layout_batch=layout_batch, exact=exact, name=name)
 
     def to_scipy_bsr(self, dtype=None):
         """See :func:`sparse_io_attn.layout.convert.to_scipy_bsr`."""
@@ -201,11 +202,11 @@ class BlockSparseLayout:
         return convert.to_scipy_bsr(self, dtype)
 
     @classmethod
-    def from_torch_bsr(cls, t, seqlen=None, *, layout_batch: int = 1,
+    def from_torch_bsr(cls, t, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
                        name: str = "custom") -> "BlockSparseLayout":
-        """See :func:`sparse_io_attn.layout.convert.from_torch_bsr`."""
+        """See :func:`sparse_io_attn.layout.convert.from_torch_bsr` (``exact`` as for SciPy)."""
         from sparse_io_attn.layout import convert
-        return convert.from_torch_bsr(t, seqlen, layout_batch=layout_batch, name=name)
+        return convert.from_torch_bsr(t, seqlen, layout_batch=layout_batch, exact=exact, name=name)
 
     def to_torch_bsr(self, dtype: torch.dtype = torch.bool, *, as_list: bool = False):
         """See :func:`sparse_io_attn.layout.convert.to_torch_bsr`."""

@@ -23,12 +23,20 @@ def random_config(rng: random.Random):
     Nq, Nk = rng.randint(20, 160), rng.randint(20, 160)
     D = rng.choice([16, 24, 48, 64, 80])
     dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
-    causal = rng.random() < 0.5
+    causal = rng.choice([False, True, "bottom_right"])
     lb = B if rng.random() < 0.3 else 1
     lh = Hq if rng.random() < 0.4 else 1
     nqb, nkb = -(-Nq // bq), -(-Nk // bk)
-    mask = torch.rand(lb, lh, nqb, nkb, generator=torch.Generator().manual_seed(rng.randrange(2**31))) < rng.random()
-    layout = BlockSparseLayout.from_block_mask(mask, (bq, bk), (Nq, Nk))
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    mask = torch.rand(lb, lh, nqb, nkb, generator=gen) < rng.random()
+    if rng.random() < 0.5:   # element-exact: thin some kept blocks to partial ones
+        elem = mask.repeat_interleave(bq, -2).repeat_interleave(bk, -1)[..., :Nq, :Nk]
+        thin = (torch.rand(lb, lh, nqb, nkb, generator=gen) < 0.5).repeat_interleave(bq, -2) \
+            .repeat_interleave(bk, -1)[..., :Nq, :Nk]
+        elem &= ~thin | (torch.rand(elem.shape, generator=gen) < 0.5)
+        layout = BlockSparseLayout.from_dense_mask(elem, (bq, bk))
+    else:
+        layout = BlockSparseLayout.from_block_mask(mask, (bq, bk), (Nq, Nk))
     return layout, B, Hq, Hkv, D, dtype, causal
 
 
@@ -41,10 +49,12 @@ def curated_config(block, seqlen, B, Hq, Hkv, D, dtype, causal, per_head):
 CURATED = [
     pytest.param(((128, 128), (250, 230), 1, 2, 1, 40, torch.bfloat16, True, True), id="block128-tile64-causal-gqa"),
     pytest.param(((64, 128), (130, 260), 1, 1, 1, 32, torch.float16, True, False), id="block64x128-causal-rect"),
+    pytest.param(((128, 128), (200, 300), 1, 2, 2, 32, torch.float32, "bottom_right", False),
+                 id="block128-bottom-right-Nq<Nk"),
 ]
 
 
-@pytest.mark.parametrize("config", [pytest.param(s, id=f"seed{s}") for s in range(14)] + CURATED)
+@pytest.mark.parametrize("config", [pytest.param(s, id=f"seed{s}") for s in range(16)] + CURATED)
 def test_counted_equals_predicted(config):
     if isinstance(config, int):
         layout, B, Hq, Hkv, D, dtype, causal = random_config(random.Random(config))
@@ -144,3 +154,20 @@ def test_choose_tiles_rejects_small_blocks():
         choose_tiles((24, 64), 64)
     with pytest.raises(NotImplementedError, match="head_dim"):
         choose_tiles((64, 64), 512)
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"], ids=["full", "top-left", "bottom-right"])
+def test_counted_equals_predicted_with_element_masks(causal):
+    """Partial blocks: the mask words the kernels read are counted and predicted exactly."""
+    from sparse_io_attn import patterns
+
+    layout = patterns.document([0, 45, 100, 170], 32, causal=True) | patterns.sliding_window(170, 32, 20)
+    assert layout.num_partial_blocks > 0
+    B, H, D = 1, 2, 32
+    q, k, v = (torch.randn(B, H, 170, D, device=DEVICE, requires_grad=True) for _ in range(3))
+    with IOCounter() as io:
+        block_sparse_attention(q, k, v, layout, causal=causal, backend="triton").sum().backward()
+    expect = traffic.block_sparse(layout, B, H, H, D, torch.float32, causal=causal)
+    assert io.report == expect, f"{io.report}\n{expect}"
+    for kernel in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"):
+        assert io.report.kernels[kernel].reads["mask"] > 0

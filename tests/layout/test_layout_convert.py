@@ -232,3 +232,57 @@ def test_conversion_errors():
                                       BLOCK_SIZE=16, seq_lengths=(32, 10))  # 2 x 1 blocks, keeps (0, 1)
     with pytest.raises(ValueError, match=r"kv_indices\[0, 0, 0, 0\] = 1 .* outside \[0, 1\)"):
         BlockSparseLayout.from_flex_block_mask(forged)
+
+
+@pytest.mark.parametrize("shape,block,seqlen", CASES)
+def test_partial_blocks_round_trip_every_format(shape, block, seqlen):
+    """Element-exact layouts (full, partial and empty blocks) survive dense mask, SciPy BSR, torch
+    BSR and FlexAttention round trips exactly; the BlockMask's mask_mod is the element mask."""
+    lo, elem = random_exact_layout(shape, block, seqlen)
+    assert lo.num_partial_blocks > 0 or lo.nnz_blocks == 0
+    sq, sk = lo.seqlen
+    dense = lo.to_dense_mask()
+    assert torch.equal(dense.reshape(-1, sq, sk), elem.reshape(-1, sq, sk))
+    assert BlockSparseLayout.from_dense_mask(dense, lo.block_size).equal(lo)
+    mats = lo.to_scipy_bsr()
+    assert BlockSparseLayout.from_scipy_bsr(mats, seqlen=lo.seqlen, layout_batch=lo.layout_batch).equal(lo)
+    parts = lo.to_torch_bsr(as_list=True)
+    assert BlockSparseLayout.from_torch_bsr(parts, lo.seqlen, layout_batch=lo.layout_batch).equal(lo)
+    for causal in (False, True):
+        bm = lo.to_flex_block_mask(causal=causal)
+        want = element_mask(lo, lo.layout_batch, lo.layout_heads, sq, sk, causal=causal)
+        assert torch.equal(create_mask(bm.mask_mod, lo.layout_batch, lo.layout_heads, sq, sk, device="cpu"), want)
+        back = BlockSparseLayout.from_flex_block_mask(bm)
+        expect = lo & patterns.causal(lo.seqlen, lo.block_size) if causal else lo
+        assert back.equal(expect)
+        # Flex -> ours -> Flex: the same element mask again
+        assert torch.equal(create_mask(back.to_flex_block_mask().mask_mod, lo.layout_batch, lo.layout_heads,
+                                       sq, sk, device="cpu"), want)
+
+
+def test_block_level_bsr_reading_keeps_stored_blocks_whole():
+    """exact=False: every stored block is kept whole, values ignored (a block of zeros too)."""
+    data = np.zeros((2, 2, 2))
+    data[0, 0, 0] = 1
+    mat = sp.bsr_matrix((data, np.array([0, 2]), np.array([0, 1, 2])), shape=(4, 6))
+    exact = BlockSparseLayout.from_scipy_bsr(mat)
+    whole = BlockSparseLayout.from_scipy_bsr(mat, exact=False)
+    assert exact.nnz_blocks == 1 and exact.num_partial_blocks == 1
+    assert whole.nnz_blocks == 2 and whole.num_partial_blocks == 0
+    assert int(whole.to_dense_mask().sum()) == 8
+
+
+def test_flex_padding_index_and_out_of_range_index():
+    """FlexAttention pads kv_indices after the counted entries; a counted -1 or an index past the last
+    block is an error naming the entry, not a silently dropped block or a bare IndexError."""
+    ok = BlockMask.from_kv_blocks(torch.tensor([[[1, 2]]], dtype=torch.int32),
+                                  torch.tensor([[[[0, -1], [1, 0]]]], dtype=torch.int32),
+                                  BLOCK_SIZE=16, seq_lengths=(32, 32))
+    assert torch.equal(BlockSparseLayout.from_flex_block_mask(ok).to_block_mask()[0, 0],
+                       torch.tensor([[True, False], [True, True]]))
+    for bad in (-1, 7):
+        forged = BlockMask.from_kv_blocks(torch.tensor([[[2, 1]]], dtype=torch.int32),
+                                          torch.tensor([[[[0, bad], [1, 0]]]], dtype=torch.int32),
+                                          BLOCK_SIZE=16, seq_lengths=(32, 32), compute_q_blocks=False)
+        with pytest.raises(ValueError, match=rf"kv_indices\[0, 0, 0, 1\] = {bad} .* outside \[0, 2\)"):
+            BlockSparseLayout.from_flex_block_mask(forged)

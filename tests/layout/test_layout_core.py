@@ -152,3 +152,27 @@ def test_relative_absolute_offsets():
     ab = from_relative_offsets(rel)
     assert ab.tolist() == [[0, 2, 3], [3, 3, 7], [7, 8, 8]]
     assert torch.equal(to_relative_offsets(ab), rel)
+
+
+def test_partial_blocks_algebra_pickle_draw_and_device():
+    """Element-level | and &, pickling, .to(device) and the picture keep the partial blocks."""
+    import pickle
+
+    from sparse_io_attn import patterns
+
+    a = patterns.sliding_window(100, 16, 9)
+    b = patterns.document([0, 30, 70, 100], 16, causal=True)
+    ea, eb = a.to_dense_mask()[0, 0], b.to_dense_mask()[0, 0]
+    assert torch.equal((a | b).to_dense_mask()[0, 0], ea | eb)
+    assert torch.equal((a & b).to_dense_mask()[0, 0], ea & eb)
+    full = BlockSparseLayout.from_block_mask(torch.ones(7, 7, dtype=torch.bool), 16, 100)
+    assert (a & full).equal(a) and (a | full).equal(full)
+    back = pickle.loads(pickle.dumps(b))
+    assert back.equal(b) and back.num_partial_blocks == b.num_partial_blocks > 0
+    pic = b.draw()
+    assert "▒" in pic and "█" in pic and "░" in pic
+    assert f"({b.num_partial_blocks} partial)" in repr(b)
+    # the transposed copy carries the partial ids in its own order
+    from sparse_io_attn.layout._csr import csr_transpose
+    _, _, perm = csr_transpose(b.crow_indices, b.col_indices, b.num_kv_blocks)
+    assert torch.equal(b.csc_partial_ids, b.partial_ids[perm])

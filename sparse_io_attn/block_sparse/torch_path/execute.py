@@ -108,9 +108,8 @@ class _Exec:
         s = self.buf_s[:ch.steps * ch.nb * M * N].view(ch.steps, ch.nb, M, N)
         for i, (a, b) in enumerate(zip(qs, ks)):
             torch.bmm(a, b.transpose(1, 2), out=s[i])
-        if ch.mask is not None:
-            s5 = s.view(ch.steps, ch.nb, ch.R * self.bq, self.G, N)[..., ch.mask_cols]
-            s5.masked_fill_(ch.mask, float("-inf"))
+        for cols, bias in ch.masks:
+            s.view(ch.steps, ch.nb, ch.R * self.bq, self.G, N)[..., cols].add_(bias)
         return s.view(ch.steps * ch.nb, M, N)
 
     def write_q(self, dst: torch.Tensor, val: torch.Tensor, ch: _Chunk) -> None:
@@ -178,7 +177,7 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm
     def chunk_fwd(ch: _Chunk, ex: _Exec):
         s = ex.scores(ex.q_steps(qu, ch, ex.buf_q), ex.k_steps(ku, ch, ex.buf_k), ch)
         m = s.amax(dim=-1, keepdim=True)                # [n, M, 1]
-        if ch.mask is not None:                         # rows whose keys are all dropped
+        if ch.masks:                                    # rows whose keys are all dropped
             m.masked_fill_(m == float("-inf"), 0.0)
         s.sub_(m).exp2_()                               # unnormalised p
         l = s.sum(dim=-1, keepdim=True)

@@ -41,8 +41,10 @@ class _Chunk:
     kind ``"gather"``: one step; ``q_idx``/``k_idx`` are flat block ids (``unit*nqb + row``,
     ``kv_unit*nkb + col``) of the ``nb`` items.
     ``k_idx`` is also set for the strided kind (scatter-add of dK/dV over overlapping windows).
-    ``mask`` bool ``[nb or 1, R*BLOCK_SIZE_Q, 1, ncols]`` (True = drop) covers score columns
-    ``mask_cols``.
+    ``masks``: ``(cols, bias)`` pairs, one per run of consecutive key blocks with something to
+    drop; ``bias`` float32 ``[nb or 1, R*BLOCK_SIZE_Q, 1, len(cols)]`` (``-inf`` = drop, else 0)
+    is added to score columns ``cols`` (a slice; an add runs ~5x faster than ``masked_fill_``
+    with a broadcast boolean mask on CPU). Full blocks between the runs are never touched.
     """
     kind: str
     steps: int
@@ -59,8 +61,7 @@ class _Chunk:
     dkv: int = 0
     q_idx: torch.Tensor | None = None
     k_idx: torch.Tensor | None = None
-    mask_cols: slice | None = None
-    mask: torch.Tensor | None = None
+    masks: list = field(default_factory=list)
 
 
 @dataclass
@@ -188,10 +189,20 @@ def _set_mask(ch: _Chunk, items: list, layout: BlockSparseLayout, delta: int | N
         if m is not None:
             hit |= m.view(m.shape[0], ch.C, bk).any(dim=2).any(dim=0)
     cols = hit.nonzero().view(-1).tolist()
-    ch.mask_cols = slice(cols[0] * bk, (cols[-1] + 1) * bk)
-    sub = [m[:, ch.mask_cols] if m is not None else None for m in masks]
-    like = next(m for m in sub if m is not None)
-    ch.mask = torch.stack([m if m is not None else torch.zeros_like(like) for m in sub]).unsqueeze(2)
+    runs = []                                   # consecutive block columns with something to drop
+    for c in cols:
+        if runs and c == runs[-1][1]:
+            runs[-1][1] = c + 1
+        else:
+            runs.append([c, c + 1])
+    for a, b in runs:
+        sl = slice(a * bk, b * bk)
+        sub = [m[:, sl] if m is not None else None for m in masks]
+        like = next(m for m in sub if m is not None)
+        drop = torch.stack([m if m is not None else torch.zeros_like(like) for m in sub]).unsqueeze(2)
+        if drop.shape[0] > 1 and all(torch.equal(drop[0], d) for d in drop[1:]):
+            drop = drop[:1]                     # the same drop mask for every item
+        ch.masks.append((sl, torch.zeros(drop.shape).masked_fill_(drop, float("-inf"))))
 
 
 def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, delta: int | None,
@@ -249,9 +260,6 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, delta: int
                 ch.k_idx = torch.tensor([kv * nkb + t.cols[0] + c for kv in kvs for t in run for c in range(C)],
                                         dtype=torch.int64)
                 _set_mask(ch, run, layout, delta)
-                if ch.mask is not None and ch.mask.shape[0] > 1 and all(
-                        torch.equal(ch.mask[0], m) for m in ch.mask[1:]):
-                    ch.mask = ch.mask[:1]
             chunks.append(ch)
             i = j
     for (R, C), tasks in gathered.items():
@@ -268,10 +276,11 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, delta: int
             chunks.append(ch)
 
     for ch in chunks:
-        for name in ("q_idx", "k_idx", "mask"):
+        for name in ("q_idx", "k_idx"):
             t = getattr(ch, name)
             if t is not None:
                 setattr(ch, name, t.to(device))
+        ch.masks = [(sl, bias.to(device)) for sl, bias in ch.masks]
     max_scores = max((ch.steps * ch.nb * G * ch.R * bq * ch.C * bk for ch in chunks), default=0)
     max_q = max((ch.steps * ch.nb * ch.R * bq for ch in chunks), default=0)
     max_k = max((ch.steps * ch.nb * ch.C * bk for ch in chunks), default=0)
