@@ -4,7 +4,7 @@ Bytes moved by the dense backward kernels (``sparse_io_attn.dense``) over a swee
 ``M`` (words) at fixed ``n, d``: the small-cache kernels (Algorithm 6), the large-cache kernels as
 written (Algorithm 9, "faithful") and the FlashAttention-2-style variant ("fa2"; "fa2_model" extends
 its schedule below the 16-row tiles tl.dot needs, model only). The traffic model equals the kernels'
-counted traffic exactly (tests/test_dense_kernels.py checks it at interpreter sizes), so this table
+counted traffic exactly (tests/dense/test_dense_kernels.py checks it at interpreter sizes), so this table
 needs no GPU and no kernel run.
 
     python benchmarks/dense_figure1.py                      # n=8192, d in {128, 256}, fp32
@@ -39,8 +39,8 @@ def parse_args(argv=None):
 
 def header(dtype: str) -> list[str]:
     import triton
-    return [f"- source: exact traffic model `sparse_io_attn.dense.traffic` (no kernel run; equals the "
-            f"counted traffic of the Triton kernels, tested at interpreter sizes)",
+    return ["- source: exact traffic model `sparse_io_attn.dense.traffic` (no kernel run; equals the "
+            "counted traffic of the Triton kernels, tested at interpreter sizes)",
             f"- host: {platform.node()} ({platform.machine()}, {platform.system()}), no GPU used",
             f"- torch {torch.__version__}, triton {triton.__version__}, python {platform.python_version()}",
             f"- dtype: {dtype} (inputs and dA*); intermediates, lse and d x d partials fp32",

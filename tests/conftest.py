@@ -1,7 +1,12 @@
 import os
+import tempfile
 import zlib
 
-import torch
+# torch.compile's on-disk caches (Inductor, AOTAutograd) outlive the process: a fresh directory per
+# test session keeps a test from reusing artifacts compiled by an earlier run or another checkout.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="sparse-io-attn-inductor-"))
+
+import torch  # noqa: E402
 
 # Without CUDA, Triton kernels run on the CPU through the interpreter; the variable must be set
 # before anything imports triton. On a CUDA machine the kernels compile normally.

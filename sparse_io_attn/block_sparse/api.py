@@ -2,8 +2,11 @@
 
 Backends share one interface (inputs already validated):
 
-* ``forward(q, k, v, layout, *, causal_offset, sm_scale) -> (out, lse)``
-* ``backward(do, q, k, v, out, lse, layout, *, causal_offset, sm_scale) -> (dq, dk, dv)``
+* ``forward(q, k, v, layout, *, causal_offset, sm_scale) -> (out, lse, stats)``
+* ``backward(do, q, k, v, out, stats, layout, *, causal_offset, sm_scale) -> (dq, dk, dv)``
+
+``stats`` (fp32 ``[2, B, Hq, Nq]``: each row's base-2 score maximum and log2 of its sum) is what
+backward needs to recompute the probabilities exactly as the forward did.
 
 ``causal_offset`` is ``None`` (no causal mask) or ``delta``: key ``j`` is allowed for query ``i``
 only if ``j <= i + delta`` (:func:`causal_offset`).
@@ -100,17 +103,17 @@ class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, layout, delta, sm_scale, backend):
         impl = backend_module(backend)
-        out, lse = impl.forward(q, k, v, layout, causal_offset=delta, sm_scale=sm_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, stats = impl.forward(q, k, v, layout, causal_offset=delta, sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, out, stats)
         ctx.layout, ctx.delta, ctx.sm_scale, ctx.backend = layout, delta, sm_scale, backend
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, stats = ctx.saved_tensors
         impl = backend_module(ctx.backend)
-        dq, dk, dv = impl.backward(do, q, k, v, out, lse, ctx.layout, causal_offset=ctx.delta,
+        dq, dk, dv = impl.backward(do, q, k, v, out, stats, ctx.layout, causal_offset=ctx.delta,
                                    sm_scale=ctx.sm_scale)
         return dq, dk, dv, None, None, None, None
 

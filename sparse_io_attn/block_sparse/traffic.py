@@ -38,14 +38,14 @@ from sparse_io_attn.block_sparse.schedule import BlockLists, schedule
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, element_size
 
 INDEX_BYTES = 4  # int32 crow/col/ccol/row indices
-STAT_BYTES = 4  # fp32 lse and delta
+STAT_BYTES = 4  # fp32 lse, delta and the two softmax statistics (row max, log2 row sum)
 
 # Tensor names of each kernel's I/O counter, in slot order (the kernels' named slots are built
 # from these tuples in :mod:`.triton.slots`).
-FWD_TENSORS = ("q", "k", "v", "o", "lse", "layout", "mask")
+FWD_TENSORS = ("q", "k", "v", "o", "lse", "stats", "layout", "mask")
 PREPROCESS_TENSORS = ("o", "do", "delta")
-DKDV_TENSORS = ("q", "k", "v", "do", "lse", "delta", "dk", "dv", "layout", "mask")
-DQ_TENSORS = ("q", "k", "v", "do", "lse", "delta", "dq", "layout", "mask")
+DKDV_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dk", "dv", "layout", "mask")
+DQ_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dq", "layout", "mask")
 
 
 def _layout_multiplicity(layout: BlockSparseLayout, batch: int, num_heads_q: int) -> torch.Tensor:
@@ -134,7 +134,7 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
     rep = TrafficReport(source="predicted")
     rep.add("attn_fwd", {"q": rows * D * es, "k": kv, "v": kv, "layout": int((mult * index).sum()) * INDEX_BYTES,
                          "mask": int((mult * mask_rows).sum()) * _words(tiles.fwd[1]) * INDEX_BYTES},
-            {"o": rows * D * es, "lse": rows * STAT_BYTES})
+            {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
     return rep
 
 
@@ -155,7 +155,8 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
     index, queries, mask_rows = _walk(layout, sched.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True)
     q_rows = int((mult * queries).sum())
     rep.add("attn_bwd_dkdv",
-            {"q": q_rows * D * es, "do": q_rows * D * es, "lse": q_rows * STAT_BYTES, "delta": q_rows * STAT_BYTES,
+            {"q": q_rows * D * es, "do": q_rows * D * es, "stats": q_rows * 2 * STAT_BYTES,
+             "delta": q_rows * STAT_BYTES,
              "k": rows_k * D * es, "v": rows_k * D * es, "layout": int((mult * index).sum()) * INDEX_BYTES,
              "mask": int((mult * mask_rows).sum()) * _words(tiles.dkdv[1]) * INDEX_BYTES},
             {"dk": rows_k * D * es, "dv": rows_k * D * es})
@@ -163,7 +164,8 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
     index, keys, mask_rows = _walk(layout, sched.rows, tiles.dq[0], tiles.dq[1], delta, transposed=False)
     kv = int((mult * keys).sum()) * D * es
     rep.add("attn_bwd_dq",
-            {"q": rows_q * D * es, "do": rows_q * D * es, "lse": rows_q * STAT_BYTES, "delta": rows_q * STAT_BYTES,
+            {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,
+             "delta": rows_q * STAT_BYTES,
              "k": kv, "v": kv, "layout": int((mult * index).sum()) * INDEX_BYTES,
              "mask": int((mult * mask_rows).sum()) * _words(tiles.dq[1]) * INDEX_BYTES},
             {"dq": rows_q * D * es})

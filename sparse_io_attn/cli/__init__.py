@@ -4,7 +4,7 @@ Each subcommand lives in its own module of this package and exposes ``add_parser
 (which sets ``func``); ``main`` wires them together.
 
 Exit codes: 0 success; 2 bad flags or an impossible combination (one line on stderr, no
-traceback); 3 a capability missing from this machine or install (e.g. matplotlib for plots).
+traceback); 3 an optional extra that is not installed (matplotlib, the ``plot`` extra, for plots).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ EPILOG = """examples:
   sparse-io-attn layout sliding_window:256 --seq-len 2048 --block 64
   sparse-io-attn <command> --help     (every command lists its own examples)
 
-exit codes: 0 ok, 2 bad arguments, 3 something this machine or install lacks"""
+exit codes: 0 ok, 2 bad arguments, 3 an optional extra is not installed (matplotlib for plots)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,18 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            continue  # a subcommand another issue has not landed yet
-        module.add_parser(sub)
+        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
-    from sparse_io_attn.cli._common import Unavailable
+    from sparse_io_attn.cli._common import MissingExtra
 
     args = build_parser().parse_args(argv)
     try:
@@ -55,8 +49,8 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         print(f"sparse-io-attn {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except Unavailable as e:
-        print(f"sparse-io-attn {args.command}: unavailable: {_one_line(e)}", file=sys.stderr)
+    except MissingExtra as e:
+        print(f"sparse-io-attn {args.command}: missing optional dependency: {_one_line(e)}", file=sys.stderr)
         return 3
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()

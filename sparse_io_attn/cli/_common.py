@@ -1,13 +1,13 @@
 """Helpers shared by the subcommands: argument parsing of sizes/dtypes/patterns, the machine
 header, a progress bar, CSV/JSON writers, timing and plot set-up.
 
-Errors a user can fix raise ``ValueError`` (the command prints one line and exits 2). A capability
-missing on this machine or in this install raises :class:`Unavailable` (one line, exit 3).
+Errors a user can fix raise ``ValueError`` (the command prints one line and exits 2). An optional
+extra that is not installed (matplotlib, from the ``plot`` extra) raises :class:`MissingExtra`
+(one line, exit 3).
 """
 from __future__ import annotations
 
 import csv
-import importlib
 import json
 import math
 import os
@@ -21,13 +21,16 @@ from pathlib import Path
 
 import torch
 
+from sparse_io_attn.layout.patterns import from_spec
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 RESULTS_DIR = Path("benchmarks") / "results"
 
 
-class Unavailable(RuntimeError):
-    """A part of the library or an optional package the command needs is not present."""
+class MissingExtra(RuntimeError):
+    """An optional extra of the package (``pip install 'sparse-io-attn[<extra>]'``) this command
+    needs is not installed."""
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -60,35 +63,10 @@ def parse_list(text: str, item=str, *, allowed=None, what: str = "list") -> list
     return [item(s) for s in items]
 
 
-def optional_module(name: str, what: str):
-    """Import a library module another issue provides, or raise :class:`Unavailable` saying which."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as e:
-        raise Unavailable(f"{what} needs {name}, which is not available in this install ({e})") from None
-
-
-def require_attr(module, attr: str, what: str):
-    if not hasattr(module, attr):
-        raise Unavailable(f"{what} needs {module.__name__}.{attr}, which this version does not provide")
-    return getattr(module, attr)
-
-
 def build_layout(spec: str, seqlen: int, block_size: int, *, num_heads: int = 1):
     """A :class:`BlockSparseLayout` from a pattern spec such as ``"sliding_window:512"`` (see
-    ``sparse_io_attn.layout.patterns.from_spec`` for the grammar)."""
-    patterns = optional_module("sparse_io_attn.layout.patterns", "--pattern")
-    from_spec = require_attr(patterns, "from_spec", "--pattern")
-    kwargs = {"seqlen": seqlen, "block_size": block_size}
-    if num_heads != 1:
-        kwargs["num_heads"] = num_heads
-    try:
-        return from_spec(spec, **kwargs)
-    except TypeError as e:
-        if "num_heads" in kwargs and "num_heads" in str(e):
-            kwargs.pop("num_heads")
-            return from_spec(spec, **kwargs)
-        raise
+    :func:`sparse_io_attn.layout.patterns.from_spec` for the grammar)."""
+    return from_spec(spec, seqlen=seqlen, block_size=block_size, num_heads=num_heads)
 
 
 # ---------------------------------------------------------------------------------------- header
@@ -299,21 +277,6 @@ def _fmt_cell(v) -> str:
     return str(v)
 
 
-def available_memory_bytes(device) -> int | None:
-    """Free memory on ``device``: CUDA free bytes, or MemAvailable from /proc/meminfo (None if unknown)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def human_bytes(b: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(b) < 1024 or unit == "TiB":
@@ -324,14 +287,15 @@ def human_bytes(b: float) -> str:
 
 # ---------------------------------------------------------------------------------------- plotting
 def pyplot():
-    """``matplotlib.pyplot`` with the non-interactive Agg backend, or :class:`Unavailable`."""
+    """``matplotlib.pyplot`` with the non-interactive Agg backend; :class:`MissingExtra` when
+    matplotlib (the ``plot`` extra) is not installed."""
     try:
         import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
     except ImportError:
-        raise Unavailable("plots need matplotlib: pip install 'sparse-io-attn[plot]' "
-                          "(or pass --no-plot to write only the CSV)") from None
+        raise MissingExtra("plots need matplotlib, the 'plot' extra: pip install 'sparse-io-attn[plot]' "
+                           "(sweeps write only the CSV and Markdown with --no-plot)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     return plt
 
 

@@ -14,6 +14,8 @@ import argparse
 
 import torch
 
+from sparse_io_attn.accounting import traffic
+from sparse_io_attn.bounds.devices import available_memory_bytes
 from sparse_io_attn.cli import _common as C
 from sparse_io_attn.cli.bounds import attention_bound, default_cache_words
 
@@ -30,8 +32,8 @@ EXAMPLES = """examples:
 backends: torch (pure-PyTorch block-sparse path), triton (the library's kernels; on a CPU only
 through Triton's interpreter: small sizes or --allow-interpreter), sdpa (dense
 scaled_dot_product_attention with the equivalent element mask), flex (torch.compile(flex_attention)
-with layout.to_flex_block_mask(); its backward is not implemented on CPU). Unavailable backends
-are listed as skipped with the reason."""
+with layout.to_flex_block_mask(); its backward is not implemented on CPU). A backend that cannot
+run a case on this machine is listed as skipped with the reason."""
 
 
 def add_parser(sub) -> None:
@@ -66,17 +68,12 @@ def add_parser(sub) -> None:
 
 
 # ------------------------------------------------------------------------------------ cost model
-def _traffic_model():
-    return C.optional_module("sparse_io_attn.accounting.traffic", "the traffic/FLOP model")
-
-
 def flops(layout, causal: bool, batch: int, heads: int, head_dim: int, pass_: str) -> int:
     """FLOPs on kept elements (``accounting.traffic.block_sparse_flops``: forward 4·D per kept score
     element, backward 10·D, the FlashAttention convention)."""
-    T = _traffic_model()
-    fl = T.block_sparse_flops(layout, batch, heads, head_dim, causal=causal)
+    fl = traffic.block_sparse_flops(layout, batch, heads, head_dim, causal=causal)
     if pass_ == "fwd+bwd":
-        fl += T.block_sparse_flops(layout, batch, heads, head_dim, causal=causal, backward=True)
+        fl += traffic.block_sparse_flops(layout, batch, heads, head_dim, causal=causal, backward=True)
     return fl
 
 
@@ -90,14 +87,10 @@ def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
     from sparse_io_attn.block_sparse.api import block_sparse_attention
 
     if backend == "torch":
-        C.optional_module("sparse_io_attn.block_sparse.torch_path", "backend torch")
         return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="torch")
     if backend == "triton":
-        try:
-            import sparse_io_attn._triton.runtime as K
-            C.optional_module("sparse_io_attn.block_sparse.triton.launch", "backend triton")
-        except C.Unavailable as e:
-            raise Skip(str(e)) from None
+        import sparse_io_attn._triton.runtime as K
+
         if q.device.type != "cuda":
             tiles = layout.nnz_blocks * (1 if layout.num_layouts > 1 else q.shape[0] * q.shape[1])
             if not K.INTERPRET:
@@ -110,10 +103,10 @@ def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
         import torch.nn.functional as F
         B, Hq = q.shape[:2]
         scores = B * Hq * q.shape[2] * k.shape[2] * max(q.element_size(), 4) * (3 if q.requires_grad else 1)
-        free = C.available_memory_bytes(q.device)
+        free, source = available_memory_bytes(q.device)
         if free is not None and scores > free // 2:
             raise Skip(f"dense SDPA would materialize n x n scores (~{C.human_bytes(scores)}) on a device with "
-                       f"{C.human_bytes(free)} available")
+                       f"{C.human_bytes(free)} available ({source})")
         mask = layout.to(q.device).expand_dense_mask(B, Hq)
         if causal:
             mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=q.device).tril()
@@ -122,22 +115,30 @@ def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
         vv = v.repeat_interleave(rep, dim=1) if rep > 1 else v
         return lambda: F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
     if backend == "flex":
-        try:
-            from torch.nn.attention.flex_attention import flex_attention
-        except ImportError as e:
-            raise Skip(f"this torch has no FlexAttention ({e})") from None
-        if not hasattr(layout, "to_flex_block_mask"):
-            raise Skip("BlockSparseLayout.to_flex_block_mask is not available in this version")
+        from torch.nn.attention.flex_attention import flex_attention
+
         if causal:
             raise Skip("flex with --causal is not wired in this benchmark (block mask only)")
-        try:
-            block_mask = layout.to(q.device).to_flex_block_mask()
-        except (ValueError, NotImplementedError, RuntimeError) as e:
-            raise Skip(f"to_flex_block_mask: {' '.join(str(e).split())[:160]}") from None
+        block_mask = layout.to(q.device).to_flex_block_mask()
         compiled = torch.compile(flex_attention, dynamic=False)
         gqa = q.shape[1] != k.shape[1]
         return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def _cannot_run(backend: str) -> tuple[type[BaseException], ...]:
+    """The errors that mean ``backend`` cannot run this case on this machine (reported as skipped):
+    flex: ``torch.compile`` failing to build the kernel (no C++ compiler, unsupported block sizes);
+    triton: the kernels' tiles needing more shared memory or registers than this GPU has."""
+    if backend == "flex":
+        import torch._dynamo.exc
+
+        return (torch._dynamo.exc.BackendCompilerFailed,)
+    if backend == "triton":
+        from triton.runtime.errors import OutOfResources
+
+        return (OutOfResources,)
+    return ()
 
 
 def _case_fn(fwd, pass_: str, q, k, v, do):
@@ -167,9 +168,8 @@ def triton_traffic(layout, q, k, v, causal: bool, pass_: str, count: bool, fwd):
             else:
                 fwd().backward(torch.randn_like(q))
         return io.report.total_bytes, "counted"
-    T = _traffic_model()
     B, Hq, _, D = q.shape
-    predict = T.block_sparse_forward if pass_ == "fwd" else T.block_sparse
+    predict = traffic.block_sparse_forward if pass_ == "fwd" else traffic.block_sparse
     return predict(layout, B, Hq, k.shape[1], D, q.dtype, causal=causal).total_bytes, "predicted"
 
 
@@ -231,16 +231,17 @@ def run(args) -> int:
                         row.update(traffic_bytes=traffic, traffic_source=source)
                     bar.update(note=f"{backend} {pass_} skipped")
                     continue
-                except NotImplementedError as e:
+                except NotImplementedError as e:  # e.g. FlexAttention's backward on a CPU
                     row.update(status="skipped", reason=f"NotImplementedError: {' '.join(str(e).split())[:160]}")
                     bar.update(note=f"{backend} {pass_} skipped")
                     continue
-                except Exception as e:  # a backend failing on this machine is reported, not fatal
-                    if backend in ("flex", "triton") and not isinstance(e, (ValueError, TypeError)):
-                        row.update(status="skipped", reason=f"{type(e).__name__}: {' '.join(str(e).split())[:160]}")
-                        bar.update(note=f"{backend} {pass_} skipped")
-                        continue
-                    raise
+                except _cannot_run(backend) as e:
+                    what = ("torch.compile cannot build flex_attention for this case here" if backend == "flex" else
+                            "the kernels need more GPU resources than this device has")
+                    row.update(status="skipped",
+                               reason=f"{what}: {type(e).__name__}: {' '.join(str(e).split())[:160]}")
+                    bar.update(note=f"{backend} {pass_} skipped")
+                    continue
                 fl = flops(layout, args.causal, B, H, D, pass_)
                 row.update(median_ms=timing["median_s"] * 1e3, iqr_ms=timing["iqr_s"] * 1e3,
                            min_ms=timing["min_s"] * 1e3, max_ms=timing["max_s"] * 1e3, runs=timing["runs"],
@@ -258,19 +259,14 @@ def run(args) -> int:
 
 
 def _bound_columns(rows, layout, args, dtype, cache_words, B, H, D, n):
-    """Fill bound_bytes and traffic/bound for every row; return the bound summary (or None)."""
+    """Fill bound_bytes and traffic/bound for every row; return the bound of each pass."""
     summary = {}
     for pass_ in {r["pass"] for r in rows}:
-        try:
-            b = attention_bound(n, D, cache_words, dtype, layout=layout, causal=args.causal, pass_=pass_,
-                                batch=B, heads=args.heads, kv_heads=args.kv_heads)
-        except C.Unavailable as e:
-            summary[pass_] = {"unavailable": str(e)}
-            continue
-        summary[pass_] = b
+        summary[pass_] = attention_bound(n, D, cache_words, dtype, layout=layout, causal=args.causal, pass_=pass_,
+                                         batch=B, heads=args.heads, kv_heads=args.kv_heads)
     for r in rows:
         b = summary.get(r["pass"])
-        if b and "bound_bytes" in b:
+        if b:
             r["bound_bytes"] = b["bound_bytes"]
             r["bound_binds"] = b["binds"]
             if r.get("traffic_bytes"):
@@ -289,13 +285,10 @@ def _emit(rows, header, bound, args) -> None:
     notes = [f"- {r['backend']} {r['pass']}: {r['reason']}" for r in rows if r.get("reason")]
     bound_lines = []
     for pass_, b in sorted(bound.items()):
-        if "unavailable" in b:
-            bound_lines.append(f"- bound ({pass_}): unavailable: {b['unavailable']}")
-        else:
-            bound_lines.append(f"- bound ({pass_}): {b['bound_bytes']:,} B = max(compulsory {b['compulsory_bytes']:,} B, "
-                               f"{b['theorem']} {b['theorem_bytes']:,.0f} B, unit constants); binding: {b['binds']}")
-            if b.get("note"):
-                bound_lines.append(f"  note: {b['note']}")
+        bound_lines.append(f"- bound ({pass_}): {b['bound_bytes']:,} B = max(compulsory {b['compulsory_bytes']:,} B, "
+                           f"{b['theorem']} {b['theorem_bytes']:,.0f} B, unit constants); binding: {b['binds']}")
+        if b.get("note"):
+            bound_lines.append(f"  note: {b['note']}")
     text = "\n".join([C.format_header(header),
                       f"# pattern {header['pattern']} (density {header['density']}), n={header['seq_len']}, "
                       f"B={header['batch']}, H={header['heads']}/{header['kv_heads']}, D={header['head_dim']}, "

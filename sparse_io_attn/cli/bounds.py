@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from sparse_io_attn.accounting import traffic
+from sparse_io_attn.bounds import (DEFAULT_CPU_FAST_MEMORY_BYTES, dense_backward, dense_forward,
+                                   device_fast_memory_words, get_device, parse_memory, sparse)
+from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.cli import _common as C
 
 EXAMPLES = """examples:
@@ -46,26 +52,20 @@ def add_parser(sub) -> None:
 
 
 # ------------------------------------------------------------------------------------ helpers
-def _bounds_module():
-    return C.optional_module("sparse_io_attn.bounds", "the bound calculator")
-
-
 def default_cache_words(cache, dtype, device_name: str | None = None) -> int:
     """M in words: ``cache`` (words or a size string) if given, else the device table / current GPU."""
-    B = _bounds_module()
     if cache is not None:
-        return int(C.require_attr(B, "parse_memory", "--cache")(str(cache), dtype))
-    words = C.require_attr(B, "device_fast_memory_words", "a default M")(dtype, device=device_name)
+        return int(parse_memory(str(cache), dtype))
+    words = device_fast_memory_words(dtype, device=device_name)
     if words is None:  # no CUDA device and no --device: the documented CPU default (an H100's)
-        words = C.require_attr(B, "DEFAULT_CPU_FAST_MEMORY_BYTES", "a default M") // _itemsize(dtype)
+        words = DEFAULT_CPU_FAST_MEMORY_BYTES // itemsize(dtype)
     return int(words)
 
 
 def qk_nnz(layout, causal: bool) -> int:
     """Kept score elements per stored mask, averaged over the masks (Z_AXA under the pattern),
     from ``accounting.traffic.kept_elements`` (the one cost model)."""
-    T = C.optional_module("sparse_io_attn.accounting.traffic", "Z_AXA of a pattern")
-    total = T.kept_elements(layout, layout.layout_batch, layout.layout_heads, causal=causal)
+    total = traffic.kept_elements(layout, layout.layout_batch, layout.layout_heads, causal=causal)
     return round(total / layout.num_layouts)
 
 
@@ -85,21 +85,18 @@ def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, cau
     kv heads); theorem = ``batch * heads`` x Theorem 4.5 with unit constants (a lower bound for
     forward and for backward alike, hence also for fwd+bwd). Returns both parts and which binds.
     """
-    B = _bounds_module()
-    sparse = C.require_attr(B, "sparse", "the bound column")
     kv_heads = kv_heads or heads
-    itemsize = _itemsize(dtype)
+    es = itemsize(dtype)
     if layout is None:
         z_axa = n * n
     else:
-        T = C.optional_module("sparse_io_attn.accounting.traffic", "Z_AXA of a pattern")
-        z_axa = round(T.kept_elements(layout, batch, heads, causal=causal) / (batch * heads))
+        z_axa = round(traffic.kept_elements(layout, batch, heads, causal=causal) / (batch * heads))
     b = sparse(n * d, d * d, n * d, z_axa, cache_words, n=n, d=d)
     theorem_words = b.value_words * batch * heads
     per = 2 if pass_ == "fwd" else 4
     compulsory_words = per * batch * n * d * (heads + kv_heads)
-    theorem_bytes = theorem_words * itemsize
-    compulsory_bytes = compulsory_words * itemsize
+    theorem_bytes = theorem_words * es
+    compulsory_bytes = compulsory_words * es
     return {"bound_bytes": int(max(theorem_bytes, compulsory_bytes)), "theorem_bytes": theorem_bytes,
             "compulsory_bytes": int(compulsory_bytes), "theorem": "Thm 4.5",
             "binds": "compulsory" if compulsory_bytes >= theorem_bytes else "Thm 4.5",
@@ -107,21 +104,12 @@ def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, cau
             "note": "" if layout is None or z_axa == n * n else PATTERN_NOTE}
 
 
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
-def _itemsize(dtype) -> int:
-    import torch
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def kernel_choice(d: int, M: int) -> str:
     """The dense backward kernel ``dense.backward(regime="auto")`` runs (``dense.choose_regime``:
     small-cache when M < d², or when the large-cache tiles do not fit M)."""
-    dense = C.optional_module("sparse_io_attn.dense", "the kernel choice")
-    if dense.choose_regime(d, M) == "small":
+    from sparse_io_attn.dense import choose_regime  # imports the kernels (Triton): only when asked
+
+    if choose_regime(d, M) == "small":
         return "small-cache kernel (Algorithm 6; materializes f, q, p, n x n each)"
     return "large-cache kernel (Algorithm 9 = 7 + 8; never stores an n x n matrix)"
 
@@ -140,23 +128,21 @@ def run(args) -> int:
         raise ValueError(f"the Z counts go together; missing {', '.join(missing)}")
     if args.causal and not args.pattern:
         raise ValueError("--causal applies to --pattern; pass a pattern (e.g. --pattern dense --causal)")
-    B = _bounds_module()
     if args.device is not None:
-        C.require_attr(B, "get_device", "--device")(args.device)  # ValueError listing the known names
+        get_device(args.device)  # ValueError listing the known names
     M = default_cache_words(args.cache, dtype, args.device)
-    itemsize = _itemsize(dtype)
 
-    out = {"n": n, "d": d, "dtype": args.dtype, "M_words": M, "M_bytes": M * itemsize,
+    out = {"n": n, "d": d, "dtype": args.dtype, "M_words": M, "M_bytes": M * itemsize(dtype),
            "d_squared": d * d, "M_over_d2": M / (d * d),
            "regime": "small cache (M < d^2)" if M < d * d else "large cache (M >= d^2)",
            "kernel_choice": kernel_choice(d, M),
            "source_of_M": (f"--cache {args.cache}" if args.cache else
                            f"device table: {args.device}" if args.device else
-                           "this GPU's shared memory per block" if _cuda() else
+                           "this GPU's shared memory per block" if torch.cuda.is_available() else
                            "no GPU: DEFAULT_CPU_FAST_MEMORY_BYTES, an H100's 227 KiB per block"),
            "constants": "unit constants: the paper's bounds are Theta/Omega without stated constants"}
-    objs = {"dense_backward": C.require_attr(B, "dense_backward", "bounds")(n, d, M, dtype=dtype),
-            "dense_forward": C.require_attr(B, "dense_forward", "bounds")(n, d, M, dtype=dtype)}
+    objs = {"dense_backward": dense_backward(n, d, M, dtype=dtype),
+            "dense_forward": dense_forward(n, d, M, dtype=dtype)}
     if args.pattern or given:
         if args.pattern:
             layout = C.build_layout(args.pattern, n, args.block)
@@ -166,7 +152,7 @@ def run(args) -> int:
                                       "elements of the pattern" + (" with causal masking" if args.causal else "")}
         else:
             z = {k: getattr(args, k.lower()) for k in ("Z_A", "Z_X", "Z_AX", "Z_AXA")}
-        objs["sparse"] = B.sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, n=n, d=d, dtype=dtype,
+        objs["sparse"] = sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, n=n, d=d, dtype=dtype,
                                   note=PATTERN_NOTE if args.pattern else "")
     for key, b in objs.items():
         out[key] = b.to_dict()

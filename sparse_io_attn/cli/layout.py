@@ -1,9 +1,11 @@
-"""``sparse-io-attn layout PATTERN``: draw a block-sparse pattern (█ kept, ░ skipped) with its stats."""
+"""``sparse-io-attn layout PATTERN``: draw a block-sparse pattern (█ full block, ▒ partial block,
+░ skipped) with its stats."""
 from __future__ import annotations
 
 import argparse
 
-from sparse_io_attn.cli._common import build_layout, optional_module, parse_count, pyplot, to_json
+from sparse_io_attn.accounting import traffic
+from sparse_io_attn.cli._common import build_layout, parse_count, pyplot, to_json
 
 EXAMPLES = """examples:
   sparse-io-attn layout sliding_window:256 --seq-len 2048 --block 64
@@ -31,8 +33,7 @@ def layout_stats(layout) -> dict:
     """Sizes, kept blocks, density and per-row counts of a layout (elements clipped to seqlen)."""
     rows = layout.row_counts()
     sq, sk = layout.seqlen
-    T = optional_module("sparse_io_attn.accounting.traffic", "kept-element counts")
-    kept_elements = T.kept_elements(layout, layout.layout_batch, layout.layout_heads)
+    kept_elements = traffic.kept_elements(layout, layout.layout_batch, layout.layout_heads)
     return {
         "name": layout.name,
         "seqlen": list(layout.seqlen),

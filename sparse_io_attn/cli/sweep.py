@@ -140,8 +140,9 @@ def _seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: 
 def _small_cache_need(n: int, head_dim: int, heads: int) -> int:
     """Bytes the small-cache kernel (Algorithm 6) allocates for its n x n matrices f, q, p and the
     d x n matrix T (fp32), over ``heads`` (batch x head) problems: ``dense.small_cache.nn_buffer_bytes``."""
-    small = C.optional_module("sparse_io_attn.dense.small_cache", "the small-cache memory column")
-    return int(small.nn_buffer_bytes(n, head_dim, heads))
+    from sparse_io_attn.dense.small_cache import nn_buffer_bytes  # imports the kernels (Triton): only here
+
+    return int(nn_buffer_bytes(n, head_dim, heads))
 
 
 def run_seq(args):

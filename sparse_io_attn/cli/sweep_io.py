@@ -1,7 +1,9 @@
 """The I/O sweeps of ``sparse-io-attn sweep``: ``cache`` (the paper's Figure 1), ``dim`` (the
 threshold sweep over d) and ``sparsity`` (the Theorem 4.5 stress test), with their plots.
 
-Sources of each number (a column says which):
+The numbers come from the library (:mod:`sparse_io_attn.dense.figure1` for ``cache`` and ``dim``,
+:func:`sparse_io_attn.sparse_operands.stress.sparsity_sweep` for ``sparsity``); this module parses
+the flags, words the findings and draws the plots. Sources of each number (a column says which):
 
 * ``executor``: closed-form word counts of the paper's Algorithm 6 (small cache) and Algorithm 9
   (large cache; ``faithful`` as the appendix writes it, ``fa2`` the FlashAttention-2 loop order)
@@ -12,112 +14,14 @@ Sources of each number (a column says which):
 * ``kernel counted``: the dense Triton kernels' own ``COUNT_IO`` counters (through the interpreter
   on a CPU, so only at a small ``--count-n``), next to the model at that same ``n``.
 * ``bound``: Theorem 1.1's two terms with unit constants (:func:`sparse_io_attn.bounds.dense_backward`).
+
+The dense kernels (and so Triton) are imported only when a sweep runs, not to build the parser.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from sparse_io_attn.cli import _common as C
-
-# ============================================================================== adapters
-# (the only places that know the other modules' function names)
-
-
-def _pebble():
-    return C.optional_module("sparse_io_attn.bounds.pebble", "the executor's closed forms")
-
-
-def executor_io(kind: str, n: int, d: int, M: int) -> int | None:
-    """Closed-form I/O (words) of the executor's algorithm; ``None`` where it cannot run at ``M``."""
-    P = _pebble()
-    try:
-        if kind == "small":
-            return int(P.small_cache_io(n, d, M))
-        return int(P.large_cache_io(n, d, M, variant=kind.split(":")[1]))
-    except ValueError:
-        return None
-
-
-def executor_run(kind: str, n: int, d: int, M: int) -> tuple[int, int] | None:
-    """``(words moved by actually running the executor, closed form)`` for ``kind`` on random float64
-    inputs of size ``n x d``; ``None`` where the algorithm cannot run at ``M``."""
-    P = _pebble()
-    g = torch.Generator().manual_seed(0)
-    A1, A2, A3, dO = (torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(4))
-    X, Y = (torch.randn(d, d, generator=g, dtype=torch.float64) / d for _ in range(2))
-    try:
-        if kind == "small":
-            run = P.run_small_cache(A1, A2, A3, X, Y, dO, M)
-        else:
-            run = P.run_large_cache(A1, A2, A3, X, Y, dO, M, variant=kind.split(":")[1])
-    except ValueError:
-        return None
-    return run.total, executor_io(kind, n, d, M)
-
-
-def _dense_traffic():
-    return C.optional_module("sparse_io_attn.dense.traffic", "the dense kernels' traffic model")
-
-
-def _g_path(kind: str) -> tuple:
-    """The dense kernels on the paper's ``g = dL/dX`` path (what the executor and Figure 1 count)."""
-    if kind == "small":
-        return C.optional_module("sparse_io_attn.dense.small_cache", "the dense kernels").G_PATH
-    return C.optional_module("sparse_io_attn.dense.large_cache", "the dense kernels").G_PATH[kind.split(":")[1]]
-
-
-def kernel_predicted(kind: str, n: int, d: int, M: int) -> int | None:
-    """Predicted fp32 bytes of the dense backward kernels of ``kind`` ("small" or
-    "large:<variant>") on the ``dX`` path; ``None`` where the kernel cannot tile ``M``."""
-    T = _dense_traffic()
-    try:
-        if kind == "small":
-            rep = T.small_cache_traffic(n, d, M, dtype=torch.float32, g_only=True)
-        else:
-            rep = T.large_cache_traffic(n, d, M, dtype=torch.float32, variant=kind.split(":")[1], g_only=True)
-    except ValueError:
-        return None
-    return rep.total_bytes
-
-
-def kernel_counted(kind: str, n: int, d: int, M: int) -> int | None:
-    """Bytes the dense backward kernels of ``kind`` count on the ``dX`` path (fp32 random inputs of
-    size ``n x d``; Triton's interpreter on a CPU)."""
-    import sparse_io_attn._triton.runtime  # noqa: F401  (interpreter set-up before triton is imported)
-    dense = C.optional_module("sparse_io_attn.dense", "counted kernel traffic")
-    from sparse_io_attn.accounting import IOCounter
-    g = torch.Generator().manual_seed(0)
-    A1, A2, A3, dO = (torch.randn(n, d, generator=g) for _ in range(4))
-    X, Y = (torch.randn(d, d, generator=g) / d for _ in range(2))
-    try:
-        if kind == "small":
-            with IOCounter() as io:
-                dense.backward_small_cache(A1, A2, A3, X, Y, dO, M=M)
-        else:
-            O, lse = dense.forward(A1, A2, A3, X, Y, M=M)
-            with IOCounter() as io:
-                dense.backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, M=M, variant=kind.split(":")[1])
-    except ValueError:
-        return None
-    path = _g_path(kind)
-    return sum(k.total for name, k in io.report.kernels.items() if name in path)
-
-
-def _bound(n, d, M):
-    B = C.optional_module("sparse_io_attn.bounds", "the bound curves")
-    return B.dense_backward(n, d, M)
-
-
-def _m_grid(lo: float, hi: float, per_octave: int) -> list[int]:
-    """Geometric grid of integer M from ``lo`` to ``hi`` (inclusive), ``per_octave`` points per 2x."""
-    k = max(1, round(math.log2(hi / lo) * per_octave))
-    return sorted({max(1, round(lo * (hi / lo) ** (i / k))) for i in range(k + 1)})
-
-
-KINDS = (("small", "Alg. 6 small-cache"), ("large:faithful", "Alg. 9 large-cache"),
-         ("large:fa2", "Alg. 9, FA2 loop order"))
 
 # ============================================================================== cache
 CACHE_DOC = """Figure 1 of the paper with measured points: backward I/O vs fast-memory size M at fixed
@@ -142,7 +46,6 @@ def add_cache_args(p) -> None:
 
 def run_cache(args):
     n, d = args.seq_len, args.head_dim
-    dtype, es = torch.float32, 4  # kernel bytes / 4 = words: the dense kernels' intermediates are fp32
     if not 16 <= d <= 256:
         raise ValueError(f"--head-dim must be in 16..256, got {d}")
     m_min = args.m_min or max(16, d * d // 16)
@@ -153,58 +56,19 @@ def run_cache(args):
         raise ValueError(f"--per-octave must be >= 1, got {args.per_octave}")
     if args.count_n and args.count_n > 1024:
         raise ValueError(f"--count-n {args.count_n} is too large for the Triton interpreter (at most 1024)")
-    Ms = _m_grid(m_min, m_max, args.per_octave)
-    if d * d not in Ms and m_min <= d * d <= m_max:
-        Ms = sorted(Ms + [d * d])
-    header = C.machine_header(dtype)
+    header = C.machine_header(torch.float32)  # kernel bytes / 4 = words: the dense kernels' intermediates are fp32
     header.update({"n": n, "d": d, "count_n": args.count_n, "units": "words (elements); kernel fp32 bytes / 4; dX path only"})
-    notes, unavailable = [], set()
-    rows = []
+    # after the header, which records the environment as the command found it (importing the
+    # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
+    from sparse_io_attn.dense import figure1
 
-    def attempt(fn, *a):
-        try:
-            return fn(*a)
-        except C.Unavailable as e:
-            unavailable.add(str(e))
-            return None
-
-    count_Ms = [M for M in Ms if args.count_n and M >= args.count_m_min and M & (M - 1) == 0
-                and (M.bit_length() - 1) % 2 == 0]
+    Ms = figure1.cache_grid(d, m_min, m_max, args.per_octave)
+    count_Ms = figure1.counted_points(Ms, args.count_m_min) if args.count_n else []
     total = len(Ms) * (2 if args.count_n else 1) + len(count_Ms)
     with C.progress(total, "sweep cache", enabled=not args.no_progress) as bar:
-        for M in Ms:
-            b = _bound(n, d, M)
-            row = {"M": M, "M_over_d2": M / (d * d), "bound_large_cache": b.terms["large_cache"],
-                   "bound_small_cache": b.terms["small_cache"], "bound": b.value_words,
-                   "compulsory": b.compulsory_words}
-            for kind, _ in KINDS:
-                key = kind.replace("large:", "large_")
-                row[f"executor_{key}"] = attempt(executor_io, kind, n, d, M)
-                kb = attempt(kernel_predicted, kind, n, d, M)
-                row[f"kernel_{key}_predicted"] = None if kb is None else kb / es
-            rows.append(row)
-            bar.update(note=f"M={M}")
-        for row in rows:
-            M = row["M"]
-            if args.count_n:
-                for kind, _ in KINDS:
-                    res = attempt(executor_run, kind, args.count_n, d, M)
-                    key = kind.replace("large:", "large_")
-                    row[f"executor_{key}_run_at_count_n"] = None if res is None else res[0]
-                    row[f"executor_{key}_closed_form_at_count_n"] = None if res is None else res[1]
-                bar.update(note=f"executor M={M}")
-            if M not in count_Ms:
-                continue
-            for kind, _ in KINDS:
-                key = kind.replace("large:", "large_")
-                kp = attempt(kernel_predicted, kind, args.count_n, d, M)
-                kc = None if kp is None else attempt(kernel_counted, kind, args.count_n, d, M)
-                row[f"kernel_{key}_counted_at_count_n"] = None if kc is None else kc / es
-                row[f"kernel_{key}_predicted_at_count_n"] = None if kp is None else kp / es
-            bar.update(note=f"counted M={M}")
-    for u in sorted(unavailable):
-        notes.append(f"unavailable: {u}")
-    notes += _cache_findings(rows, d, n)
+        rows = figure1.cache_rows(n, d, Ms, count_n=args.count_n, count_Ms=count_Ms,
+                                  progress=lambda note: bar.update(note=note))
+    notes = _cache_notes(figure1.cache_findings(rows), d)
     columns = [("M", "M words"), ("M_over_d2", "M/d^2"), ("bound", "bound (unit c.)"),
                ("executor_small", "exec Alg6"), ("executor_large_faithful", "exec Alg9"),
                ("executor_large_fa2", "exec Alg9-FA2"), ("kernel_small_predicted", "kernel small (pred)"),
@@ -216,71 +80,41 @@ def run_cache(args):
     return "cache", header, rows, columns, notes, lambda path: plot_cache(rows, header, path)
 
 
-def _slope(rows, key, lo, hi):
-    pts = [(math.log(r["M"]), math.log(r[key])) for r in rows
-           if r.get(key) and lo <= r["M_over_d2"] <= hi]
-    if len(pts) < 2:
-        return None
-    mx = sum(p[0] for p in pts) / len(pts)
-    my = sum(p[1] for p in pts) / len(pts)
-    den = sum((p[0] - mx) ** 2 for p in pts)
-    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else None
-
-
-def _crossover(rows, a, b):
-    """Smallest M at which series ``b`` moves no more than series ``a`` (both present)."""
-    for r in rows:
-        if r.get(a) is not None and r.get(b) is not None and r[b] <= r[a]:
-            return r["M"]
-    return None
-
-
-def _cache_findings(rows, d, n) -> list[str]:
+def _cache_notes(f: dict, d: int) -> list[str]:
+    """:func:`sparse_io_attn.dense.figure1.cache_findings` in words."""
     out = []
-    try:
-        fixed = _pebble().small_cache_m_independent(n, d)
-        for r in rows:
-            if r.get("executor_small"):
-                r["executor_small_m_dependent"] = r["executor_small"] - fixed
-        s = _slope(rows, "executor_small_m_dependent", 0, 1 - 1e-9)
-        if s is not None:
-            out.append(f"executor Alg. 6 less its M-independent 9n^2+3nd+d^2 words: slope {s:+.2f} for M < d^2 "
-                       f"(bound: -0.5)")
-    except (C.Unavailable, AttributeError):
-        pass
+    s = f["executor_small_m_dependent_slope"]
+    if s is not None:
+        out.append(f"executor Alg. 6 less its M-independent 9n^2+3nd+d^2 words: slope {s:+.2f} for M < d^2 "
+                   f"(bound: -0.5)")
     for src in ("executor", "kernel"):
-        suffix = "" if src == "executor" else "_predicted"
-        a, bf, b2 = f"{src}_small{suffix}", f"{src}_large_faithful{suffix}", f"{src}_large_fa2{suffix}"
-        s_small = _slope(rows, a, 0, 1 - 1e-9)
-        s_large = _slope(rows, bf, 1, 4)
-        s_fa2 = _slope(rows, b2, 1, 16)
-        cross = _crossover(rows, a, bf)
+        g = f[src]
         bits = []
-        if s_small is not None:
-            bits.append(f"small-cache slope {s_small:+.2f} for M < d^2")
-        if s_large is not None:
-            bits.append(f"large-cache slope {s_large:+.2f} for d^2 <= M <= 4d^2")
-        if s_fa2 is not None:
-            bits.append(f"FA2-order slope {s_fa2:+.2f} for d^2 <= M <= 16d^2")
+        if g["small_slope"] is not None:
+            bits.append(f"small-cache slope {g['small_slope']:+.2f} for M < d^2")
+        if g["large_slope"] is not None:
+            bits.append(f"large-cache slope {g['large_slope']:+.2f} for d^2 <= M <= 4d^2")
+        if g["fa2_slope"] is not None:
+            bits.append(f"FA2-order slope {g['fa2_slope']:+.2f} for d^2 <= M <= 16d^2")
+        cross = g["crossover_M"]
         if cross is not None:
             bits.append(f"large-cache moves no more than small-cache from M = {cross:,} ({cross / d / d:.3g} d^2)")
         if bits:
             out.append(f"{src}: " + "; ".join(bits) + " (log-log slopes include the M-independent parts)")
-    runs = [(r[f"executor_{k}_run_at_count_n"], r[f"executor_{k}_closed_form_at_count_n"]) for r in rows
-            for k in ("small", "large_faithful", "large_fa2") if r.get(f"executor_{k}_run_at_count_n") is not None]
+    same, runs = f["executor_runs"]
     if runs:
-        out.append(f"executor run (two-level memory, float64) == closed form exactly at {sum(a == b for a, b in runs)} "
-                   f"of {len(runs)} (algorithm, M) points at --count-n")
-    pairs = [(r[f"kernel_{k}_counted_at_count_n"], r[f"kernel_{k}_predicted_at_count_n"]) for r in rows
-             for k in ("small", "large_faithful", "large_fa2") if r.get(f"kernel_{k}_counted_at_count_n") is not None]
+        out.append(f"executor run (two-level memory, float64) == closed form exactly at {same} "
+                   f"of {runs} (algorithm, M) points at --count-n")
+    same, pairs = f["kernel_counts"]
     if pairs:
-        same = sum(c == p for c, p in pairs)
         out.append(f"kernels counted (COUNT_IO, Triton interpreter) == traffic model exactly at {same} of "
-                   f"{len(pairs)} (kernel, M) points at --count-n")
+                   f"{pairs} (kernel, M) points at --count-n")
     return out
 
 
 def plot_cache(rows, header, path) -> None:
+    from sparse_io_attn.dense.figure1 import crossover
+
     plt = C.pyplot()
     n, d, cn = header["n"], header["d"], header["count_n"]
     has_counted = any(r.get("kernel_small_counted_at_count_n") for r in rows)
@@ -299,8 +133,8 @@ def plot_cache(rows, header, path) -> None:
     ax.plot(M, [r["compulsory"] for r in rows], color="0.6", ls="-.", lw=1, label="compulsory (8nd+n)")
     ax.axvline(d * d, color="k", lw=0.8)
     ax.text(d * d, 0.98, " M = d² (bound crossover)", fontsize=8, va="top", transform=ax.get_xaxis_transform())
-    cross = _crossover(rows, "kernel_small_predicted", "kernel_large_faithful_predicted") or \
-        _crossover(rows, "executor_small", "executor_large_faithful")
+    cross = crossover(rows, "kernel_small_predicted", "kernel_large_faithful_predicted") or \
+        crossover(rows, "executor_small", "executor_large_faithful")
     if cross:
         ax.axvline(cross, color="tab:purple", lw=0.8, ls="--")
         ax.text(cross, 0.93, f" kernels cross (model)\n M={cross:,}", fontsize=8, color="tab:purple",
@@ -338,9 +172,10 @@ def _line(ax, M, rows, key, color, ls, marker, label):
 
 # ============================================================================== dim
 DIM_DOC = """Threshold sweep over d (default 64, 128, 256) at a device's fast memory M: for each d,
-the regime M vs d^2, the bound, and the small-cache and large-cache kernels' traffic (model; the
-executor's closed forms when the dense kernels are absent) at the device's M and over M/d^2 from
-1/8 to 8, showing where the small-cache algorithm stops paying. On a CPU no timings are taken."""
+the regime M vs d^2, the bound, and the small-cache and large-cache kernels' traffic (model; next
+to it the executor's closed forms, which also cover the M the kernels cannot tile) at the device's
+M and over M/d^2 from 1/8 to 8, showing where the small-cache algorithm stops paying. On a CPU no
+timings are taken."""
 
 
 def add_dim_args(p) -> None:
@@ -359,52 +194,25 @@ def run_dim(args):
         raise ValueError(f"--dims must be integers in 16..256, got {args.dims!r}")
     from sparse_io_attn.cli.bounds import default_cache_words
     M_dev = default_cache_words(args.cache, dtype, None if args.cache else args.device)
-    es = torch.empty((), dtype=dtype).element_size()
     n = args.seq_len
     header = C.machine_header(dtype)
     header.update({"n": n, "device_M_words": M_dev, "M_from": args.cache or args.device})
-    rows, unavailable = [], set()
+    # after the header, which records the environment as the command found it (importing the
+    # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
+    from sparse_io_attn.dense import figure1
 
-    def attempt(fn, *a):
-        try:
-            return fn(*a)
-        except C.Unavailable as e:
-            unavailable.add(str(e))
-            return None
-
-    grid = [2 ** (i / 2) for i in range(-6, 7)]  # M/d^2 from 1/8 to 8
-    with C.progress(len(dims) * (len(grid) + 1), "sweep dim", enabled=not args.no_progress) as bar:
-        for d in dims:
-            Ms = [(round(f * d * d), False) for f in grid] + [(M_dev, True)]
-            for M, at_dev in Ms:
-                b = _bound(n, d, M)
-                row = {"d": d, "M": M, "M_over_d2": M / (d * d), "at_device_M": at_dev, "regime": b.regime,
-                       "bound": b.value_words, "compulsory": b.compulsory_words}
-                for kind, _ in KINDS:
-                    key = kind.replace("large:", "large_")
-                    kb = attempt(kernel_predicted, kind, n, d, M)
-                    row[f"kernel_{key}"] = None if kb is None else kb / 4
-                    row[f"executor_{key}"] = attempt(executor_io, kind, n, d, M)
-                _compare_small_large(row)
-                rows.append(row)
-                bar.update()
-    notes = [f"unavailable: {u}" for u in sorted(unavailable)]
+    with C.progress(len(dims) * (len(figure1.THRESHOLD_GRID) + 1), "sweep dim", enabled=not args.no_progress) as bar:
+        rows = figure1.threshold_rows(n, dims, M_dev, progress=bar.update)
+    notes = []
     for d in dims:
-        dev = next(r for r in rows if r["d"] == d and r["at_device_M"])
+        f = figure1.threshold_findings(rows, d)
+        dev = f["device"]
         parts = []
         for src in ("kernel", "executor"):
-            pts = []
-            for r in rows:
-                if r["d"] != d or r["at_device_M"]:
-                    continue
-                small = r.get(f"{src}_small")
-                large = [r[f"{src}_large_{v}"] for v in ("faithful", "fa2") if r.get(f"{src}_large_{v}")]
-                if small and large:
-                    pts.append((r["M_over_d2"], small < min(large)))
-            if not pts:
+            if src not in f:
                 continue
-            wins = [x for x, w in pts if w]
-            span = f"M/d^2 in [{min(x for x, _ in pts):.3g}, {max(x for x, _ in pts):.3g}]"
+            wins, lo, hi = f[src]
+            span = f"M/d^2 in [{lo:.3g}, {hi:.3g}]"
             parts.append(f"{src}: small-cache moves less at M/d^2 {', '.join(f'{x:.3g}' for x in wins)} of {span}"
                          if wins else f"{src}: small-cache never moves less over {span}")
         notes.append(f"d={d}: device M/d^2 = {dev['M_over_d2']:.3g} ({dev['regime']} cache); cheaper there: "
@@ -416,22 +224,6 @@ def run_dim(args):
                ("large_variant", "vs"), ("cheaper", "cheaper"), ("source", "source")]
     table_rows = [r for r in rows if r["at_device_M"]]
     return "dim", header, rows, columns, notes, lambda path: plot_dim(rows, header, path), table_rows
-
-
-def _compare_small_large(row: dict) -> None:
-    """small-cache I/O over the better large-cache variant's, per source (``kernel_ratio`` from the
-    kernels' model, ``executor_ratio`` from the closed forms; ``None`` where one side cannot run at
-    this M); ``small_over_large`` / ``source`` / ``cheaper`` take the kernel's where it exists."""
-    row.update(source=None, large_variant=None, small_over_large=None, cheaper=None)
-    for src in ("executor", "kernel"):
-        small = row.get(f"{src}_small")
-        larges = {v: row.get(f"{src}_large_{v}") for v in ("faithful", "fa2") if row.get(f"{src}_large_{v}")}
-        row[f"{src}_ratio"] = None
-        if small and larges:
-            variant = min(larges, key=larges.get)
-            row[f"{src}_ratio"] = small / larges[variant]
-            row.update(source=src, large_variant=variant, small_over_large=small / larges[variant],
-                       cheaper="small-cache" if small < larges[variant] else "large-cache")
 
 
 def plot_dim(rows, header, path) -> None:
@@ -481,7 +273,8 @@ def add_sparsity_args(p) -> None:
 
 
 def run_sparsity(args):
-    stress = C.optional_module("sparse_io_attn.sparse_operands.stress", "sweep sparsity")
+    from sparse_io_attn.sparse_operands import stress
+
     densities = [_density(x) for x in C.parse_list(args.densities, what="--densities")]
     axes = C.parse_list(args.axes, allowed=stress.AXES, what="--axes")
     if args.count and args.seq_len > 512:

@@ -1,6 +1,20 @@
-"""The kernel-level version of the paper's Figure 1, from the exact traffic model (:mod:`.traffic`).
+"""The paper's Figure 1: backward traffic against the fast memory ``M`` at fixed ``n, d``, for the
+small-cache algorithm (Algorithm 6) and the large-cache algorithm (Algorithm 9, as written and in
+the FlashAttention-2 loop order), from three sources:
 
-For fixed ``n, d`` and a sweep of the fast memory ``M`` (words), the bytes each backward moves:
+* the dense kernels' exact traffic model (:mod:`.traffic`; bytes, equal to the kernels' counters),
+* the dense kernels' own ``COUNT_IO`` counters (:func:`kernel_counted_bytes`; Triton's interpreter
+  on a CPU, so small ``n`` only),
+* the two-level-memory executor's closed forms and runs (:mod:`sparse_io_attn.bounds.pebble`;
+  words, independent of the machine).
+
+This module is the one implementation of the analysis; ``sparse-io-attn sweep cache|dim``,
+``benchmarks/dense_figure1.py`` and ``benchmarks/pebble_figure1.py`` only format its results.
+Log-log slopes come from :func:`sparse_io_attn.bounds.slopes.loglog_slope`.
+
+Algorithms are named by ``kind``: ``"small"``, ``"large_faithful"``, ``"large_fa2"`` (:data:`KINDS`).
+
+Kernel traffic model (:func:`sweep`, :func:`summarize`). Per ``M``, the bytes each backward moves:
 
 * ``small``: the small-cache kernels (Algorithm 6), ``B = sqrt(M/4)``.
 * ``faithful``: the large-cache kernels as the paper writes them (Algorithm 9), where they fit.
@@ -17,21 +31,52 @@ traffic the bounds are about:
   products, which fall as ``1/B ~ M^(-1/2)``.
 * :func:`reread_bytes`: bytes read beyond one pass over each tensor per kernel (the re-reads a larger
   ``M`` saves), used for the large-cache kernels.
+
+The ``sweep cache`` / ``sweep dim`` tables (:func:`cache_rows`, :func:`cache_findings`,
+:func:`threshold_rows`, :func:`threshold_findings`) put all three sources side by side in words
+(kernel fp32 bytes / 4, ``g`` path). The executor report (:func:`executor_table`,
+:func:`executor_summary`, :func:`equal_capacity_crossover`) works on the closed forms alone.
 """
 from __future__ import annotations
 
+import bisect
 import math
 
 import torch
 
+from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.bounds import dense_backward
+from sparse_io_attn.bounds.pebble import (large_cache_io, large_cache_peak, run_large_cache, run_small_cache,
+                                          small_cache_io, small_cache_m_independent)
+from sparse_io_attn.bounds.slopes import loglog_slope
+from sparse_io_attn.bounds.units import itemsize
+from sparse_io_attn.dense.forward import forward
+from sparse_io_attn.dense.large_cache import G_PATH as LARGE_G_PATH
+from sparse_io_attn.dense.large_cache import backward_large_cache
+from sparse_io_attn.dense.small_cache import G_PATH as SMALL_G_PATH
+from sparse_io_attn.dense.small_cache import backward_small_cache
 from sparse_io_attn.dense.tiling import small_cache_block
-from sparse_io_attn.dense.traffic import _itemsize, large_cache_traffic, small_cache_traffic
+from sparse_io_attn.dense.traffic import large_cache_traffic, small_cache_traffic
+
+#: Algorithm 6 (small cache); Algorithm 9 as written; Algorithm 9 in FlashAttention-2 loop order
+KINDS = ("small", "large_faithful", "large_fa2")
+
+#: Words per kernel byte in the sweep tables: the dense kernels' intermediates are fp32
+_WORD_BYTES = 4
 
 
+def _variant(kind: str) -> str | None:
+    """The large-cache variant of ``kind`` (``"large_fa2"`` -> ``"fa2"``); ``None`` for ``"small"``."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return None if kind == "small" else kind.split("_", 1)[1]
+
+
+# ============================================================================== kernel traffic model
 def tensor_bytes(n: int, d: int, dtype=torch.float32) -> dict:
     """Size in bytes of every tensor the dense backward kernels name (batch 1)."""
-    I, F = _itemsize(dtype), 4
+    I, F = itemsize(dtype), 4
     sizes = {t: n * d * I for t in ("A1", "A2", "A3", "dO", "O", "dA1", "dA2", "dA3")}
     sizes.update({t: n * d * F for t in ("S", "h", "dS", "dh", "T")})
     sizes.update({t: n * n * F for t in ("f", "q", "p")})
@@ -61,11 +106,49 @@ def reread_bytes(report: TrafficReport, sizes: dict) -> int:
     return out
 
 
-def _try(fn, *args, **kwargs):
+def kernel_traffic(kind: str, n: int, d: int, M: int, dtype=torch.float32, *, g_only: bool = True,
+                   min_block: int | None = None) -> TrafficReport | None:
+    """The traffic model's report of the dense backward kernels of ``kind`` (``g_only``: the ``dX``
+    path only), or ``None`` where the kernels cannot tile ``M``. ``min_block`` (large-cache only)
+    lets the schedule use tiles below the 16 rows ``tl.dot`` needs (a model-only extension)."""
+    variant = _variant(kind)
+    extra = {} if min_block is None else {"min_block": min_block}
     try:
-        return fn(*args, **kwargs)
-    except ValueError:
+        if variant is None:
+            return small_cache_traffic(n, d, M, dtype=dtype, g_only=g_only)
+        return large_cache_traffic(n, d, M, dtype=dtype, variant=variant, g_only=g_only, **extra)
+    except ValueError:  # M too small for this kernel's tiles
         return None
+
+
+def kernel_bytes(kind: str, n: int, d: int, M: int, dtype=torch.float32) -> int | None:
+    """Predicted bytes of the dense backward kernels of ``kind`` on the ``dX`` path; ``None`` where
+    the kernels cannot tile ``M``."""
+    rep = kernel_traffic(kind, n, d, M, dtype)
+    return None if rep is None else rep.total_bytes
+
+
+def kernel_counted_bytes(kind: str, n: int, d: int, M: int) -> int | None:
+    """Bytes the dense backward kernels of ``kind`` count (``COUNT_IO``) on the ``dX`` path, on fp32
+    random inputs of size ``n x d`` (Triton's interpreter on a CPU); ``None`` where they cannot tile
+    ``M``."""
+    variant = _variant(kind)
+    g = torch.Generator().manual_seed(0)
+    A1, A2, A3, dO = (torch.randn(n, d, generator=g) for _ in range(4))
+    X, Y = (torch.randn(d, d, generator=g) / d for _ in range(2))
+    try:
+        if variant is None:
+            with IOCounter() as io:
+                backward_small_cache(A1, A2, A3, X, Y, dO, M=M)
+            path = SMALL_G_PATH
+        else:
+            O, lse = forward(A1, A2, A3, X, Y, M=M)
+            with IOCounter() as io:
+                backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, M=M, variant=variant)
+            path = LARGE_G_PATH[variant]
+    except ValueError:  # M too small for this kernel's tiles
+        return None
+    return sum(k.total for name, k in io.report.kernels.items() if name in path)
 
 
 def sweep(n: int, d: int, Ms, dtype=torch.float32) -> list[dict]:
@@ -74,34 +157,25 @@ def sweep(n: int, d: int, Ms, dtype=torch.float32) -> list[dict]:
     rows = []
     for M in Ms:
         r = {"M": M, "M_over_d2": M / (d * d)}
-        small_g = _try(small_cache_traffic, n, d, M, dtype=dtype, g_only=True)
-        small_all = _try(small_cache_traffic, n, d, M, dtype=dtype)
+        small_g = kernel_traffic("small", n, d, M, dtype)
+        small_all = kernel_traffic("small", n, d, M, dtype, g_only=False)
         r["B"] = small_cache_block(M) if small_g else None
         r["small_g"] = small_g.total_bytes if small_g else None
         r["small_all"] = small_all.total_bytes if small_all else None
         r["small_g_tiled_reads"] = small_tiled_reads(small_g) if small_g else None
-        for name, kw in (("faithful", dict(variant="faithful")), ("fa2", dict(variant="fa2")),
-                         ("fa2_model", dict(variant="fa2", min_block=1))):
-            g = _try(large_cache_traffic, n, d, M, dtype=dtype, g_only=True, **kw)
-            a = _try(large_cache_traffic, n, d, M, dtype=dtype, **kw)
+        for name, kind, min_block in (("faithful", "large_faithful", None), ("fa2", "large_fa2", None),
+                                      ("fa2_model", "large_fa2", 1)):
+            g = kernel_traffic(kind, n, d, M, dtype, min_block=min_block)
+            a = kernel_traffic(kind, n, d, M, dtype, g_only=False, min_block=min_block)
             r[f"{name}_g"] = g.total_bytes if g else None
             r[f"{name}_all"] = a.total_bytes if a else None
             r[f"{name}_g_rereads"] = reread_bytes(g, sizes) if g else None
-        from sparse_io_attn.bounds import dense_backward
         b = dense_backward(n, d, M, form="paper")
-        r["bound_bytes"] = b.value_words * _itemsize(dtype)
-        r["bound_small_term_bytes"] = b.terms["small_cache"] * _itemsize(dtype)
-        r["bound_large_term_bytes"] = b.terms["large_cache"] * _itemsize(dtype)
+        r["bound_bytes"] = b.value_words * itemsize(dtype)
+        r["bound_small_term_bytes"] = b.terms["small_cache"] * itemsize(dtype)
+        r["bound_large_term_bytes"] = b.terms["large_cache"] * itemsize(dtype)
         rows.append(r)
     return rows
-
-
-def loglog_slope(xs, ys) -> float:
-    """Least-squares slope of ``log y`` against ``log x``."""
-    lx = [math.log(x) for x in xs]
-    ly = [math.log(y) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
 def summarize(n: int, d: int, dtype=torch.float32) -> dict:
@@ -144,12 +218,306 @@ def summarize(n: int, d: int, dtype=torch.float32) -> dict:
         out[f"{name}_plateau_bytes"] = rows[falling[-1]][f"{name}_g"] if plateau else None
     fine = sorted({int(round(2 ** (k / 4))) for k in range(40, int(4 * math.log2(top)) + 1)})
     fine_rows = sweep(n, d, fine, dtype)
-    cross = next((r["M"] for r in fine_rows if r["fa2_model_g"] is not None and r["small_g"] is not None
-                  and r["fa2_model_g"] <= r["small_g"]), None)
+    cross = crossover(fine_rows, "small_g", "fa2_model_g")
     out["crossing_M"] = cross
     out["crossing_over_d2"] = cross / d2 if cross else None
     out["small_wins_below"] = all(r["small_g"] < r["fa2_model_g"] for r in fine_rows
                                   if r["fa2_model_g"] is not None and r["small_g"] is not None
                                   and cross is not None and r["M"] < cross)
     out["rows"] = [rows[M] for M in sorted(rows)]
+    return out
+
+
+# ============================================================================== executor
+def executor_words(kind: str, n: int, d: int, M: int) -> int | None:
+    """Closed-form words the executor's algorithm ``kind`` moves; ``None`` where it cannot run at
+    ``M``."""
+    variant = _variant(kind)
+    try:
+        if variant is None:
+            return int(small_cache_io(n, d, M))
+        return int(large_cache_io(n, d, M, variant=variant))
+    except ValueError:  # M too small for the algorithm's blocks
+        return None
+
+
+def executor_run_words(kind: str, n: int, d: int, M: int) -> tuple[int, int] | None:
+    """``(words moved by actually running the executor, closed form)`` for ``kind`` on random float64
+    inputs of size ``n x d`` (the counts do not depend on the values); ``None`` where the algorithm
+    cannot run at ``M``."""
+    variant = _variant(kind)
+    g = torch.Generator().manual_seed(0)
+    A1, A2, A3, dO = (torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(4))
+    X, Y = (torch.randn(d, d, generator=g, dtype=torch.float64) / d for _ in range(2))
+    try:
+        if variant is None:
+            run = run_small_cache(A1, A2, A3, X, Y, dO, M)
+        else:
+            run = run_large_cache(A1, A2, A3, X, Y, dO, M, variant=variant)
+    except ValueError:  # M too small for the algorithm's blocks
+        return None
+    return run.total, executor_words(kind, n, d, M)
+
+
+def executor_points(d: int) -> list[int]:
+    """The ``M`` of the executor report's table: ``d^2/64`` to ``64 d^2`` (factors of 2 and 4)."""
+    return [d * d // 64, d * d // 16, d * d // 4, d * d // 2, d * d, 2 * d * d, 4 * d * d, 8 * d * d,
+            16 * d * d, 32 * d * d, 64 * d * d]
+
+
+def executor_table(n: int, d: int) -> list[dict]:
+    """One row per :func:`executor_points` ``M``: words of Algorithm 6 (also less its
+    ``M``-independent ``9n^2 + 3nd + d^2``), of Algorithm 9 as written and in FA2 order, their peak
+    fast memory over ``M``, Theorem 1.1 with unit constants and the best algorithm over the bound."""
+    rows = []
+    fixed = small_cache_m_independent(n, d)
+    for M in executor_points(d):
+        a6 = small_cache_io(n, d, M)
+        a9, f2 = large_cache_io(n, d, M), large_cache_io(n, d, M, "fa2")
+        b = dense_backward(n, d, M).value_words
+        rows.append({"M": M, "small": a6, "small_m_dependent": a6 - fixed, "large_faithful": a9, "large_fa2": f2,
+                     "peak_over_M_faithful": large_cache_peak(n, d, M) / M,
+                     "peak_over_M_fa2": large_cache_peak(n, d, M, "fa2") / M,
+                     "bound": b, "best_over_bound": min(a6, a9, f2) / b})
+    return rows
+
+
+def executor_summary(n: int, d: int) -> dict:
+    """Figure 1 from the closed forms: the slopes of each regime, Algorithm 9's plateau, where the
+    FA2 order overtakes the written order and Algorithm 9 overtakes Algorithm 6.
+
+    * ``small_m_dependent_slope``: Algorithm 6 less its ``M``-independent part at ``M = 4B^2 < d^2``
+      with ``B | d`` (``small_Ms``).
+    * ``faithful_slope`` / ``faithful_m_dependent_slope``: Algorithm 9 as written over ``d^2 <= M
+      <= 4d^2`` (``faithful_Ms``), total and total less ``8nd + n + d^2``.
+    * ``faithful_plateau_totals``: the distinct totals at every multiple of ``4d`` in ``[4d^2, 64d^2]``.
+    * ``fa2_slope`` / ``fa2_m_dependent_slope``: FA2 order over ``4d^2 .. 64d^2`` with ``M <= 4nd``
+      (``fa2_Ms``), total and the ``ceil(n/B_c)(3nd + 2n)`` part; ``fa2_beats_faithful_from_M``.
+    * ``faithful_beats_small_from_M``: the smallest ``M`` from which Algorithm 9 (as written) moves
+      fewer words than Algorithm 6 at every ``M`` up to ``4d^2`` (``faithful_worse_count``: the ``M``
+      in ``[4, 4d^2]`` where it moves more), its peak over ``M`` there, the
+      :func:`equal_capacity_crossover`, and whether both variants beat Algorithm 6 at every sampled
+      ``M >= d^2`` (``large_beats_small_above_d2``).
+    """
+    d2 = d * d
+    small_Ms = [4 * b * b for b in (1, 2, 4, 8, 16, 32) if 4 * b * b < d2 and d % b == 0]
+    fixed = small_cache_m_independent(n, d)
+    mid = [d2 * k // 4 for k in (4, 5, 6, 8, 10, 12, 16)]
+    const9 = 8 * n * d + n + d2
+    big = [d2 * k for k in (4, 8, 16, 32, 64) if d2 * k <= 4 * n * d]
+    fa2 = [large_cache_io(n, d, M, "fa2") for M in big]
+    constf = const9 + 2 * d2 * math.ceil(n / d)
+    worse = [M for M in range(4, 4 * d2 + 1) if large_cache_io(n, d, M) >= small_cache_io(n, d, M)]
+    cross = worse[-1] + 1
+    return {
+        "n": n, "d": d, "d2": d2,
+        "small_Ms": small_Ms,
+        "small_m_dependent_slope": loglog_slope(small_Ms, [small_cache_io(n, d, M) - fixed for M in small_Ms]),
+        "faithful_Ms": mid,
+        "faithful_slope": loglog_slope(mid, [large_cache_io(n, d, M) for M in mid]),
+        "faithful_m_dependent_slope": loglog_slope(mid, [large_cache_io(n, d, M) - const9 for M in mid]),
+        "faithful_plateau_totals": sorted({large_cache_io(n, d, M) for M in range(4 * d2, 64 * d2 + 1, 4 * d)}),
+        "fa2_Ms": big,
+        "fa2_slope": loglog_slope(big, fa2),
+        "fa2_m_dependent_slope": loglog_slope(big, [y - constf for y in fa2]),
+        "fa2_beats_faithful_from_M": next(M for M in range(4 * d2, 64 * d2)
+                                          if large_cache_io(n, d, M, "fa2") < large_cache_io(n, d, M)),
+        "faithful_beats_small_from_M": cross,
+        "faithful_worse_count": len(worse),
+        "faithful_peak_over_M_at_crossing": large_cache_peak(n, d, cross) / cross,
+        "equal_capacity_crossover": equal_capacity_crossover(n, d),
+        "large_beats_small_above_d2": all(large_cache_io(n, d, M, v) < small_cache_io(n, d, M)
+                                          for M in range(d2, 64 * d2 + 1, 17) for v in ("faithful", "fa2")),
+    }
+
+
+def equal_capacity_crossover(n: int, d: int) -> int:
+    """Smallest capacity C from which Algorithm 9 (as written, with the M whose peak fits C and
+    moves fewest words) always beats Algorithm 6 run with M = C (which fits C)."""
+    best, caps, low = [], [], None
+    for peak, io in sorted((large_cache_peak(n, d, M), large_cache_io(n, d, M)) for M in range(1, 4 * d * d + 1)):
+        low = io if low is None else min(low, io)
+        caps.append(peak)
+        best.append(low)
+    worse = []
+    for C in range(4, 4 * d * d + 1):
+        i = bisect.bisect_right(caps, C) - 1
+        if i < 0 or best[i] >= small_cache_io(n, d, C):
+            worse.append(C)
+    return worse[-1] + 1
+
+
+# ============================================================================== sweep tables
+def m_grid(lo: float, hi: float, per_octave: int) -> list[int]:
+    """Geometric grid of integer M from ``lo`` to ``hi`` (inclusive), ``per_octave`` points per 2x."""
+    k = max(1, round(math.log2(hi / lo) * per_octave))
+    return sorted({max(1, round(lo * (hi / lo) ** (i / k))) for i in range(k + 1)})
+
+
+def cache_grid(d: int, m_min: int, m_max: int, per_octave: int = 2) -> list[int]:
+    """The ``M`` of ``sweep cache``: :func:`m_grid` from ``m_min`` to ``m_max``, plus ``d^2`` itself
+    when it lies in the range."""
+    Ms = m_grid(m_min, m_max, per_octave)
+    if d * d not in Ms and m_min <= d * d <= m_max:
+        Ms = sorted(Ms + [d * d])
+    return Ms
+
+
+def counted_points(Ms, count_m_min: int) -> list[int]:
+    """The ``M`` of ``Ms`` at which ``sweep cache`` runs the kernels: powers of 4 from ``count_m_min``."""
+    return [M for M in Ms if M >= count_m_min and M & (M - 1) == 0 and (M.bit_length() - 1) % 2 == 0]
+
+
+def cache_rows(n: int, d: int, Ms, *, count_n: int = 0, count_Ms=(), progress=None) -> list[dict]:
+    """The rows of ``sparse-io-attn sweep cache`` (words), one per ``M``:
+
+    ``bound*`` / ``compulsory`` (Theorem 1.1 with unit constants), ``executor_<kind>`` (closed
+    forms at ``n``), ``kernel_<kind>_predicted`` (traffic model at ``n``, fp32 bytes / 4); with
+    ``count_n``, ``executor_<kind>_run_at_count_n`` / ``..._closed_form_at_count_n`` (the executor
+    run against its closed form at ``n = count_n``) at every ``M``, and at ``count_Ms``
+    ``kernel_<kind>_counted_at_count_n`` / ``..._predicted_at_count_n`` (:func:`kernel_counted_bytes`
+    against the model); last ``executor_small_m_dependent`` (Algorithm 6 less ``9n^2+3nd+d^2``).
+    ``None`` where an algorithm cannot run at ``M``. ``progress(note)`` is called after each step.
+    """
+    progress = progress or (lambda note: None)
+    rows = []
+    for M in Ms:
+        b = dense_backward(n, d, M)
+        row = {"M": M, "M_over_d2": M / (d * d), "bound_large_cache": b.terms["large_cache"],
+               "bound_small_cache": b.terms["small_cache"], "bound": b.value_words,
+               "compulsory": b.compulsory_words}
+        for kind in KINDS:
+            row[f"executor_{kind}"] = executor_words(kind, n, d, M)
+            kb = kernel_bytes(kind, n, d, M)
+            row[f"kernel_{kind}_predicted"] = None if kb is None else kb / _WORD_BYTES
+        rows.append(row)
+        progress(f"M={M}")
+    for row in rows:
+        M = row["M"]
+        if count_n:
+            for kind in KINDS:
+                res = executor_run_words(kind, count_n, d, M)
+                row[f"executor_{kind}_run_at_count_n"] = None if res is None else res[0]
+                row[f"executor_{kind}_closed_form_at_count_n"] = None if res is None else res[1]
+            progress(f"executor M={M}")
+        if M not in count_Ms:
+            continue
+        for kind in KINDS:
+            kp = kernel_bytes(kind, count_n, d, M)
+            kc = None if kp is None else kernel_counted_bytes(kind, count_n, d, M)
+            row[f"kernel_{kind}_counted_at_count_n"] = None if kc is None else kc / _WORD_BYTES
+            row[f"kernel_{kind}_predicted_at_count_n"] = None if kp is None else kp / _WORD_BYTES
+        progress(f"counted M={M}")
+    fixed = small_cache_m_independent(n, d)
+    for r in rows:
+        if r.get("executor_small"):
+            r["executor_small_m_dependent"] = r["executor_small"] - fixed
+    return rows
+
+
+def slope_between(rows, key: str, lo: float, hi: float) -> float | None:
+    """Log-log slope of ``row[key]`` against ``M`` over the rows with ``lo <= M/d^2 <= hi`` where
+    ``key`` is present; ``None`` with fewer than two such rows."""
+    pts = [(r["M"], r[key]) for r in rows if r.get(key) and lo <= r["M_over_d2"] <= hi]
+    if len(pts) < 2:
+        return None
+    return loglog_slope(*zip(*pts))
+
+
+def crossover(rows, a: str, b: str) -> int | None:
+    """Smallest M at which series ``b`` moves no more than series ``a`` (both present)."""
+    for r in rows:
+        if r.get(a) is not None and r.get(b) is not None and r[b] <= r[a]:
+            return r["M"]
+    return None
+
+
+def cache_findings(rows) -> dict:
+    """What :func:`cache_rows` shows, as numbers (``None`` where a series has too few points):
+
+    * ``executor_small_m_dependent_slope``: Algorithm 6 less its ``M``-independent part, ``M < d^2``.
+    * ``executor`` / ``kernel``: ``small_slope`` (``M < d^2``), ``large_slope`` (``d^2 <= M <= 4d^2``),
+      ``fa2_slope`` (``d^2 <= M <= 16d^2``), all including the ``M``-independent parts, and
+      ``crossover_M``: the smallest ``M`` from which the written large-cache algorithm moves no more
+      than the small-cache one.
+    * ``executor_runs`` / ``kernel_counts``: ``(equal, compared)`` points where the executor run
+      equals its closed form / the kernels' counters equal the model, at ``count_n``.
+    """
+    below = 1 - 1e-9
+    out = {"executor_small_m_dependent_slope": slope_between(rows, "executor_small_m_dependent", 0, below)}
+    for src in ("executor", "kernel"):
+        suffix = "" if src == "executor" else "_predicted"
+        small, faithful, fa2 = (f"{src}_{kind}{suffix}" for kind in KINDS)
+        out[src] = {"small_slope": slope_between(rows, small, 0, below),
+                    "large_slope": slope_between(rows, faithful, 1, 4),
+                    "fa2_slope": slope_between(rows, fa2, 1, 16),
+                    "crossover_M": crossover(rows, small, faithful)}
+    runs = [(r[f"executor_{k}_run_at_count_n"], r[f"executor_{k}_closed_form_at_count_n"]) for r in rows
+            for k in KINDS if r.get(f"executor_{k}_run_at_count_n") is not None]
+    out["executor_runs"] = (sum(a == b for a, b in runs), len(runs))
+    pairs = [(r[f"kernel_{k}_counted_at_count_n"], r[f"kernel_{k}_predicted_at_count_n"]) for r in rows
+             for k in KINDS if r.get(f"kernel_{k}_counted_at_count_n") is not None]
+    out["kernel_counts"] = (sum(c == p for c, p in pairs), len(pairs))
+    return out
+
+
+#: ``M/d^2`` of ``sweep dim``: 1/8 to 8 in half octaves
+THRESHOLD_GRID = tuple(2 ** (i / 2) for i in range(-6, 7))
+
+
+def threshold_rows(n: int, dims, device_M: int, progress=None) -> list[dict]:
+    """The rows of ``sparse-io-attn sweep dim``: for each ``d``, ``M/d^2`` over :data:`THRESHOLD_GRID`
+    and then the device's ``M`` (``at_device_M``), with the regime, Theorem 1.1 (unit
+    constants), ``kernel_<kind>`` (traffic model, fp32 bytes / 4) and ``executor_<kind>`` (closed
+    forms), and :func:`compare_small_large`'s columns. ``progress()`` is called after each row."""
+    progress = progress or (lambda: None)
+    rows = []
+    for d in dims:
+        for M, at_dev in [(round(f * d * d), False) for f in THRESHOLD_GRID] + [(device_M, True)]:
+            b = dense_backward(n, d, M)
+            row = {"d": d, "M": M, "M_over_d2": M / (d * d), "at_device_M": at_dev, "regime": b.regime,
+                   "bound": b.value_words, "compulsory": b.compulsory_words}
+            for kind in KINDS:
+                kb = kernel_bytes(kind, n, d, M)
+                row[f"kernel_{kind}"] = None if kb is None else kb / _WORD_BYTES
+                row[f"executor_{kind}"] = executor_words(kind, n, d, M)
+            compare_small_large(row)
+            rows.append(row)
+            progress()
+    return rows
+
+
+def compare_small_large(row: dict) -> None:
+    """small-cache I/O over the better large-cache variant's, per source (``kernel_ratio`` from the
+    kernels' model, ``executor_ratio`` from the closed forms; ``None`` where one side cannot run at
+    this M); ``small_over_large`` / ``source`` / ``cheaper`` take the kernel's where it exists."""
+    row.update(source=None, large_variant=None, small_over_large=None, cheaper=None)
+    for src in ("executor", "kernel"):
+        small = row.get(f"{src}_small")
+        larges = {v: row.get(f"{src}_large_{v}") for v in ("faithful", "fa2") if row.get(f"{src}_large_{v}")}
+        row[f"{src}_ratio"] = None
+        if small and larges:
+            variant = min(larges, key=larges.get)
+            row[f"{src}_ratio"] = small / larges[variant]
+            row.update(source=src, large_variant=variant, small_over_large=small / larges[variant],
+                       cheaper="small-cache" if small < larges[variant] else "large-cache")
+
+
+def threshold_findings(rows, d: int) -> dict:
+    """For one ``d`` of :func:`threshold_rows`: ``device`` (the row at the device's ``M``) and, per
+    source (``kernel``, ``executor``) with points where both sides run, ``(small_wins, lo, hi)``: the
+    grid ``M/d^2`` where the small-cache algorithm moves less than the better large-cache variant,
+    out of the grid span ``[lo, hi]``."""
+    out = {"device": next(r for r in rows if r["d"] == d and r["at_device_M"])}
+    for src in ("kernel", "executor"):
+        pts = []
+        for r in rows:
+            if r["d"] != d or r["at_device_M"]:
+                continue
+            small = r.get(f"{src}_small")
+            large = [r[f"{src}_large_{v}"] for v in ("faithful", "fa2") if r.get(f"{src}_large_{v}")]
+            if small and large:
+                pts.append((r["M_over_d2"], small < min(large)))
+        if pts:
+            out[src] = ([x for x, w in pts if w], min(x for x, _ in pts), max(x for x, _ in pts))
     return out

@@ -4,8 +4,8 @@ Two opaque ops, each a thin shell over a backend of :mod:`sparse_io_attn.block_s
 
 * ``sparse_io_attn::block_sparse_attn_fwd(q, k, v, crow_indices, col_indices, partial_ids,
   partial_masks, ccol_indices, row_indices, csc_partial_ids, block_size_q, block_size_kv,
-  layout_batch, layout_heads, causal_offset, sm_scale, backend) -> (out, lse)``
-* ``sparse_io_attn::block_sparse_attn_bwd(do, q, k, v, out, lse, <same layout args>) -> (dq, dk, dv)``
+  layout_batch, layout_heads, causal_offset, sm_scale, backend) -> (out, lse, stats)``
+* ``sparse_io_attn::block_sparse_attn_bwd(do, q, k, v, out, stats, <same layout args>) -> (dq, dk, dv)``
 
 A :class:`~sparse_io_attn.BlockSparseLayout` is not a tensor, so it crosses the op boundary as its
 index and element-mask tensors (CSR, partial-block ids and masks, and the transposed CSC copy
@@ -60,24 +60,27 @@ def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, crow_indices: Tensor,
                           partial_ids: Tensor, partial_masks: Tensor, ccol_indices: Tensor, row_indices: Tensor,
                           csc_partial_ids: Tensor, block_size_q: int, block_size_kv: int, layout_batch: int,
                           layout_heads: int, causal_offset: Optional[int], sm_scale: float,
-                          backend: str) -> tuple[Tensor, Tensor]:
-    """Forward of block-sparse attention: ``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq])``."""
+                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward of block-sparse attention: ``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq], stats fp32
+    [2, B, Hq, Nq])`` (``stats``: the softmax statistics backward recomputes ``P`` from)."""
     layout = _layout_from_indices(crow_indices, col_indices, partial_ids, partial_masks, ccol_indices,
                                   row_indices, csc_partial_ids, block_size_q, block_size_kv, layout_batch,
                                   layout_heads, q.shape[2], k.shape[2])
-    out, lse = backend_module(backend).forward(q, k, v, layout, causal_offset=causal_offset, sm_scale=sm_scale)
-    return out.contiguous(), lse.contiguous()
+    out, lse, stats = backend_module(backend).forward(q, k, v, layout, causal_offset=causal_offset,
+                                                      sm_scale=sm_scale)
+    return out.contiguous(), lse.contiguous(), stats.contiguous()
 
 
 @block_sparse_attn_fwd.register_fake
 def _(q, k, v, crow_indices, col_indices, partial_ids, partial_masks, ccol_indices, row_indices,
       csc_partial_ids, block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend):
     B, Hq, Nq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return (q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32),
+            q.new_empty((2, B, Hq, Nq), dtype=torch.float32))
 
 
 @torch.library.custom_op("sparse_io_attn::block_sparse_attn_bwd", mutates_args=())
-def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor,
                           crow_indices: Tensor, col_indices: Tensor, partial_ids: Tensor, partial_masks: Tensor,
                           ccol_indices: Tensor, row_indices: Tensor, csc_partial_ids: Tensor,
                           block_size_q: int, block_size_kv: int, layout_batch: int, layout_heads: int,
@@ -88,13 +91,13 @@ def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
     layout = _layout_from_indices(crow_indices, col_indices, partial_ids, partial_masks, ccol_indices,
                                   row_indices, csc_partial_ids, block_size_q, block_size_kv, layout_batch,
                                   layout_heads, q.shape[2], k.shape[2])
-    dq, dk, dv = backend_module(backend).backward(do, q, k, v, out, lse, layout, causal_offset=causal_offset,
+    dq, dk, dv = backend_module(backend).backward(do, q, k, v, out, stats, layout, causal_offset=causal_offset,
                                                   sm_scale=sm_scale)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @block_sparse_attn_bwd.register_fake
-def _(do, q, k, v, out, lse, crow_indices, col_indices, partial_ids, partial_masks, ccol_indices, row_indices,
+def _(do, q, k, v, out, stats, crow_indices, col_indices, partial_ids, partial_masks, ccol_indices, row_indices,
       csc_partial_ids, block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -105,16 +108,16 @@ _NUM_LAYOUT_TENSORS = 7  # crow, col, partial_ids, partial_masks, ccol, row, csc
 def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     layout_tensors = inputs[3:3 + _NUM_LAYOUT_TENSORS]
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *layout_tensors)
+    out, lse, stats = output
+    ctx.save_for_backward(q, k, v, out, stats, *layout_tensors)
     # block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend
     ctx.meta = inputs[3 + _NUM_LAYOUT_TENSORS:]
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, stats)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, *layout_tensors = ctx.saved_tensors
-    dq, dk, dv = block_sparse_attn_bwd(dout.contiguous(), q, k, v, out, lse, *layout_tensors, *ctx.meta)
+def _backward(ctx, dout, _dlse, _dstats):
+    q, k, v, out, stats, *layout_tensors = ctx.saved_tensors
+    dq, dk, dv = block_sparse_attn_bwd(dout.contiguous(), q, k, v, out, stats, *layout_tensors, *ctx.meta)
     return (dq, dk, dv) + (None,) * (_NUM_LAYOUT_TENSORS + len(ctx.meta))
 
 
@@ -142,5 +145,5 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, layout: BlockSpar
     delta = causal_offset(causal, q.shape[2], k.shape[2])
     name = resolve_backend(backend, q.device)
     layout = layout.to(q.device)
-    out, lse = block_sparse_attn_fwd(q, k, v, *layout_op_args(layout), delta, sm_scale, name)
+    out, lse, _ = block_sparse_attn_fwd(q, k, v, *layout_op_args(layout), delta, sm_scale, name)
     return (out, lse) if return_lse else out

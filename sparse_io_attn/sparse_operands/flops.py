@@ -18,15 +18,17 @@ product only when the tile is stored in both operands, so the model counts, per 
   ``BM_A BK BN`` per column tile stored in both ``B[k, :]`` and ``C[i, :]``.
 
 ``BM``, ``BN``, ``BD``: query, key and head-dim block sizes; ``DV``: the padded value width
-(``max(16, next_pow2(dv))``). Tests compare these numbers with the multiply-adds the interpreter
-actually executes (tests/test_paper_attention.py::test_executed_dot_macs_equal_model).
+(:func:`~sparse_io_attn._triton.shapes.padded_dim` of ``dv``: the next power of two, at least 16).
+Tests compare these numbers with the multiply-adds the interpreter actually executes
+(tests/sparse_operands/test_sparse_operands_attention.py::test_executed_dot_macs_equal_model).
 """
 from __future__ import annotations
 
 import torch
 
+from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.sparse_operands.attention import build_problem
-from sparse_io_attn.sparse_operands.operands import check_operands, next_pow2
+from sparse_io_attn.sparse_operands.operands import check_operands
 from sparse_io_attn.sparse_operands.plan import ProductPlan
 from sparse_io_attn.sparse_operands.traffic import products
 
@@ -50,7 +52,7 @@ def predict_dot_macs(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True)
     blocks, _, _ = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")
     p = build_problem(A1, A2, A3, X, Y, qk_layout, blocks)
     bm, bn, bd = blocks.m, blocks.n, blocks.d2
-    dv = max(16, next_pow2(Y.shape[1]))
+    dv = padded_dim(Y.shape[1])
     pq = (p.q_map >= 0).cpu().long()
     pa2 = p.A2.pattern.cpu().long()
     kept = p.plan.kept_mask.cpu().long()

@@ -1,5 +1,6 @@
 """Host launchers (backend ``"triton"``) for :mod:`sparse_io_attn.sparse_operands.kernels`: allocate, build the
-grid, launch with keyword arguments, commit the I/O counters.
+grid and launch with keyword arguments through :func:`sparse_io_attn._triton.runtime.launch` (which
+sets ``io_ptr``/``COUNT_IO`` and commits the I/O counter).
 
 Forward: ``Q = A1 X`` (block-sparse product on the structural pattern of A1 X), ``H = A3 Y`` (and
 its per-key-block column sums when some QK block is structurally zero), then attention.
@@ -8,33 +9,21 @@ Backward: preprocess (delta, w), dH/dA2 per key block, dQ per query block, then 
 
 Kernel names in the I/O report: ``paper_q``, ``paper_h``, ``paper_attn_fwd``,
 ``paper_attn_bwd_preprocess``, ``paper_attn_bwd_dkv``, ``paper_attn_bwd_dq``, ``paper_da1``,
-``paper_dx``, ``paper_da3``, ``paper_dy``.
+``paper_dx``, ``paper_da3``, ``paper_dy``; their tensors are the tuples of
+:mod:`sparse_io_attn.sparse_operands.traffic` (products: named after their operands).
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton import runtime as _runtime  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
-from sparse_io_attn._triton.runtime import INTERPRET, check_device
+from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch  # (sets TRITON_INTERPRET first)
+from sparse_io_attn._triton.shapes import padded_dim
 
 import torch
 
-from sparse_io_attn.accounting.counter import kernel_io
 from sparse_io_attn.sparse_operands import kernels as K
-from sparse_io_attn.sparse_operands.operands import Operand, dense_operand, like, next_pow2
+from sparse_io_attn.sparse_operands.operands import Operand, dense_operand, like
 from sparse_io_attn.sparse_operands.plan import AttentionPlan, ProductPlan, product_plan
-
-MATMUL_SLOTS = ("a", "b", "c", "colsum", "plan")
-FWD_SLOTS = ("q", "a2", "h", "hsum", "o", "lse", "q_map", "a2_map", "layout")
-PRE_SLOTS = ("o", "do", "lse", "delta", "w")
-DKV_SLOTS = ("q", "a2", "h", "do", "lse", "delta", "w", "da2", "dh", "q_map", "a2_map", "layout")
-DQ_SLOTS = ("q", "a2", "h", "do", "lse", "delta", "dq", "q_map", "a2_map", "layout")
-
-
-def _ieee(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or INTERPRET
-
-
-def _dummy(device) -> torch.Tensor:
-    return torch.zeros(2, dtype=torch.int64, device=device)
+from sparse_io_attn.sparse_operands.traffic import (DKV_TENSORS, DQ_TENSORS, FWD_TENSORS, MATMUL_TENSORS,
+                                                    PREPROCESS_TENSORS)
 
 
 def matmul(kernel: str, A: Operand, B: Operand, C: Operand, plan: ProductPlan,
@@ -44,20 +33,16 @@ def matmul(kernel: str, A: Operand, B: Operand, C: Operand, plan: ProductPlan,
     assert A.block[1] == B.block[0] and C.block == (A.block[0], B.block[1]), (A.block, B.block, C.block)
     if plan.num_rows == 0:
         return
-    device = C.data.device
-    io = kernel_io(kernel, (A.name, B.name, C.name, "hsum" if colsum is not None else "colsum", "plan"), device)
-    K._bsr_matmul_kernel[(plan.num_rows,)](
-        a_ptr=A.data, b_ptr=B.data, c_ptr=C.data, colsum_ptr=colsum if colsum is not None else C.data,
-        bmap_ptr=B.block_map, cmap_ptr=C.block_map, pair_ptr_ptr=plan.pair_ptr, pair_a_ptr=plan.pair_a,
-        pair_k_ptr=plan.pair_k, **A.strides("a"), **B.strides("b"), **C.strides("c"),
-        stride_colsum_blk=colsum.stride(0) if colsum is not None else 0,
-        size_m=A.shape[0], size_k=A.shape[1], size_n=B.shape[1],
-        io_ptr=io.buffer if io else _dummy(device),
-        BLOCK_M=A.block[0], BLOCK_K=A.block[1], BLOCK_N=B.block[1], NUM_N_TILES=C.block_map.shape[1],
-        WRITE_COLSUM=colsum is not None, IEEE=_ieee(A.data.dtype), COUNT_IO=io is not None,
-    )
-    if io:
-        io.commit()
+    # the counter names the product's tensors after its operands, in MATMUL_TENSORS' slot order
+    names = dict(a=A.name, b=B.name, c=C.name, colsum="hsum" if colsum is not None else "colsum", plan="plan")
+    launch(K._bsr_matmul_kernel, (plan.num_rows,), kernel, tuple(names[t] for t in MATMUL_TENSORS), C.data.device,
+           a_ptr=A.data, b_ptr=B.data, c_ptr=C.data, colsum_ptr=colsum if colsum is not None else C.data,
+           bmap_ptr=B.block_map, cmap_ptr=C.block_map, pair_ptr_ptr=plan.pair_ptr, pair_a_ptr=plan.pair_a,
+           pair_k_ptr=plan.pair_k, **A.strides("a"), **B.strides("b"), **C.strides("c"),
+           stride_colsum_blk=colsum.stride(0) if colsum is not None else 0,
+           size_m=A.shape[0], size_k=A.shape[1], size_n=B.shape[1],
+           BLOCK_M=A.block[0], BLOCK_K=A.block[1], BLOCK_N=B.block[1], NUM_N_TILES=C.block_map.shape[1],
+           WRITE_COLSUM=colsum is not None, DOT_DTYPE=dot_dtype(A.data.dtype))
 
 
 def _grad_buffer(op: Operand) -> torch.Tensor:
@@ -70,7 +55,7 @@ def _attn_meta(Q: Operand, A2: Operand, dv: int) -> dict:
     """Compile-time parameters of the attention kernels; the head dimension is handled as
     ``NUM_D_TILES`` separate d-tiles of ``BLOCK_D`` columns (one compiled variant per tile count)."""
     return dict(BLOCK_M=Q.block[0], BLOCK_N=A2.block[0], BLOCK_D=Q.block[1], NUM_D_TILES=Q.block_map.shape[1],
-                DV_PAD=max(16, next_pow2(dv)), IEEE=_ieee(Q.data.dtype))
+                DV_PAD=padded_dim(dv), DOT_DTYPE=dot_dtype(Q.data.dtype))
 
 
 def q_operand(A1: Operand, X: Operand, q_map: torch.Tensor, nnz_q: int) -> Operand:
@@ -97,20 +82,15 @@ def forward(A1: Operand, X: Operand, A2: Operand, A3: Operand, Y: Operand, q_map
     matmul("paper_h", A3, Y, H, product_plan(A3.block_map, Y.block_map, H.block_map), colsum=hsum)
     o = torch.empty(nq, dv, dtype=A1.data.dtype, device=device)
     lse = torch.empty(nq, dtype=torch.float32, device=device)
-    io = kernel_io("paper_attn_fwd", FWD_SLOTS, device)
-    K._paper_attn_fwd_kernel[(Q.block_map.shape[0],)](
-        q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h,
-        hsum_ptr=hsum if hsum is not None else h, o_ptr=o, lse_ptr=lse,
-        kept_crow_ptr=plan.kept_crow, kept_col_ptr=plan.kept_col, zero_crow_ptr=plan.zero_crow,
-        zero_col_ptr=plan.zero_col, **Q.strides("q"), **A2.strides("a2"),
-        stride_hn=h.stride(0), stride_hd=h.stride(1), stride_hsum_blk=hsum.stride(0) if hsum is not None else 0,
-        stride_om=o.stride(0), stride_od=o.stride(1),
-        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
-        sm_scale=scale, io_ptr=io.buffer if io else _dummy(device), HAS_ZERO=plan.has_zero,
-        COUNT_IO=io is not None, **_attn_meta(Q, A2, dv),
-    )
-    if io:
-        io.commit()
+    launch(K._paper_attn_fwd_kernel, (Q.block_map.shape[0],), "paper_attn_fwd", FWD_TENSORS, device,
+           q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h,
+           hsum_ptr=hsum if hsum is not None else h, o_ptr=o, lse_ptr=lse,
+           kept_crow_ptr=plan.kept_crow, kept_col_ptr=plan.kept_col, zero_crow_ptr=plan.zero_crow,
+           zero_col_ptr=plan.zero_col, **Q.strides("q"), **A2.strides("a2"),
+           stride_hn=h.stride(0), stride_hd=h.stride(1), stride_hsum_blk=hsum.stride(0) if hsum is not None else 0,
+           stride_om=o.stride(0), stride_od=o.stride(1),
+           seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
+           sm_scale=scale, HAS_ZERO=plan.has_zero, **_attn_meta(Q, A2, dv))
     return o, lse, Q, H
 
 
@@ -126,42 +106,29 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, A1: Operand, 
     nqb = Q.block_map.shape[0]
     delta = torch.empty(nq, dtype=torch.float32, device=device)
     w = torch.zeros(nqb, dv, dtype=torch.float32, device=device) if plan.has_zero else delta
-    io = kernel_io("paper_attn_bwd_preprocess", PRE_SLOTS, device)
-    K._paper_attn_bwd_preprocess_kernel[(nqb,)](
-        o_ptr=o, do_ptr=do, lse_ptr=lse, delta_ptr=delta, w_ptr=w, stride_om=o.stride(0), stride_od=o.stride(1),
-        stride_dom=do.stride(0), stride_dod=do.stride(1), stride_w_blk=w.stride(0) if plan.has_zero else 0,
-        seqlen_q=nq, head_dim_v=dv, io_ptr=io.buffer if io else _dummy(device),
-        BLOCK_M=meta["BLOCK_M"], DV_PAD=meta["DV_PAD"], HAS_ZERO=plan.has_zero, COUNT_IO=io is not None)
-    if io:
-        io.commit()
+    launch(K._paper_attn_bwd_preprocess_kernel, (nqb,), "paper_attn_bwd_preprocess", PREPROCESS_TENSORS, device,
+           o_ptr=o, do_ptr=do, lse_ptr=lse, delta_ptr=delta, w_ptr=w, stride_om=o.stride(0), stride_od=o.stride(1),
+           stride_dom=do.stride(0), stride_dod=do.stride(1), stride_w_blk=w.stride(0) if plan.has_zero else 0,
+           seqlen_q=nq, head_dim_v=dv, BLOCK_M=meta["BLOCK_M"], DV_PAD=meta["DV_PAD"], HAS_ZERO=plan.has_zero)
     h = H.data
     dh = torch.empty_like(h)
     da2 = like(A2, "da2", _grad_buffer(A2))
-    io = kernel_io("paper_attn_bwd_dkv", DKV_SLOTS, device)
-    K._paper_attn_bwd_dkv_kernel[(A2.block_map.shape[0],)](
-        q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h, do_ptr=do,
-        lse_ptr=lse, delta_ptr=delta, w_ptr=w, da2_ptr=da2.data, dh_ptr=dh,
-        kept_ccol_ptr=plan.kept_ccol, kept_row_ptr=plan.kept_row, zero_ccol_ptr=plan.zero_ccol,
-        zero_row_ptr=plan.zero_row, **Q.strides("q"), **A2.strides("a2"),
-        stride_hn=h.stride(0), stride_hd=h.stride(1), stride_dom=do.stride(0), stride_dod=do.stride(1),
-        stride_w_blk=w.stride(0) if plan.has_zero else 0, stride_dhn=dh.stride(0), stride_dhd=dh.stride(1),
-        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
-        sm_scale=scale, io_ptr=io.buffer if io else _dummy(device), HAS_ZERO=plan.has_zero,
-        COUNT_IO=io is not None, **meta)
-    if io:
-        io.commit()
+    launch(K._paper_attn_bwd_dkv_kernel, (A2.block_map.shape[0],), "paper_attn_bwd_dkv", DKV_TENSORS, device,
+           q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h, do_ptr=do,
+           lse_ptr=lse, delta_ptr=delta, w_ptr=w, da2_ptr=da2.data, dh_ptr=dh,
+           kept_ccol_ptr=plan.kept_ccol, kept_row_ptr=plan.kept_row, zero_ccol_ptr=plan.zero_ccol,
+           zero_row_ptr=plan.zero_row, **Q.strides("q"), **A2.strides("a2"),
+           stride_hn=h.stride(0), stride_hd=h.stride(1), stride_dom=do.stride(0), stride_dod=do.stride(1),
+           stride_w_blk=w.stride(0) if plan.has_zero else 0, stride_dhn=dh.stride(0), stride_dhd=dh.stride(1),
+           seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
+           sm_scale=scale, HAS_ZERO=plan.has_zero, **meta)
     dQ = like(Q, "dq", torch.empty_like(Q.data))
-    io = kernel_io("paper_attn_bwd_dq", DQ_SLOTS, device)
-    K._paper_attn_bwd_dq_kernel[(nqb,)](
-        q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h, do_ptr=do,
-        lse_ptr=lse, delta_ptr=delta, dq_ptr=dQ.data, kept_crow_ptr=plan.kept_crow, kept_col_ptr=plan.kept_col,
-        **Q.strides("q"), **A2.strides("a2"), stride_hn=h.stride(0), stride_hd=h.stride(1),
-        stride_dom=do.stride(0), stride_dod=do.stride(1),
-        seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
-        sm_scale=scale, io_ptr=io.buffer if io else _dummy(device), COUNT_IO=io is not None,
-        **{k: v for k, v in meta.items() if k != "HAS_ZERO"})
-    if io:
-        io.commit()
+    launch(K._paper_attn_bwd_dq_kernel, (nqb,), "paper_attn_bwd_dq", DQ_TENSORS, device,
+           q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h, do_ptr=do,
+           lse_ptr=lse, delta_ptr=delta, dq_ptr=dQ.data, kept_crow_ptr=plan.kept_crow, kept_col_ptr=plan.kept_col,
+           **Q.strides("q"), **A2.strides("a2"), stride_hn=h.stride(0), stride_hd=h.stride(1),
+           stride_dom=do.stride(0), stride_dod=do.stride(1),
+           seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv, sm_scale=scale, **meta)
     dH = like(H, "dh", dh)
     grads = []
     for need, name, out, a, b in (

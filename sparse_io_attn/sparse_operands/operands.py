@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.layout._csr import INDEX_DTYPE
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
@@ -90,10 +91,6 @@ def like(op: Operand, name: str, data: torch.Tensor) -> Operand:
     br, bc = op.block
     return replace(op, name=name, data=data, s_a=br * data.stride(0), s_b=bc * data.stride(1),
                    s_r=data.stride(0), s_c=data.stride(1))
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, math.ceil(math.log2(max(1, x))))
 
 
 @dataclass(frozen=True)
@@ -173,9 +170,9 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
     dv = _shape(Y)[1]
     blocks = Blocks(
         m=bm or DEFAULT_BLOCK, n=bn or DEFAULT_BLOCK,
-        d1=bd1 or min(DEFAULT_BLOCK, max(16, next_pow2(d1))),
-        d2=bd2 or min(DEFAULT_BLOCK, max(16, next_pow2(d2))),
-        d3=min(DEFAULT_BLOCK, max(16, next_pow2(d3))), dv=min(DEFAULT_BLOCK, max(16, next_pow2(dv))))
+        d1=bd1 or min(DEFAULT_BLOCK, padded_dim(d1)),
+        d2=bd2 or min(DEFAULT_BLOCK, padded_dim(d2)),
+        d3=min(DEFAULT_BLOCK, padded_dim(d3)), dv=min(DEFAULT_BLOCK, padded_dim(dv)))
     if backend == "triton":
         for name, b in vars(blocks).items():
             if b < 16 or b & (b - 1):

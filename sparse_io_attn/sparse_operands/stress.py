@@ -24,6 +24,7 @@ import math
 import torch
 
 from sparse_io_attn.bounds import nnz_stats, sparse
+from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands.traffic import kernel_fast_memory_words, predict_traffic
@@ -104,7 +105,7 @@ def stress_point(n: int, d: int, axis: str, density: float, *, block_n: int = 64
     """One row of the stress table (see the module docstring for the columns)."""
     A1, A2, A3, X, Y, qk = make_operands(n, d, block_n, block_d, axis, density, seed=seed, dtype=dtype)
     report = _counted(A1, A2, A3, X, Y, qk) if count else predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
-    es = torch.empty((), dtype=dtype).element_size()
+    es = itemsize(dtype)
     fwd, bwd, index = _split(report)
     M = kernel_fast_memory_words(A1, A2, A3, X, Y, qk_layout=qk)
     st = nnz_stats(A1, X, A2, qk, level="element")

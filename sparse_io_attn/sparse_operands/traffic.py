@@ -20,6 +20,12 @@ blocks of ``Q = A1 X`` and ``A2``; ``es``: element size; indices are 4-byte int3
 Block maps are read as whole rows (``4 * num_d_tiles`` bytes, one int32 tile id per d-tile) even
 though only the d-tiles stored in both operands are then read and multiplied
 (:mod:`sparse_io_attn.sparse_operands.flops` is the matching model of the multiply-adds).
+
+The ``*_TENSORS`` tuples name each kernel's tensors in counter-slot order: the launcher names the
+counter's tensors with them and :mod:`sparse_io_attn.sparse_operands.slots` turns them into the
+kernels' named slots. The row-panel product's counter names its tensors after its operands (the
+product's ``a``, ``b``, ``c``; ``hsum`` for the column sums of ``H = A3 Y``), in
+:data:`MATMUL_TENSORS` order.
 """
 from __future__ import annotations
 
@@ -27,10 +33,17 @@ from dataclasses import replace
 
 import torch
 
+from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.accounting.report import TrafficReport
 from sparse_io_attn.sparse_operands.attention import Problem, build_problem
 from sparse_io_attn.sparse_operands.operands import Operand, check_operands, dense_operand
 from sparse_io_attn.sparse_operands.plan import ProductPlan, product_plan
+
+MATMUL_TENSORS = ("a", "b", "c", "colsum", "plan")
+FWD_TENSORS = ("q", "a2", "h", "hsum", "o", "lse", "q_map", "a2_map", "layout")
+PREPROCESS_TENSORS = ("o", "do", "lse", "delta", "w")
+DKV_TENSORS = ("q", "a2", "h", "do", "lse", "delta", "w", "da2", "dh", "q_map", "a2_map", "layout")
+DQ_TENSORS = ("q", "a2", "h", "do", "lse", "delta", "dq", "q_map", "a2_map", "layout")
 
 
 def _extent(total: int, block: int, count: int) -> torch.Tensor:
@@ -182,10 +195,8 @@ def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     moves its data between global memory and a private fast memory of this size.
     """
     blocks, _, _ = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")
-    from sparse_io_attn.sparse_operands.operands import next_pow2
-
     bm, bn = blocks.m, blocks.n
-    D, DV = -(-X.shape[1] // blocks.d2) * blocks.d2, max(16, next_pow2(Y.shape[1]))
+    D, DV = -(-X.shape[1] // blocks.d2) * blocks.d2, padded_dim(Y.shape[1])
     fwd = bm * D + bm * DV + bn * D + bn * DV + bm * bn + 2 * bm + DV
     dkv = 2 * bn * D + 2 * bn * DV + bm * D + bm * DV + 3 * bm * bn + 2 * bm
     dq = 2 * bm * D + bm * DV + bn * D + bn * DV + 3 * bm * bn + 2 * bm

@@ -72,3 +72,25 @@ def test_g_path_is_a_subset_of_the_full_backward():
     full = traffic.small_cache_traffic(8192, 256, 4096)
     g = traffic.small_cache_traffic(8192, 256, 4096, g_only=True)
     assert set(g.kernels) < set(full.kernels) and g.total_bytes < full.total_bytes
+
+
+def test_executor_summary_reproduces_figure1_from_the_closed_forms():
+    """The executor's closed forms (n = 512, d = 64): Algorithm 6's M-dependent part falls as
+    M^(-1/2), Algorithm 9's as M^(-1) (the written order then plateaus), and Algorithm 9 moves fewer
+    words than Algorithm 6 from M = d^2/4 on (benchmarks/results/pebble_figure1.md)."""
+    s = figure1.executor_summary(512, 64)
+    assert s["small_m_dependent_slope"] == pytest.approx(-0.5, abs=1e-3)
+    assert s["faithful_m_dependent_slope"] == pytest.approx(-1.0, abs=2e-3)
+    assert s["fa2_m_dependent_slope"] == pytest.approx(-1.0, abs=1e-3)
+    assert s["faithful_plateau_totals"] == [856_576]
+    assert s["faithful_beats_small_from_M"] == 1025 and s["large_beats_small_above_d2"]
+    assert s["equal_capacity_crossover"] == 7248
+
+
+def test_sweep_table_helpers():
+    rows = [{"M": M, "M_over_d2": M / 64, "a": 500.0, "b": 1e4 / M ** 0.5} for M in (16, 64, 256, 1024)]
+    assert figure1.slope_between(rows, "b", 0, 4) == pytest.approx(-0.5)
+    assert figure1.slope_between(rows, "b", 16, 16) is None  # one point
+    assert figure1.crossover(rows, "a", "b") == 1024  # first M where b (312.5) <= a (500)
+    with pytest.raises(ValueError, match="kind"):
+        figure1.kernel_bytes("medium", 256, 32, 4096)

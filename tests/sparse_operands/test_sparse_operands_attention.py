@@ -257,7 +257,7 @@ def test_counted_traffic_is_above_compulsory(case_id):
 def test_counted_traffic_is_above_theorem_4_5(case_id):
     """Counted data words >= max(compulsory, Theorem 4.5 with unit constants) at M = the kernels'
     per-program fast memory. (At these interpreter sizes M is close to the whole problem, so the
-    bound is small; tests/test_paper_traffic.py checks the model, equal to the count, at n = 2048.)"""
+    bound is small; test_sparse_operands_traffic.py checks the model, equal to the count, at n = 2048.)"""
     ops, qk, _, (*_, counted) = triton_run(case_id)
     A1, A2, A3, X, Y = ops
     M = paper.kernel_fast_memory_words(A1, A2, A3, X, Y, qk_layout=qk)

@@ -1,5 +1,5 @@
 """The paper kernels' traffic model at sizes the interpreter cannot run (it equals the counters
-exactly: tests/test_paper_attention.py), Theorem 4.5 against it, the stress sweep, plan caching."""
+exactly: test_sparse_operands_attention.py), Theorem 4.5 against it, the stress sweep, plan caching."""
 import pytest
 import torch
 

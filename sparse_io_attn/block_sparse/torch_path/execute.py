@@ -158,7 +158,11 @@ class _Exec:
 
 
 def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
-    """``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] float32 natural log)``."""
+    """``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] float32 natural log, stats)``; ``stats``
+    float32 ``[2, B, Hq, Nq]`` holds each row's base-2 score maximum ``m`` and ``log2`` of its sum
+    ``l`` (``+inf``/``0`` on rows without keys), what backward needs to recompute ``P`` exactly as
+    the forward did (``lse`` alone, rounded at the magnitude of ``m``, loses the digits of ``log2 l``
+    when logits are large)."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     bq, bk = layout.block_size
@@ -170,9 +174,12 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm
     ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
     out = torch.empty_like(qu)
     lse = torch.empty(qu.shape[:3], dtype=torch.float32, device=dev)
+    row_max, log2_sum = torch.empty_like(lse), torch.empty_like(lse)
     if plan.has_empty_rows:                             # rows without keys: out 0, lse -inf
         out.zero_()
         lse.fill_(float("-inf"))
+        row_max.fill_(float("inf"))
+        log2_sum.zero_()
 
     def chunk_fwd(ch: _Chunk, ex: _Exec):
         s = ex.scores(ex.q_steps(qu, ch, ex.buf_q), ex.k_steps(ku, ch, ex.buf_k), ch)
@@ -187,15 +194,21 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm
             torch.bmm(p_i, v_i, out=o[i])
         o = o.view(-1, s.shape[1], D).div_(l.clamp(min=1e-30))   # l == 0 only where o == 0
         ex.write_q(out, o, ch)
-        ex.write_q(lse, (torch.log2(l).add_(m)).mul_(LN2).squeeze(-1), ch)
+        log2l = torch.log2(l)
+        ex.write_q(lse, (log2l + m).mul_(LN2).squeeze(-1), ch)
+        empty = l == 0                                  # rows whose every key is dropped
+        ex.write_q(row_max, m.masked_fill_(empty, float("inf")).squeeze(-1), ch)
+        ex.write_q(log2_sum, log2l.masked_fill_(empty, 0.0).squeeze(-1), ch)
 
     # every output row comes from one chunk, so the queue order does not change the result
     for_each_chunk(plan, dev, lambda: _Exec(plan, bq, bk, D, dev), chunk_fwd, deterministic=False)
-    return _from_q_units(out, B, Hq, Nq).to(q.dtype), _from_q_units(lse, B, Hq, Nq)
+    stats = torch.stack([_from_q_units(row_max, B, Hq, Nq), _from_q_units(log2_sum, B, Hq, Nq)])
+    return _from_q_units(out, B, Hq, Nq).to(q.dtype), _from_q_units(lse, B, Hq, Nq), stats
 
 
-def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
-    """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
+def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+    """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group. ``P = exp2((S - m)
+    - log2 l)`` from the forward's ``stats``, the same scores and the same row maximum."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     bq, bk = layout.block_size
@@ -207,9 +220,9 @@ def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal_offset:
     qu = _q_units(q, G, Nqp, scale=sm_scale * LOG2E)
     dou = _q_units(do, G, Nqp)
     delta = _q_units((do.float() * out.float()).sum(-1), G, Nqp)     # [U, Nqp, G]
-    # base-2 lse; rows with no key (-inf) and padded rows get +inf so that p = exp2(s - lse2) = 0
-    lse2 = _q_units(lse, G, Nqp, fill=float("inf"), scale=LOG2E)
-    lse2.masked_fill_(lse2 == float("-inf"), float("inf"))
+    # rows with no key and padded rows: m = +inf, so that p = 0
+    row_max = _q_units(stats[0], G, Nqp, fill=float("inf"))
+    log2_sum = _q_units(stats[1], G, Nqp)
     ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
     dq = torch.zeros_like(qu) if plan.has_empty_rows else torch.empty_like(qu)
 
@@ -223,7 +236,7 @@ def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal_offset:
         ks, vs = ex.k_steps(ku, ch, ex.buf_k), ex.k_steps(vu, ch, ex.buf_v)
         p = ex.scores(qs, ks, ch)
         n, M, N = p.shape
-        p.sub_(ex.q_rows(lse2, ch)).exp2_()
+        p.sub_(ex.q_rows(row_max, ch)).sub_(ex.q_rows(log2_sum, ch)).exp2_()
         d_s = ex.buf_dp[:n * M * N].view(ch.steps, ch.nb, M, N)
         dvs = torch.empty(ch.steps, ch.nb, N, D, dtype=torch.float32, device=dev)
         p4 = p.view(ch.steps, ch.nb, M, N)

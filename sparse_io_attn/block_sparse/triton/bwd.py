@@ -11,17 +11,18 @@ FlashAttention-2 style and deterministic (no atomics on data):
   schedule like the forward.
 
 Partial tiles apply padding, the causal test and the element-mask bits (:func:`.fwd._tile_bits`);
-full tiles run unmasked. Probabilities are recomputed from ``lse`` (natural log, converted to
-base 2); rows with ``lse = -inf`` (no allowed key) and padded rows get ``p = 0``, hence zero
-gradients. ``COUNT_IO`` as in the forward.
+full tiles run unmasked. Probabilities are recomputed as the forward computed them,
+``p = exp2((s - m) - log2_sum)`` from its ``stats`` (row maximum and log2 row sum: exact even for
+logits whose lse is too large to carry ``log2_sum``'s digits); empty and padded rows (``m = +inf``)
+get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 """
 from __future__ import annotations
 
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_LAYOUT,
-                                                      DKDV_LSE, DKDV_MASK, DKDV_Q, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ,
-                                                      DQ_K, DQ_LAYOUT, DQ_LSE, DQ_MASK, DQ_Q, DQ_V, PRE_DELTA,
+                                                      DKDV_STATS, DKDV_MASK, DKDV_Q, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ,
+                                                      DQ_K, DQ_LAYOUT, DQ_STATS, DQ_MASK, DQ_Q, DQ_V, PRE_DELTA,
                                                       PRE_DO, PRE_O)
 
 import triton  # noqa: E402
@@ -29,10 +30,12 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _load_lse2(lse_ptr, offs_m, mask_m):
-    """Row lse in base-2 score units; ``+inf`` for empty and padded rows so that ``p = 0`` there."""
-    lse = tl.load(lse_ptr + offs_m, mask=mask_m, other=0.0)
-    return tl.where(mask_m & (lse != float("-inf")), lse * LOG2E, float("inf"))
+def _load_stats(stats_ptr, stats_stride, rows, mask_m):
+    """The forward's row maximum (base 2) and ``log2`` row sum; ``m = +inf`` on empty and padded
+    rows, so that ``p = exp2((s - m) - log2_sum) = 0`` there."""
+    m = tl.load(stats_ptr + rows, mask=mask_m, other=float("inf"))
+    log2_sum = tl.load(stats_ptr + stats_stride + rows, mask=mask_m, other=0.0)
+    return m, log2_sum
 
 
 @triton.jit
@@ -66,7 +69,7 @@ def _attn_bwd_preprocess_kernel(
 
 @triton.jit
 def _attn_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr,
     full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
@@ -74,7 +77,7 @@ def _attn_bwd_dkdv_kernel(
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_dkz, stride_dkh, stride_dkn, stride_dkd,
     stride_dvz, stride_dvh, stride_dvn, stride_dvd,
-    stride_lb, stride_lh, num_kv_blocks,
+    stride_lb, stride_lh, num_kv_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
@@ -110,7 +113,7 @@ def _attn_bwd_dkdv_kernel(
         off_h = off_g * group + j
         q_base = q_ptr + off_z * stride_qz + off_h * stride_qh
         do_base = do_ptr + off_z * stride_doz + off_h * stride_doh
-        row_base = (off_z * num_heads_q + off_h) * seqlen_q  # lse / delta are contiguous [B, Hq, Nq]
+        row_base = (off_z * num_heads_q + off_h) * seqlen_q  # stats / delta are contiguous [.., B, Hq, Nq]
         col = (off_z * stride_lb + off_h * stride_lh) * (num_kv_blocks + 1) + n_start // BLOCK_SIZE_KV
         part_start = tl.load(part_ptr_ptr + col)
         part_end = tl.load(part_ptr_ptr + col + 1)
@@ -133,7 +136,7 @@ def _attn_bwd_dkdv_kernel(
                         mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
             do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                          mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-            lse2 = _load_lse2(lse_ptr + row_base, offs_m, mask_m)  # [BLOCK_M]
+            m_row, log2_sum = _load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
             delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
             row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
             valid = mask_m[:, None] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
@@ -141,7 +144,8 @@ def _attn_bwd_dkdv_kernel(
             if IS_CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
             sT = dot(k, tl.trans(q), None, DOT_DTYPE) * qk_scale  # [BLOCK_N, BLOCK_M]
-            pT = tl.where(tl.trans(valid), tl.math.exp2(sT - lse2[None, :]), 0.0)  # [BLOCK_N, BLOCK_M]
+            pT = tl.math.exp2(tl.where(tl.trans(valid), (sT - m_row[None, :]) - log2_sum[None, :],
+                                       float("-inf")))  # [BLOCK_N, BLOCK_M]
             dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
             dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
             dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
@@ -163,11 +167,11 @@ def _attn_bwd_dkdv_kernel(
                             mask=mask_d[None, :], other=0.0)
                 do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                              mask=mask_d[None, :], other=0.0)
-            lse = tl.load(lse_ptr + row_base + offs_m)
-            lse2 = tl.where(lse != float("-inf"), lse * LOG2E, float("inf"))  # [BLOCK_M]
+            m_row = tl.load(stats_ptr + row_base + offs_m)  # [BLOCK_M], finite: the row keeps this block
+            log2_sum = tl.load(stats_ptr + stats_stride + row_base + offs_m)
             delta = tl.load(delta_ptr + row_base + offs_m)
             sT = dot(k, tl.trans(q), None, DOT_DTYPE) * qk_scale  # [BLOCK_N, BLOCK_M]
-            pT = tl.math.exp2(sT - lse2[None, :])
+            pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])
             dv = dot(pT, do, dv, DOT_DTYPE)
             dpT = dot(v, tl.trans(do), None, DOT_DTYPE)
             dsT = pT * (dpT - delta[None, :])
@@ -189,7 +193,7 @@ def _attn_bwd_dkdv_kernel(
         io_add(io_ptr, DKDV_K, rows * row_bytes, 0)
         io_add(io_ptr, DKDV_V, rows * row_bytes, 0)
         io_add(io_ptr, DKDV_DO, queries_loaded * row_bytes, 0)
-        io_add(io_ptr, DKDV_LSE, queries_loaded * 4, 0)
+        io_add(io_ptr, DKDV_STATS, queries_loaded * 8, 0)
         io_add(io_ptr, DKDV_DELTA, queries_loaded * 4, 0)
         io_add(io_ptr, DKDV_DK, 0, rows * row_bytes)
         io_add(io_ptr, DKDV_DV, 0, rows * row_bytes)
@@ -199,14 +203,14 @@ def _attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dq_ptr,
     full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_dqz, stride_dqh, stride_dqm, stride_dqd,
-    stride_lb, stride_lh, num_q_blocks,
+    stride_lb, stride_lh, num_q_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
@@ -231,7 +235,7 @@ def _attn_bwd_dq_kernel(
     do = tl.load(do_ptr + off_z * stride_doz + off_h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :] * stride_dod, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
     row_base = pid_zh.to(tl.int64) * seqlen_q
-    lse2 = _load_lse2(lse_ptr + row_base, offs_m, mask_m)  # [BLOCK_M]
+    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
     delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
@@ -270,7 +274,7 @@ def _attn_bwd_dq_kernel(
         if IS_CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None] + causal_offset)
         s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale  # [BLOCK_M, BLOCK_N]
-        p = tl.where(valid, tl.math.exp2(s - lse2[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(tl.where(valid, (s - m_row[:, None]) - log2_sum[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]
         dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
         dq = dot(ds, k, dq, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
@@ -292,7 +296,7 @@ def _attn_bwd_dq_kernel(
             v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                         mask=mask_d[None, :], other=0.0)
         s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale
-        p = tl.math.exp2(s - lse2[:, None])
+        p = tl.math.exp2((s - m_row[:, None]) - log2_sum[:, None])
         dp = dot(do, tl.trans(v), None, DOT_DTYPE)
         ds = p * (dp - delta[:, None])
         dq = dot(ds, k, dq, DOT_DTYPE)
@@ -311,7 +315,7 @@ def _attn_bwd_dq_kernel(
         io_add(io_ptr, DQ_K, keys_loaded * row_bytes, 0)
         io_add(io_ptr, DQ_V, keys_loaded * row_bytes, 0)
         io_add(io_ptr, DQ_DO, rows * row_bytes, 0)
-        io_add(io_ptr, DQ_LSE, rows * 4, 0)
+        io_add(io_ptr, DQ_STATS, rows * 8, 0)
         io_add(io_ptr, DQ_DELTA, rows * 4, 0)
         io_add(io_ptr, DQ_DQ, 0, rows * row_bytes)
         io_add(io_ptr, DQ_LAYOUT, (4 + 2 * n_part + n_full) * 4, 0)

@@ -13,14 +13,16 @@ multi-buffer the K/V loads:
 2. **full blocks**: no mask at all, aligned unmasked loads (``EVEN_D``: no head-dim mask either).
 
 Online softmax in base 2 with ``sm_scale * LOG2E`` folded into one multiply; fp32 accumulators.
-Writes ``o`` (input dtype) and ``lse`` (fp32, natural log, ``-inf`` on rows with no allowed key,
-whose output is 0). With ``COUNT_IO`` each program tallies the bytes it moves per tensor and adds
+Writes ``o`` (input dtype), ``lse`` (fp32, natural log, ``-inf`` on rows with no allowed key,
+whose output is 0) and ``stats`` (fp32 ``[2, rows]``: the base-2 row maximum ``m`` and ``log2`` of
+the row sum, ``+inf``/``0`` on empty rows), from which backward recomputes ``P`` exactly as here. With ``COUNT_IO`` each program tallies the bytes it moves per tensor and adds
 them once at its end (compiled out otherwise).
 """
 from __future__ import annotations
 
 from sparse_io_attn._triton.jit import LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.slots import FWD_K, FWD_LAYOUT, FWD_LSE, FWD_MASK, FWD_O, FWD_Q, FWD_V
+from sparse_io_attn.block_sparse.triton.slots import (FWD_K, FWD_LAYOUT, FWD_LSE, FWD_MASK, FWD_O, FWD_Q, FWD_STATS,
+                                                      FWD_V)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -39,13 +41,13 @@ def _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block, load_ok,
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr,
     full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_od,
-    stride_lb, stride_lh, num_q_blocks,
+    stride_lb, stride_lh, num_q_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
@@ -143,10 +145,15 @@ def _attn_fwd_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
+    row_max = tl.where(empty, float("inf"), m_i)
+    lse = tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2)
     tl.store(o_ptr + off_z * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
              + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    tl.store(lse_ptr + pid_zh.to(tl.int64) * seqlen_q + offs_m, lse, mask=mask_m)
+    rows_out = pid_zh.to(tl.int64) * seqlen_q + offs_m
+    tl.store(lse_ptr + rows_out, lse, mask=mask_m)
+    tl.store(stats_ptr + rows_out, row_max, mask=mask_m)
+    tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_m)
 
     if COUNT_IO:
         rows = tl.sum(mask_m.to(tl.int64))
@@ -158,5 +165,6 @@ def _attn_fwd_kernel(
         io_add(io_ptr, FWD_V, keys_loaded * row_bytes, 0)
         io_add(io_ptr, FWD_O, 0, rows * row_bytes)
         io_add(io_ptr, FWD_LSE, 0, rows * 4)
+        io_add(io_ptr, FWD_STATS, 0, rows * 8)
         io_add(io_ptr, FWD_LAYOUT, (4 + 2 * n_part + n_full) * 4, 0)
         io_add(io_ptr, FWD_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)

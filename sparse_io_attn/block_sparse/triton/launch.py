@@ -3,10 +3,11 @@
 Implements the backend interface of :mod:`sparse_io_attn.block_sparse.api` (inputs arrive validated, the
 layout on the tensors' device):
 
-* ``forward(q, k, v, layout, *, causal_offset, sm_scale) -> (out, lse)``, ``lse`` fp32
-  ``[B, Hq, Nq]`` in natural-log units, ``-inf`` on rows with no allowed key (whose output is 0).
-* ``backward(do, q, k, v, out, lse, layout, *, causal_offset, sm_scale) -> (dq, dk, dv)``, dk/dv
-  summed over the query heads of a GQA group; deterministic (no atomics on data).
+* ``forward(q, k, v, layout, *, causal_offset, sm_scale) -> (out, lse, stats)``, ``lse`` fp32
+  ``[B, Hq, Nq]`` in natural-log units, ``-inf`` on rows with no allowed key (whose output is 0);
+  ``stats`` fp32 ``[2, B, Hq, Nq]``: base-2 row maximum and log2 row sum, for backward.
+* ``backward(do, q, k, v, out, stats, layout, *, causal_offset, sm_scale) -> (dq, dk, dv)``,
+  dk/dv summed over the query heads of a GQA group; deterministic (no atomics on data).
 
 The kernels walk the layout's schedule (:func:`sparse_io_attn.block_sparse.schedule.schedule`):
 partial blocks masked, full blocks unmasked.
@@ -73,24 +74,25 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm
     sched = schedule(layout, causal_offset)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
     BLOCK_M, BLOCK_N = tiles.fwd
     launch(_attn_fwd_kernel, (triton.cdiv(Nq, BLOCK_M), B * Hq), "attn_fwd", FWD_TENSORS, q.device,
            tune=TUNE, config=FIXED_CONFIG,
-           q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, **_lists(sched.rows, sched.masks),
+           q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, **_lists(sched.rows, sched.masks),
            **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(out, "o"),
-           num_q_blocks=layout.num_q_blocks, **_common(q, k, layout, causal_offset, sm_scale),
-           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-    return out, lse
+           num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq,
+           **_common(q, k, layout, causal_offset, sm_scale), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return out, lse, stats
 
 
-def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
     check_device(q, "backend 'triton'")
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     tiles = tiles_for(q, layout)
     sched = schedule(layout, causal_offset)
     do = do.to(q.dtype)
-    lse = lse.contiguous()
+    stats = stats.contiguous()
     common = _common(q, k, layout, causal_offset, sm_scale)
 
     delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
@@ -105,20 +107,21 @@ def backward(do, q, k, v, out, lse, layout: BlockSparseLayout, *, causal_offset:
     BLOCK_M, BLOCK_N = tiles.dkdv
     launch(_attn_bwd_dkdv_kernel, (triton.cdiv(Nk, BLOCK_N), B * Hkv), "attn_bwd_dkdv", DKDV_TENSORS,
            q.device, tune=TUNE, config=FIXED_CONFIG,
-           q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, lse_ptr=lse, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
+           q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
            **_lists(sched.cols, sched.masks),
            **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"),
-           **_strides(dk, "dk"), **_strides(dv, "dv"), num_kv_blocks=layout.num_kv_blocks, **common,
+           **_strides(dk, "dk"), **_strides(dv, "dv"), num_kv_blocks=layout.num_kv_blocks,
+           stats_stride=B * Hq * Nq, **common,
            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     BLOCK_M, BLOCK_N = tiles.dq
     launch(_attn_bwd_dq_kernel, (triton.cdiv(Nq, BLOCK_M), B * Hq), "attn_bwd_dq", DQ_TENSORS, q.device,
            tune=TUNE, config=FIXED_CONFIG,
-           q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq,
+           q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
            **_lists(sched.rows, sched.masks),
            **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"),
-           **_strides(dq, "dq"), num_q_blocks=layout.num_q_blocks, **common,
+           **_strides(dq, "dq"), num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq, **common,
            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
     return dq, dk, dv
 
@@ -140,6 +143,6 @@ def aot_compile(dtype: torch.dtype, head_dim: int, block_size=(128, 128), *, cau
         "attn_bwd_dq": (_attn_bwd_dq_kernel, dict(common, BLOCK_M=tiles.dq[0], BLOCK_N=tiles.dq[1])),
     }
     return {name: compile_for_cuda(kernel, consts, dtype, int_ptrs=INDEX_PTRS,
-                                   fp32_ptrs=("lse_ptr", "delta_ptr"), arch=arch, num_warps=num_warps,
+                                   fp32_ptrs=("lse_ptr", "stats_ptr", "delta_ptr"), arch=arch, num_warps=num_warps,
                                    num_stages=num_stages).metadata.shared
             for name, (kernel, consts) in jobs.items()}

@@ -11,7 +11,7 @@
   return g = dL/dX (Definition 3.2) with the counts.
 """
 from sparse_io_attn.bounds.pebble.closed_form import (IOCount, algorithm1_counts, algorithm7_counts, algorithm8_counts, large_cache_counts,
-                          large_cache_io, large_cache_peak, loglog_slope, small_cache_counts, small_cache_io,
+                          large_cache_io, large_cache_peak, small_cache_counts, small_cache_io,
                           small_cache_m_independent)
 from sparse_io_attn.bounds.pebble.executor import CapacityError, NotResidentError, TwoLevelMemory
 from sparse_io_attn.bounds.pebble.algorithm9 import algorithm7, algorithm8, algorithm8_fa2, algorithm9, large_cache_blocks
@@ -24,5 +24,5 @@ __all__ = ["TwoLevelMemory", "CapacityError", "NotResidentError", "IOCount", "Pe
            "algorithm7", "algorithm8", "algorithm8_fa2", "algorithm9", "small_cache_block",
            "large_cache_blocks", "small_cache_io", "large_cache_io", "small_cache_counts",
            "large_cache_counts", "large_cache_peak", "small_cache_m_independent", "algorithm1_counts",
-           "algorithm7_counts", "algorithm8_counts", "loglog_slope", "run_small_cache",
+           "algorithm7_counts", "algorithm8_counts", "run_small_cache",
            "run_large_cache", "run_no_cache"]

@@ -36,7 +36,6 @@ Algorithm 1 (no cache): reads 4nd + 2d^2, writes d^2, peak max(4nd + d^2 + n^2, 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from sparse_io_attn.bounds.pebble.algorithm9 import large_cache_blocks
@@ -132,10 +131,3 @@ def large_cache_peak(n: int, d: int, M: int, variant: str = "faithful") -> int:
     """Fast-memory words Algorithm 9 holds at its high-water mark with the paper's block sizes."""
     return large_cache_counts(n, d, M, variant).peak
 
-
-def loglog_slope(xs, ys) -> float:
-    """Least-squares slope of log(ys) against log(xs)."""
-    lx = [math.log(x) for x in xs]
-    ly = [math.log(y) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
