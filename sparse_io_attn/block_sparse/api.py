@@ -17,6 +17,7 @@ only if ``j <= i + delta`` (:func:`causal_offset`).
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 
@@ -78,6 +79,10 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Bloc
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     B, Hq, Nq, D = q.shape
+    for what, size in (("batch", B), ("num_heads_q", Hq), ("head_dim", D)):
+        if size == 0:
+            raise ValueError(f"q has {what} 0 (shape {tuple(q.shape)}); block_sparse_attention needs "
+                             f"at least one batch element, query head and head-dim channel")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     Bk, Hkv, Nk, Dk = k.shape
@@ -92,11 +97,24 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Bloc
         raise ValueError(f"layout was built for seqlen (q, k) = {layout.seqlen} but the inputs have "
                          f"({Nq}, {Nk}); build the layout with seqlen=({Nq}, {Nk})")
     layout.broadcast_strides(B, Hq)
+    layout.check()   # index ranges, once per layout: no kernel may read outside its tensors
     if sm_scale is None:
         return D ** -0.5
     if not isinstance(sm_scale, (int, float)) or isinstance(sm_scale, bool):
         raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be a finite number, got {sm_scale}; leave it None for "
+                         f"head_dim ** -0.5")
     return float(sm_scale)
+
+
+def _no_double_backward(where: str) -> None:
+    """Backward runs with grad mode on only under ``create_graph=True`` (double backward)."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{where}: double backward (torch.autograd.grad(..., create_graph=True) through block-sparse "
+            f"attention) is not supported: the backward kernels are not differentiable. Compute the "
+            f"gradient penalty without create_graph, or use dense attention for that term")
 
 
 class _BlockSparseAttention(torch.autograd.Function):
@@ -111,6 +129,7 @@ class _BlockSparseAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
+        _no_double_backward("block_sparse_attention")
         q, k, v, out, stats = ctx.saved_tensors
         impl = backend_module(ctx.backend)
         dq, dk, dv = impl.backward(do, q, k, v, out, stats, ctx.layout, causal_offset=ctx.delta,

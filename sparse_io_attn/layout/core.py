@@ -109,6 +109,7 @@ class BlockSparseLayout:
             _validate_partial(partial_ids, partial_masks, self.col_indices.numel(), (bq, bk))
         self.partial_ids = partial_ids.to(INDEX_DTYPE)
         self.partial_masks = partial_masks.to(torch.int32)
+        self._checked = bool(validate)   # index ranges validated (check() runs once otherwise)
         self.name = name
         self._csc = None  # (ccol_indices, row_indices, csc_partial_ids), built on first use
         if ccol_indices is not None and row_indices is not None:
@@ -119,6 +120,20 @@ class BlockSparseLayout:
                 csc_partial_ids = self.partial_ids
             self._csc = (ccol_indices.to(INDEX_DTYPE), row_indices.to(INDEX_DTYPE), csc_partial_ids.to(INDEX_DTYPE))
         self._device_copies: dict = {}
+
+    def check(self) -> "BlockSparseLayout":
+        """Validate the index ranges once (cached): every column and partial id inside its tensors.
+        Layouts built with ``validate=False`` (e.g. inside the custom op) are checked here before
+        any kernel reads them; raises ``ValueError`` naming the bad entries."""
+        if not self._checked:
+            validate_csr(self.crow_indices, self.col_indices, self.num_q_blocks, self.num_kv_blocks)
+            _validate_partial(self.partial_ids, self.partial_masks, self.col_indices.numel(), self.block_size)
+            if self._csc is not None:
+                validate_csr(self._csc[0], self._csc[1], self.num_kv_blocks, self.num_q_blocks,
+                             what="layout (transposed copy)")
+                _validate_partial(self._csc[2], self.partial_masks, self.col_indices.numel(), self.block_size)
+            self._checked = True
+        return self
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -329,6 +344,35 @@ class BlockSparseLayout:
         m = m.view(self.layout_batch, self.layout_heads, R * bq, C * bk)
         return m[:, :, : self.seqlen_q, : self.seqlen_k]
 
+    def rows(self, start: int, stop: int) -> "BlockSparseLayout":
+        """The layout of query positions ``[start, stop)`` against every key: element-exact, the
+        same block size, ``seqlen = (stop - start, seqlen_k)`` (query ``i`` of the result is query
+        ``start + i`` here). What decoding with a KV cache and chunked prefill need: the rows of
+        the current query positions."""
+        sq = self.seqlen_q
+        if isinstance(start, bool) or isinstance(stop, bool) or not isinstance(start, int) \
+                or not isinstance(stop, int) or not 0 <= start < stop <= sq:
+            raise ValueError(f"rows(start, stop) needs ints 0 <= start < stop <= seqlen_q = {sq}, got "
+                             f"({start!r}, {stop!r})")
+        (bq, bk), sk = self.block_size, self.seqlen_k
+        lid, r, c = self.entries()
+        sel = ((r + 1) * bq > start) & (r * bq < stop)               # block rows overlapping the range
+        lid, r, c = lid[sel], r[sel], c[sel]
+        elems = _bits.unpack(self.entry_words()[sel], bk)            # [E, bq, bk]
+        i_abs = r[:, None] * bq + torch.arange(bq, device=r.device)  # [E, bq]
+        inside = (i_abs >= start) & (i_abs < stop)
+        e, i = inside.nonzero(as_tuple=True)
+        new = i_abs[e, i] - start
+        key = (lid[e] * math.ceil((stop - start) / bq) + new // bq) * self.num_kv_blocks + c[e]
+        uniq, inverse = torch.unique(key, return_inverse=True)
+        out = torch.zeros(uniq.numel(), bq, bk, dtype=torch.bool, device=r.device)
+        out[inverse, new % bq] = elems[e, i]
+        R = math.ceil((stop - start) / bq)
+        new_c, rest = uniq % self.num_kv_blocks, uniq // self.num_kv_blocks
+        return assemble(rest // R, rest % R, new_c, _bits.pack(out), block_size=self.block_size,
+                        seqlen=(stop - start, sk), layout_batch=self.layout_batch,
+                        layout_heads=self.layout_heads, name=f"{self.name}[{start}:{stop}]")
+
     def broadcast_strides(self, batch: int, num_heads_q: int) -> tuple[int, int]:
         """``(stride_lb, stride_lh)`` such that mask ``b * stride_lb + h * stride_lh`` serves batch
         ``b``, query head ``h``; raises ``ValueError`` if the layout does not fit ``[batch, heads]``."""
@@ -351,6 +395,9 @@ class BlockSparseLayout:
     def to(self, device) -> "BlockSparseLayout":
         """A copy on ``device`` (cached: asking twice for the same device returns the same object)."""
         device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("a layout holds index data the kernels read; it cannot live on the 'meta' "
+                             "device. Keep it on CPU or CUDA (torch.compile traces through the real layout)")
         if device == self.device or (device.type == self.device.type and device.index is None):
             return self
         key = str(device)
@@ -362,6 +409,7 @@ class BlockSparseLayout:
                 name=self.name, validate=False, partial_ids=self.partial_ids.to(device),
                 partial_masks=self.partial_masks.to(device), ccol_indices=ccol, row_indices=row,
                 csc_partial_ids=csc_ids)
+            self._device_copies[key]._checked = self._checked
         return self._device_copies[key]
 
     def _combine(self, other: "BlockSparseLayout", union: bool, symbol: str) -> "BlockSparseLayout":

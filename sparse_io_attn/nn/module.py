@@ -122,7 +122,7 @@ class SparseSelfAttention(nn.Module):
         else:
             layout = self._pattern(seqlen)
             self._check_layout(layout, seqlen)
-        layout = layout.to(device)
+        layout = layout.to(device).check()   # index ranges validated once, outside any trace
         layout.ccol_indices  # the transposed copy backward needs, built once, outside any trace
         self._layouts[(seqlen, str(device))] = layout
         return layout

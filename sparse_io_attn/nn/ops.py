@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from sparse_io_attn.block_sparse.api import backend_module, causal_offset, check_inputs, resolve_backend
+from sparse_io_attn.block_sparse.api import (_no_double_backward, backend_module, causal_offset, check_inputs,
+                                            resolve_backend)
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 # Layout objects rebuilt inside the ops, keyed by the crow_indices tensor they were built from, so a
@@ -51,6 +52,7 @@ def _layout_from_indices(crow_indices: Tensor, col_indices: Tensor, partial_ids:
                                partial_ids=partial_ids, partial_masks=partial_masks,
                                ccol_indices=ccol_indices, row_indices=row_indices,
                                csc_partial_ids=csc_partial_ids)
+    layout.check()  # a direct op call may carry any indices: validate once per rebuilt layout
     _REBUILT[crow_indices] = (layout, tensors, meta)
     return layout
 
@@ -116,6 +118,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse, _dstats):
+    _no_double_backward("sparse_io_attn::block_sparse_attn_fwd")
     q, k, v, out, stats, *layout_tensors = ctx.saved_tensors
     dq, dk, dv = block_sparse_attn_bwd(dout.contiguous(), q, k, v, out, stats, *layout_tensors, *ctx.meta)
     return (dq, dk, dv) + (None,) * (_NUM_LAYOUT_TENSORS + len(ctx.meta))
