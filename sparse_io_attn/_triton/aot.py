@@ -1,35 +1,87 @@
-"""Ahead-of-time compilation of ``@triton.jit`` kernels for CUDA on a machine without a GPU (Triton's
-bundled ``ptxas`` only). Used by the kernel families' ``aot_compile`` checks of the compiled path
-(typing, loops, shared memory) where only the interpreter runs. Needs Triton imported with
-``TRITON_INTERPRET`` unset: run it in a fresh process."""
+"""Ahead-of-time compilation of ``@triton.jit`` kernels for CUDA on a machine without a GPU, and what
+the compiled code says about speed (registers, spills, shared memory, asynchronous copies).
+
+* :func:`compile_call`: compile a kernel exactly as launching it with these arguments would: the
+  JIT's own specialisation (``native_specialize_impl``: pointers 16-byte aligned and integers
+  divisible by 16 get ``tt.divisibility``, integers equal to 1 become constexpr), so the software
+  pipeliner sees what it sees at a real launch.
+* :func:`compile_for_cuda`: compile from argument *names* (no example tensors): ``*_ptr`` point to
+  ``dtype`` (all 16-byte aligned), other scalars i32 unless named in ``float_args``.
+* :func:`ptx_report`: ``ptxas -v`` (Triton's bundled ``ptxas-blackwell``, which accepts the PTX ISA
+  Triton 3.9 emits) for registers and spill bytes, plus counts of ``cp.async`` (multi-buffered
+  global->shared copies), ``cp.async.bulk.tensor`` (TMA) and ``wgmma.mma_async`` in the PTX.
+
+Needs Triton imported with ``TRITON_INTERPRET`` unset (``=0``): run it in a fresh process.
+"""
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 
 from sparse_io_attn._triton.runtime import INTERPRET
 
 _TL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_FLOAT_ARGS = ("sm_scale", "alpha", "scale")
 
 
-def compile_for_cuda(kernel, constexprs: dict, dtype: torch.dtype, *, int_ptrs=(), fp32_ptrs=(),
-                     arch: int = 90, num_warps: int = 4, num_stages: int = 2):
-    """Compile ``kernel`` for ``sm_<arch>``; returns Triton's compiled kernel (``.metadata``, ``.asm``).
-
-    Argument types: names in ``constexprs`` are constexpr; ``io_ptr`` is ``*i64``; ``int_ptrs``
-    ``*i32`` (index arrays); ``fp32_ptrs`` ``*fp32`` (statistics); other ``*_ptr`` arguments point to
-    ``dtype``; ``sm_scale`` is fp32 and every other scalar i32."""
+def _require_compiler() -> None:
     if INTERPRET:
-        raise RuntimeError("aot_compile needs Triton imported with TRITON_INTERPRET unset (run it in a "
-                           "fresh process with TRITON_INTERPRET=0)")
+        raise RuntimeError("ahead-of-time compilation needs Triton imported with TRITON_INTERPRET unset "
+                           "(run it in a fresh process with TRITON_INTERPRET=0)")
+
+
+def _compile(kernel, signature: dict, constexprs: dict, attrs: dict, arch: int, num_warps: int, num_stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {}
-    for arg in kernel.arg_names:
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def compile_call(kernel, kwargs: dict, *, num_warps: int, num_stages: int, arch: int = 90):
+    """Compile ``kernel`` as ``kernel[grid](**kwargs, num_warps=..., num_stages=...)`` would be
+    specialised and compiled; returns Triton's compiled kernel (``.metadata``, ``.asm``)."""
+    _require_compiler()
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    signature, constexprs, attrs = {}, {}, {}
+    for i, p in enumerate(kernel.params):
+        value = kwargs[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", value
+            continue
+        ty, spec = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize, True)
+        if ty == "constexpr":
+            signature[p.name], constexprs[p.name] = "constexpr", spec
+            continue
+        signature[p.name] = ty
+        if spec and "D" in spec:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return _compile(kernel, signature, constexprs, attrs, arch, num_warps, num_stages)
+
+
+def compile_for_cuda(kernel, constexprs: dict, dtype: torch.dtype, *, int_ptrs=(), fp32_ptrs=(),
+                     float_args=_FLOAT_ARGS, arch: int = 90, num_warps: int = 4, num_stages: int = 2):
+    """Compile ``kernel`` for ``sm_<arch>`` from argument names; returns Triton's compiled kernel.
+
+    Argument types: names in ``constexprs`` are constexpr; ``io_ptr`` is ``*i64``; ``int_ptrs``
+    ``*i32`` (index arrays); ``fp32_ptrs`` ``*fp32`` (statistics); other ``*_ptr`` arguments point to
+    ``dtype``; scalars named in ``float_args`` are fp32, every other scalar i32. Pointers are marked
+    16-byte aligned, as at a launch with tensors from PyTorch's allocator."""
+    _require_compiler()
+    signature, attrs = {}, {}
+    for i, arg in enumerate(kernel.arg_names):
         if arg in constexprs:
             signature[arg] = "constexpr"
-        elif arg == "io_ptr":
+            continue
+        if arg == "io_ptr":
             signature[arg] = "*i64"
         elif arg in int_ptrs:
             signature[arg] = "*i32"
@@ -38,6 +90,37 @@ def compile_for_cuda(kernel, constexprs: dict, dtype: torch.dtype, *, int_ptrs=(
         elif arg.endswith("_ptr"):
             signature[arg] = "*" + _TL_DTYPES[dtype]
         else:
-            signature[arg] = "fp32" if arg == "sm_scale" else "i32"
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+            signature[arg] = "fp32" if arg in float_args else "i32"
+        if signature[arg].startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return _compile(kernel, signature, constexprs, attrs, arch, num_warps, num_stages)
+
+
+def ptxas_path() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+
+
+def ptx_report(compiled, *, arch: int = 90, ptx_file: str | Path | None = None) -> dict:
+    """Registers and spill bytes from ``ptxas -v``, shared memory from Triton's metadata, and counts
+    of asynchronous copies (``cp.async``: multi-buffered loads; ``cp.async.bulk.tensor``: TMA) and
+    tensor-core MMAs (``wgmma.mma_async``) in the PTX. ``ptx_file``: also keep the PTX there."""
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(ptx_file) if ptx_file is not None else Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        res = subprocess.run([ptxas_path(), "-v", "--gpu-name", gpu, str(path), "-o", os.devnull],
+                             capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"ptxas failed on {compiled.name}: {res.stderr[-2000:]}")
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", res.stderr)]
+    stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", res.stderr)]
+    tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    return {"registers": max(regs, default=0), "spill_stores": sum(stores), "spill_loads": sum(loads),
+            "shared_bytes": int(compiled.metadata.shared),
+            "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)\.shared", ptx)), "tma": tma,
+            "wgmma": ptx.count("wgmma.mma_async"),
+            "async_copy_ops": compiled.asm.get("ttgir", "").count("async_copy_global_to_local")}

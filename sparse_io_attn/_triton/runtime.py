@@ -67,22 +67,34 @@ def tuned(kernel, configs: Sequence, key: Sequence[str]):
     return _TUNED[k]
 
 
-def launch(kernel, grid, name: str, tensors: Sequence[str], device, *, tune=None, config=None,
-           **kwargs) -> None:
-    """Launch ``kernel[grid](**kwargs)`` with an I/O counter slot (see :mod:`sparse_io_attn.accounting.counter`).
+def launch(kernel, grid, name: str, tensors: Sequence[str], device, *, configs=None, key: Sequence[str] = (),
+           **kwargs):
+    """Launch ``kernel[grid](**kwargs)`` with an I/O counter slot (see :mod:`sparse_io_attn.accounting.counter`);
+    returns the ``triton.Config`` used (or ``None``).
 
     ``name``/``tensors``: the kernel's name in a :class:`~sparse_io_attn.accounting.TrafficReport`
     and its tensor names in slot order. When an :class:`~sparse_io_attn.accounting.IOCounter` is
     active the kernel gets ``COUNT_IO=True`` and a fresh ``io_ptr`` buffer, committed after the
     launch; otherwise ``COUNT_IO=False`` (the tally is compiled out) and a cached dummy buffer.
-    ``tune``: ``(configs, key)`` to autotune on CUDA (:func:`autotune_enabled`, never while
-    counting); otherwise ``config`` (a dict of launch options such as ``num_warps``) is used.
+    ``configs``: ``triton.Config`` candidates (their ``kwargs`` hold constexprs such as tile sizes,
+    so ``grid`` is then a function of the meta-parameters). The first is launched under the
+    interpreter, while counting and with ``SPARSE_IO_ATTN_NO_AUTOTUNE=1``; on CUDA the kernel is
+    autotuned over all of them, keyed on ``key``.
     """
     io = kernel_io(name, tensors, device)
     kwargs.update(io_ptr=io.buffer if io is not None else _dummy_io(device), COUNT_IO=io is not None)
-    if io is None and tune is not None and autotune_enabled():
-        tuned(kernel, *tune)[grid](**kwargs)
+    used = None
+    if not configs:
+        kernel[grid](**kwargs)
+    elif io is None and len(configs) > 1 and autotune_enabled():
+        fn = tuned(kernel, configs, key)
+        fn[grid](**kwargs)
+        used = fn.best_config
     else:
-        kernel[grid](**kwargs, **(config or {}))
+        used = configs[0]
+        meta = dict(kwargs, **used.kwargs)
+        kernel[grid(meta) if callable(grid) else grid](**kwargs, **used.kwargs, num_warps=used.num_warps,
+                                                       num_stages=used.num_stages)
     if io is not None:
         io.commit()
+    return used

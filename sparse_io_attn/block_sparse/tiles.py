@@ -18,8 +18,45 @@ class KernelTiles:
     """Kernel tile sizes (elements). Each tile divides the layout block along its axis."""
     fwd: tuple[int, int]  # (BLOCK_M, BLOCK_N) of attn_fwd
     dq: tuple[int, int]  # (BLOCK_M, BLOCK_N) of attn_bwd_dq
-    dkdv: tuple[int, int]  # (BLOCK_M, BLOCK_N) of attn_bwd_dkdv
+    dkdv: tuple[int, int]  # (BLOCK_M, BLOCK_N) of attn_bwd_dkdv (BLOCK_M: query tile, BLOCK_N: key tile)
     preprocess: int  # BLOCK_M of attn_bwd_preprocess (does not change the bytes)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration of a kernel: tiles, warps, software-pipeline stages."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Candidate configurations per kernel and padded-row class (HEAD_DIM * element bytes), the first the
+# default (interpreter, counting, SPARSE_IO_ATTN_NO_AUTOTUNE=1); on CUDA autotuning picks among all.
+# Chosen from sm_90 compiles (`sparse-io-attn compile-report`): every candidate at <= 256 B per row
+# (bf16/fp16 up to head dim 128, fp32 up to 64) compiles without register spills and with
+# multi-buffered (cp.async) K/V or Q/dO loads. (block_m, block_n, num_warps, num_stages):
+_CONFIGS = {
+    128: {"fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 8, 3)],
+          "dq": [(64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+          "dkdv": [(32, 64, 4, 3), (64, 64, 8, 3), (32, 64, 8, 2), (64, 32, 8, 3)]},
+    256: {"fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 8, 2)],
+          "dq": [(64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+          "dkdv": [(32, 64, 8, 3), (32, 64, 8, 2), (64, 32, 8, 3), (16, 64, 8, 3)]},
+    512: {"fwd": [(64, 32, 8, 2), (64, 32, 4, 2)],
+          "dq": [(32, 32, 4, 2), (32, 32, 8, 2)],
+          "dkdv": [(16, 32, 4, 2), (32, 32, 8, 2)]},
+    1024: {"fwd": [(32, 32, 4, 2)], "dq": [(32, 32, 4, 2)], "dkdv": [(16, 32, 4, 2)]},
+}
+# fp32 runs exact IEEE products on CUDA cores (no tensor cores, no tf32): more registers per element.
+# Keys are padded-row bytes as above (256: head dim <= 64).
+_CONFIGS_FP32 = {
+    256: {"fwd": [(64, 32, 8, 2), (64, 32, 8, 3)], "dq": [(32, 32, 8, 2)],
+          "dkdv": [(16, 32, 8, 2), (16, 64, 8, 2)]},
+    512: {"fwd": [(64, 32, 8, 2)], "dq": [(32, 32, 8, 2)], "dkdv": [(16, 32, 8, 2)]},
+    1024: {"fwd": [(32, 32, 4, 2)], "dq": [(16, 32, 4, 2)], "dkdv": [(16, 16, 4, 2)]},
+}
+KERNELS = ("fwd", "dq", "dkdv")
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -35,34 +72,40 @@ def padded_head_dim(head_dim: int) -> int:
     return padded_dim(head_dim)
 
 
-def choose_tiles(block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> KernelTiles:
-    """Kernel tiles for a layout block ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, head dim and input dtype.
-
-    Each tile is the largest power of two that divides the layout block, capped by the bytes of a
-    padded row (``HEAD_DIM * element size``) so that a program fits shared memory: <= 256 B (bf16/fp16
-    up to head dim 128, fp32 up to 64): forward 128 x 64, backward 64 x 64; <= 512 B: forward 64 x 32,
-    backward 32 x 32; above (fp32, head dim > 128): 32 x 32 everywhere.
-    The choice depends on shapes and dtype only (not the device), so the traffic model and the
-    launcher agree everywhere; autotuning on CUDA varies warps and stages only. Raises
+def kernel_configs(kernel: str, block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> list[KernelConfig]:
+    """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a layout block
+    ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, head dim and dtype: the default first, then the other
+    autotuning candidates. Tiles are capped to the largest power of two dividing the layout block
+    (tiles never straddle blocks), duplicates removed. Depends on shapes and dtype only, so the
+    traffic model, the launcher and the compile report agree everywhere. Raises
     ``NotImplementedError`` when a layout block has no power-of-two divisor >= 16 (e.g. 8 or 24).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     bq, bk = block_size
     wide = padded_head_dim(head_dim) * element_size(dtype)  # bytes per (padded) row
-    if wide <= 256:
-        caps = {"fwd": (128, 64), "dq": (64, 64), "dkdv": (64, 64)}
-    elif wide <= 512:
-        caps = {"fwd": (64, 32), "dq": (32, 32), "dkdv": (32, 32)}
-    else:
-        caps = {"fwd": (32, 32), "dq": (32, 32), "dkdv": (32, 32)}
-    tiles = {}
-    for kernel, (cap_m, cap_n) in caps.items():
-        tm, tn = _pow2_divisor(bq, cap_m), _pow2_divisor(bk, cap_n)
+    table = _CONFIGS_FP32 if dtype == torch.float32 else _CONFIGS
+    row_class = min(c for c in table if c >= wide)
+    out: list[KernelConfig] = []
+    for m, n, w, st in table[row_class][kernel]:
+        tm, tn = _pow2_divisor(bq, m), _pow2_divisor(bk, n)
         if min(tm, tn) < MIN_TILE:
             raise NotImplementedError(
                 f"backend 'triton' needs layout block sizes with a power-of-two divisor >= {MIN_TILE} "
                 f"(e.g. 16, 48, 64, 128), got block_size {(bq, bk)}; rebuild the layout or use backend='torch'")
-        tiles[kernel] = (tm, tn)
-    return KernelTiles(fwd=tiles["fwd"], dq=tiles["dq"], dkdv=tiles["dkdv"], preprocess=tiles["dq"][0])
+        cfg = KernelConfig(tm, tn, w, st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def choose_tiles(block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> KernelTiles:
+    """The default tiles of every kernel (the first of :func:`kernel_configs`): what the launcher
+    uses under the interpreter, while counting and without autotuning, and what the traffic model
+    assumes unless given the tiles autotuning picked (``launch.launched_tiles()``)."""
+    t = {k: kernel_configs(k, block_size, head_dim, dtype)[0] for k in KERNELS}
+    return KernelTiles(fwd=(t["fwd"].block_m, t["fwd"].block_n), dq=(t["dq"].block_m, t["dq"].block_n),
+                       dkdv=(t["dkdv"].block_m, t["dkdv"].block_n), preprocess=t["dq"].block_m)
 
 
 def element_size(dtype: torch.dtype) -> int:

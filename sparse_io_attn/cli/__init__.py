@@ -12,13 +12,14 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("demo", "bounds", "bench", "sweep", "layout")
+SUBCOMMANDS = ("demo", "bounds", "bench", "sweep", "layout", "compile-report")
 
 EPILOG = """examples:
   sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --dtype bf16
   sparse-io-attn bench --pattern bigbird --seq-len 4096 --backends torch,sdpa
   sparse-io-attn sweep cache --seq-len 1024 --head-dim 64
   sparse-io-attn layout sliding_window:256 --seq-len 2048 --block 64
+  sparse-io-attn compile-report --dtype bf16 --head-dim 128 --block 128
   sparse-io-attn <command> --help     (every command lists its own examples)
 
 exit codes: 0 ok, 2 bad arguments, 3 an optional extra is not installed (matplotlib for plots)"""
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in SUBCOMMANDS:
-        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
+        importlib.import_module(f"{__name__}.{name.replace('-', '_')}").add_parser(sub)
     return parser
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention
-from sparse_io_attn.block_sparse.tiles import choose_tiles
+from sparse_io_attn.block_sparse.tiles import choose_tiles, kernel_configs
 from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.block_sparse.reference import element_mask
@@ -135,18 +135,22 @@ def test_kept_elements_matches_element_mask(Nq, Nk, block, causal, seed):
 
 
 @pytest.mark.parametrize("block,head_dim,dtype,expect", [
-    pytest.param((128, 128), 64, torch.bfloat16, ((128, 64), (64, 64), (64, 64)), id="b128-d64-bf16"),
-    pytest.param((64, 64), 128, torch.float16, ((64, 64), (64, 64), (64, 64)), id="b64-d128-fp16"),
-    pytest.param((128, 128), 256, torch.bfloat16, ((64, 32), (32, 32), (32, 32)), id="b128-d256-bf16"),
-    pytest.param((128, 128), 128, torch.float32, ((64, 32), (32, 32), (32, 32)), id="b128-d128-fp32"),
-    pytest.param((128, 128), 256, torch.float32, ((32, 32), (32, 32), (32, 32)), id="b128-d256-fp32"),
+    pytest.param((128, 128), 64, torch.bfloat16, ((128, 64), (64, 64), (32, 64)), id="b128-d64-bf16"),
+    pytest.param((64, 64), 128, torch.float16, ((64, 64), (64, 64), (32, 64)), id="b64-d128-fp16"),
+    pytest.param((128, 128), 256, torch.bfloat16, ((64, 32), (32, 32), (16, 32)), id="b128-d256-bf16"),
+    pytest.param((128, 128), 64, torch.float32, ((64, 32), (32, 32), (16, 32)), id="b128-d64-fp32"),
+    pytest.param((128, 128), 256, torch.float32, ((32, 32), (16, 32), (16, 16)), id="b128-d256-fp32"),
     pytest.param((48, 16), 80, torch.bfloat16, ((16, 16), (16, 16), (16, 16)), id="b48x16-d80"),
 ])
 def test_choose_tiles(block, head_dim, dtype, expect):
+    """Default tiles = the first autotuning candidate, capped to divide the layout block."""
     t = choose_tiles(block, head_dim, dtype)
     assert (t.fwd, t.dq, t.dkdv) == expect
-    for bm, bn in (t.fwd, t.dq, t.dkdv):
-        assert block[0] % bm == 0 and block[1] % bn == 0
+    for kind, tile in zip(("fwd", "dq", "dkdv"), (t.fwd, t.dq, t.dkdv)):
+        configs = kernel_configs(kind, block, head_dim, dtype)
+        assert (configs[0].block_m, configs[0].block_n) == tile and len(set(configs)) == len(configs)
+        for c in configs:
+            assert block[0] % c.block_m == 0 and block[1] % c.block_n == 0
 
 
 def test_choose_tiles_rejects_small_blocks():

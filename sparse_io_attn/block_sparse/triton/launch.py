@@ -10,22 +10,24 @@ layout on the tensors' device):
   dk/dv summed over the query heads of a GQA group; deterministic (no atomics on data).
 
 The kernels walk the layout's schedule (:func:`sparse_io_attn.block_sparse.schedule.schedule`):
-partial blocks masked, full blocks unmasked.
-
-Tiles come from :func:`sparse_io_attn.block_sparse.tiles.choose_tiles` (shared with the traffic
-model). On CUDA the kernels are autotuned over warps/stages only (tiles fixed, so the traffic is
-too); ``SPARSE_IO_ATTN_NO_AUTOTUNE=1`` or counting (:class:`~sparse_io_attn.accounting.IOCounter`)
-launch one fixed config. On CPU the kernels run through Triton's interpreter; :func:`aot_compile`
-compiles them for a CUDA architecture without a GPU (a check of the compiled path).
+partial blocks masked, full blocks unmasked. Each launch is described once by a *call* (kernel,
+grid, counter names, configs, arguments: :func:`forward_calls`, :func:`backward_calls`), used by
+the launchers and by :mod:`.report`, which compiles the same calls for a GPU architecture. Launch
+configurations (tiles, warps, stages) come from :func:`sparse_io_attn.block_sparse.tiles.kernel_configs`:
+on CUDA the kernels are autotuned over them, otherwise (interpreter, counting with
+:class:`~sparse_io_attn.accounting.IOCounter`, ``SPARSE_IO_ATTN_NO_AUTOTUNE=1``) the first runs,
+whose tiles the traffic model assumes by default; :func:`launched_tiles` gives the tiles the last
+launches used (pass them to the traffic model after autotuning).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from sparse_io_attn._triton.aot import compile_for_cuda
 from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
 from sparse_io_attn.block_sparse.schedule import BlockLists, schedule
-from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, element_size, padded_head_dim
+from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, kernel_configs, padded_head_dim
 from sparse_io_attn.block_sparse.traffic import DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS, PREPROCESS_TENSORS
 from sparse_io_attn.block_sparse.triton.bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
                                                     _attn_bwd_preprocess_kernel)
@@ -34,10 +36,25 @@ from sparse_io_attn.layout.core import BlockSparseLayout
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
-FIXED_CONFIG = {"num_warps": 4, "num_stages": 2}
-INDEX_PTRS = ("full_ptr_ptr", "full_idx_ptr", "part_ptr_ptr", "part_idx_ptr", "part_mask_ptr", "mask_ptr")
-TUNE = ([triton.Config({}, num_warps=w, num_stages=s) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))],
-        ["seqlen_q", "seqlen_k", "head_dim", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "IS_CAUSAL"])
+TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE_Q", "BLOCK_SIZE_KV")
+PREPROCESS_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
+_LAST_TILES: dict[str, tuple[int, int]] = {}
+
+
+@dataclass
+class Call:
+    """One kernel launch: ``kernel[grid(meta)](**kwargs, **config.kwargs)`` for ``config`` in ``configs``."""
+    name: str
+    kernel: object
+    grid: object
+    tensors: tuple
+    configs: list
+    kwargs: dict = field(default_factory=dict)
+
+
+def _configs(kind: str, q: torch.Tensor, layout: BlockSparseLayout) -> list:
+    return [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in kernel_configs(kind, layout.block_size, q.shape[-1], q.dtype)]
 
 
 def _strides(t: torch.Tensor, prefix: str) -> dict:
@@ -62,87 +79,88 @@ def _lists(lists: BlockLists, masks: torch.Tensor) -> dict:
                 part_idx_ptr=lists.part_idx, part_mask_ptr=lists.part_mask, mask_ptr=masks)
 
 
-def tiles_for(q: torch.Tensor, layout: BlockSparseLayout) -> KernelTiles:
-    """The kernel tiles used for these inputs (what the traffic model assumes by default)."""
-    return choose_tiles(layout.block_size, q.shape[-1], q.dtype)
-
-
-def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
-    check_device(q, "backend 'triton'")
+def forward_calls(q, k, v, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float):
+    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
     B, Hq, Nq, D = q.shape
-    tiles = tiles_for(q, layout)
     sched = schedule(layout, causal_offset)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
-    BLOCK_M, BLOCK_N = tiles.fwd
-    launch(_attn_fwd_kernel, (triton.cdiv(Nq, BLOCK_M), B * Hq), "attn_fwd", FWD_TENSORS, q.device,
-           tune=TUNE, config=FIXED_CONFIG,
-           q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, **_lists(sched.rows, sched.masks),
-           **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(out, "o"),
-           num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq,
-           **_common(q, k, layout, causal_offset, sm_scale), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    call = Call("attn_fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
+                FWD_TENSORS, _configs("fwd", q, layout), dict(
+                    q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats,
+                    **_lists(sched.rows, sched.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
+                    **_strides(out, "o"), num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq,
+                    **_common(q, k, layout, causal_offset, sm_scale)))
+    return call, out, lse, stats
+
+
+def backward_calls(do, q, k, v, out, stats, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float):
+    """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    sched = schedule(layout, causal_offset)
+    common = _common(q, k, layout, causal_offset, sm_scale)
+    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    pre_m = kernel_configs("dq", layout.block_size, D, q.dtype)[0].block_m
+    pre = Call("attn_bwd_preprocess", _attn_bwd_preprocess_kernel, (triton.cdiv(Nq, pre_m), B * Hq),
+               PREPROCESS_TENSORS, [PREPROCESS_CONFIG], dict(
+                   o_ptr=out, do_ptr=do, delta_ptr=delta, **_strides(out, "o"), **_strides(do, "do"),
+                   seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_M=pre_m, HEAD_DIM=common["HEAD_DIM"],
+                   ELEM_BYTES=common["ELEM_BYTES"]))
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dkdv = Call("attn_bwd_dkdv", _attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
+                DKDV_TENSORS, _configs("dkdv", q, layout), dict(
+                    q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
+                    **_lists(sched.cols, sched.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
+                    **_strides(do, "do"), **_strides(dk, "dk"), **_strides(dv, "dv"),
+                    num_kv_blocks=layout.num_kv_blocks, stats_stride=B * Hq * Nq, **common))
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dq_call = Call("attn_bwd_dq", _attn_bwd_dq_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
+                   DQ_TENSORS, _configs("dq", q, layout), dict(
+                       q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
+                       **_lists(sched.rows, sched.masks), **_strides(q, "q"), **_strides(k, "k"),
+                       **_strides(v, "v"), **_strides(do, "do"), **_strides(dq, "dq"),
+                       num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq, **common))
+    return [pre, dkdv, dq_call], dq, dk, dv
+
+
+def _run(call: Call, device) -> None:
+    if call.grid.__class__ is tuple:   # fixed tiles (preprocess): no tile autotuning
+        launch(call.kernel, call.grid, call.name, call.tensors, device, **call.kwargs,
+               num_warps=call.configs[0].num_warps, num_stages=call.configs[0].num_stages)
+        return
+    used = launch(call.kernel, call.grid, call.name, call.tensors, device, configs=call.configs, key=TUNE_KEY,
+                  **call.kwargs)
+    _LAST_TILES[call.name] = (used.kwargs["BLOCK_M"], used.kwargs["BLOCK_N"])
+
+
+def tiles_for(q: torch.Tensor, layout: BlockSparseLayout) -> KernelTiles:
+    """The default kernel tiles for these inputs (what the traffic model assumes by default)."""
+    return choose_tiles(layout.block_size, q.shape[-1], q.dtype)
+
+
+def launched_tiles() -> KernelTiles | None:
+    """The tiles the last forward and backward launches used (autotuning's choice on CUDA), for
+    :func:`sparse_io_attn.accounting.traffic.block_sparse` ``(tiles=...)``; None before any launch."""
+    if not all(k in _LAST_TILES for k in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")):
+        return None
+    return KernelTiles(fwd=_LAST_TILES["attn_fwd"], dq=_LAST_TILES["attn_bwd_dq"], dkdv=_LAST_TILES["attn_bwd_dkdv"],
+                       preprocess=_LAST_TILES["attn_bwd_dq"][0])
+
+
+def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+    check_device(q, "backend 'triton'")
+    call, out, lse, stats = forward_calls(q, k, v, layout, causal_offset, sm_scale)
+    _run(call, q.device)
     return out, lse, stats
 
 
 def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
     check_device(q, "backend 'triton'")
-    B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    tiles = tiles_for(q, layout)
-    sched = schedule(layout, causal_offset)
-    do = do.to(q.dtype)
-    stats = stats.contiguous()
-    common = _common(q, k, layout, causal_offset, sm_scale)
-
-    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    launch(_attn_bwd_preprocess_kernel, (triton.cdiv(Nq, tiles.preprocess), B * Hq), "attn_bwd_preprocess",
-           PREPROCESS_TENSORS, q.device, tune=TUNE, config=FIXED_CONFIG,
-           o_ptr=out, do_ptr=do, delta_ptr=delta, **_strides(out, "o"), **_strides(do, "do"),
-           seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_M=tiles.preprocess, HEAD_DIM=common["HEAD_DIM"],
-           ELEM_BYTES=common["ELEM_BYTES"])
-
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-    BLOCK_M, BLOCK_N = tiles.dkdv
-    launch(_attn_bwd_dkdv_kernel, (triton.cdiv(Nk, BLOCK_N), B * Hkv), "attn_bwd_dkdv", DKDV_TENSORS,
-           q.device, tune=TUNE, config=FIXED_CONFIG,
-           q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
-           **_lists(sched.cols, sched.masks),
-           **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"),
-           **_strides(dk, "dk"), **_strides(dv, "dv"), num_kv_blocks=layout.num_kv_blocks,
-           stats_stride=B * Hq * Nq, **common,
-           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
-
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    BLOCK_M, BLOCK_N = tiles.dq
-    launch(_attn_bwd_dq_kernel, (triton.cdiv(Nq, BLOCK_M), B * Hq), "attn_bwd_dq", DQ_TENSORS, q.device,
-           tune=TUNE, config=FIXED_CONFIG,
-           q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
-           **_lists(sched.rows, sched.masks),
-           **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"),
-           **_strides(dq, "dq"), num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq, **common,
-           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), layout, causal_offset,
+                                       sm_scale)
+    for call in calls:
+        _run(call, q.device)
     return dq, dk, dv
-
-
-def aot_compile(dtype: torch.dtype, head_dim: int, block_size=(128, 128), *, causal: bool = True,
-                count_io: bool = True, arch: int = 90, num_warps: int = 4, num_stages: int = 2) -> dict:
-    """Compile the four kernels for CUDA ``sm_<arch>`` without a GPU or a launch (Triton's ``ptxas``
-    only); returns ``{kernel: shared memory bytes}``. Checks the compiled path (typing, loops,
-    shared memory) where only the interpreter runs. Needs Triton imported without the interpreter."""
-    tiles = choose_tiles(block_size, head_dim, dtype)
-    common = dict(BLOCK_SIZE_Q=block_size[0], BLOCK_SIZE_KV=block_size[1], MASK_WORDS=-(-block_size[1] // 32),
-                  HEAD_DIM=padded_head_dim(head_dim), EVEN_D=padded_head_dim(head_dim) == head_dim,
-                  IS_CAUSAL=causal, DOT_DTYPE=dot_dtype(dtype), ELEM_BYTES=element_size(dtype), COUNT_IO=count_io)
-    jobs = {
-        "attn_fwd": (_attn_fwd_kernel, dict(common, BLOCK_M=tiles.fwd[0], BLOCK_N=tiles.fwd[1])),
-        "attn_bwd_preprocess": (_attn_bwd_preprocess_kernel, dict(BLOCK_M=tiles.preprocess, HEAD_DIM=common["HEAD_DIM"],
-                                                                  ELEM_BYTES=common["ELEM_BYTES"], COUNT_IO=count_io)),
-        "attn_bwd_dkdv": (_attn_bwd_dkdv_kernel, dict(common, BLOCK_M=tiles.dkdv[0], BLOCK_N=tiles.dkdv[1])),
-        "attn_bwd_dq": (_attn_bwd_dq_kernel, dict(common, BLOCK_M=tiles.dq[0], BLOCK_N=tiles.dq[1])),
-    }
-    return {name: compile_for_cuda(kernel, consts, dtype, int_ptrs=INDEX_PTRS,
-                                   fp32_ptrs=("lse_ptr", "stats_ptr", "delta_ptr"), arch=arch, num_warps=num_warps,
-                                   num_stages=num_stages).metadata.shared
-            for name, (kernel, consts) in jobs.items()}

@@ -1,0 +1,64 @@
+"""``sparse-io-attn compile-report``: compile every block-sparse Triton kernel for a CUDA architecture
+as a real launch would (same specialisation, every autotuning configuration), without a GPU, and
+print per kernel and configuration: registers, spill bytes, shared memory and whether the main
+loops' loads are asynchronous (``cp.async`` or TMA in the PTX)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sparse_io_attn.cli._common import format_table, parse_dtype, to_json
+
+EXAMPLES = """examples:
+  sparse-io-attn compile-report --dtype bf16 --head-dim 128 --block 128
+  sparse-io-attn compile-report --dtype fp16 --head-dim 64 --causal --json
+  sparse-io-attn compile-report --dtype bf16 --head-dim 128 --ptx-dir /tmp/ptx --configs default
+
+Triton's bundled ptxas reads the PTX (registers, spills); no GPU is used. Runs Triton without its
+interpreter, so it must be the first use of Triton in the process."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("compile-report", help="registers, spills and pipelining of the compiled kernels",
+                       epilog=EXAMPLES, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 (default bf16)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--block", type=int, default=128, help="layout block size (default 128)")
+    p.add_argument("--causal", action="store_true", help="compile the causal variants")
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: Hopper)")
+    p.add_argument("--configs", choices=("all", "default"), default="all",
+                   help="every autotuning configuration (default) or only the default one")
+    p.add_argument("--ptx-dir", metavar="DIR", help="write each kernel's PTX into DIR")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    dtype = parse_dtype(args.dtype)
+    if args.head_dim < 1 or args.block < 1:
+        raise ValueError(f"--head-dim and --block must be positive, got {args.head_dim} and {args.block}")
+    if args.ptx_dir is not None:
+        os.makedirs(args.ptx_dir, exist_ok=True)
+        if not os.access(args.ptx_dir, os.W_OK):
+            raise ValueError(f"--ptx-dir {args.ptx_dir} is not writable")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") == "1":
+        raise ValueError("Triton was already imported with its interpreter in this process; run "
+                         "compile-report in a fresh process")
+    os.environ["TRITON_INTERPRET"] = "0"
+    from sparse_io_attn.block_sparse.triton.report import COLUMNS, compile_report
+
+    rows = compile_report(dtype, args.head_dim, args.block, causal=args.causal, arch=args.arch,
+                          configs=args.configs, ptx_dir=args.ptx_dir)
+    if args.json:
+        print(to_json({"dtype": args.dtype, "head_dim": args.head_dim, "block": args.block,
+                       "causal": args.causal, "arch": args.arch, "rows": rows}))
+        return 0
+    print(f"compiled for sm_{args.arch} ({args.dtype}, head_dim {args.head_dim}, block {args.block}"
+          f"{', causal' if args.causal else ''}); pipelined = cp.async or TMA loads in the PTX")
+    print(format_table(rows, [(c, c) for c in COLUMNS]))
+    spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    unpiped = [r for r in rows if not r["pipelined"] and r["kernel"] != "attn_bwd_preprocess"]
+    print(f"{len(rows)} kernel configurations; {len(spilled)} with register spills; "
+          f"{len(unpiped)} main loops without asynchronous loads")
+    return 0
