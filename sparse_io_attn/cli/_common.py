@@ -15,11 +15,14 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from sparse_io_attn.bounds.devices import available_memory_bytes
 
 from sparse_io_attn.layout.patterns import from_spec
 
@@ -275,6 +278,48 @@ def _fmt_cell(v) -> str:
     if isinstance(v, int) and not isinstance(v, bool):
         return f"{v:,}"
     return str(v)
+
+
+def check_writable(path, what: str) -> None:
+    """Raise ``ValueError`` *before* any work when file ``path`` cannot be written: its directory is
+    created (the writers need it anyway) and the file opened for appending, then removed again if
+    it did not exist. ``-`` (stdout) and ``None`` pass."""
+    if path is None or str(path) == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{what} {path} is a directory; give a file path")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        existed = p.exists()
+        with open(p, "a"):
+            pass
+        if not existed:
+            p.unlink()
+    except OSError as e:
+        raise ValueError(f"{what} {path} cannot be written ({e.strerror}); choose another path") from None
+
+
+def check_writable_dir(path, what: str) -> None:
+    """Raise ``ValueError`` before any work when directory ``path`` cannot be created or written to."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{what} {path} exists and is not a directory")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise ValueError(f"{what} {path} cannot be written ({e.strerror}); choose another directory") from None
+
+
+def check_memory(needed_bytes: float, what: str, device="cpu", fix: str = "use a smaller --seq-len") -> None:
+    """Refuse a run up front (``ValueError`` with both numbers) when it needs more memory than the
+    device has available."""
+    free, source = available_memory_bytes(device)
+    if free is not None and needed_bytes > free:
+        raise ValueError(f"{what} needs about {human_bytes(needed_bytes)} but {human_bytes(free)} is available "
+                         f"({source}); {fix}")
 
 
 def human_bytes(b: float) -> str:

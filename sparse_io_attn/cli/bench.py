@@ -197,6 +197,14 @@ def run(args) -> int:
         raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
     if args.json == "-" and args.csv == "-":
         raise ValueError("--json and --csv cannot both write to stdout; give one of them a PATH")
+    for flag in ("json", "csv", "md"):   # refuse before the benchmark runs, not after
+        C.check_writable(getattr(args, flag), f"--{flag}")
+    kv = args.kv_heads or args.heads
+    elem = torch.empty((), dtype=dtype).element_size()
+    # q, k, v, do, out, their gradients, and the kernels' fp32 work copies (about 4 x q in fp32)
+    tensors = args.batch * args.seq_len * args.head_dim * ((3 * args.heads + 2 * kv) * 2 * elem + 4 * args.heads * 4)
+    C.check_memory(tensors, f"--seq-len {args.seq_len} with batch {args.batch}, {args.heads} heads, head dim "
+                   f"{args.head_dim}", device, fix="use a smaller --seq-len or --batch")
 
     layout = C.build_layout(args.pattern, args.seq_len, args.block).to(device)
     B, H, D, n = args.batch, args.heads, args.head_dim, args.seq_len

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparse_io_attn.cli._common import DTYPES, build_layout, format_header, machine_header, parse_count, parse_dtype, time_fn
+from sparse_io_attn.cli._common import (DTYPES, build_layout, check_memory, format_header, machine_header, parse_count,
+                                        parse_dtype, time_fn)
 
 EXAMPLES = """examples:
   sparse-io-attn demo                                  # BigBird, N=2048, block 64, H=4, D=64, fp32
@@ -70,6 +71,11 @@ def make_context(args) -> DemoContext:
         raise ValueError(f"--kv-heads must divide --heads ({args.heads}), got {kv_heads}")
     from sparse_io_attn.layout.patterns import parse_spec
 
+    # the float64 reference and the SDPA baselines build dense [B, H, N, N] scores and masks
+    dense = args.batch * args.heads * args.seq_len ** 2 * (4 * 8 + 2)
+    check_memory(dense, f"the demo's dense float64 reference at --seq-len {args.seq_len}",
+                 fix="use a smaller --seq-len (the demo checks against dense attention; `sparse-io-attn bench` "
+                     "times long sequences without it)")
     name, spec_kwargs = parse_spec(args.pattern)
     causal = bool(args.causal or name == "causal" or spec_kwargs.get("causal", False))
     layout = build_layout(args.pattern, args.seq_len, args.block, num_heads=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from sparse_io_attn.accounting import traffic
-from sparse_io_attn.cli._common import build_layout, parse_count, pyplot, to_json
+from sparse_io_attn.cli._common import build_layout, check_writable, parse_count, pyplot, to_json
 
 EXAMPLES = """examples:
   sparse-io-attn layout sliding_window:256 --seq-len 2048 --block 64
@@ -70,6 +70,7 @@ def run(args) -> int:
         raise ValueError(f"--heads must be >= 1, got {args.heads}")
     if args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    check_writable(args.png, "--png")
     layout = build_layout(args.pattern, args.seq_len, args.block, num_heads=args.heads)
     stats = layout_stats(layout)
     if args.png:

@@ -466,14 +466,17 @@ class BlockSparseLayout:
     def draw(self, layout_index: int = 0, limit: int = _DRAW_LIMIT) -> str:
         """One stored mask drawn with █ (full block), ▒ (partial block) and ░ (not kept), truncated
         at ``limit`` rows/columns."""
-        t = self.block_table().reshape(-1, self.num_q_blocks, self.num_kv_blocks)[layout_index].cpu()
+        R, C = min(self.num_q_blocks, limit), min(self.num_kv_blocks, limit)
+        lo = self.to("cpu")
+        lid, r, c = lo.entries()
+        sel = (lid == layout_index) & (r < R) & (c < C)           # only what is drawn: O(limit^2)
+        t = torch.full((R, C), -2, dtype=torch.int32)
+        t[r[sel], c[sel]] = lo.partial_ids[sel]
         glyph = {-2: "░", -1: "█"}
-        rows = [
-            "".join(glyph.get(v, "▒") for v in row[:limit].tolist()) + ("…" if t.shape[1] > limit else "")
-            for row in t[:limit]
-        ]
-        if t.shape[0] > limit:
-            rows.append(f"… ({t.shape[0] - limit} more block rows)")
+        rows = ["".join(glyph.get(v, "▒") for v in row.tolist()) + ("…" if self.num_kv_blocks > limit else "")
+                for row in t]
+        if self.num_q_blocks > limit:
+            rows.append(f"… ({self.num_q_blocks - limit} more block rows)")
         return "\n".join(rows)
 
     def __str__(self) -> str:

@@ -128,9 +128,27 @@ class _Grid:
         return self.q_lo(r) - self.k_lo(c)
 
 
+#: bytes the builders hold per candidate block at their peak (indices, keys, flags)
+_BYTES_PER_CANDIDATE = 96
+
+
+def _check_size(candidates: int) -> None:
+    """Refuse (``ValueError`` with the numbers) a layout whose candidate blocks would not fit in the
+    memory available, before allocating them."""
+    from sparse_io_attn.bounds.devices import available_memory_bytes
+
+    need = candidates * _BYTES_PER_CANDIDATE
+    free, source = available_memory_bytes("cpu")
+    if free is not None and need > free:
+        raise ValueError(f"this pattern keeps about {candidates:,} blocks, which needs about {need / 2**30:.1f} GiB "
+                         f"to build but {free / 2**30:.1f} GiB is available ({source}); use a larger block_size "
+                         f"or a shorter sequence")
+
+
 def _expand(ids: torch.Tensor, first: torch.Tensor, last: torch.Tensor):
     """Pairs ``(ids[i], x)`` for ``first[i] <= x <= last[i]``."""
     n = (last - first + 1).clamp(min=0)
+    _check_size(int(n.sum()))
     out_ids = torch.repeat_interleave(ids, n)
     start = torch.repeat_interleave(first, n)
     offset = torch.arange(int(n.sum())) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
