@@ -1,0 +1,127 @@
+"""The compiled path of every kernel family for sm_90 (Hopper), without a GPU: registers, spill
+bytes, shared memory, asynchronous copies (cp.async / TMA) and tensor-core MMAs (wgmma), read from
+Triton's sm_90 compile and its bundled ptxas.
+
+* Block-sparse attention: `sparse-io-attn compile-report` (every autotuning configuration, compiled
+  with the JIT's launch specialisation) at head dims 64 and 128 (bf16, causal and not), fp16 and
+  fp32 at head dim 64.
+* The paper's dense form (Algorithms 6 and 9): the kernels with the tiles their launchers derive
+  from M = 227 KiB (an H100's shared memory per block) in bf16 words, head dim 128.
+* Block-sparse operands: the attention and row-panel product kernels at 64 x 64 tiles, 32-wide
+  head-dim tiles, head dim 128, bf16.
+
+    TRITON_INTERPRET=0 python benchmarks/compile_report.py     # writes benchmarks/results/compile_report_sm90.{md,json}
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from sparse_io_attn._triton.aot import compile_for_cuda, ptx_report  # noqa: E402
+from sparse_io_attn._triton.shapes import padded_dim  # noqa: E402
+from sparse_io_attn.block_sparse.triton.report import COLUMNS, compile_report  # noqa: E402
+from sparse_io_attn.cli._common import format_header, format_table, machine_header, write_json  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "compile_report_sm90"
+BLOCK_SPARSE = [(torch.bfloat16, 128, False), (torch.bfloat16, 128, True), (torch.bfloat16, 64, False),
+                (torch.bfloat16, 64, True), (torch.float16, 64, False), (torch.float32, 64, False)]
+
+
+def dense_rows(d: int = 128) -> list[dict]:
+    from sparse_io_attn.dense import tiling
+    from sparse_io_attn.dense.kernels_common import _atb_kernel, _delta_kernel, _proj_kernel
+    from sparse_io_attn.dense.kernels_fwd import _dense_fwd_kernel
+    from sparse_io_attn.dense.kernels_large import _col_kernel, _row_kernel
+    from sparse_io_attn.dense.kernels_small import _phase3_kernel, _softmax_kernel, _tile_matmul_kernel
+
+    M, D, BF = 227 * 1024 // 2, padded_dim(d), tl.bfloat16
+    B = tiling.small_cache_block(M)
+    pl, ps = tiling.large_cache_blocks("large.phase1", M, d)
+    al, as_ = tiling.large_cache_blocks("large.atb", M, d)
+    _, dls = tiling.large_cache_blocks("large.delta", M, d)
+    fl, fs = tiling.forward_blocks("fwd.attn", M, d)
+    p2l, p2s = tiling.large_cache_blocks("large.phase2", M, d)
+    ql, qs = tiling.large_cache_blocks("large.dq", M, d)
+    kl, ks = tiling.large_cache_blocks("large.dkdh", M, d)
+    jobs = {
+        "proj (Alg 7)": (_proj_kernel, dict(BLOCK_M=ps, BLOCK_C=pl, HEAD_DIM=D, DOT_DTYPE=BF), ("c_ptr",)),
+        "atb": (_atb_kernel, dict(BLOCK_M=as_, BLOCK_C=al, HEAD_DIM=D, DOT_DTYPE=BF), ("b_ptr", "c_ptr")),
+        "delta": (_delta_kernel, dict(BLOCK_M=dls, HEAD_DIM=D), ("v_ptr",)),
+        "forward": (_dense_fwd_kernel, dict(BLOCK_M=fs, BLOCK_N=fl, HEAD_DIM=D, DOT_DTYPE=BF), ("s_ptr", "h_ptr", "lse_ptr")),
+        "small: tile matmul (Alg 2-5)": (_tile_matmul_kernel, dict(BLOCK=B, DOT_DTYPE=BF), ("c_ptr",)),
+        "small: softmax (Alg 6)": (_softmax_kernel, dict(BLOCK=B, DOT_DTYPE=BF), ("s_ptr", "f_ptr")),
+        "small: phase 3": (_phase3_kernel, dict(BLOCK=B), ("f_ptr", "q_ptr", "p_ptr")),
+        "large: row (Alg 8, faithful)": (_row_kernel, dict(BLOCK_M=p2s, BLOCK_N=p2l, HEAD_DIM=D, FAITHFUL=True,
+                                                          DOT_DTYPE=BF), ("s_ptr", "h_ptr", "lse_ptr", "ds_ptr", "g_ptr")),
+        "large: row (FA2 order)": (_row_kernel, dict(BLOCK_M=ql, BLOCK_N=qs, HEAD_DIM=D, FAITHFUL=False, DOT_DTYPE=BF),
+                                   ("s_ptr", "h_ptr", "lse_ptr", "ov_ptr", "ds_ptr", "g_ptr")),
+        "large: col (Alg 9)": (_col_kernel, dict(BLOCK_M=ks, BLOCK_N=kl, HEAD_DIM=D, DOT_DTYPE=BF),
+                               ("s_ptr", "h_ptr", "lse_ptr", "v_ptr", "dh_ptr")),
+    }
+    rows = []
+    for name, (kernel, consts, fp32) in jobs.items():
+        c = compile_for_cuda(kernel, dict(consts, COUNT_IO=False), torch.bfloat16, fp32_ptrs=fp32, num_warps=8,
+                             num_stages=3)
+        tiles = {k: v for k, v in consts.items() if k.startswith("BLOCK")}
+        rows.append({"kernel": name, "tiles": str(tiles), **ptx_report(c)})
+    return rows
+
+
+def sparse_operand_rows() -> list[dict]:
+    from sparse_io_attn._triton.runtime import dot_dtype
+    from sparse_io_attn.sparse_operands import aot as A
+    from sparse_io_attn.sparse_operands import kernels as K
+
+    meta = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, NUM_D_TILES=4, DV_PAD=128, DOT_DTYPE=dot_dtype(torch.bfloat16),
+                COUNT_IO=False)
+    jobs = {"attn fwd": (K._paper_attn_fwd_kernel, dict(meta, HAS_ZERO=True)),
+            "attn bwd dK/dV": (K._paper_attn_bwd_dkv_kernel, dict(meta, HAS_ZERO=True)),
+            "attn bwd dQ": (K._paper_attn_bwd_dq_kernel, meta),
+            "row-panel product": (K._bsr_matmul_kernel, dict(BLOCK_M=64, BLOCK_K=32, BLOCK_N=32, NUM_N_TILES=4,
+                                                              WRITE_COLSUM=True, DOT_DTYPE=meta["DOT_DTYPE"],
+                                                              COUNT_IO=False))}
+    rows = []
+    for name, (kernel, consts) in jobs.items():
+        for w, s in ((4, 2), (8, 3)):
+            c = compile_for_cuda(kernel, consts, torch.bfloat16, int_ptrs=A._INT_PTRS, fp32_ptrs=A._FP32_PTRS,
+                                 num_warps=w, num_stages=s)
+            rows.append({"kernel": name, "num_warps": w, "num_stages": s, **ptx_report(c)})
+    return rows
+
+
+def main() -> int:
+    header = machine_header(torch.bfloat16)
+    header["target"] = "sm_90a (compiled with Triton, read with its bundled ptxas-blackwell; no GPU)"
+    parts, data = [format_header(header) + "\n# " + header["target"]], {"header": header}
+    for dtype, d, causal in BLOCK_SPARSE:
+        rows = compile_report(dtype, d, 128, causal=causal)
+        key = f"block_sparse_{str(dtype).split('.')[-1]}_d{d}{'_causal' if causal else ''}"
+        data[key] = rows
+        parts.append(f"## block-sparse, {str(dtype).split('.')[-1]}, head dim {d}, block 128"
+                     f"{', causal' if causal else ''}\n\n```\n{format_table(rows, [(c, c) for c in COLUMNS])}\n```")
+        print(parts[-1], flush=True)
+    cols = ["registers", "spill_stores", "spill_loads", "shared_bytes", "cp_async", "tma", "wgmma"]
+    data["dense"] = dense_rows()
+    parts.append("## dense form (the paper's Algorithms 6 and 9), bf16, head dim 128, tiles from M = 227 KiB, "
+                 "8 warps, 3 stages\n\n```\n" + format_table(data["dense"], [(c, c) for c in ["kernel", "tiles"] + cols])
+                 + "\n```")
+    print(parts[-1], flush=True)
+    data["sparse_operands"] = sparse_operand_rows()
+    parts.append("## block-sparse operands, bf16, head dim 128, 64 x 64 tiles, 32-wide head-dim tiles\n\n```\n"
+                 + format_table(data["sparse_operands"], [(c, c) for c in ["kernel", "num_warps", "num_stages"] + cols])
+                 + "\n```")
+    print(parts[-1], flush=True)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.with_suffix(".md").write_text("\n\n".join(parts) + "\n")
+    write_json(OUT.with_suffix(".json"), data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
