@@ -12,7 +12,7 @@ import torch
 
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout._csr import (INDEX_DTYPE, coo_to_csr, csr_row_ids, csr_to_mask, csr_transpose,
-                                         mask_to_csr, validate_csr)
+                                        mask_to_csr, validate_csr)
 
 _DRAW_LIMIT = 64  # rows/cols drawn by __str__ before truncating
 

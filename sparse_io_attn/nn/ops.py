@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sparse_io_attn.block_sparse.api import (_no_double_backward, backend_module, causal_offset, check_inputs,
-                                            resolve_backend)
+                                             resolve_backend)
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 # Layout objects rebuilt inside the ops, keyed by the crow_indices tensor they were built from, so a
