@@ -12,13 +12,24 @@ One folder per capability (map in ``docs/ARCHITECTURE.md``):
 * :mod:`.bounds`: the lower-bound calculator and the two-level-memory executor (``bounds.pebble``).
 * :mod:`.nn`: ``SparseSelfAttention`` and the ``torch.library`` custom ops; :mod:`.cli`: the command.
 
-Importing the package touches neither CUDA nor Triton; Triton is imported on first kernel use.
+Importing the package touches neither CUDA nor Triton (Triton is imported on first kernel use); on a
+CPU-only torch build it sets ``TRITON_INTERPRET=1`` unless set, the only way Triton runs there.
 """
 import importlib
+import os
+import sys
 
-from sparse_io_attn import accounting, bounds
-from sparse_io_attn.block_sparse import block_sparse_attention, reference
-from sparse_io_attn.layout import BlockSparseLayout, BlockSparseMatrix, patterns, stack_layouts
+import torch
+
+# Triton fixes its interpreter mode when it is first imported (torch._dynamo imports it too). A CPU-only
+# torch build can run Triton kernels only through the interpreter: switch it on now, before anything
+# imports triton (no CUDA query: the build says it). Elsewhere sparse_io_attn._triton.runtime decides.
+if torch.version.cuda is None and getattr(torch.version, "hip", None) is None and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from sparse_io_attn import accounting, bounds  # noqa: E402
+from sparse_io_attn.block_sparse import block_sparse_attention, reference  # noqa: E402
+from sparse_io_attn.layout import BlockSparseLayout, BlockSparseMatrix, patterns, stack_layouts  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+# Triton fixes interpreter mode when triton.language is imported: the switch must come first. On a
+# CPU-only torch build `import sparse_io_attn` already set it (torch._dynamo imports triton too).
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -34,8 +36,9 @@ def check_device(t: torch.Tensor, what: str = "Triton kernels") -> None:
         raise RuntimeError(f"{what}: TRITON_INTERPRET=1 is set but the tensors are on CUDA; unset it")
     if t.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"{what}: tensors are on {t.device} but Triton was imported without its "
-                           f"interpreter; set TRITON_INTERPRET=1 before importing triton (or "
-                           f"sparse_io_attn._triton.runtime first), or move the tensors to CUDA")
+                           f"interpreter (something, e.g. torch.compile, imported triton before "
+                           f"sparse_io_attn); set TRITON_INTERPRET=1 before importing triton (or import "
+                           f"sparse_io_attn first), or move the tensors to CUDA")
 
 
 def dot_dtype(dtype: torch.dtype):
