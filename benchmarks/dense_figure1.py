@@ -3,7 +3,8 @@
 Bytes moved by the dense backward kernels (``sparse_io_attn.dense``) over a sweep of the fast memory
 ``M`` (words) at fixed ``n, d``: the small-cache kernels (Algorithm 6), the large-cache kernels as
 written (Algorithm 9, "faithful") and the FlashAttention-2-style variant ("fa2"; "fa2_model" extends
-its schedule below the 16-row tiles tl.dot needs, model only). The traffic model equals the kernels'
+its schedule below the 16-row tiles tl.dot needs, model only), the slope of the small-cache forward,
+and the small/large crossings by bisection on the model (``figure1.crossings``). The traffic model equals the kernels'
 counted traffic exactly (tests/dense/test_dense_kernels.py checks it at interpreter sizes), so this table
 needs no GPU and no kernel run.
 
@@ -55,6 +56,11 @@ def fmt(x) -> str:
     return f"{x:.3e}" if x >= 1e6 else f"{x:,}"
 
 
+def crossing_lines(c, d):
+    from sparse_io_attn.dense.figure1 import crossing_lines as lines
+    return lines(c, d)
+
+
 def summary_lines(s: dict) -> list[str]:
     d2 = s["d2"]
     ratio = lambda M: f"{M / d2:.3g} d^2" if M else "-"  # noqa: E731
@@ -73,9 +79,11 @@ def summary_lines(s: dict) -> list[str]:
              f"**{s.get('fa2_slope', float('nan')):.3f}** (re-reads {s.get('fa2_reread_slope', float('nan')):.3f}) "
              f"over M in {[ratio(M) for M in s['fa2_falling_Ms']]}"
              + (f"; plateau from {ratio(s['fa2_plateau_from_M'])}." if s['fa2_plateau_from_M'] else "; no plateau up to M = nd."),
-             f"- crossing: small-cache g path <= fa2 (model, tiles sized for the same M) for M < "
-             f"**{s['crossing_M']:,} = {s['crossing_over_d2']:.3f} d^2**; small-cache strictly fewer bytes at every "
-             f"grid M below it: {s['small_wins_below']}.", ""]
+             f"- small-cache forward (Saha & Ye), same M = 4B^2: log-log slope of the tiled-product reads "
+             f"**{s['fwd_small_tiled_slope']:.3f}** (expected -1/2); of the total {s['fwd_small_total_slope']:.3f}.",
+             "- crossings, by bisection over integer M on the exact model (not read off a grid):"]
+    lines += [f"  - {line}" for line in crossing_lines(s["crossings"], s["d"])]
+    lines.append("")
     return lines
 
 

@@ -63,6 +63,18 @@ class NnzStats:
         return sparse(self.Z_A, self.Z_X, self.Z_AX, self.Z_AXA, M, n=max(self.n, self.n_k),
                       d=self.d, dtype=dtype, heads=heads, note=note)
 
+    def informal_bound(self, M, *, dtype=None, heads: int = 1):
+        """Theorem 1.2 (:func:`~sparse_io_attn.bounds.sparse_informal`) on these counts, with
+        ``Z_input = Z_A`` and ``Z_QK = Z_AXA`` (element level only)."""
+        from sparse_io_attn.bounds.calculator import sparse_informal
+        if self.level != "element":
+            raise ValueError("a bound in words needs element-level counts; call nnz_stats(..., "
+                             "level='element')")
+        note = ("Z_QK restricted to a QK pattern: outside the theorem's hypotheses; not a proven lower bound"
+                if self.restricted_to_qk_pattern else "")
+        return sparse_informal(self.Z_A, self.Z_AXA, M, n=max(self.n, self.n_k), d=self.d, dtype=dtype,
+                               heads=heads, note=note)
+
     def __str__(self) -> str:
         unit = "entries" if self.level == "element" else "blocks"
         restr = " (restricted to the QK pattern)" if self.restricted_to_qk_pattern else ""
@@ -235,6 +247,24 @@ def _layout_keep(layout, layout_index):
     return keep, partial
 
 
+def _check_block_size(block_size):
+    """``block_size`` as a positive int or a pair of positive ints (``ValueError``/``TypeError``)."""
+    import numbers
+    sizes = (block_size,) if isinstance(block_size, numbers.Integral) else block_size
+    try:
+        sizes = tuple(sizes)
+    except TypeError:
+        raise TypeError(f"block_size must be a positive int or a pair (rows, cols) of positive ints, got "
+                        f"{type(block_size).__name__} {block_size!r}") from None
+    if len(sizes) not in (1, 2) or any(isinstance(b, (bool, np.bool_)) or not isinstance(b, numbers.Integral)
+                                       for b in sizes):
+        raise TypeError(f"block_size must be a positive int or a pair (rows, cols) of positive ints, got "
+                        f"{block_size!r}")
+    if any(int(b) < 1 for b in sizes):
+        raise ValueError(f"block_size must be positive (a block holds at least one element), got {block_size!r}")
+    return int(sizes[0]) if len(sizes) == 1 else (int(sizes[0]), int(sizes[1]))
+
+
 def nnz_stats(A1, X, A2, qk_layout=None, *, level: str = "element", block_size=None,
               layout_index: int | None = None) -> NnzStats:
     """Structural counts of Theorem 4.5 for ``S = A1 · X · A2ᵀ`` (A1: n x d, X: d x d, A2: n_k x d).
@@ -251,6 +281,8 @@ def nnz_stats(A1, X, A2, qk_layout=None, *, level: str = "element", block_size=N
     """
     if level not in ("element", "block"):
         raise ValueError(f"level must be 'element' or 'block', got {level!r}")
+    if block_size is not None:
+        block_size = _check_block_size(block_size)
     a1, b1, s1 = _pattern(A1, "A1", level, block_size)
     x, bx, sx = _pattern(X, "X", level, block_size)
     a2, b2, s2 = _pattern(A2, "A2", level, block_size)

@@ -62,15 +62,20 @@ def dtype_name(dtype) -> str | None:
     return str(np.dtype(dtype))
 
 
-def parse_memory(M, dtype=None) -> int:
+def parse_memory(M, dtype=None):
     """The fast-memory size ``M`` in words.
 
-    ``M`` is an ``int`` of words, a string of words (``"116224"``), or a byte size with a unit
+    ``M`` is a number of words (``int``, ``float`` or a NumPy scalar; integral values come back as
+    ``int``, others as ``float``), a string of words (``"116224"``), or a byte size with a unit
     (``"228KiB"``, ``"48KB"``, ``"232448B"``), which needs ``dtype`` to convert to words
-    (``words = bytes // itemsize``). Raises ``ValueError`` for ``M <= 0`` or an unreadable string.
+    (``words = bytes // itemsize``). Raises ``ValueError`` for ``M < 1`` word, a non-finite number or
+    an unreadable string, ``TypeError`` for other types.
     """
-    if isinstance(M, bool) or not isinstance(M, (int, np.integer, str)):
-        raise TypeError(f"M must be an int number of words or a size string like '228KiB', "
+    import math
+    import numbers
+
+    if isinstance(M, (bool, np.bool_)) or not isinstance(M, (numbers.Real, str)):
+        raise TypeError(f"M must be a number of words or a size string like '228KiB', "
                         f"got {type(M).__name__} {M!r}")
     if isinstance(M, str):
         m = _SIZE_RE.match(M)
@@ -93,9 +98,18 @@ def parse_memory(M, dtype=None) -> int:
             if nbytes != int(nbytes):
                 raise ValueError(f"{M!r} is not a whole number of bytes")
             words = int(nbytes) // itemsize(dtype)
-    else:
+    elif isinstance(M, numbers.Integral):
         words = int(M)
-    if words <= 0:
+    else:
+        try:
+            words = float(M)
+        except OverflowError:
+            raise ValueError(f"M = {M!r} is beyond the float range (~1.8e308)") from None
+        if not math.isfinite(words):
+            raise ValueError(f"M must be a finite number of words, got {M!r}")
+        if words.is_integer():
+            words = int(words)
+    if words < 1:
         raise ValueError(f"the fast memory must hold at least one word, got M={M!r} "
                          f"({words} words)")
     return words

@@ -1,12 +1,15 @@
 """``sparse-io-attn bounds``: the paper's I/O lower bounds for one attention problem.
 
-Prints the regime (small cache M < d^2 or large cache), both terms of Theorem 1.1 (dense backward)
-and of Saha & Ye's dense forward bound, Theorem 4.5 for a block-sparse pattern or given nnz counts,
-the binding term, the compulsory traffic (each input read once, each output written once), the
-explicit-constant bounds where the calculator knows them, and which dense backward kernel the
-library would choose (small-cache Algorithm 6 when M < d^2, large-cache Algorithms 7-9 otherwise).
-All bounds are asymptotic expressions evaluated with unit constants (the paper states Theta/Omega
-only); words are matrix elements, bytes = words x dtype size.
+Prints the paper's regime (small cache M < d^2 or large cache) and the kernels the library runs
+(``dense.backward`` / ``dense.forward`` with ``regime="auto"``: the kernel that fits and moves the
+fewest predicted bytes, with the bytes of each), both terms of Theorem 1.1 (dense backward) and of
+Saha & Ye's dense forward bound, Theorem 4.5 and Theorem 1.2 (Table 1's informal sparse bound in
+Z_input, Z_QK) for a block-sparse pattern or given nnz counts, the binding term and the compulsory
+traffic (each input read once, each output written once). ``--verbose`` adds the explicit-constant
+bounds for *materialising* QK^T (a standalone product writing its n x n output: not a bound for
+attention, which need not write it). All bounds are asymptotic expressions evaluated
+with unit constants (the paper states Theta/Omega only); words are matrix elements, bytes = words x
+dtype size.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 
 from sparse_io_attn.accounting import traffic
 from sparse_io_attn.bounds import (DEFAULT_CPU_FAST_MEMORY_BYTES, dense_backward, dense_forward,
-                                   device_fast_memory_words, get_device, parse_memory, sparse)
+                                   device_fast_memory_words, get_device, parse_memory, sparse, sparse_informal)
 from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.cli import _common as C
 
@@ -26,12 +29,15 @@ EXAMPLES = """examples:
   sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --pattern sliding_window:512
   sparse-io-attn bounds --seq-len 4096 --head-dim 64 --cache 116224 \\
       --z-a 262144 --z-x 4096 --z-ax 262144 --z-axa 1048576 --json
+  sparse-io-attn bounds --seq-len 4096 --head-dim 64 --cache 116224 --z-input 262144 --z-qk 1048576
+  sparse-io-attn bounds --seq-len 8192 --head-dim 256 --device h100 --dtype fp32 --verbose
 
 --cache takes words (116224) or a byte size with a unit (228KiB, 48KB) converted with --dtype.
 Without --cache, M is --device's on-chip memory per block, or the current GPU's, or the
 library's documented CPU default."""
 
 Z_FLAGS = ("z_a", "z_x", "z_ax", "z_axa")
+INFORMAL_FLAGS = ("z_input", "z_qk")
 
 
 def add_parser(sub) -> None:
@@ -47,6 +53,12 @@ def add_parser(sub) -> None:
     p.add_argument("--causal", action="store_true", help="count only key <= query inside the pattern")
     for z, what in zip(Z_FLAGS, ("min(nnz A1, nnz A2)", "nnz X", "min(nnz A1X, nnz XA2^T)", "nnz A1XA2^T")):
         p.add_argument(f"--{z.replace('_', '-')}", dest=z, type=C.parse_count, default=None, help=f"Z: {what}")
+    p.add_argument("--z-input", dest="z_input", type=C.parse_count, default=None,
+                   help="Theorem 1.2: nonzeros of the input matrix (with --z-qk)")
+    p.add_argument("--z-qk", dest="z_qk", type=C.parse_count, default=None,
+                   help="Theorem 1.2: nonzeros of the key-query matrix (with --z-input)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print the explicit-constant bounds for materialising QK^T (not attention bounds)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=run)
 
@@ -104,14 +116,36 @@ def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, cau
             "note": "" if layout is None or z_axa == n * n else PATTERN_NOTE}
 
 
-def kernel_choice(d: int, M: int) -> str:
-    """The dense backward kernel ``dense.backward(regime="auto")`` runs (``dense.choose_regime``:
-    small-cache when M < d², or when the large-cache tiles do not fit M)."""
-    from sparse_io_attn.dense import choose_regime  # imports the kernels (Triton): only when asked
+def kernel_choice(n: int, d: int, M: int, dtype=torch.float32) -> dict:
+    """What ``dense.backward`` / ``dense.forward`` with ``regime="auto"`` run for one (batch, head)
+    problem of this size (``dense.choose_backward`` with the forward's outputs given, as in
+    training; ``dense.choose_forward``), next to the paper's regime: the chosen kernels, each
+    candidate's predicted bytes and a summary line. The small-cache kernels' ``n x n`` buffers are
+    reported (bytes), not checked against a device's memory."""
+    from sparse_io_attn import dense  # imports the kernels (Triton): only when asked
+    from sparse_io_attn.dense.forward import small_forward_buffer_bytes
+    from sparse_io_attn.dense.small_cache import nn_buffer_bytes
 
-    if choose_regime(d, M) == "small":
-        return "small-cache kernel (Algorithm 6; materializes f, q, p, n x n each)"
-    return "large-cache kernel (Algorithm 9 = 7 + 8; never stores an n x n matrix)"
+    out = {"paper_regime": "small" if M < d * d else "large"}
+    for pass_, fn in (("backward", dense.choose_backward), ("forward", dense.choose_forward)):
+        try:
+            c = fn(n, d, M, dtype=dtype)
+            out[pass_] = c.to_dict()
+        except ValueError as e:
+            out[pass_] = {"kernel": None, "label": None, "summary": f"no {pass_} kernel fits: {e}"}
+    g = {}
+    for key in ("small", "large-faithful", "large-fa2"):
+        try:
+            from sparse_io_attn.dense import traffic
+            rep = (traffic.small_cache_traffic(n, d, M, dtype=dtype, g_only=True) if key == "small" else
+                   traffic.large_cache_traffic(n, d, M, dtype=dtype, variant=key.split("-")[1], g_only=True))
+            g[key] = rep.total_bytes
+        except ValueError:
+            g[key] = None
+    out["backward_dX_path_bytes"] = g
+    out["small_cache_buffers_bytes"] = {"backward (f, q, p, T)": nn_buffer_bytes(n, d),
+                                        "forward (f, S, h)": small_forward_buffer_bytes(n, d)}
+    return out
 
 
 # ------------------------------------------------------------------------------------ main
@@ -121,6 +155,12 @@ def run(args) -> int:
     if d < 1:
         raise ValueError(f"--head-dim must be >= 1, got {d}")
     given = [z for z in Z_FLAGS if getattr(args, z) is not None]
+    informal = [z for z in INFORMAL_FLAGS if getattr(args, z) is not None]
+    if informal and len(informal) != 2:
+        raise ValueError("--z-input and --z-qk go together (Theorem 1.2)")
+    if informal and (given or args.pattern):
+        raise ValueError("give --z-input/--z-qk (Theorem 1.2) or --pattern / the four --z-* counts (Theorem 4.5, "
+                         "which also prints Theorem 1.2), not both")
     if args.pattern and given:
         raise ValueError("give either --pattern or the --z-* counts, not both")
     if given and len(given) != 4:
@@ -132,10 +172,11 @@ def run(args) -> int:
         get_device(args.device)  # ValueError listing the known names
     M = default_cache_words(args.cache, dtype, args.device)
 
+    choice = kernel_choice(n, d, M, dtype)
     out = {"n": n, "d": d, "dtype": args.dtype, "M_words": M, "M_bytes": M * itemsize(dtype),
            "d_squared": d * d, "M_over_d2": M / (d * d),
            "regime": "small cache (M < d^2)" if M < d * d else "large cache (M >= d^2)",
-           "kernel_choice": kernel_choice(d, M),
+           "kernel_choice": choice["backward"]["summary"], "kernels": choice,
            "source_of_M": (f"--cache {args.cache}" if args.cache else
                            f"device table: {args.device}" if args.device else
                            "this GPU's shared memory per block" if torch.cuda.is_available() else
@@ -153,25 +194,40 @@ def run(args) -> int:
         else:
             z = {k: getattr(args, k.lower()) for k in ("Z_A", "Z_X", "Z_AX", "Z_AXA")}
         objs["sparse"] = sparse(z["Z_A"], z["Z_X"], z["Z_AX"], z["Z_AXA"], M, n=n, d=d, dtype=dtype,
-                                  note=PATTERN_NOTE if args.pattern else "")
+                                note=PATTERN_NOTE if args.pattern else "")
+        objs["sparse_informal"] = sparse_informal(z["Z_A"], z["Z_AXA"], M, n=n, d=d, dtype=dtype,
+                                                  note="Z_input = Z_A, Z_QK = Z_AXA" +
+                                                  ("; " + PATTERN_NOTE if args.pattern else ""))
+    elif informal:
+        objs["sparse_informal"] = sparse_informal(args.z_input, args.z_qk, M, n=n, d=d, dtype=dtype)
     for key, b in objs.items():
         out[key] = b.to_dict()
     if args.json:
         print(C.to_json(out))
         return 0
-    print(_text(out, objs))
+    print(_text(out, objs, verbose=args.verbose))
     return 0
 
 
-def _text(out: dict, objs: dict) -> str:
+def _text(out: dict, objs: dict, verbose: bool = False) -> str:
+    k = out["kernels"]
     lines = [f"n = {out['n']:,}, d = {out['d']}, dtype {out['dtype']}, M = {out['M_words']:,} words "
              f"({C.human_bytes(out['M_bytes'])}; {out['source_of_M']})",
              f"M / d^2 = {out['M_over_d2']:.3g} -> {out['regime']}",
-             f"kernel the library would choose: {out['kernel_choice']}"]
+             f"backward: {k['backward']['summary']}", f"forward:  {k['forward']['summary']}"]
+    for pass_ in ("backward", "forward"):
+        cands = k[pass_].get("candidates") or {}
+        parts = [f"{name} {c['bytes']:.3e} B" if c["feasible"] else f"{name} -" for name, c in cands.items()]
+        if parts:
+            lines.append(f"  predicted {pass_} bytes (one head, all outputs): " + ", ".join(parts))
+    g = k["backward_dX_path_bytes"]
+    if g.get("small") and any(g.get(v) for v in ("large-faithful", "large-fa2")):
+        best = min(v for key, v in g.items() if key != "small" and v)
+        lines.append(f"  on the paper's dX path alone: small-cache / best large-cache = {g['small'] / best:.3g}")
     if "pattern" in out:
         p = out["pattern"]
         lines.append(f"pattern {p['name']}, density {p['density']:.4f}, block {p['block']}: {p['note']}")
-    for key in ("dense_backward", "dense_forward", "sparse"):
+    for key in ("dense_backward", "dense_forward", "sparse", "sparse_informal"):
         if key in objs:
-            lines += ["", str(objs[key])]
+            lines += ["", objs[key].describe(verbose=verbose)]
     return "\n".join(lines)

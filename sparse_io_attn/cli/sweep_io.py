@@ -28,7 +28,10 @@ CACHE_DOC = """Figure 1 of the paper with measured points: backward I/O vs fast-
 n, d for the small-cache (Algorithm 6) and large-cache (Algorithm 9, as written and in the FA2 loop
 order) algorithms -- the exact executor's closed forms and the Triton kernels' traffic model at n,
 and the kernels' counted traffic at a small --count-n through the interpreter -- with both bound
-terms of Theorem 1.1 and their crossover M = d^2 marked."""
+terms of Theorem 1.1 and their crossover M = d^2 marked; next to them the forward (Table 1): the
+small-cache forward (Saha & Ye; executor and kernel) and the large-cache forward (kernel) with
+Saha & Ye's bound. The crossings of the small- and large-cache backwards are computed by
+bisection on the model (kernels with the tiles they can run, and the algorithms as written)."""
 
 
 def add_cache_args(p) -> None:
@@ -68,15 +71,22 @@ def run_cache(args):
     with C.progress(total, "sweep cache", enabled=not args.no_progress) as bar:
         rows = figure1.cache_rows(n, d, Ms, count_n=args.count_n, count_Ms=count_Ms,
                                   progress=lambda note: bar.update(note=note))
-    notes = _cache_notes(figure1.cache_findings(rows), d)
+    cross = figure1.crossings(n, d)
+    header["crossing_kernel_fa2_M"] = cross["kernel_fa2"]["M"]
+    header["crossing_executor_faithful_M"] = cross["executor_faithful"]["always_from_M"]
+    notes = _cache_notes(figure1.cache_findings(rows), d) + figure1.crossing_lines(cross, d)
     columns = [("M", "M words"), ("M_over_d2", "M/d^2"), ("bound", "bound (unit c.)"),
                ("executor_small", "exec Alg6"), ("executor_large_faithful", "exec Alg9"),
                ("executor_large_fa2", "exec Alg9-FA2"), ("kernel_small_predicted", "kernel small (pred)"),
                ("kernel_large_faithful_predicted", "kernel large (pred)"),
-               ("kernel_large_fa2_predicted", "kernel FA2 (pred)")]
+               ("kernel_large_fa2_predicted", "kernel FA2 (pred)"), ("bound_fwd", "fwd bound"),
+               ("executor_fwd_small", "exec fwd small"), ("kernel_fwd_small_predicted", "kernel fwd small (pred)"),
+               ("kernel_fwd_large_predicted", "kernel fwd large (pred)")]
     if count_Ms:
         columns += [("kernel_small_counted_at_count_n", f"small counted n={args.count_n}"),
-                    ("kernel_small_predicted_at_count_n", f"small pred n={args.count_n}")]
+                    ("kernel_small_predicted_at_count_n", f"small pred n={args.count_n}"),
+                    ("kernel_fwd_small_counted_at_count_n", f"fwd small counted n={args.count_n}"),
+                    ("kernel_fwd_small_predicted_at_count_n", f"fwd small pred n={args.count_n}")]
     return "cache", header, rows, columns, notes, lambda path: plot_cache(rows, header, path)
 
 
@@ -96,11 +106,17 @@ def _cache_notes(f: dict, d: int) -> list[str]:
             bits.append(f"large-cache slope {g['large_slope']:+.2f} for d^2 <= M <= 4d^2")
         if g["fa2_slope"] is not None:
             bits.append(f"FA2-order slope {g['fa2_slope']:+.2f} for d^2 <= M <= 16d^2")
-        cross = g["crossover_M"]
-        if cross is not None:
-            bits.append(f"large-cache moves no more than small-cache from M = {cross:,} ({cross / d / d:.3g} d^2)")
         if bits:
             out.append(f"{src}: " + "; ".join(bits) + " (log-log slopes include the M-independent parts)")
+    fs = f["executor_fwd_small_m_dependent_slope"]
+    if fs is not None:
+        out.append(f"forward: executor small-cache forward less its M-independent 3n^2+3nd+n words: slope {fs:+.2f} "
+                   f"for M < d^2 (Saha & Ye: -0.5)")
+    ks = f["kernel_fwd_small_tiled_slope"]
+    if ks is not None:
+        out.append(f"forward: small-cache forward kernel (model), tiled-product reads at M = "
+                   f"{', '.join(f'{M:,}' for M in f['kernel_fwd_small_tile_Ms'])} (M = 4B^2 < d^2): slope {ks:+.3f}; "
+                   f"total {f['kernel_fwd_small_total_slope']:+.3f}")
     same, runs = f["executor_runs"]
     if runs:
         out.append(f"executor run (two-level memory, float64) == closed form exactly at {same} "
@@ -108,13 +124,11 @@ def _cache_notes(f: dict, d: int) -> list[str]:
     same, pairs = f["kernel_counts"]
     if pairs:
         out.append(f"kernels counted (COUNT_IO, Triton interpreter) == traffic model exactly at {same} of "
-                   f"{pairs} (kernel, M) points at --count-n")
+                   f"{pairs} (kernel, M) points at --count-n (backward kernels and the small-cache forward)")
     return out
 
 
 def plot_cache(rows, header, path) -> None:
-    from sparse_io_attn.dense.figure1 import crossover
-
     plt = C.pyplot()
     n, d, cn = header["n"], header["d"], header["count_n"]
     has_counted = any(r.get("kernel_small_counted_at_count_n") for r in rows)
@@ -131,19 +145,24 @@ def plot_cache(rows, header, path) -> None:
     ax.plot(M, [r["bound_large_cache"] for r in rows], color="0.3", ls="--", lw=1, label="bound (n²d²+nd³)/M")
     ax.plot(M, [r["bound_small_cache"] for r in rows], color="0.3", ls=":", lw=1.2, label="bound (n²d+nd²)/√M")
     ax.plot(M, [r["compulsory"] for r in rows], color="0.6", ls="-.", lw=1, label="compulsory (8nd+n)")
+    _line(ax, M, rows, "executor_fwd_small", "tab:orange", "--", None, "forward, executor: small-cache (Saha & Ye)")
+    _line(ax, M, rows, "kernel_fwd_small_predicted", "tab:orange", "none", "s", "forward, kernel (model): small-cache")
+    _line(ax, M, rows, "kernel_fwd_large_predicted", "tab:cyan", "none", "s", "forward, kernel (model): large-cache")
+    ax.plot(M, [r["bound_fwd"] for r in rows], color="tab:orange", ls=":", lw=1, label="forward bound (Saha & Ye)")
     ax.axvline(d * d, color="k", lw=0.8)
     ax.text(d * d, 0.98, " M = d² (bound crossover)", fontsize=8, va="top", transform=ax.get_xaxis_transform())
-    cross = crossover(rows, "kernel_small_predicted", "kernel_large_faithful_predicted") or \
-        crossover(rows, "executor_small", "executor_large_faithful")
-    if cross:
-        ax.axvline(cross, color="tab:purple", lw=0.8, ls="--")
-        ax.text(cross, 0.93, f" kernels cross (model)\n M={cross:,}", fontsize=8, color="tab:purple",
-                va="top", transform=ax.get_xaxis_transform())
+    for key, label, color, y in (("crossing_executor_faithful_M", "Alg 9 < Alg 6 from", "tab:purple", 0.93),
+                                 ("crossing_kernel_fa2_M", "FA2 kernel < small from", "tab:green", 0.83)):
+        cross = header.get(key)
+        if cross:
+            ax.axvline(cross, color=color, lw=0.8, ls="--")
+            ax.text(cross, y, f" {label}\n M={cross:,} (bisection)", fontsize=7, color=color, va="top",
+                    transform=ax.get_xaxis_transform())
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("fast memory M (words)")
-    ax.set_ylabel("backward I/O (words)")
-    ax.set_title(f"Figure 1 reproduction: n={n}, d={d}", fontsize=10)
+    ax.set_ylabel("I/O (words): backward; forward in orange/cyan")
+    ax.set_title(f"Figure 1 reproduction: n={n}, d={d} (backward, and forward of Table 1)", fontsize=10)
     ax.legend(fontsize=7, loc="lower left", ncol=2, framealpha=0.9)
     ax.grid(True, which="both", alpha=0.25)
     if has_counted:
@@ -152,11 +171,15 @@ def plot_cache(rows, header, path) -> None:
             _line(ax2, M, rows, f"kernel_{key}_predicted_at_count_n", c, "-", None, f"kernel model: {labels[key]}")
             _line(ax2, M, rows, f"kernel_{key}_counted_at_count_n", c, "none", "x", f"kernel counted: {labels[key]}")
             _line(ax2, M, rows, f"executor_{key}_run_at_count_n", c, ":", "+", f"executor run: {labels[key]}")
+        _line(ax2, M, rows, "kernel_fwd_small_predicted_at_count_n", "tab:orange", "--", None,
+              "kernel model: small-cache forward")
+        _line(ax2, M, rows, "kernel_fwd_small_counted_at_count_n", "tab:orange", "none", "x",
+              "kernel counted: small-cache forward")
         ax2.axvline(d * d, color="k", lw=0.8)
         ax2.set_xscale("log", base=2)
         ax2.set_yscale("log")
         ax2.set_xlabel("fast memory M (words)")
-        ax2.set_ylabel("backward traffic (words)")
+        ax2.set_ylabel("traffic (words): backward; forward in orange")
         ax2.set_title(f"n={cn}, d={d}: kernels counted (interpreter) vs model; executor run", fontsize=10)
         ax2.legend(fontsize=7, loc="upper right", framealpha=0.9)
         ax2.grid(True, which="both", alpha=0.25)
@@ -172,10 +195,11 @@ def _line(ax, M, rows, key, color, ls, marker, label):
 
 # ============================================================================== dim
 DIM_DOC = """Threshold sweep over d (default 64, 128, 256) at a device's fast memory M: for each d,
-the regime M vs d^2, the bound, and the small-cache and large-cache kernels' traffic (model; next
-to it the executor's closed forms, which also cover the M the kernels cannot tile) at the device's
-M and over M/d^2 from 1/8 to 8, showing where the small-cache algorithm stops paying. On a CPU no
-timings are taken."""
+the paper's regime M vs d^2, the bound, and the small-cache and large-cache kernels' traffic (model;
+next to it the executor's closed forms, which also cover the M the kernels cannot tile) at the
+device's M and over M/d^2 from 1/8 to 8, showing where the small-cache algorithm stops paying; the
+kernel dense.backward(regime="auto") runs there (fewest predicted bytes among the kernels that fit);
+and the crossings, by bisection on the model. On a CPU no timings are taken."""
 
 
 def add_dim_args(p) -> None:
@@ -201,6 +225,7 @@ def run_dim(args):
     # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
     from sparse_io_attn.dense import figure1
 
+    header["units"] = "words; small/large columns: dX path (fp32 bytes / 4); auto: all five gradients"
     with C.progress(len(dims) * (len(figure1.THRESHOLD_GRID) + 1), "sweep dim", enabled=not args.no_progress) as bar:
         rows = figure1.threshold_rows(n, dims, M_dev, progress=bar.update)
     notes = []
@@ -216,12 +241,18 @@ def run_dim(args):
             parts.append(f"{src}: small-cache moves less at M/d^2 {', '.join(f'{x:.3g}' for x in wins)} of {span}"
                          if wins else f"{src}: small-cache never moves less over {span}")
         notes.append(f"d={d}: device M/d^2 = {dev['M_over_d2']:.3g} ({dev['regime']} cache); cheaper there: "
-                     f"{dev['cheaper']} ({dev['source']}, small/large = {dev['small_over_large'] or float('nan'):.3g}); "
-                     + "; ".join(parts))
-    columns = [("d", "d"), ("M", "M words"), ("M_over_d2", "M/d^2"), ("regime", "regime"), ("bound", "bound"),
+                     f"{dev['cheaper']} ({dev['source']}, dX path, small/large = "
+                     f"{dev['small_over_large'] or float('nan'):.3g}); " + "; ".join(parts))
+        if dev.get("auto_summary"):
+            notes.append(f"d={d}: dense.backward(regime='auto') at the device's M (all five gradients): "
+                         f"{dev['auto_summary']}")
+        cross = figure1.crossings(n, d)
+        notes += [f"d={d}: {line}" for line in figure1.crossing_lines(cross, d)]
+    columns = [("d", "d"), ("M", "M words"), ("M_over_d2", "M/d^2"), ("regime", "paper regime"), ("bound", "bound"),
                ("kernel_small", "small (pred)"), ("kernel_large_faithful", "large (pred)"),
                ("kernel_large_fa2", "FA2 order (pred)"), ("small_over_large", "small/large"),
-               ("large_variant", "vs"), ("cheaper", "cheaper"), ("source", "source")]
+               ("large_variant", "vs"), ("cheaper", "cheaper"), ("source", "source"),
+               ("auto_label", "auto runs (all grads)"), ("auto_ratio", "x fewer B")]
     table_rows = [r for r in rows if r["at_device_M"]]
     return "dim", header, rows, columns, notes, lambda path: plot_dim(rows, header, path), table_rows
 
@@ -289,18 +320,51 @@ def run_sparsity(args):
         rows = stress.sparsity_sweep(args.seq_len, args.head_dim, densities=densities, axes=tuple(axes),
                                      block_n=args.block_n, block_d=args.block_d, count=args.count,
                                      progress=lambda r: bar.update(note=f"{r['axis']} {r['density']}"))
-    notes = []
-    for axis in axes:
-        pts = [r for r in rows if r["axis"] == axis]
-        lo, hi = min(pts, key=lambda r: r["density"]), max(pts, key=lambda r: r["density"])
-        notes.append(f"{axis}: backward traffic / bound {lo['bwd_ratio']:.3g} at density {lo['density']:g} -> "
-                     f"{hi['bwd_ratio']:.3g} at {hi['density']:g}; forward {lo['fwd_ratio']:.3g} -> {hi['fwd_ratio']:.3g}"
-                     f" (binding term {lo['binding']} -> {hi['binding']})")
-    notes.append(f"traffic source: {rows[0]['source'] if rows else '-'}; words = matrix elements moved, index bytes "
-                 f"excluded; bound = Theorem 4.5 with unit constants")
+    notes = sparsity_findings(rows)
     columns = [(k, k) for k in ("axis", "density", "Z_A", "Z_X", "Z_AX", "Z_AXA", "M_words", "bound_words",
                                 "binding", "fwd_words", "bwd_words", "fwd_ratio", "bwd_ratio", "total_ratio_floor")]
     return "sparsity", header, rows, columns, notes, lambda path: plot_sparsity(rows, header, path)
+
+
+def lemma_f2_kept_term(r: dict) -> float:
+    """``(Z_AX + Z_A)^2 / M``: the large-cache bound of the product (A1 X) A2^T that the proof of
+    Lemma F.2 has before it drops nnz(A1 X) (Lemma F.1 with R1 = nnz(A1 X) + nnz(A2) >= Z_AX + Z_A)."""
+    return (r["Z_AX"] + r["Z_A"]) ** 2 / r["M_words"]
+
+
+def sparsity_findings(rows) -> list[str]:
+    """The stress test in words, leading with traffic / max(compulsory, bound) (the library's floor),
+    per axis from the sparsest to the densest point; for the sparsest A1/A2 point, the two causes of
+    its large traffic / bound ratio: the unit-constant bound falls below the compulsory traffic
+    (reading the operands once), and the proof of Lemma F.2 drops nnz(A1 X)."""
+    out = []
+    for n in sorted({r.get("n") for r in rows}, key=lambda x: -(x or 0)):
+        for axis in dict.fromkeys(r["axis"] for r in rows):
+            pts = sorted((r for r in rows if r["axis"] == axis and r.get("n") == n), key=lambda r: r["density"])
+            if not pts:
+                continue
+            lo, hi = pts[0], pts[-1]
+            at = f"n={n}, " if n is not None else ""
+            out.append(f"{at}{axis}: (fwd + bwd) / max(compulsory, bound) {lo['total_ratio_floor']:.3g} at density "
+                       f"{lo['density']:g} -> {hi['total_ratio_floor']:.3g} at {hi['density']:g} (floor set by "
+                       f"{'compulsory' if lo['compulsory_words'] >= lo['bound_words'] else 'bound'} -> "
+                       f"{'compulsory' if hi['compulsory_words'] >= hi['bound_words'] else 'bound'}); per pass "
+                       f"against the bound alone: backward {lo['bwd_ratio']:.3g} -> {hi['bwd_ratio']:.3g}, forward "
+                       f"{lo['fwd_ratio']:.3g} -> {hi['fwd_ratio']:.3g} (binding term {lo['binding']} -> {hi['binding']})")
+            if axis == "A":
+                kept = lemma_f2_kept_term(lo)
+                out.append(
+                    f"{at}A at density {lo['density']:g}, why traffic / bound reaches {lo['fwd_ratio']:.3g} (fwd) and "
+                    f"{lo['bwd_ratio']:.3g} (bwd): (1) Z_A = {lo['Z_A']:,} {'<' if lo['Z_A'] < lo['M_words'] else '>='} "
+                    f"M = {lo['M_words']:,}, so (Z_A^2 + Z_A Z_X)/M = {lo['bound_words']:,.0f} words falls below even "
+                    f"reading the operands once (Z_A + Z_X = {lo['Z_A'] + lo['Z_X']:,} words; the compulsory traffic, "
+                    f"operands read once and output written once, is {lo['compulsory_words']:,} words, "
+                    f"{lo['compulsory_words'] / lo['bound_words']:.3g}x the bound); against max(compulsory, bound) "
+                    f"the ratio is {lo['total_ratio_floor']:.3g}; (2) the proof of Lemma F.2 drops nnz(A1 X): keeping "
+                    f"(Z_AX + Z_A)^2/M = {kept:,.0f} words would raise the bound {kept / lo['bound_words']:.3g}x there")
+    out.append(f"traffic source: {rows[0]['source'] if rows else '-'}; words = matrix elements moved, index bytes "
+               f"excluded; bound = Theorem 4.5 with unit constants; floor = max(compulsory, bound)")
+    return out
 
 
 def _density(text: str) -> float:

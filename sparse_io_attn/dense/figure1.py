@@ -32,6 +32,20 @@ traffic the bounds are about:
 * :func:`reread_bytes`: bytes read beyond one pass over each tensor per kernel (the re-reads a larger
   ``M`` saves), used for the large-cache kernels.
 
+Crossings (:func:`kernel_crossing`, :func:`executor_crossing`, :func:`crossings`): the smallest ``M``
+from which a large-cache backward moves no more than the small-cache one, by bisection on the exact
+model over integer ``M`` -- for the kernels with the tiles they can run (``>= 16``, powers of two;
+a kernel that cannot tile ``M`` does not win there), for the algorithms as the paper writes them
+(executor closed forms, any integer tile), and, for the record, for the FA2 schedule with tiles
+below 16 (``min_block=1``, a model-only extension the kernels cannot run). Bisection assumes one
+crossing; each result says whether a geometric grid (kernels) or every integer ``M`` (closed
+forms) agrees, and the closed forms also give the ``M`` from which the large-cache algorithm wins
+at every integer ``M`` up to ``4d^2`` (``always_from_M``).
+
+Forward (Table 1, Saha & Ye): :func:`cache_rows` also carries the small-cache forward (executor
+closed form and kernel model) and the large-cache forward (kernel model), and
+:func:`cache_findings` their ``M^(-1/2)`` slope.
+
 The ``sweep cache`` / ``sweep dim`` tables (:func:`cache_rows`, :func:`cache_findings`,
 :func:`threshold_rows`, :func:`threshold_findings`) put all three sources side by side in words
 (kernel fp32 bytes / 4, ``g`` path). The executor report (:func:`executor_table`,
@@ -46,9 +60,10 @@ import torch
 
 from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.accounting.report import TrafficReport
-from sparse_io_attn.bounds import dense_backward
+from sparse_io_attn.bounds import dense_backward, dense_forward
 from sparse_io_attn.bounds.pebble import (large_cache_io, large_cache_peak, run_large_cache, run_small_cache,
-                                          small_cache_io, small_cache_m_independent)
+                                          small_cache_io, small_cache_m_independent,
+                                          small_forward_io, small_forward_m_independent)
 from sparse_io_attn.bounds.slopes import loglog_slope
 from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.dense.forward import forward
@@ -56,8 +71,10 @@ from sparse_io_attn.dense.large_cache import G_PATH as LARGE_G_PATH
 from sparse_io_attn.dense.large_cache import backward_large_cache
 from sparse_io_attn.dense.small_cache import G_PATH as SMALL_G_PATH
 from sparse_io_attn.dense.small_cache import backward_small_cache
-from sparse_io_attn.dense.tiling import small_cache_block
-from sparse_io_attn.dense.traffic import large_cache_traffic, small_cache_traffic
+from sparse_io_attn.dense.regime import choose_backward
+from sparse_io_attn.dense.tiling import min_large_cache_M, small_cache_block
+from sparse_io_attn.dense.traffic import (large_cache_traffic, large_forward_traffic, small_cache_traffic,
+                                          small_forward_traffic)
 
 #: Algorithm 6 (small cache); Algorithm 9 as written; Algorithm 9 in FlashAttention-2 loop order
 KINDS = ("small", "large_faithful", "large_fa2")
@@ -179,12 +196,12 @@ def sweep(n: int, d: int, Ms, dtype=torch.float32) -> list[dict]:
 
 
 def summarize(n: int, d: int, dtype=torch.float32) -> dict:
-    """The Figure-1 numbers: slopes, the faithful kernel's plateau, and the small/fa2 crossing.
+    """The Figure-1 numbers: slopes, the faithful kernel's plateau, and the crossings.
 
-    * small: ``M = 4 B^2`` for ``B = 16, 32, ...`` below ``d^2`` (one point per tile size).
+    * small: ``M = 4 B^2`` for ``B = 16, 32, ...`` below ``d^2`` (one point per tile size); the same
+      points give the small-cache forward's slopes (``fwd_small_tiled_slope``, ``fwd_small_total_slope``).
     * large (faithful, fa2): powers of two from the smallest ``M`` that runs up to ``n d``.
-    * crossing: the smallest ``M`` (grid ``2^(k/4)``) at which ``fa2_model`` (g path) moves no more
-      bytes than ``small`` (g path).
+    * ``crossings``: :func:`crossings` (bisection on the model, kernels and algorithms).
     """
     d2 = d * d
     small_Ms = [4 * b * b for b in (16, 32, 64, 128, 256, 512, 1024) if 4 * b * b < d2]
@@ -216,16 +233,160 @@ def summarize(n: int, d: int, dtype=torch.float32) -> dict:
         plateau = [M for M in Ms if M > falling[-1]] if falling else []
         out[f"{name}_plateau_from_M"] = falling[-1] if plateau else None
         out[f"{name}_plateau_bytes"] = rows[falling[-1]][f"{name}_g"] if plateau else None
-    fine = sorted({int(round(2 ** (k / 4))) for k in range(40, int(4 * math.log2(top)) + 1)})
-    fine_rows = sweep(n, d, fine, dtype)
-    cross = crossover(fine_rows, "small_g", "fa2_model_g")
-    out["crossing_M"] = cross
-    out["crossing_over_d2"] = cross / d2 if cross else None
-    out["small_wins_below"] = all(r["small_g"] < r["fa2_model_g"] for r in fine_rows
-                                  if r["fa2_model_g"] is not None and r["small_g"] is not None
-                                  and cross is not None and r["M"] < cross)
+    out["crossings"] = crossings(n, d, dtype)
+    fwd_Ms = [M for M in small_Ms]
+    fwd = [small_forward_tiled_reads(small_forward_traffic(n, d, M, dtype=dtype)) for M in fwd_Ms]
+    out["fwd_small_tiled_slope"] = loglog_slope(fwd_Ms, fwd)
+    out["fwd_small_total_slope"] = loglog_slope(fwd_Ms, [small_forward_traffic(n, d, M, dtype=dtype).total_bytes
+                                                         for M in fwd_Ms])
     out["rows"] = [rows[M] for M in sorted(rows)]
     return out
+
+
+# ============================================================================== crossings
+def bisect_crossing(pred, lo: int, hi: int) -> int | None:
+    """The integer ``M`` in ``[lo, hi]`` at which ``pred`` turns true, by bisection: ``None`` if
+    not ``pred(hi)``; otherwise the bracket is found by halving down from ``hi`` to the first ``M``
+    where ``pred`` fails (``lo`` if it holds all the way), then bisected. With one crossing this is
+    the smallest ``M`` where ``pred`` holds; with several, the uppermost one."""
+    if not pred(hi):
+        return None
+    top = hi
+    while True:
+        below = max(lo, top // 2)
+        if below == top:          # pred holds down to lo
+            return lo
+        if not pred(below):
+            break
+        top = below
+    lo, hi = below, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if pred(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _kernel_total(kind: str, n, d, M, dtype, g_only, min_block):
+    rep = kernel_traffic(kind, n, d, M, dtype, g_only=g_only, min_block=None if kind == "small" else min_block)
+    return None if rep is None else rep.total_bytes
+
+
+def kernel_crossing(n: int, d: int, variant: str, dtype=torch.float32, *, g_only: bool = False,
+                    min_block: int = 16, lo: int = 1024, hi: int | None = None) -> dict:
+    """Where the large-cache kernels (``variant``) start moving no more bytes than the small-cache
+    kernels (model, ``g_only``: the dX path, else all five gradients), by bisection over integer
+    ``M`` in ``[lo, hi]`` (default ``hi = 16 d^2``). A kernel that cannot tile ``M`` does not win.
+    ``min_block=16``: the tiles the kernels can run; ``1``: the model-only extension.
+
+    Returns ``M``, ``over_d2``, ``min_feasible_M`` (smallest ``M`` the large-cache kernels run at;
+    ``None`` for the extension), ``grid_agrees`` (the predicate flips once on a 2^(1/8) grid) and the
+    parameters."""
+    hi = 16 * d * d if hi is None else hi
+    kind = f"large_{variant}"
+
+    def pred(M):
+        large = _kernel_total(kind, n, d, M, dtype, g_only, min_block)
+        small = _kernel_total("small", n, d, M, dtype, g_only, min_block)
+        return large is not None and small is not None and large <= small
+
+    M = bisect_crossing(pred, lo, hi)
+    grid = sorted({int(round(lo * 2 ** (k / 8))) for k in range(int(8 * math.log2(hi / lo)) + 1)})
+    agrees = M is not None and all(pred(x) == (x >= M) for x in grid)
+    return {"M": M, "over_d2": None if M is None else M / (d * d), "variant": variant, "g_only": g_only,
+            "min_block": min_block, "min_feasible_M": min_large_cache_M(d, variant) if min_block == 16 else None,
+            "grid_agrees": agrees, "n": n, "d": d}
+
+
+def executor_crossing(n: int, d: int, variant: str) -> dict:
+    """Algorithm 6 against Algorithm 9 (``variant``: as written, or the FA2 order) on the executor's
+    closed forms (words): ``M`` by bisection over ``[d^2/64, 4d^2]``, and ``always_from_M``, the
+    smallest ``M`` from which Algorithm 9 moves no more words at *every* integer ``M`` up to ``4d^2``
+    (the predicate is not monotone: Algorithm 9's blocks of ``ceil(M/4d)`` rows and Algorithm 6's
+    ``floor(sqrt(M/4))`` change at different ``M``), with ``flips`` counting the integer ``M`` below
+    it where Algorithm 9 still wins."""
+    d2 = d * d
+    lo, hi = max(4, d2 // 64), 4 * d2
+
+    def pred(M):
+        return large_cache_io(n, d, M, variant) <= small_cache_io(n, d, M)
+
+    M = bisect_crossing(pred, lo, hi)
+    bad = [x for x in range(lo, hi + 1) if not pred(x)]
+    always = bad[-1] + 1 if bad else lo
+    flips = sum(1 for x in range(lo, always) if pred(x))
+    return {"M": M, "over_d2": None if M is None else M / d2, "always_from_M": always,
+            "always_from_over_d2": always / d2, "flips_below": flips, "variant": variant, "n": n, "d": d}
+
+
+def crossings(n: int, d: int, dtype=torch.float32) -> dict:
+    """Every crossing of :func:`kernel_crossing` / :func:`executor_crossing` at ``(n, d)``:
+    ``executor_<variant>``, ``kernel_<variant>`` (all gradients), ``kernel_<variant>_g`` (dX path)
+    and ``model_fa2_g_min_block_1`` (FA2 schedule with tiles below 16, dX path: the comparison behind
+    the library's earlier "0.354 d^2", which came from a 2^(1/4) grid)."""
+    out = {}
+    for v in ("faithful", "fa2"):
+        out[f"executor_{v}"] = executor_crossing(n, d, v)
+        out[f"kernel_{v}"] = kernel_crossing(n, d, v, dtype)
+        out[f"kernel_{v}_g"] = kernel_crossing(n, d, v, dtype, g_only=True)
+    out["model_fa2_g_min_block_1"] = kernel_crossing(n, d, "fa2", dtype, g_only=True, min_block=1)
+    return out
+
+
+def crossing_lines(c: dict, d: int) -> list[str]:
+    """:func:`crossings` in words (one line per comparison)."""
+    f = lambda x: "never up to 16 d^2" if x is None else f"{x:,} ({x / d / d:.3f} d^2)"  # noqa: E731
+    lines = []
+    for v, name in (("faithful", "as written"), ("fa2", "FA2 order")):
+        e = c[f"executor_{v}"]
+        lines.append(f"algorithms (executor closed forms, words): Alg 9 {name} moves no more than Alg 6 from M = "
+                     f"{f(e['M'])} by bisection; at every integer M from {f(e['always_from_M'])} on "
+                     f"({e['flips_below']} integer M below that where it already does)")
+    for v, name in (("faithful", "as written"), ("fa2", "FA2 order")):
+        k, g = c[f"kernel_{v}"], c[f"kernel_{v}_g"]
+        edge = k["min_feasible_M"]
+        lines.append(f"kernels (model, tiles >= 16): large-cache {name} moves no more than small-cache from M = "
+                     f"{f(k['M'])} (all gradients) / {f(g['M'])} (dX path); it runs from M = {f(edge)}"
+                     + ("" if k["grid_agrees"] and g["grid_agrees"] else " (not a single crossing on the grid)"))
+    x = c["model_fa2_g_min_block_1"]
+    lines.append(f"model only, FA2 schedule with tiles below 16 (the kernels cannot run them), dX path: "
+                 f"crossing at M = {f(x['M'])}")
+    return lines
+
+
+# ============================================================================== forward
+def kernel_forward_traffic(kind: str, n: int, d: int, M: int, dtype=torch.float32) -> TrafficReport | None:
+    """The forward's traffic model: ``kind`` ``"small"`` (small-cache forward) or ``"large"``
+    (FlashAttention order, tiles fitted to ``M``); ``None`` where it cannot tile ``M``."""
+    try:
+        if kind == "small":
+            return small_forward_traffic(n, d, M, dtype=dtype)
+        return large_forward_traffic(n, d, M, dtype=dtype, fit=True)
+    except ValueError:
+        return None
+
+
+def small_forward_tiled_reads(report: TrafficReport) -> int:
+    """The small-cache forward's traffic less its ``M``-independent part (every write and the
+    element-wise sweep over ``f`` in ``fwd.small.f``): the operand reads of the tiled products,
+    which fall as ``1/B ~ M^(-1/2)``."""
+    return sum(b for kt in report.kernels.values() for t, b in kt.reads.items()
+               if not (kt.name == "fwd.small.f" and t == "f"))
+
+
+def kernel_forward_counted_bytes(n: int, d: int, M: int, regime: str = "small") -> int | None:
+    """Bytes :func:`~sparse_io_attn.dense.forward` counts (``COUNT_IO``) with ``regime`` on fp32
+    random inputs (Triton's interpreter on a CPU); ``None`` where it cannot tile ``M``."""
+    g = torch.Generator().manual_seed(0)
+    A1, A2, A3 = (torch.randn(n, d, generator=g) for _ in range(3))
+    X, Y = (torch.randn(d, d, generator=g) / d for _ in range(2))
+    if kernel_forward_traffic(regime, n, d, M) is None:
+        return None
+    with IOCounter() as io:
+        forward(A1, A2, A3, X, Y, M=M, regime=regime)
+    return io.report.total_bytes
 
 
 # ============================================================================== executor
@@ -377,6 +538,12 @@ def cache_rows(n: int, d: int, Ms, *, count_n: int = 0, count_Ms=(), progress=No
     run against its closed form at ``n = count_n``) at every ``M``, and at ``count_Ms``
     ``kernel_<kind>_counted_at_count_n`` / ``..._predicted_at_count_n`` (:func:`kernel_counted_bytes`
     against the model); last ``executor_small_m_dependent`` (Algorithm 6 less ``9n^2+3nd+d^2``).
+
+    Forward (Table 1): ``bound_fwd`` (Saha & Ye, unit constants), ``executor_fwd_small`` (the
+    small-cache forward's closed form) and ``executor_fwd_small_m_dependent`` (less
+    ``3n^2+3nd+n``), ``kernel_fwd_small_predicted`` / ``kernel_fwd_large_predicted`` and
+    ``kernel_fwd_small_tiled_reads`` (model, words); at ``count_Ms``
+    ``kernel_fwd_small_counted_at_count_n`` / ``kernel_fwd_small_predicted_at_count_n``.
     ``None`` where an algorithm cannot run at ``M``. ``progress(note)`` is called after each step.
     """
     progress = progress or (lambda note: None)
@@ -390,6 +557,15 @@ def cache_rows(n: int, d: int, Ms, *, count_n: int = 0, count_Ms=(), progress=No
             row[f"executor_{kind}"] = executor_words(kind, n, d, M)
             kb = kernel_bytes(kind, n, d, M)
             row[f"kernel_{kind}_predicted"] = None if kb is None else kb / _WORD_BYTES
+        row["bound_fwd"] = dense_forward(n, d, M).value_words
+        row["executor_fwd_small"] = small_forward_io(n, d, M) if M >= 4 else None
+        row["executor_fwd_small_m_dependent"] = (None if row["executor_fwd_small"] is None else
+                                                 row["executor_fwd_small"] - small_forward_m_independent(n, d))
+        for kind in ("small", "large"):
+            rep = kernel_forward_traffic(kind, n, d, M)
+            row[f"kernel_fwd_{kind}_predicted"] = None if rep is None else rep.total_bytes / _WORD_BYTES
+            if kind == "small":
+                row["kernel_fwd_small_tiled_reads"] = None if rep is None else small_forward_tiled_reads(rep) / _WORD_BYTES
         rows.append(row)
         progress(f"M={M}")
     for row in rows:
@@ -407,6 +583,10 @@ def cache_rows(n: int, d: int, Ms, *, count_n: int = 0, count_Ms=(), progress=No
             kc = None if kp is None else kernel_counted_bytes(kind, count_n, d, M)
             row[f"kernel_{kind}_counted_at_count_n"] = None if kc is None else kc / _WORD_BYTES
             row[f"kernel_{kind}_predicted_at_count_n"] = None if kp is None else kp / _WORD_BYTES
+        fp = kernel_forward_traffic("small", count_n, d, M)
+        fc = None if fp is None else kernel_forward_counted_bytes(count_n, d, M, "small")
+        row["kernel_fwd_small_counted_at_count_n"] = None if fc is None else fc / _WORD_BYTES
+        row["kernel_fwd_small_predicted_at_count_n"] = None if fp is None else fp.total_bytes / _WORD_BYTES
         progress(f"counted M={M}")
     fixed = small_cache_m_independent(n, d)
     for r in rows:
@@ -437,11 +617,15 @@ def cache_findings(rows) -> dict:
 
     * ``executor_small_m_dependent_slope``: Algorithm 6 less its ``M``-independent part, ``M < d^2``.
     * ``executor`` / ``kernel``: ``small_slope`` (``M < d^2``), ``large_slope`` (``d^2 <= M <= 4d^2``),
-      ``fa2_slope`` (``d^2 <= M <= 16d^2``), all including the ``M``-independent parts, and
-      ``crossover_M``: the smallest ``M`` from which the written large-cache algorithm moves no more
-      than the small-cache one.
+      ``fa2_slope`` (``d^2 <= M <= 16d^2``), all including the ``M``-independent parts. (The
+      crossings are not read off this grid: :func:`crossings` bisects the model.)
+    * forward: ``executor_fwd_small_m_dependent_slope`` (``M < d^2``, the closed form less its
+      ``M``-independent part), ``kernel_fwd_small_tiled_slope`` (the kernel model's tiled-product
+      reads at the grid's ``M = 4B^2``, one per tile size ``B``, ``M < d^2``) and
+      ``kernel_fwd_small_total_slope`` (its total there).
     * ``executor_runs`` / ``kernel_counts``: ``(equal, compared)`` points where the executor run
-      equals its closed form / the kernels' counters equal the model, at ``count_n``.
+      equals its closed form / the kernels' counters equal the model, at ``count_n`` (backward and
+      forward kernels).
     """
     below = 1 - 1e-9
     out = {"executor_small_m_dependent_slope": slope_between(rows, "executor_small_m_dependent", 0, below)}
@@ -450,13 +634,22 @@ def cache_findings(rows) -> dict:
         small, faithful, fa2 = (f"{src}_{kind}{suffix}" for kind in KINDS)
         out[src] = {"small_slope": slope_between(rows, small, 0, below),
                     "large_slope": slope_between(rows, faithful, 1, 4),
-                    "fa2_slope": slope_between(rows, fa2, 1, 16),
-                    "crossover_M": crossover(rows, small, faithful)}
+                    "fa2_slope": slope_between(rows, fa2, 1, 16)}
+    out["executor_fwd_small_m_dependent_slope"] = slope_between(rows, "executor_fwd_small_m_dependent", 0, below)
+    tile_pts = [r for r in rows if r.get("kernel_fwd_small_tiled_reads") and r["M_over_d2"] < 1
+                and r["M"] == 4 * small_cache_block(r["M"]) ** 2]
+    out["kernel_fwd_small_tile_Ms"] = [r["M"] for r in tile_pts]
+    out["kernel_fwd_small_tiled_slope"] = (loglog_slope([r["M"] for r in tile_pts],
+                                                        [r["kernel_fwd_small_tiled_reads"] for r in tile_pts])
+                                           if len(tile_pts) >= 2 else None)
+    out["kernel_fwd_small_total_slope"] = (loglog_slope([r["M"] for r in tile_pts],
+                                                        [r["kernel_fwd_small_predicted"] for r in tile_pts])
+                                           if len(tile_pts) >= 2 else None)
     runs = [(r[f"executor_{k}_run_at_count_n"], r[f"executor_{k}_closed_form_at_count_n"]) for r in rows
             for k in KINDS if r.get(f"executor_{k}_run_at_count_n") is not None]
     out["executor_runs"] = (sum(a == b for a, b in runs), len(runs))
     pairs = [(r[f"kernel_{k}_counted_at_count_n"], r[f"kernel_{k}_predicted_at_count_n"]) for r in rows
-             for k in KINDS if r.get(f"kernel_{k}_counted_at_count_n") is not None]
+             for k in KINDS + ("fwd_small",) if r.get(f"kernel_{k}_counted_at_count_n") is not None]
     out["kernel_counts"] = (sum(c == p for c, p in pairs), len(pairs))
     return out
 
@@ -469,7 +662,11 @@ def threshold_rows(n: int, dims, device_M: int, progress=None) -> list[dict]:
     """The rows of ``sparse-io-attn sweep dim``: for each ``d``, ``M/d^2`` over :data:`THRESHOLD_GRID`
     and then the device's ``M`` (``at_device_M``), with the regime, Theorem 1.1 (unit
     constants), ``kernel_<kind>`` (traffic model, fp32 bytes / 4) and ``executor_<kind>`` (closed
-    forms), and :func:`compare_small_large`'s columns. ``progress()`` is called after each row."""
+    forms), :func:`compare_small_large`'s columns, and what ``dense.backward(regime="auto")`` runs
+    there (:func:`~.regime.choose_backward` on the full backward, fp32, forward outputs given):
+    ``auto_kernel``, ``auto_label``, ``auto_bytes`` and ``auto_ratio`` (bytes of the best kernel of
+    the other family, or of the paper's regime when auto left it, over the chosen kernel's).
+    ``progress()`` is called after each row."""
     progress = progress or (lambda: None)
     rows = []
     for d in dims:
@@ -482,6 +679,15 @@ def threshold_rows(n: int, dims, device_M: int, progress=None) -> list[dict]:
                 row[f"kernel_{kind}"] = None if kb is None else kb / _WORD_BYTES
                 row[f"executor_{kind}"] = executor_words(kind, n, d, M)
             compare_small_large(row)
+            try:
+                c = choose_backward(n, d, M, dtype=torch.float32)
+                other = c.compared_with()
+                row.update(paper_regime=c.paper_regime, auto_kernel=c.kernel, auto_label=c.label,
+                           auto_bytes=c.predicted_bytes, auto_summary=c.summary(),
+                           auto_ratio=None if other is None else c.candidates[other]["bytes"] / c.predicted_bytes)
+            except ValueError:  # no kernel tiles M
+                row.update(paper_regime="small" if M < d * d else "large", auto_kernel=None, auto_label=None,
+                           auto_bytes=None, auto_summary=None, auto_ratio=None)
             rows.append(row)
             progress()
     return rows

@@ -10,7 +10,8 @@ most three tiles and two length-``BLOCK`` vectors (see :mod:`.tiling`).
   computes the score tiles ``A[i, j] = scale * S[i, :] A2[j, :]^T``, writes them to ``f``, then reads
   them back and writes ``f[i, j] = exp(A[i, j] - m_i) / l_i``. It keeps the running row maximum
   ``m_i`` beside the paper's row sum ``l_i`` (numerically safe softmax; the paper's ``exp`` without
-  the maximum overflows).
+  the maximum overflows). With ``WRITE_LSE`` (the small-cache forward) it also writes
+  ``lse_i = m_i + log(l_i)`` (fp32, natural log), the statistic the large-cache backward reads.
 * :func:`_phase3_kernel`: Algorithm 4, ``p = f o q - diag((f o q) 1) f`` in two sweeps over a row
   block (the row sums ``v_i`` first, then ``p``).
 
@@ -26,11 +27,13 @@ import triton.language as tl
 
 from sparse_io_attn.dense.kernels_common import MATMUL_A, MATMUL_B, MATMUL_C
 
-#: Counter roles of :func:`_softmax_kernel`: ``s``, ``a2`` read; ``f`` written twice and read once.
-SOFTMAX_ROLES = ("s", "a2", "f")
+#: Counter roles of :func:`_softmax_kernel`: ``s``, ``a2`` read; ``f`` written twice and read once;
+#: ``lse`` written (``WRITE_LSE`` only: the backward's launch names the first three).
+SOFTMAX_ROLES = ("s", "a2", "f", "lse")
 SOFTMAX_S = slot(SOFTMAX_ROLES, "s")
 SOFTMAX_A2 = slot(SOFTMAX_ROLES, "a2")
 SOFTMAX_F = slot(SOFTMAX_ROLES, "f")
+SOFTMAX_LSE = slot(SOFTMAX_ROLES, "lse")
 
 #: Counter roles of :func:`_phase3_kernel`: ``f``, ``q`` read twice; ``p`` written.
 PHASE3_ROLES = ("f", "q", "p")
@@ -85,14 +88,15 @@ def _tile_matmul_kernel(
 
 @triton.jit
 def _softmax_kernel(
-    s_ptr, a2_ptr, f_ptr, io_ptr,
+    s_ptr, a2_ptr, f_ptr, lse_ptr, io_ptr,
     stride_sz, stride_sm, stride_sd,
     stride_kz, stride_kn, stride_kd,
     stride_fz, stride_fm, stride_fn,
     seqlen, head_dim, sm_scale,
-    BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, WRITE_LSE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    """Phase 1: ``f = softmax(scale * S A2^T)`` for one row block; counter roles :data:`SOFTMAX_ROLES`."""
+    """Phase 1: ``f = softmax(scale * S A2^T)`` for one row block (and ``lse`` with ``WRITE_LSE``,
+    contiguous fp32 ``[Z, n]``); counter roles :data:`SOFTMAX_ROLES`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -147,10 +151,14 @@ def _softmax_kernel(
         if COUNT_IO:
             rd_f += nbytes(mask_f, f_ptr)
             wr_f += nbytes(mask_f, f_ptr)
+    if WRITE_LSE:  # the forward's row statistic: lse_i = m_i + log(l_i)
+        tl.store(lse_ptr + off_z * seqlen + offs_m, m_safe + tl.log(l_i), mask=mask_m)
     if COUNT_IO:
         io_add(io_ptr, SOFTMAX_S, rd_s, 0)
         io_add(io_ptr, SOFTMAX_A2, rd_k, 0)
         io_add(io_ptr, SOFTMAX_F, rd_f, wr_f)
+        if WRITE_LSE:
+            io_add(io_ptr, SOFTMAX_LSE, 0, nbytes(mask_m, lse_ptr))
 
 
 @triton.jit

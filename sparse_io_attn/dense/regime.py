@@ -1,4 +1,24 @@
-"""Which backward to run: the paper's dividing point ``M = d^2`` (Theorem 1.1).
+"""Which kernel to run: the paper's regime (``M`` vs ``d^2``) and the kernel the exact traffic model
+says moves the fewest bytes.
+
+Two questions, two answers:
+
+* :func:`choose_regime` answers the paper's question: Theorem 1.1's dividing point, small-cache
+  algorithm iff ``M < d^2`` (the asymptotic split; :func:`sparse_io_attn.bounds.regime_for` answers
+  it per device).
+* :func:`choose_backward` / :func:`choose_forward` answer the library's question, which is what
+  ``regime="auto"`` runs: among the kernels that are *feasible* -- their tiles fit ``M`` words
+  (every kernel's declared working set, :mod:`.tiling`) and, for the small-cache kernels, their
+  ``n x n`` fp32 buffers fit the free device memory -- the one with the least predicted traffic
+  (:mod:`.traffic`, equal to the kernels' counters) for the actual ``(n, d, M, dtype)``. The
+  returned :class:`KernelChoice` carries the paper's regime, every candidate's predicted bytes and
+  a one-line summary such as ``"paper regime: small; kernel chosen: large-cache FA2 order, 1.7x
+  fewer bytes than small-cache"``.
+
+At realistic sizes the two disagree: with an H100's 227 KiB in fp32 at d = 256 (M = 0.89 d^2, the
+paper's small-cache regime) the FA2-order large-cache backward moves 1.7x fewer bytes than the
+small-cache one over all five gradients (2.0x on the dX path), whose ``n x n`` intermediates
+dominate (see ``docs/THEORY.md``).
 
 ``M`` is the fast memory per program in words of the input dtype. By default it is the current
 GPU's shared memory per block (:func:`sparse_io_attn.bounds.device_fast_memory_words`); without a
@@ -8,13 +28,28 @@ element size.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 
-from sparse_io_attn.bounds.units import itemsize
+from sparse_io_attn.bounds.units import dtype_name, itemsize
 from sparse_io_attn.dense.tiling import min_large_cache_M
 
 REGIMES = ("auto", "small", "large")
+
+#: Candidate kernels of each pass (keys of :attr:`KernelChoice.candidates`).
+BACKWARD_KERNELS = ("small", "large-faithful", "large-fa2")
+FORWARD_KERNELS = ("small", "large")
+
+LABELS = {
+    ("backward", "small"): "small-cache (Algorithm 6)",
+    ("backward", "large-faithful"): "large-cache as written (Algorithm 9)",
+    ("backward", "large-fa2"): "large-cache FA2 order",
+    ("forward", "small"): "small-cache forward (Saha & Ye)",
+    ("forward", "large"): "large-cache forward (FlashAttention order)",
+}
+_SHORT = {"small": "small-cache", "large-faithful": "large-cache as written", "large-fa2": "large-cache FA2 order",
+          "large": "large-cache"}
 
 
 def default_M(dtype: torch.dtype, device=None) -> int:
@@ -35,12 +70,13 @@ def _min_large(d: int, variant: str) -> int:
 
 
 def choose_regime(d: int, M: int, regime: str = "auto", variant: str = "faithful") -> str:
-    """``"small"`` or ``"large"``.
+    """The paper's answer, ``"small"`` or ``"large"`` (not what ``regime="auto"`` runs: that is
+    :func:`choose_backward`, by predicted bytes).
 
-    ``"auto"``: small-cache kernel when ``M < d^2``, large-cache kernel otherwise -- except when the
-    large-cache ``variant`` cannot fit its tiles (and, for ``"faithful"``, the resident ``d x d``
-    gradient) in ``M`` (``M < min_large_cache_M(d, variant)``, a small multiple of ``d^2`` for small
-    ``d``), where the small-cache kernel runs instead.
+    ``"auto"``: small-cache kernel when ``M < d^2`` (Theorem 1.1's dividing point), large-cache
+    kernel otherwise -- except when the large-cache ``variant`` cannot fit its tiles (and, for
+    ``"faithful"``, the resident ``d x d`` gradient) in ``M`` (``M < min_large_cache_M(d,
+    variant)``), where the small-cache kernel is the only one that runs.
     """
     if regime not in REGIMES:
         raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
@@ -49,3 +85,187 @@ def choose_regime(d: int, M: int, regime: str = "auto", variant: str = "faithful
     if M < d * d:
         return "small"
     return "large" if M >= _min_large(d, variant) else "small"
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """What ``regime="auto"`` (or a forced regime) runs for one pass, and why.
+
+    ``kernel``: a key of ``candidates`` (backward: ``"small"``, ``"large-faithful"``,
+    ``"large-fa2"``; forward: ``"small"``, ``"large"``). ``candidates[key]``: ``{"bytes": predicted
+    bytes or None, "feasible": bool, "why": reason when not feasible}``. ``paper_regime``:
+    ``"small"`` iff ``M < d^2``. ``forced``: the regime was given, not chosen.
+    """
+    pass_: str
+    n: int
+    d: int
+    M: int
+    dtype: str
+    batch: int
+    kernel: str
+    predicted_bytes: int | None
+    paper_regime: str
+    candidates: dict = field(default_factory=dict)
+    forced: bool = False
+    includes_forward: bool = False
+
+    @property
+    def regime(self) -> str:
+        """``"small"`` or ``"large"``: the family of the chosen kernel."""
+        return "small" if self.kernel == "small" else "large"
+
+    @property
+    def variant(self) -> str | None:
+        """The large-cache backward variant (``"faithful"``/``"fa2"``), else ``None``."""
+        return self.kernel.split("-", 1)[1] if self.kernel.startswith("large-") else None
+
+    @property
+    def label(self) -> str:
+        return LABELS[(self.pass_, self.kernel)]
+
+    def bytes_of(self, key: str) -> int | None:
+        return self.candidates[key]["bytes"] if self.candidates[key]["feasible"] else None
+
+    def compared_with(self) -> str | None:
+        """The candidate the summary compares with: the best feasible kernel of the paper's regime
+        when the choice left it, else the best feasible kernel of the other family."""
+        feasible = {k: c["bytes"] for k, c in self.candidates.items() if c["feasible"] and k != self.kernel}
+        if not feasible:
+            return None
+        fam = lambda k: "small" if k == "small" else "large"  # noqa: E731
+        target = self.paper_regime if fam(self.kernel) != self.paper_regime else \
+            ("large" if fam(self.kernel) == "small" else "small")
+        pool = {k: b for k, b in feasible.items() if fam(k) == target} or feasible
+        return min(pool, key=pool.get)
+
+    def summary(self) -> str:
+        """E.g. ``"paper regime: small; kernel chosen: large-cache FA2 order, 1.7x fewer bytes than
+        small-cache"`` (H100 fp32, d = 256, n = 8192)."""
+        head = f"paper regime: {self.paper_regime}; kernel {'forced' if self.forced else 'chosen'}: {self.label}"
+        other = self.compared_with()
+        if self.predicted_bytes is None:
+            return head + " (its tiles or buffers do not fit: it will refuse or exceed M)"
+        if other is None:
+            return head + " (the only kernel that fits)"
+        ob = self.candidates[other]["bytes"]
+        r = ob / self.predicted_bytes
+        f = lambda x: f"{x:.1f}" if x < 10 else f"{x:.3g}"  # noqa: E731
+        rel = f"{f(r)}x fewer bytes than" if r >= 1 else f"{f(1 / r)}x more bytes than"
+        return f"{head}, {rel} {_SHORT[other]}"
+
+    def to_dict(self) -> dict:
+        return {"pass": self.pass_, "n": self.n, "d": self.d, "M": self.M, "dtype": self.dtype,
+                "batch": self.batch, "paper_regime": self.paper_regime, "kernel": self.kernel,
+                "label": self.label, "predicted_bytes": self.predicted_bytes, "forced": self.forced,
+                "includes_forward": self.includes_forward,
+                "candidates": {k: dict(v) for k, v in self.candidates.items()}, "summary": self.summary()}
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _check_regime(regime):
+    if regime not in REGIMES:
+        raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+
+
+def _fits(need: int, memory_bytes) -> bool:
+    return memory_bytes is None or need <= memory_bytes
+
+
+def _pick(pass_, n, d, M, dtype, batch, cands, regime, forced_key, includes_forward=False) -> KernelChoice:
+    common = dict(pass_=pass_, n=n, d=d, M=M, dtype=dtype_name(dtype), batch=batch, paper_regime="small" if
+                  M < d * d else "large", candidates=cands, includes_forward=includes_forward)
+    if regime != "auto":
+        c = cands[forced_key]
+        return KernelChoice(kernel=forced_key, predicted_bytes=c["bytes"] if c["feasible"] else None,
+                            forced=True, **common)
+    feasible = {k: c["bytes"] for k, c in cands.items() if c["feasible"]}
+    if not feasible:
+        why = "; ".join(f"{LABELS[(pass_, k)]}: {c['why']}" for k, c in cands.items())
+        raise ValueError(f"no {pass_} kernel fits M = {M:,} words at n = {n:,}, d = {d}: {why}")
+    best = min(feasible, key=lambda k: (feasible[k], list(cands).index(k)))
+    return KernelChoice(kernel=best, predicted_bytes=feasible[best], **common)
+
+
+def choose_forward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int = 1, regime: str = "auto",
+                   memory_bytes: int | None = None) -> KernelChoice:
+    """The forward kernel ``dense.forward(regime=...)`` runs.
+
+    Candidates: ``"small"`` (the small-cache forward of Saha & Ye: ``B x B`` tiles, ``f`` stored
+    ``n x n``; feasible when ``M >= 1024`` and its fp32 buffers, :func:`.forward.small_forward_buffer_bytes`,
+    fit ``memory_bytes``) and ``"large"`` (FlashAttention order; feasible when its tiles fit ``M``).
+    ``"auto"`` takes the feasible one with fewer predicted bytes (:func:`.traffic.forward_traffic`);
+    ``memory_bytes=None`` skips the memory check.
+    """
+    from sparse_io_attn.dense import traffic
+    from sparse_io_attn.dense.forward import small_forward_buffer_bytes
+    _check_regime(regime)
+    cands = {}
+    try:
+        b = traffic.small_forward_traffic(n, d, M, batch=batch, dtype=dtype).total_bytes
+        need = small_forward_buffer_bytes(n, d, batch)
+        ok = _fits(need, memory_bytes)
+        cands["small"] = {"bytes": b, "feasible": ok,
+                          "why": "" if ok else f"its n x n buffers need {need:,} B > {memory_bytes:,} B free"}
+    except ValueError as e:
+        cands["small"] = {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+    try:
+        b = traffic.large_forward_traffic(n, d, M, batch=batch, dtype=dtype, fit=True).total_bytes
+        cands["large"] = {"bytes": b, "feasible": True, "why": ""}
+    except ValueError as e:
+        cands["large"] = {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+    return _pick("forward", n, d, M, dtype, batch, cands, regime, regime)
+
+
+def choose_backward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int = 1, regime: str = "auto",
+                    variant: str | None = None, num_splits: int = 1, memory_bytes: int | None = None,
+                    with_forward: bool = False) -> KernelChoice:
+    """The backward kernel ``dense.backward(regime=...)`` runs (all five gradients).
+
+    Candidates: ``"small"`` (Algorithm 6; feasible when ``M >= 1024`` and ``f, q, p, T``,
+    :func:`.small_cache.nn_buffer_bytes`, fit ``memory_bytes``), ``"large-faithful"`` (Algorithm 9
+    as written) and ``"large-fa2"`` (FlashAttention-2 loop order), feasible when every tile and the
+    resident gradient fit ``M``. ``variant`` restricts the large-cache candidates to one variant
+    (``None``: both under ``"auto"``, ``"faithful"`` for ``regime="large"``). ``with_forward``: the
+    forward's ``O`` and ``lse`` are not available, so the large-cache kernels also pay for
+    :func:`choose_forward`'s forward (and are infeasible when no forward fits). ``"auto"`` takes the
+    feasible candidate with the fewest predicted bytes (:mod:`.traffic`).
+    """
+    from sparse_io_attn.dense import traffic
+    from sparse_io_attn.dense.small_cache import nn_buffer_bytes
+    _check_regime(regime)
+    if variant not in (None, "faithful", "fa2"):
+        raise ValueError(f"variant must be 'faithful', 'fa2' or None, got {variant!r}")
+    cands = {}
+    try:
+        b = traffic.small_cache_traffic(n, d, M, batch=batch, dtype=dtype).total_bytes
+        need = nn_buffer_bytes(n, d, batch)
+        ok = _fits(need, memory_bytes)
+        cands["small"] = {"bytes": b, "feasible": ok,
+                          "why": "" if ok else f"f, q, p, T need {need:,} B > {memory_bytes:,} B free"}
+    except ValueError as e:
+        cands["small"] = {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+    fwd_bytes, fwd_why = 0, ""
+    if with_forward:
+        try:
+            fwd_bytes = choose_forward(n, d, M, dtype=dtype, batch=batch, memory_bytes=memory_bytes).predicted_bytes
+        except ValueError as e:
+            fwd_bytes, fwd_why = None, str(e)
+    for v in ("faithful", "fa2"):
+        key = f"large-{v}"
+        if variant is not None and v != variant:
+            cands[key] = {"bytes": None, "feasible": False, "why": f"variant={variant!r} was asked for"}
+            continue
+        try:
+            b = traffic.large_cache_traffic(n, d, M, batch=batch, dtype=dtype, variant=v,
+                                            num_splits=num_splits).total_bytes
+        except ValueError as e:
+            cands[key] = {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+            continue
+        if fwd_bytes is None:
+            cands[key] = {"bytes": None, "feasible": False, "why": f"needs a forward first: {fwd_why}"}
+        else:
+            cands[key] = {"bytes": b + fwd_bytes, "feasible": True, "why": ""}
+    forced = "small" if regime == "small" else f"large-{variant or 'faithful'}"
+    return _pick("backward", n, d, M, dtype, batch, cands, regime, forced, includes_forward=with_forward)

@@ -38,6 +38,23 @@ def nn_buffer_bytes(n: int, d: int, batch: int = 1) -> int:
     return batch * (3 * n * n + d * n) * 4
 
 
+def free_memory_bytes(device) -> tuple[int, str]:
+    """Memory free for the ``n x n`` buffers on ``device`` and where the figure comes from
+    (:func:`~sparse_io_attn.bounds.devices.available_memory_bytes`, or
+    :data:`CPU_MEMORY_CAP_BYTES` where it cannot be read)."""
+    free, source = available_memory_bytes(device)
+    if free is None:
+        free, source = CPU_MEMORY_CAP_BYTES, "CPU_MEMORY_CAP_BYTES"
+    return free, source
+
+
+def check_buffers(need: int, device, what: str, instead: str) -> None:
+    """Raise ``ValueError`` when ``need`` bytes exceed :func:`free_memory_bytes`."""
+    free, source = free_memory_bytes(device)
+    if need > free:
+        raise ValueError(f"{what}: {need:,} bytes, but only {free:,} bytes are free ({source}); {instead}")
+
+
 def _tile_mm(name, tensors, a, b, *, B, out_dtype=torch.float32, alpha=1.0):
     """``alpha * a @ b`` per batch element on ``B x B`` tiles; ``a [Z, m, k]``, ``b [Z, k, n]``
     (any strides, stride 0 for a weight shared by the batch)."""
@@ -75,14 +92,9 @@ def backward_small_cache(A1, A2, A3, X, Y, dO, *, M: int, scale: float = 1.0) ->
     do = check_like("dO", dO, inp)
     B = small_cache_block(M)
     Z, n, d = inp.a1.shape
-    need = nn_buffer_bytes(n, d, Z)
-    free, source = available_memory_bytes(inp.a1.device)
-    if free is None:
-        free, source = CPU_MEMORY_CAP_BYTES, "CPU_MEMORY_CAP_BYTES"
-    if need > free:
-        raise ValueError(f"the small-cache backward materializes f, q, p (n x n, fp32) and T: "
-                         f"{need:,} bytes for n = {n}, d = {d}, batch = {Z}, but only {free:,} bytes are "
-                         f"free ({source}); use regime='large' (it never stores an n x n matrix)")
+    check_buffers(nn_buffer_bytes(n, d, Z), inp.a1.device,
+                  f"the small-cache backward materializes f, q, p (n x n, fp32) and T for n = {n}, d = {d}, "
+                  f"batch = {Z}", "use regime='large' (it never stores an n x n matrix)")
     a1, a2, a3 = inp.a1, inp.a2, inp.a3
     x3, y3 = inp.x.expand(Z, d, d), inp.y.expand(Z, d, d)
     tr = lambda t: t.transpose(1, 2)  # noqa: E731
@@ -92,11 +104,11 @@ def backward_small_cache(A1, A2, A3, X, Y, dO, *, M: int, scale: float = 1.0) ->
     f = torch.empty(Z, n, n, dtype=torch.float32, device=a1.device)
     from sparse_io_attn.dense.kernels_small import _phase3_kernel, _softmax_kernel
     launch(_softmax_kernel, (triton_cdiv(n, B), Z), "small.phase1.f", ("S", "A2", "f"), a1.device,
-           s_ptr=S, a2_ptr=a2, f_ptr=f,
+           s_ptr=S, a2_ptr=a2, f_ptr=f, lse_ptr=f,
            stride_sz=S.stride(0), stride_sm=S.stride(1), stride_sd=S.stride(2),
            stride_kz=a2.stride(0), stride_kn=a2.stride(1), stride_kd=a2.stride(2),
            stride_fz=f.stride(0), stride_fm=f.stride(1), stride_fn=f.stride(2),
-           seqlen=n, head_dim=d, sm_scale=float(scale), BLOCK=B, DOT_DTYPE=dot_dtype(a2.dtype))
+           seqlen=n, head_dim=d, sm_scale=float(scale), BLOCK=B, DOT_DTYPE=dot_dtype(a2.dtype), WRITE_LSE=False)
     # Phase 2 (Algorithm 3): h = A3 Y, q = dO h^T
     h = _tile_mm("small.phase2.h", ("A3", "Y", "h"), a3, y3, B=B)
     q = _tile_mm("small.phase2.q", ("dO", "h", "q"), do, tr(h), B=B)

@@ -23,6 +23,9 @@ Per kernel (elements, before the byte size; ``cdiv(a, b)`` = ceil(a / b)):
 * keys-outer kernel ``large.dkdh``, key block ``BN``: ``A2, h`` once; ``S, dO`` ``cdiv(n, BN)*n*d``;
   ``lse, v`` ``cdiv(n, BN)*n``; writes ``dA2, dh`` ``n*d``.
 * ``fwd.attn``, row block ``BM``: ``S`` once, ``A2, h`` ``cdiv(n, BM)*n*d``; writes ``O``, ``lse``.
+* small-cache forward (``fwd.small.*``, ``B x B`` tiles): ``S = A1 X`` and ``h = A3 Y`` tiled
+  products; ``fwd.small.f`` as ``small.phase1.f`` plus ``lse`` written (``n``, fp32);
+  ``O = f h``: reads ``f`` ``cdiv(d, B)*n^2``, ``h`` ``cdiv(n, B)*n*d``, writes ``O`` ``n*d``.
 """
 from __future__ import annotations
 
@@ -68,21 +71,51 @@ class _Model:
         self.add(kernel, {a: _cdiv(d_b, block_c) * n * d_a * sa, b: n * d_b * sb}, {c: d_a * d_b * F32})
 
 
-def forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32) -> TrafficReport:
-    """Predicted traffic of :func:`~sparse_io_attn.dense.forward`."""
+def forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32, regime: str = "auto",
+                    memory_bytes: int | None = None) -> TrafficReport:
+    """Predicted traffic of :func:`~sparse_io_attn.dense.forward` with the same ``regime``: the
+    kernel :func:`~.regime.choose_forward` picks (``memory_bytes`` as there; ``None`` skips the
+    memory check, which the launcher makes with the device's free memory)."""
+    from sparse_io_attn.dense.regime import choose_forward
+    choice = choose_forward(n, d, M, dtype=dtype, batch=batch, regime=regime, memory_bytes=memory_bytes)
+    if choice.kernel == "small":
+        return small_forward_traffic(n, d, M, batch=batch, dtype=dtype)
+    return large_forward_traffic(n, d, M, batch=batch, dtype=dtype, fit=regime == "auto")
+
+
+def large_forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32,
+                          fit: bool = False) -> TrafficReport:
+    """Predicted traffic of the large-cache (FlashAttention-order) forward, ``regime="large"``.
+    ``fit``: raise ``ValueError`` when its tiles do not fit ``M`` (what ``"auto"`` requires) instead
+    of the ``16 x 16`` fallback of :func:`~.tiling.forward_blocks`."""
     I = itemsize(dtype)
     m = _Model(batch)
-    _forward(m, n, d, M, I)
+    _forward(m, n, d, M, I, fit)
     return m.report
 
 
-def _forward(m: _Model, n, d, M, I):
-    pc_long, pc_short = forward_blocks("large.phase1", M, d)
+def _forward(m: _Model, n, d, M, I, fit=False):
+    blocks = _blocks if fit else forward_blocks
+    pc_long, pc_short = blocks("large.phase1", M, d)
     m.proj("fwd.proj", ("A1", "X", "S"), n, d, d, pc_short, (I, I, F32))
     m.proj("fwd.proj", ("A3", "Y", "h"), n, d, d, pc_short, (I, I, F32))
-    _, short = forward_blocks("fwd.attn", M, d)
+    _, short = blocks("fwd.attn", M, d)
     m.add("fwd.attn", {"S": n * d * F32, "A2": _cdiv(n, short) * n * d * I, "h": _cdiv(n, short) * n * d * F32},
           {"O": n * d * I, "lse": n * F32})
+
+
+def small_forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32) -> TrafficReport:
+    """Predicted traffic of the small-cache forward (``regime="small"``): ``B x B`` tiles with
+    ``B = pow2 <= sqrt(M/4)`` (``ValueError`` below ``M = 1024``)."""
+    I = itemsize(dtype)
+    B = small_cache_block(M)
+    m = _Model(batch)
+    m.tile_mm("fwd.small.S", ("A1", "X", "S"), n, d, d, B, (I, I, F32))
+    m.add("fwd.small.f", {"S": _cdiv(n, B) * n * d * F32, "A2": _cdiv(n, B) * n * d * I, "f": n * n * F32},
+          {"f": 2 * n * n * F32, "lse": n * F32})
+    m.tile_mm("fwd.small.h", ("A3", "Y", "h"), n, d, d, B, (I, I, F32))
+    m.tile_mm("fwd.small.O", ("f", "h", "O"), n, d, n, B, (F32, F32, I))
+    return m.report
 
 
 def small_cache_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32,

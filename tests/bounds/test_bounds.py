@@ -90,11 +90,10 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="d\\^2"):
         B.sparse(10, 17, 10, 50, 16, d=4)
     with pytest.raises(TypeError):
-        B.sparse(10.5, 1, 1, 1, 16)
+        B.sparse("10", 1, 1, 1, 16)
     with pytest.raises(ValueError, match="positive"):
         B.dense_backward(0, 4, 16)
-    with pytest.raises(TypeError):
-        B.dense_backward(16, 4.0, 16)
+    assert B.dense_backward(16, 4.0, 16).terms == B.dense_backward(16, 4, 16).terms   # reals accepted
     with pytest.raises(ValueError, match="dtype="):
         B.dense_backward(16, 4, "228KiB")
     with pytest.raises(ValueError, match="unit"):
@@ -116,7 +115,8 @@ def test_parse_memory_and_bytes():
     b = B.dense_backward(8192, 128, "228KiB", dtype=torch.bfloat16)
     assert b.M == 116736 and b.bytes() == 2 * b.value_words and b.bytes(torch.float32) == 4 * b.value_words
     text = str(b)
-    assert "large cache" in text and "binds" in text and "Kwasniewski" in text
+    assert "large cache" in text and "binds" in text and "Kwasniewski" not in text
+    assert "Kwasniewski" in b.describe(verbose=True)
     d = b.to_dict()
     assert d["value_bytes"] == b.bytes() and d["binding"] == "large_cache" and "unit" in d["constants"]
     assert B.dense_backward(64, 8, 100, heads=6).value_words == 6 * B.dense_backward(64, 8, 100).value_words
@@ -124,10 +124,64 @@ def test_parse_memory_and_bytes():
 
 def test_explicit_constant_fields():
     b = B.dense_backward(1024, 64, 256)
-    words, cite = b.explicit_constant["QK^T product alone, Kwasniewski 2019"]
+    words, cite = b.explicit_constant["Kwasniewski 2019 (QK^T product)"]
     assert words == 2 * 1024 * 1024 * 64 / 16 + 1024 * 1024 and "1908.09606" in cite
-    assert b.explicit_constant["QK^T product alone, Smith 2019"][0] == 2 * 1024 * 1024 * 64 / 16 - 512
+    assert b.explicit_constant["Smith 2019 (QK^T product)"][0] == 2 * 1024 * 1024 * 64 / 16 - 512
     assert B.sparse(10, 4, 10, 50, 16).explicit_constant == {}
+    d = b.to_dict()["explicit_constant"]
+    assert d["Kwasniewski 2019 (QK^T product)"]["scope"] == "bound for materialising QK^T, not for attention"
+
+
+def test_explicit_constants_only_on_request_and_never_a_zero_line():
+    """The QK^T-product bounds (1.17e8 words at n = 8192, d = 128, 228 KiB: 12x the attention bound)
+    bound materialising QK^T, not attention: printed only with verbose=True, labelled so; the
+    Theorem E.10 reduction line is dropped where it is 0 (sqrt(M) >= 2d)."""
+    b = B.dense_backward(8192, 128, "228KiB", dtype=torch.bfloat16)
+    kw = b.explicit_constant["Kwasniewski 2019 (QK^T product)"][0]
+    assert kw == pytest.approx(1.174e8, rel=1e-3) and kw / b.value_words == pytest.approx(12.3, abs=0.1)
+    assert "Theorem E.10 reduction (attention)" not in b.explicit_constant        # 0 at M >= 4d^2
+    assert "materialising" not in str(b) and "explicit" not in str(b)
+    verbose = b.describe(verbose=True)
+    assert verbose.count("bound for materialising QK^T, not for attention") == 2 and "reduction" not in verbose
+    small = B.dense_backward(8192, 128, 1024)
+    assert small.explicit_constant["Theorem E.10 reduction (attention)"][0] == pytest.approx(
+        2 * 8192 ** 2 * 128 / 32 - 8192 ** 2)
+    assert "reduction of Theorem E.10" in small.describe(verbose=True)
+
+
+# --------------------------------------------------------------------------- Theorem 1.2 (Table 1)
+def test_sparse_informal_hand_computed():
+    b = B.sparse_informal(6, 9, 16)
+    assert b.terms == {"large_cache": 36 / 16, "small_cache": 6 * 3 / 4}
+    assert b.crossover_M == 4.0 == B.sparse_informal_crossover(6, 9)          # Z_input^2 / Z_QK
+    assert (b.binding, b.regime) == ("large_cache", "large") and B.sparse_informal(6, 9, 3).regime == "small"
+    assert b.compulsory_words == 6 and "Theorem 1.2" in b.theorem
+    assert B.sparse_informal(6, 9, 16, n=3, d=2).compulsory_words == 6 + 6
+    with pytest.raises(ValueError, match="exceeds n\\^2"):
+        B.sparse_informal(6, 10, 16, n=3)
+
+
+@pytest.mark.parametrize("n,d,M", [(4096, 128, 116224), (8192, 64, 1000), (100, 7, 3)])
+def test_sparse_informal_dense_is_theorem_1_1_leading_terms(n, d, M):
+    """Dense operands: Z_input = nd, Z_QK = n^2 give n^2 d^2 / M and n^2 d / sqrt(M), dividing point d^2."""
+    b = B.sparse_informal(n * d, n * n, M)
+    assert b.terms["large_cache"] == pytest.approx(n * n * d * d / M, rel=1e-12)
+    assert b.terms["small_cache"] == pytest.approx(n * n * d / M ** 0.5, rel=1e-12)
+    assert b.crossover_M == d * d
+
+
+def test_sparse_informal_is_weaker_than_theorem_4_5():
+    """With Z_input = Z_A, Z_QK = Z_AXA every term of Theorem 1.2 is <= Theorem 4.5's; nnz_stats
+    gives both."""
+    rng = np.random.default_rng(3)
+    a1 = (rng.random((64, 16)) < 0.2) * 1.0
+    a2 = (rng.random((64, 16)) < 0.3) * 1.0
+    x = (rng.random((16, 16)) < 0.5) * 1.0
+    st = B.nnz_stats(a1, x, a2)
+    for M in (4, 64, 1024, 10 ** 5):
+        inf, thm = st.informal_bound(M), st.bound(M)
+        assert all(inf.terms[k] <= thm.terms[k] for k in thm.terms) and inf.value_words <= thm.value_words
+        assert inf.params["Z_input"] == st.Z_A and inf.params["Z_QK"] == st.Z_AXA
 
 
 # --------------------------------------------------------------------------- devices

@@ -54,6 +54,9 @@ def test_help_has_examples(cmd, capsys):
     (["bounds", "--seq-len", "64", "--head-dim", "8", "--cache", "64", "--z-a", "1", "--z-x", "1",
       "--z-ax", "1", "--z-axa", "99999"], ["Z_AXA"]),
     (["bounds", "--seq-len", "4096", "--head-dim", "64", "--device", "abacus"], ["abacus", "h100"]),
+    (["bounds", "--seq-len", "4096", "--head-dim", "64", "--z-input", "5"], ["--z-qk"]),
+    (["bounds", "--seq-len", "4096", "--head-dim", "64", "--z-input", "5", "--z-qk", "5", "--pattern", "causal"],
+     ["--z-input"]),
     (["bounds", "--seq-len", "4096", "--head-dim", "64", "--cache", "12 parsecs"], ["12 parsecs"]),
     (["bounds", "--head-dim", "64"], ["--seq-len"]),
     (["layout", "no_such_pattern", "--seq-len", "256"], ["no_such_pattern"]),
@@ -98,7 +101,8 @@ def test_bounds_json_numbers(capsys):
     out = json.loads(capsys.readouterr().out)
     M = 228 * 1024 // 2
     assert out["M_words"] == M and out["regime"].startswith("large")
-    assert out["kernel_choice"].startswith("large")
+    assert out["kernel_choice"].startswith("paper regime: large; kernel chosen: large-cache")
+    assert out["kernels"]["backward"]["kernel"] == "large-fa2" and out["kernels"]["forward"]["kernel"] == "large"
     db = out["dense_backward"]
     assert db["terms"]["large_cache"] == pytest.approx((n * n * d * d + n * d ** 3) / M, rel=1e-12)
     assert db["terms"]["small_cache"] == pytest.approx((n * n * d + n * d * d) / M ** 0.5, rel=1e-12)
@@ -112,7 +116,42 @@ def test_bounds_json_numbers(capsys):
 def test_bounds_small_cache_regime_text(capsys):
     assert main(["bounds", "--seq-len", "8192", "--head-dim", "256", "--device", "a100", "--dtype", "fp32"]) == 0
     out = capsys.readouterr().out
-    assert "M = 41,728 words" in out and "small cache" in out and "small-cache kernel" in out
+    assert "M = 41,728 words" in out and "small cache" in out
+    # M = 0.64 d^2: here the small-cache backward is also the one that moves fewer bytes
+    assert "backward: paper regime: small; kernel chosen: small-cache (Algorithm 6), 1.1x fewer bytes than " \
+           "large-cache FA2 order" in out
+
+
+def test_bounds_paper_regime_vs_kernel_chosen(capsys):
+    """H100 fp32, d = 256: the paper's small-cache regime (M = 0.89 d^2), but auto runs the FA2-order
+    large-cache backward, which moves 1.7x fewer bytes over all five gradients (2.0x on the dX path).
+    The explicit-constant QK^T-product bounds appear only with --verbose, labelled as such."""
+    assert main(["bounds", "--seq-len", "8192", "--head-dim", "256", "--device", "h100", "--dtype", "fp32"]) == 0
+    out = capsys.readouterr().out
+    assert "backward: paper regime: small; kernel chosen: large-cache FA2 order, 1.7x fewer bytes than small-cache" in out
+    assert "dX path alone: small-cache / best large-cache = 1.98" in out
+    assert "Kwasniewski" not in out and "materialising" not in out and "E.10" not in out.split("arXiv")[-1]
+    assert main(["bounds", "--seq-len", "8192", "--head-dim", "128", "--cache", "228KiB", "--dtype", "bf16",
+                 "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("bound for materialising QK^T, not for attention [Kwasniewski 2019]: 1.174e+08 words") == 2
+    assert "reduction" not in out                       # 0 words at M >= 4d^2: no line
+
+
+def test_bounds_theorem_1_2(capsys):
+    """Theorem 1.2 (Table 1's informal sparse bound) beside Theorem 4.5, and on its own."""
+    assert main(["bounds", "--seq-len", "4096", "--head-dim", "64", "--cache", "116224", "--z-a", "262144",
+                 "--z-x", "4096", "--z-ax", "262144", "--z-axa", "1048576", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    inf = out["sparse_informal"]
+    assert inf["params"]["Z_input"] == 262144 and inf["params"]["Z_QK"] == 1048576
+    assert inf["terms"]["large_cache"] == pytest.approx(262144 ** 2 / 116224)
+    assert inf["crossover_M"] == pytest.approx(262144 ** 2 / 1048576) and "Theorem 1.2" in inf["theorem"]
+    assert all(inf["terms"][k] <= out["sparse"]["terms"][k] for k in inf["terms"])
+    assert main(["bounds", "--seq-len", "4096", "--head-dim", "64", "--cache", "116224", "--z-input", "262144",
+                 "--z-qk", "1048576"]) == 0
+    text = capsys.readouterr().out
+    assert "Theorem 1.2" in text and "dividing point M = 65,536.0 words" in text and "Theorem 4.5 (= F.3" not in text
 
 
 def test_layout_json_and_png(tmp_path):
@@ -201,6 +240,11 @@ def test_sweep_cache_counted_equals_model(tmp_path):
     counted = [(r[f"kernel_{k}_counted_at_count_n"], r[f"kernel_{k}_predicted_at_count_n"]) for r in rows
                for k in ("small", "large_fa2") if r.get(f"kernel_{k}_counted_at_count_n") is not None]
     assert counted and all(c == p for c, p in counted)
+    fwd = [(r["kernel_fwd_small_counted_at_count_n"], r["kernel_fwd_small_predicted_at_count_n"]) for r in rows
+           if r.get("kernel_fwd_small_counted_at_count_n") is not None]
+    assert fwd and all(c == p for c, p in fwd)             # the small-cache forward kernel: counted == model
+    assert any(note.startswith("forward: executor small-cache forward") for note in out["notes"])
+    assert any("bisection" in note for note in out["notes"])
     runs = [(r[f"executor_{k}_run_at_count_n"], r[f"executor_{k}_closed_form_at_count_n"]) for r in rows
             for k in ("small", "large_faithful", "large_fa2") if r.get(f"executor_{k}_run_at_count_n") is not None]
     assert len(runs) >= len(rows) and all(a == b for a, b in runs)
@@ -208,6 +252,7 @@ def test_sweep_cache_counted_equals_model(tmp_path):
     for r in rows:
         assert r["bound"] == pytest.approx(min(r["bound_large_cache"], r["bound_small_cache"]))
         assert r["executor_small"] == pebble.small_cache_io(256, d, r["M"])
+        assert r["executor_fwd_small"] == pebble.small_forward_io(256, d, r["M"])
     assert (tmp_path / "sweep_cache.csv").exists() and not (tmp_path / "sweep_cache.png").exists()
 
 
@@ -217,6 +262,10 @@ def test_sweep_dim(tmp_path):
     rows = json.loads(proc.stdout)["rows"]
     dev = [r for r in rows if r["at_device_M"]]
     assert [r["d"] for r in dev] == [32, 64] and all(r["regime"] == "large" for r in dev)
+    from sparse_io_attn import dense
+    for r in rows:   # the kernel auto runs at every point: choose_backward's argmin
+        if r["auto_kernel"] is not None:
+            assert r["auto_kernel"] == dense.choose_backward(256, r["d"], r["M"]).kernel
     assert (tmp_path / "sweep_dim.png").stat().st_size > 1000
 
 

@@ -170,3 +170,61 @@ def test_backward_is_deterministic():
         a, b = run(), run()
         for k in GRADS:
             assert torch.equal(getattr(a, k), getattr(b, k)), k
+
+
+# --------------------------------------------------------------------------- small-cache forward (Saha & Ye)
+FWD_SMALL = [
+    pytest.param((), 40, 16, 1024, 1.0, id="N40-D16-M1024"),
+    pytest.param((2,), 31, 24, 1024, 24 ** -0.5, id="B2-N31-D24-M1024-scaled"),
+    pytest.param((1, 2), 50, 32, 4096, 1.0, id="B1H2-N50-D32-M4096"),
+    pytest.param((), 5, 12, 1024, 1.0, id="N5-D12-tiny"),
+    pytest.param((), 70, 48, 1024, 1.0, id="N70-D48-d_not_pow2-B16"),
+]
+
+
+@pytest.mark.parametrize("batch, n, d, M, scale", FWD_SMALL)
+def test_small_cache_forward_counted_equals_model_and_matches_reference(batch, n, d, M, scale):
+    """The small-cache forward: O and lse against the paper's float64 forward; its counted traffic
+    equals traffic.small_forward_traffic exactly (integer equality); no tile exceeds M."""
+    A1, A2, A3, X, Y, _ = _inputs(batch, n, d, seed=6)
+    with IOCounter() as io:
+        O, lse = dense.forward(A1, A2, A3, X, Y, scale=scale, M=M, regime="small")
+    Z = math.prod(batch)
+    predicted = traffic.small_forward_traffic(n, d, M, batch=Z)
+    assert io.report == predicted, f"\n{io.report}\n{predicted}"
+    assert set(io.report.kernels) == {"fwd.small.S", "fwd.small.f", "fwd.small.h", "fwd.small.O"}
+    B = dense.small_cache_block(M)
+    for k in ("small.matmul", "small.softmax"):
+        assert dense.working_set_words(k, d, B=B) <= M
+    flat = [t.reshape(-1, n, d) for t in (A1, A2, A3)]
+    for z, (a1, a2, a3) in enumerate(zip(*flat)):
+        O_ref, l_ref = paper_forward(a1, a2, a3, X, Y, scale=scale)
+        assert _rel(O.reshape(-1, n, d)[z], O_ref) <= TOL_FP32
+        assert _rel(lse.reshape(-1, n)[z], torch.log(l_ref)) <= TOL_FP32
+
+
+def test_small_cache_forward_feeds_the_large_cache_backward():
+    """lse from the small-cache forward is the statistic the large-cache backward reads."""
+    A1, A2, A3, X, Y, dO = _inputs((), 33, 16, seed=7)
+    O, lse = dense.forward(A1, A2, A3, X, Y, M=1024, regime="small")
+    O2, lse2 = dense.forward(A1, A2, A3, X, Y, M=4096, regime="large")
+    assert _rel(O, O2) <= TOL_FP32 and _rel(lse, lse2) <= TOL_FP32
+    g = dense.backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, M=2080, variant="fa2")
+    _, auto = _autograd_ref(A1, A2, A3, X, Y, dO, 1.0)
+    for k in GRADS:
+        assert _rel(getattr(g, k), auto[k]) <= TOL_FP32, k
+
+
+def test_small_cache_forward_bf16_and_large_scores():
+    A1, A2, A3, X, Y, _ = _inputs((), 40, 16, dtype=torch.bfloat16, seed=8)
+    O, lse = dense.forward(A1, A2, A3, X, Y, M=1024, regime="small")
+    assert O.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    O_ref, _ = paper_forward(A1.double(), A2.double(), A3.double(), X.double(), Y.double())
+    ts = [t.clone() for t in (A1, A2, A3, X, Y)]
+    base = torch.softmax(ts[0] @ ts[3] @ ts[1].T, -1) @ (ts[2] @ ts[4])
+    assert _rel(O, O_ref) <= 3 * _rel(base, O_ref) + 1e-3
+    A1b, A2b, A3b, Xb, Yb, _ = _inputs((), 40, 16, seed=2)
+    O, lse = dense.forward(A1b * 60.0, A2b, A3b, Xb, Yb, M=1024, regime="small")   # scores > 100
+    assert torch.isfinite(O).all() and torch.isfinite(lse).all()
+    O_ref, l_ref = paper_forward(A1b * 60.0, A2b, A3b, Xb, Yb)
+    assert _rel(O, O_ref) <= 1e-4

@@ -7,17 +7,21 @@
   (large cache; ``variant="fa2"`` is Algorithm 8 in FlashAttention-2's loop order).
 * Closed forms (words): :func:`small_cache_io`, :func:`large_cache_io` and the ``*_counts``
   functions (reads, writes, peak), equal to the executor's counts exactly.
+* The small-cache forward (Saha & Ye; Table 1): :func:`small_cache_forward`, closed form
+  :func:`small_forward_counts` / :func:`small_forward_io`.
 * Runners: :func:`run_small_cache`, :func:`run_large_cache` put the inputs in slow memory, run, and
-  return g = dL/dX (Definition 3.2) with the counts.
+  return g = dL/dX (Definition 3.2) with the counts; :func:`run_small_cache_forward` returns O.
 """
 from sparse_io_attn.bounds.pebble.closed_form import (IOCount, algorithm1_counts, algorithm7_counts, algorithm8_counts, large_cache_counts,
                           large_cache_io, large_cache_peak, small_cache_counts, small_cache_io,
-                          small_cache_m_independent)
+                          small_cache_m_independent, small_forward_counts, small_forward_io,
+                          small_forward_m_independent)
 from sparse_io_attn.bounds.pebble.executor import CapacityError, NotResidentError, TwoLevelMemory
 from sparse_io_attn.bounds.pebble.algorithm9 import algorithm7, algorithm8, algorithm8_fa2, algorithm9, large_cache_blocks
-from sparse_io_attn.bounds.pebble.runner import PebbleRun, run_no_cache, run_large_cache, run_small_cache
+from sparse_io_attn.bounds.pebble.runner import (PebbleRun, run_no_cache, run_large_cache, run_small_cache,
+                                                 run_small_cache_forward)
 from sparse_io_attn.bounds.pebble.algorithm6 import (algorithm1, algorithm2, algorithm3, algorithm4, algorithm5, algorithm6,
-                          small_cache_block)
+                          small_cache_block, small_cache_forward)
 
 __all__ = ["TwoLevelMemory", "CapacityError", "NotResidentError", "IOCount", "PebbleRun",
            "algorithm1", "algorithm2", "algorithm3", "algorithm4", "algorithm5", "algorithm6",
@@ -25,4 +29,5 @@ __all__ = ["TwoLevelMemory", "CapacityError", "NotResidentError", "IOCount", "Pe
            "large_cache_blocks", "small_cache_io", "large_cache_io", "small_cache_counts",
            "large_cache_counts", "large_cache_peak", "small_cache_m_independent", "algorithm1_counts",
            "algorithm7_counts", "algorithm8_counts", "run_small_cache",
-           "run_large_cache", "run_no_cache"]
+           "run_large_cache", "run_no_cache", "small_cache_forward", "small_forward_counts", "small_forward_io",
+           "small_forward_m_independent", "run_small_cache_forward"]

@@ -179,3 +179,65 @@ def algorithm6(mem: TwoLevelMemory, M: int) -> np.ndarray:
     algorithm3(mem, M)
     algorithm4(mem, M)
     return algorithm5(mem, M)
+
+
+def small_cache_forward(mem: TwoLevelMemory, M: int) -> np.ndarray:
+    """The small-cache forward (Saha & Ye 2024's O(n^2 d / sqrt(M)) schedule, Table 1 "General /
+    Forward Upper, small cache"), on Algorithm 2's ``B x B`` tiles, ``B = floor(sqrt(M/4))``:
+
+    1. ``S = A1 X`` and ``A = exp(S A2^T)`` with ``l = A 1``, ``f = diag(l)^-1 A`` -- Algorithm 2
+       (lines 4-35), which also writes ``l`` (the forward's row statistic, ``n`` words);
+    2. ``h = A3 Y`` -- the first loop of Algorithm 3;
+    3. ``O = f h``: one ``B x B`` output tile at a time, streaming ``f``'s row of tiles and ``h``'s
+       column of tiles.
+
+    Inputs A1, A2, A3, X, Y in ``mem.slow``; writes S, A, f, l, h, O; returns O."""
+    n, d = mem.slow["A1"].shape
+    B = small_cache_block(M)
+    In, Id = num_blocks(n, B), num_blocks(d, B)
+    bn = lambda i: block(i, B, n)  # noqa: E731
+    bd = lambda i: block(i, B, d)  # noqa: E731
+    mem.allocate("S", (n, d)), mem.allocate("A", (n, n)), mem.allocate("f", (n, n)), mem.allocate("l", (n,))
+    mem.allocate("h", (n, d)), mem.allocate("O", (n, d))
+    for prod, (a, b) in (("S", ("A1", "X")), ("h", ("A3", "Y"))):                  # S = A1 X, h = A3 Y
+        for i in range(In):
+            for j in range(Id):
+                mem.alloc(f"{prod}_ij", (bn(i).stop - bn(i).start, bd(j).stop - bd(j).start))
+                for k in range(Id):
+                    mem.load("a_ik", a, bn(i), bd(k)), mem.load("b_kj", b, bd(k), bd(j))
+                    mem.compute(f"{prod}_ij", lambda s, x, y: s + x @ y, f"{prod}_ij", "a_ik", "b_kj")
+                    mem.free("a_ik", "b_kj")
+                mem.store(f"{prod}_ij", prod, bn(i), bd(j))
+                mem.free(f"{prod}_ij")
+        if prod == "S":                                                            # Algorithm 2, lines 15-35
+            for i in range(In):
+                rows = bn(i).stop - bn(i).start
+                mem.alloc("l_i", (rows,))
+                for j in range(In):
+                    mem.alloc("A_ij", (rows, bn(j).stop - bn(j).start))
+                    for k in range(Id):
+                        mem.load("S_ik", "S", bn(i), bd(k)), mem.load("A2T_kj", "A2", bn(j), bd(k), transpose=True)
+                        mem.compute("A_ij", lambda s_, x, y: s_ + x @ y, "A_ij", "S_ik", "A2T_kj")
+                        mem.free("S_ik", "A2T_kj")
+                    mem.compute("A_ij", np.exp, "A_ij")
+                    mem.store("A_ij", "A", bn(i), bn(j))
+                    mem.compute("l_i", lambda l_, a_: l_ + a_.sum(axis=1), "l_i", "A_ij")
+                    mem.free("A_ij")
+                mem.store("l_i", "l", bn(i))
+                for j in range(In):
+                    mem.alloc("f_ij", (rows, bn(j).stop - bn(j).start))
+                    mem.load("A_ij", "A", bn(i), bn(j))
+                    mem.compute("f_ij", lambda f_, l_, a_: f_ + a_ / l_[:, None], "f_ij", "l_i", "A_ij")
+                    mem.store("f_ij", "f", bn(i), bn(j))
+                    mem.free("A_ij", "f_ij")
+                mem.free("l_i")
+    for i in range(In):                                                            # O = f h
+        for j in range(Id):
+            mem.alloc("O_ij", (bn(i).stop - bn(i).start, bd(j).stop - bd(j).start))
+            for k in range(In):
+                mem.load("f_ik", "f", bn(i), bn(k)), mem.load("h_kj", "h", bn(k), bd(j))
+                mem.compute("O_ij", lambda o, f_, h_: o + f_ @ h_, "O_ij", "f_ik", "h_kj")
+                mem.free("f_ik", "h_kj")
+            mem.store("O_ij", "O", bn(i), bd(j))
+            mem.free("O_ij")
+    return mem.slow["O"]

@@ -18,6 +18,17 @@ Algorithm 6 (small cache), ``B = floor(sqrt(M/4))``, ``I = ceil(n/B)``, ``J = ce
     the single writes of S, h, T, g): 9n^2 + 3nd + d^2
     peak (b_n = min(B, n), b_d = min(B, d)) = max(2 b_n b_d + b_d^2, b_n + b_n^2 + 2 b_n b_d, b_n + 3 b_n^2)
 
+Small-cache forward (Saha & Ye's schedule on Algorithm 2's tiles, :func:`~.algorithm6.small_cache_forward`):
+
+    S = A1 X: read A1 nd*J, X d^2*I; write S nd
+    scores (Alg. 2 lines 15-35): read S nd*I, A2 nd*I; write A n^2, l n; read A n^2; write f n^2
+    h = A3 Y: read A3 nd*J, Y d^2*I; write h nd
+    O = f h: read f n^2*J, h nd*I; write O nd
+    reads  = n^2 + n^2*J + 3nd*I + 2nd*J + 2d^2*I
+    writes = 2n^2 + 3nd + n
+    M-independent part: 3n^2 + 3nd + n
+    peak = max(2 b_n b_d + b_d^2, b_n + b_n^2 + 2 b_n b_d, b_n + 2 b_n^2)
+
 Algorithm 9 (large cache), ``B_r = min(ceil(M/4d), d)``, ``B_c = ceil(M/4d)``, ``T_r = ceil(n/B_r)``,
 ``T_c = ceil(n/B_c)``, ``r = min(B_r, n)``, ``c = min(B_c, n)``, ``c1 = min(B_c, d)``:
 
@@ -93,6 +104,28 @@ def small_cache_m_independent(n: int, d: int) -> int:
 def small_cache_io(n: int, d: int, M: int) -> int:
     """Words Algorithm 6 moves (reads + writes)."""
     return small_cache_counts(n, d, M).total
+
+
+def small_forward_counts(n: int, d: int, M: int) -> IOCount:
+    """The small-cache forward, exactly (see the module docstring)."""
+    _check(n, d, M)
+    B = small_cache_block(M)
+    I, J = _ceil(n, B), _ceil(d, B)
+    reads = n * n + n * n * J + 3 * n * d * I + 2 * n * d * J + 2 * d * d * I
+    writes = 2 * n * n + 3 * n * d + n
+    bn, bd = min(B, n), min(B, d)
+    peak = max(2 * bn * bd + bd * bd, bn + bn * bn + 2 * bn * bd, bn + 2 * bn * bn)
+    return IOCount(reads, writes, peak)
+
+
+def small_forward_io(n: int, d: int, M: int) -> int:
+    """Words the small-cache forward moves (reads + writes)."""
+    return small_forward_counts(n, d, M).total
+
+
+def small_forward_m_independent(n: int, d: int) -> int:
+    """The part of the small-cache forward's traffic that does not depend on M: 3n^2 + 3nd + n."""
+    return 3 * n * n + 3 * n * d + n
 
 
 def algorithm7_counts(n: int, d: int, M: int) -> IOCount:

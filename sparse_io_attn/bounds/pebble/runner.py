@@ -9,12 +9,13 @@ from sparse_io_attn.dense.reference import paper_forward
 from sparse_io_attn.bounds.pebble.closed_form import algorithm1_counts, large_cache_peak
 from sparse_io_attn.bounds.pebble.executor import TwoLevelMemory
 from sparse_io_attn.bounds.pebble.algorithm9 import algorithm9
-from sparse_io_attn.bounds.pebble.algorithm6 import algorithm1, algorithm6
+from sparse_io_attn.bounds.pebble.algorithm6 import algorithm1, algorithm6, small_cache_forward
 
 
 @dataclass
 class PebbleRun:
-    """Result of one executor run: ``g`` (d x d, float64) and the words moved."""
+    """Result of one executor run: ``g`` (d x d, float64; for a forward run, the output ``O``,
+    n x d) and the words moved."""
     g: np.ndarray
     reads: int
     writes: int
@@ -49,6 +50,13 @@ def run_small_cache(A1, A2, A3, X, Y, dO, M: int, *, capacity: int | None = None
     """Algorithm 6 with a fast memory of ``capacity`` words (default ``M``: the algorithm fits)."""
     mem = _setup(M if capacity is None else capacity, A1=A1, A2=A2, A3=A3, X=X, Y=Y, dO=dO)
     return _result(mem, algorithm6(mem, M))
+
+
+def run_small_cache_forward(A1, A2, A3, X, Y, M: int, *, capacity: int | None = None) -> PebbleRun:
+    """The small-cache forward (:func:`~.algorithm6.small_cache_forward`) with a fast memory of
+    ``capacity`` words (default ``M``: it fits); ``.g`` holds the output ``O`` (n x d)."""
+    mem = _setup(M if capacity is None else capacity, A1=A1, A2=A2, A3=A3, X=X, Y=Y)
+    return _result(mem, small_cache_forward(mem, M))
 
 
 def run_large_cache(A1, A2, A3, X, Y, dO, M: int, *, variant: str = "faithful",
