@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparse_io_attn.bounds.calculator import Bound
+from sparse_io_attn.bounds.calculator import Bound, explicit_scope
 from sparse_io_attn.bounds.units import dtype_name, itemsize
 from sparse_io_attn.accounting.report import TrafficReport
 
@@ -56,7 +56,10 @@ class Comparison:
             "ratio_to_floor": self.ratio_to_floor, "bound": self.bound.to_dict(),
         }
 
-    def table(self) -> str:
+    def table(self, verbose: bool = False) -> str:
+        """The comparison as a text table; ``verbose`` adds the explicit-constant bounds, each labelled
+        with its scope (materialising QK^T is not attention: FlashAttention moves less than that
+        once M >> d^2)."""
         b = self.bound
         size = itemsize(self.dtype)
         rows = [("quantity", "bytes", "measured / this"),
@@ -65,9 +68,10 @@ class Comparison:
             rows += [("  read", f"{self.bytes_read:,}", ""), ("  written", f"{self.bytes_written:,}", "")]
         rows += [("compulsory (inputs once, outputs once)", f"{self.compulsory_bytes:,}", f"{self.ratio_to_compulsory:.2f}"),
                  (f"bound, {b.binding} term (unit constants)", f"{self.bound_bytes:,.0f}", f"{self.ratio_to_bound:.2f}")]
-        for name, (words, _cite) in b.explicit_constant.items():
+        for name, (words, _cite) in (b.explicit_constant.items() if verbose else ()):
             eb = words * size
-            rows.append((f"explicit: {name}", f"{eb:,.0f}", f"{self.measured_bytes / eb:.2f}" if eb else "-"))
+            if eb:
+                rows.append((f"explicit: {name} ({explicit_scope(name)})", f"{eb:,.0f}", f"{self.measured_bytes / eb:.2f}"))
         rows.append((f"floor = max(compulsory, bound): {self.binds} binds", f"{self.floor_bytes:,.0f}",
                      f"{self.ratio_to_floor:.2f}"))
         w = [max(len(r[i]) for r in rows) for i in range(3)]
@@ -76,7 +80,8 @@ class Comparison:
                 f"({self.dtype}, {size} B/word), dividing point M = {b.crossover_M:,.0f} words")
         return "\n".join([head, fmt(rows[0]), "-" * (sum(w) + 4)] + [fmt(r) for r in rows[1:]])
 
-    __str__ = table
+    def __str__(self) -> str:
+        return self.table()
 
 
 def compare(report, bound: Bound, *, dtype=None) -> Comparison:

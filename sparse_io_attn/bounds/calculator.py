@@ -108,7 +108,7 @@ class Bound:
             "binding": self.binding, "regime": self.regime, "crossover_M": self.crossover_M,
             "compulsory_words": self.compulsory_words, "compulsory_terms": dict(self.compulsory_terms),
             "floor_words": self.floor_words, "floor_binding": self.floor_binding,
-            "explicit_constant": {k: {"words": w, "citation": c, "scope": _scope(k)}
+            "explicit_constant": {k: {"words": w, "citation": c, "scope": explicit_scope(k)}
                                   for k, (w, c) in self.explicit_constant.items()},
             "dtype": self.dtype, "constants": "unit (the paper states Theta/Omega without constants)",
             "note": self.note,
@@ -137,7 +137,7 @@ class Bound:
                      f"({self.floor_binding} binds)")
         if verbose:
             for name, (w, _cite) in self.explicit_constant.items():
-                lines.append(f"  {_scope(name)} [{name.split(' (')[0]}]: {w:,.4g} words (citation in to_dict())")
+                lines.append(f"  {explicit_scope(name)} [{name.split(' (')[0]}]: {w:,.4g} words (citation in to_dict())")
         if self.note:
             lines.append(f"  note: {self.note}")
         return "\n".join(lines)
@@ -152,7 +152,8 @@ REDUCTION_SCOPE = "attention, through the reduction of Theorem E.10"
 _E10 = "Theorem E.10 reduction (attention)"
 
 
-def _scope(name: str) -> str:
+def explicit_scope(name: str) -> str:
+    """The scope label of an explicit-constant bound named ``name``."""
     return REDUCTION_SCOPE if name == _E10 else MATERIALISE_SCOPE
 
 

@@ -45,6 +45,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     runners = {"cache": F.run_cache, "dim": F.run_dim, "sparsity": F.run_sparsity, "seq-len": run_seq}
+    C.check_writable_dir(args.out_dir, "--out-dir")   # before the sweep runs, not after
     result = runners[args.sweep](args)
     return emit(args, *result)
 

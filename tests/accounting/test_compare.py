@@ -41,8 +41,10 @@ def test_compare_table_and_dict():
     b = B.dense_backward(2048, 64, "100KiB", dtype=torch.bfloat16)
     c = compare(_report(), b)
     text = str(c)
-    for needle in ("measured (counted)", "compulsory", "large_cache term", "floor", "Kwasniewski", "binds"):
+    for needle in ("measured (counted)", "compulsory", "large_cache term", "floor", "binds"):
         assert needle in text
+    assert "Kwasniewski" not in text                       # product bounds only on request, with their scope
+    assert "Kwasniewski" in c.table(verbose=True) and "not for attention" in c.table(verbose=True)
     d = c.to_dict()
     assert d["measured_bytes"] == 9_750_000 and d["binds"] == c.binds and d["bound"]["regime"] == "large"
     sp = compare(5000, B.sparse(100, 10, 80, 900, 64, n=100, d=10), dtype="fp32")

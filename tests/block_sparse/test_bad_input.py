@@ -117,6 +117,8 @@ def test_bad_input_raises_clearly(call, exc, match):
     pytest.param(["layout", "sliding_window", "--seq-len", "1M", "--block", "1"], "GiB is available",
                  id="layout-huge-grid"),
     pytest.param(["demo", "--seq-len", "1M"], "dense float64 reference", id="demo-huge-seq-len"),
+    pytest.param(["sweep", "cache", "--out-dir", "/proc/x/y", "--no-plot"], "--out-dir /proc/x/y cannot be written",
+                 id="sweep-out-dir-unwritable"),
 ])
 def test_cli_refuses_up_front(capsys, argv, message):
     """One line on stderr, exit code 2, before any work is done (the checks run first)."""
