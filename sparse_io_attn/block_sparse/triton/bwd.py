@@ -143,7 +143,7 @@ def _attn_bwd_dkdv_kernel(
                                                  mask_m[:, None], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_M, BLOCK_N]
             if IS_CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-            sT = dot(k, tl.trans(q), None, DOT_DTYPE) * qk_scale  # [BLOCK_N, BLOCK_M]
+            sT = tl.trans(dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale)  # [BLOCK_N, BLOCK_M]: as the forward rounds it
             pT = tl.math.exp2(tl.where(tl.trans(valid), (sT - m_row[None, :]) - log2_sum[None, :],
                                        float("-inf")))  # [BLOCK_N, BLOCK_M]
             dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
@@ -170,7 +170,7 @@ def _attn_bwd_dkdv_kernel(
             m_row = tl.load(stats_ptr + row_base + offs_m)  # [BLOCK_M], finite: the row keeps this block
             log2_sum = tl.load(stats_ptr + stats_stride + row_base + offs_m)
             delta = tl.load(delta_ptr + row_base + offs_m)
-            sT = dot(k, tl.trans(q), None, DOT_DTYPE) * qk_scale  # [BLOCK_N, BLOCK_M]
+            sT = tl.trans(dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale)  # [BLOCK_N, BLOCK_M]: as the forward rounds it
             pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])
             dv = dot(pT, do, dv, DOT_DTYPE)
             dpT = dot(v, tl.trans(do), None, DOT_DTYPE)
