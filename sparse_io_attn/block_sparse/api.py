@@ -11,8 +11,10 @@ backward needs to recompute the probabilities exactly as the forward did.
 ``causal_offset`` is ``None`` (no causal mask) or ``delta``: key ``j`` is allowed for query ``i``
 only if ``j <= i + delta`` (:func:`causal_offset`).
 
-``"torch"`` is :mod:`sparse_io_attn.block_sparse.torch_path` (any device, fast on CPU); ``"triton"`` is
-:mod:`sparse_io_attn.block_sparse.triton.launch` (compiled on CUDA, Triton's interpreter on CPU).
+``"cpu"`` is :mod:`sparse_io_attn.block_sparse.cpu` (the fused C++ kernel, compiled on first use; the
+fastest on CPU); ``"torch"`` is :mod:`sparse_io_attn.block_sparse.torch_path` (plain PyTorch, any
+device: the portable fallback); ``"triton"`` is :mod:`sparse_io_attn.block_sparse.triton.launch`
+(compiled on CUDA, Triton's interpreter on CPU: slow, counts I/O).
 """
 from __future__ import annotations
 
@@ -23,17 +25,25 @@ import torch
 
 from sparse_io_attn.layout.core import BlockSparseLayout
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu")
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_BACKEND_MODULES = {"torch": "sparse_io_attn.block_sparse.torch_path", "triton": "sparse_io_attn.block_sparse.triton.launch"}
+_BACKEND_MODULES = {"torch": "sparse_io_attn.block_sparse.torch_path", "triton": "sparse_io_attn.block_sparse.triton.launch",
+                    "cpu": "sparse_io_attn.block_sparse.cpu"}
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA, ``"torch"`` elsewhere; other names are checked."""
+    """``"auto"`` -> ``"triton"`` on CUDA; on CPU ``"cpu"`` (the fused C++ kernel, built on first use)
+    when it can be built, else ``"torch"`` (with one warning); ``"torch"`` on other devices. Other
+    names are checked."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        if device.type == "cpu":
+            from sparse_io_attn.block_sparse.cpu._build import available_for_auto
+            return "cpu" if available_for_auto() else "torch"
+        return "torch"
     return backend
 
 
@@ -156,7 +166,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
         sm_scale: softmax scale, default ``D ** -0.5``.
         return_lse: also return the row log-sum-exp ``[B, Hq, Nq]`` (float32, natural log; not
             differentiable).
-        backend: ``"auto"`` (triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (triton on CUDA; cpu on CPU, or torch with one warning if the C++
+            kernel cannot be built), ``"cpu"``, ``"torch"`` or ``"triton"``.
 
     Softmax runs over the allowed keys of each query row. A row with no allowed key gets output 0,
     lse ``-inf`` and zero gradients.

@@ -19,7 +19,7 @@ from sparse_io_attn.bounds.devices import available_memory_bytes
 from sparse_io_attn.cli import _common as C
 from sparse_io_attn.cli.bounds import attention_bound, default_cache_words
 
-BACKENDS = ("torch", "triton", "sdpa", "flex")
+BACKENDS = ("cpu", "torch", "triton", "sdpa", "flex")
 PASSES = ("fwd", "fwd+bwd")
 INTERPRETER_TILE_LIMIT = 512  # kept tiles x heads the Triton interpreter runs without --allow-interpreter
 
@@ -48,7 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--block", type=C.parse_count, default=64, help="layout block size (default 64)")
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--causal", action="store_true", help="element-level causal masking inside kept blocks")
-    p.add_argument("--backends", default="torch,triton,sdpa,flex", help="comma list of torch,triton,sdpa,flex")
+    p.add_argument("--backends", default="cpu,torch,triton,sdpa,flex",
+                   help="comma list of cpu,torch,triton,sdpa,flex (cpu: the C++ kernel, CPU tensors only)")
     p.add_argument("--pass", dest="passes", default="fwd,fwd+bwd", help="comma list of fwd,fwd+bwd")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats (median reported; default 5)")
@@ -88,6 +89,14 @@ def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
 
     if backend == "torch":
         return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="torch")
+    if backend == "cpu":
+        from sparse_io_attn.block_sparse import cpu
+
+        if q.device.type != "cpu":
+            raise Skip("the C++ kernel runs on CPU tensors only")
+        if not cpu.is_available():
+            raise Skip(f"the C++ kernel is unavailable: {cpu.unavailable_reason()}")
+        return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="cpu")
     if backend == "triton":
         import sparse_io_attn._triton.runtime as K
 

@@ -55,8 +55,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="input dtype (default fp32)")
     p.add_argument("--causal", action="store_true",
                    help="element-level causal masking (implied by the causal pattern or a ',causal' spec)")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="block_sparse_attention backend (default auto: torch on CPU)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="block_sparse_attention backend (default auto: the C++ kernel on CPU)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per method (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random inputs (default 0)")
     p.set_defaults(func=run)

@@ -27,7 +27,7 @@ hold: the text config of a multimodal model). Accepted forms:
 * a spec string (``"sliding_window:window=256"``; grammar in :mod:`sparse_io_attn.layout.patterns`,
   ``"dense"`` means dense), with the default block size :data:`DEFAULT_BLOCK_SIZE`.
 * a dict ``{"pattern": <spec or callable or per-layer list>, "block_size": 64 or (64, 32),
-  "backend": "auto" | "torch" | "triton"}``. Strings, numbers and lists keep the config
+  "backend": "auto" | "cpu" | "torch" | "triton"}``. Strings, numbers and lists keep the config
   serialisable (``save_pretrained``); a callable does not.
 * a callable ``(seqlen_q, seqlen_k, layer_idx) -> BlockSparseLayout | None`` (``None``: dense for
   that layer and length). It is called with ``seqlen_q == seqlen_k == n``, the number of positions

@@ -43,7 +43,8 @@ class SparseSelfAttention(nn.Module):
             backends have no dropout, and a value > 0 raises ``NotImplementedError`` rather than
             being ignored. Put an ``nn.Dropout`` on the layer's output instead.
         bias: add biases to the four projections.
-        backend: ``"auto"`` (Triton on CUDA, the PyTorch path elsewhere), ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA, the C++ kernel on CPU), ``"cpu"``, ``"torch"`` or
+            ``"triton"`` (see :func:`~sparse_io_attn.block_sparse_attention`).
 
     Under ``torch.compile`` the layout for a new length is built by data-dependent code (like
     FlexAttention's ``create_block_mask``); call :meth:`layout_for` (or run one eager forward) for

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_io_attn.block_sparse.api import resolve_backend
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands import torch_path
@@ -84,7 +83,7 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
         qk_layout: optional :class:`BlockSparseLayout` (one mask, ``seqlen == (nq, nk)``, block
             ``(A1 row block, A2 row block)``): the keys each query block attends to.
         scale: multiplies the scores (the paper uses 1).
-        backend: ``"auto"`` (triton on CUDA, torch elsewhere), ``"torch"``, ``"triton"`` (on CPU:
+        backend: ``"auto"`` (triton on CUDA, torch elsewhere; this form has no C++ kernel), ``"torch"``, ``"triton"`` (on CPU:
             Triton's interpreter, slow, counts I/O).
         return_lse: also return the row log-sum-exp (fp32, natural log, not differentiable).
 
@@ -96,7 +95,7 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
     gradients; block-sparse ones get gradients on their own block pattern (``values.grad``).
     """
     blocks, dtype, device = check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend)
-    name = resolve_backend(backend, device)
+    name = backend if backend != "auto" else ("triton" if device.type == "cuda" else "torch")
     if name == "torch":
         o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, float(scale))
     else:

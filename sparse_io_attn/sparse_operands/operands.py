@@ -109,8 +109,13 @@ def _shape(x) -> tuple:
     return tuple(x.shape)
 
 
+BACKENDS = ("auto", "torch", "triton")
+
+
 def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
     """Validate the operands; return ``(Blocks, dtype, device)``. Errors name expected vs got."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     named = (("A1", A1), ("A2", A2), ("A3", A3), ("X", X), ("Y", Y))
     for name, t in named:
         sparse_ok = name in ("A1", "A2", "X")

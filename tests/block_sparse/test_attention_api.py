@@ -46,7 +46,7 @@ def test_bad_inputs_raise_actionable_errors(make, exc, match):
 
 def test_bad_backend_and_sm_scale():
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton', 'cpu'\), got 'cuda'"):
         block_sparse_attention(q, k, v, LAYOUT, backend="cuda")
     with pytest.raises(TypeError, match="sm_scale must be a float or None, got bool"):
         block_sparse_attention(q, k, v, LAYOUT, sm_scale=True)
@@ -58,12 +58,14 @@ def test_default_sm_scale_is_inverse_sqrt_head_dim():
     assert check_inputs(q, k, v, LAYOUT, 2) == 2.0
 
 
-def test_auto_picks_torch_on_cpu():
-    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+def test_auto_picks_the_cpu_kernel_on_cpu():
+    from sparse_io_attn.block_sparse import cpu
+    expected = "cpu" if cpu.is_available() else "torch"
+    assert resolve_backend("auto", torch.device("cpu")) == expected
     assert resolve_backend("auto", torch.device("cuda")) == "triton"
     q, k, v = qkv()
     a = block_sparse_attention(q, k, v, LAYOUT, causal=True)
-    b = block_sparse_attention(q, k, v, LAYOUT, causal=True, backend="torch")
+    b = block_sparse_attention(q, k, v, LAYOUT, causal=True, backend=expected)
     assert torch.equal(a, b)
 
 

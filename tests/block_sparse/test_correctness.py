@@ -16,7 +16,19 @@ from sparse_io_attn.block_sparse.reference import attention_reference, element_m
 from helpers import check_close, make_inputs, make_layout, run
 
 DEVICE = "cpu" if INTERPRET else "cuda"
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton")]
+BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton"), pytest.param("cpu", id="cpu")]
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernel_present(request):
+    """The C++ backend runs on CPU tensors, and only where it could be built (a C++ compiler)."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("backend") == "cpu":
+        from sparse_io_attn.block_sparse import cpu
+        if DEVICE != "cpu":
+            pytest.skip("backend 'cpu' takes CPU tensors; this run uses CUDA tensors")
+        if not cpu.is_available():
+            pytest.skip(f"the C++ kernel cannot be built here: {cpu.unavailable_reason()}")
 
 
 def elem_layout(B, Hq, Nq, Nk, block, *, p=0.5, per_head=False, per_batch=False, empty_rows=(),

@@ -42,7 +42,7 @@ def test_help_has_examples(cmd, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["bench", "--backends", "torch,cuda-magic"], ["cuda-magic", "torch, triton, sdpa, flex"]),
+    (["bench", "--backends", "torch,cuda-magic"], ["cuda-magic", "cpu, torch, triton, sdpa, flex"]),
     (["bench", "--pass", "bwd-only"], ["--pass"]),
     (["bench", "--heads", "3", "--kv-heads", "2"], ["multiple"]),
     (["bench", "--dtype", "fp8"], ["--dtype"]),
@@ -185,13 +185,15 @@ def test_parser_does_not_import_the_kernels():
 def test_bench_json_counted_traffic_and_skips(tmp_path):
     csv_path = tmp_path / "b.csv"
     proc = run_cli("bench", "--pattern", "sliding_window:32", "--seq-len", "96", "--heads", "2", "--kv-heads", "1",
-                   "--head-dim", "16", "--block", "32", "--backends", "torch,triton,sdpa", "--repeats", "1",
+                   "--head-dim", "16", "--block", "32", "--backends", "cpu,torch,triton,sdpa", "--repeats", "1",
                    "--warmup", "0", "--count", "--json", "--csv", csv_path)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["header"]["torch"] == torch.__version__ and out["header"]["dtype"] == "fp32"
     rows = {(r["backend"], r["pass"]): r for r in out["rows"]}
-    assert set(rows) == {(b, p) for b in ("torch", "triton", "sdpa") for p in ("fwd", "fwd+bwd")}
+    assert set(rows) == {(b, p) for b in ("cpu", "torch", "triton", "sdpa") for p in ("fwd", "fwd+bwd")}
+    from sparse_io_attn.block_sparse import cpu
+    assert {rows[("cpu", p)]["status"] for p in ("fwd", "fwd+bwd")} == {"ok" if cpu.is_available() else "skipped"}
     lay = patterns.from_spec("sliding_window:32", seqlen=96, block_size=32)
     for p, predict in (("fwd", traffic.block_sparse_forward), ("fwd+bwd", traffic.block_sparse)):
         r = rows[("triton", p)]

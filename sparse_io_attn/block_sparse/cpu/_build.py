@@ -1,0 +1,203 @@
+"""JIT build and loading of the C++ kernel (``kernel.cpp``), and the fallback when it cannot be built.
+
+The kernel is compiled on first use with :func:`torch.utils.cpp_extension.load` (ninja, one
+translation unit, ``-O3`` and ``-march=native`` on x86-64) into torch's default extensions
+directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The extension's name
+carries a digest of the source, the flags, the torch version and the CPU's feature flags, so a
+cached build is reused exactly when it matches (another torch version or another CPU kind builds
+its own copy; a ``-march=native`` binary is never loaded on a CPU it was not built for). Two
+processes building at once (``pytest -n 2``) are serialised by torch's file lock in the build
+directory: the second waits and loads the first one's library. ``SPARSE_IO_ATTN_CPU_MARCH=x86-64-v3``
+(or any ``-march`` value) builds for another instruction set instead of ``native``: the vector code
+is chosen at compile time (AVX-512 fast paths, else at::vec's AVX2 or generic code).
+
+The ops are registered with ``TORCH_LIBRARY`` (namespace ``sparse_io_attn_cpu``): no pybind11,
+which keeps the first build short.
+
+:func:`load` returns ``torch.ops.sparse_io_attn_cpu`` or raises ``RuntimeError`` naming what is
+missing and how to fix it; the outcome is remembered for the process. :func:`is_available`
+answers without raising (it builds on first call).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernel.cpp")
+NAMESPACE = "sparse_io_attn_cpu"
+DISABLE_ENV = "SPARSE_IO_ATTN_NO_CPU_KERNEL"   # set to 1: behave as if the kernel could not be built
+ARCH_ENV = "SPARSE_IO_ATTN_CPU_MARCH"          # -march value instead of "native" (x86)
+
+_lock = threading.Lock()
+_ops = None            # torch.ops namespace once loaded
+_error: str | None = None   # why the kernel is unavailable (set once)
+
+
+def _openmp() -> bool:
+    """Whether torch runs at::parallel_for on OpenMP, whose parallel region is inline code in the
+    ATen headers: the extension must then be compiled and linked with -fopenmp (the loader reuses
+    the libgomp.so.1 torch already loaded), or its parallel_for runs on one thread."""
+    return "OpenMP" in torch.__config__.parallel_info() and platform.system() == "Linux"
+
+
+def _cflags() -> list[str]:
+    flags = ["-O3", "-fno-math-errno", "-Wno-unused-variable", "-Wno-unused-parameter"]
+    if _openmp():
+        flags.append("-fopenmp")
+    machine = platform.machine().lower()
+    arch = os.environ.get(ARCH_ENV, "")
+    if arch:                       # e.g. x86-64-v3 (AVX2) or x86-64 (SSE2): a portable or test build
+        flags.append(f"-march={arch}")
+    elif machine in ("x86_64", "amd64", "i686", "i386"):
+        flags.append("-march=native")
+    elif machine in ("aarch64", "arm64"):
+        flags.append("-mcpu=native")
+    return flags
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def extension_name() -> str:
+    h = hashlib.sha1()
+    for part in (SOURCE.read_bytes(), " ".join(_cflags()).encode(), str(_openmp()).encode(), torch.__version__.encode(),
+                 _cpu_signature().encode(), sys.version.encode()):
+        h.update(part)
+        h.update(b"\0")
+    return f"sparse_io_attn_cpu_{h.hexdigest()[:12]}"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX", "c++")
+    return shutil.which(cxx.split()[0]) if cxx else None
+
+
+def _ensure_ninja_on_path() -> bool:
+    """torch's builder runs ``ninja`` from PATH; the ``ninja`` wheel puts it next to the venv's
+    python, which is not on PATH when the venv is not activated (``.venv/bin/python -m pytest``)."""
+    if shutil.which("ninja"):
+        return True
+    candidates = [os.path.dirname(sys.executable), sysconfig.get_path("scripts")]
+    try:
+        import ninja  # the PyPI package ships the binary
+        candidates.insert(0, getattr(ninja, "BIN_DIR", ""))
+    except ImportError:
+        pass
+    for d in candidates:
+        if d and os.path.isfile(os.path.join(d, "ninja")):
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return True
+    return False
+
+
+def _problem() -> str | None:
+    """Why a build cannot even start (None: try it)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return f"disabled by the environment variable {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    if not SOURCE.is_file():
+        return (f"the kernel source {SOURCE} is missing from the installed package; reinstall "
+                f"sparse_io_attn from a source checkout (pip install -e .)")
+    if _compiler() is None:
+        return (f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r} on PATH); install one "
+                f"(e.g. `apt-get install g++` or `conda install gxx_linux-64`) or point CXX at it")
+    if not _ensure_ninja_on_path():
+        return "the ninja build tool was not found; `pip install ninja` (a dependency of sparse_io_attn)"
+    return None
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    name = extension_name()
+    build_dir = cpp_extension._get_build_directory(name, verbose=False)
+    if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
+        print(f"sparse_io_attn: compiling the CPU attention kernel (first use with this torch/CPU; "
+              f"about a minute) into {build_dir}", file=sys.stderr, flush=True)
+    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(),
+                       extra_ldflags=["-fopenmp"] if _openmp() else [], is_python_module=False, verbose=False)
+    return getattr(torch.ops, NAMESPACE)
+
+
+def load():
+    """``torch.ops.sparse_io_attn_cpu`` (building the kernel on first use), or ``RuntimeError``."""
+    global _ops, _error
+    if _ops is not None:
+        return _ops
+    with _lock:
+        if _ops is None and _error is None:
+            problem = _problem()
+            if problem is None:
+                try:
+                    _ops = _build()
+                except Exception as e:  # compiler errors, link errors, a broken cache, ...
+                    msg = " ".join(str(e).split())
+                    problem = (f"building the C++ kernel failed ({type(e).__name__}: {msg[:500]}); check that "
+                               f"a working C++ compiler and ninja are installed, or remove the stale build "
+                               f"directory under torch's extensions dir ({_extensions_root()})")
+            _error = problem
+    if _ops is None:
+        raise RuntimeError(f"sparse_io_attn backend='cpu' is unavailable: {_error}. Use backend='torch' "
+                           f"(the portable PyTorch path) meanwhile; backend='auto' falls back to it.")
+    return _ops
+
+
+def is_available() -> bool:
+    """Whether backend ``"cpu"`` can run (builds the kernel on the first call)."""
+    try:
+        load()
+        return True
+    except RuntimeError:
+        return False
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` fails (after a failed :func:`load`/:func:`is_available`), else None."""
+    return None if _ops is not None else _error
+
+
+def _extensions_root() -> str:
+    from torch.utils import cpp_extension
+    try:
+        return os.path.dirname(cpp_extension._get_build_directory(extension_name(), verbose=False).rstrip(os.sep))
+    except Exception:
+        return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+
+
+def _reset() -> None:
+    """Forget the outcome of a failed load (tests). A loaded library stays loaded."""
+    global _error
+    _error = None
+
+
+_warned = False
+
+
+@torch.compiler.assume_constant_result
+def available_for_auto() -> bool:
+    """What ``backend="auto"`` asks on CPU: True when the kernel loads (building it on first use);
+    False, with one ``UserWarning`` per process, when it cannot be built. A constant for
+    ``torch.compile`` (evaluated once while tracing)."""
+    global _warned
+    if is_available():
+        return True
+    if not _warned:
+        _warned = True
+        import warnings
+        warnings.warn(f"sparse_io_attn: the fused CPU kernel (backend='cpu') is unavailable, backend='auto' "
+                      f"uses the slower PyTorch path (backend='torch'): {_error}", RuntimeWarning, stacklevel=4)
+    return False
