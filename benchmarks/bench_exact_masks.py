@@ -2,8 +2,8 @@
 against the block-level approximation of the same patterns (every kept block full), same kept
 blocks, same backend.
 
-Setting (issue "element-exact masks"): B=1, H=8, N=4096, D=64, block 64, fp32, backend "torch"
-(and "cpu" when given with --backends), patterns
+Setting (issue "element-exact masks"): B=1, H=8, N=4096, D=64, block 64, fp32, backends "cpu"
+(the C++ kernel) and "torch", patterns
 
 * document packing with boundaries off the block edges, causal within documents;
 * a causal sliding window of 300 tokens (not a multiple of the block).
@@ -38,7 +38,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--repeats", type=int, default=9, help="timed rounds after one warm-up round")
-    p.add_argument("--backends", default="torch", help="comma-separated backends (torch, cpu)")
+    p.add_argument("--backends", default="cpu,torch", help="comma-separated backends (cpu, torch)")
     p.add_argument("--out", type=Path, default=RESULTS / "exact_masks", help="output stem (.md/.csv/.json)")
     return p.parse_args(argv)
 

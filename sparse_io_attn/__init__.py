@@ -4,13 +4,15 @@ One folder per capability (map in ``docs/ARCHITECTURE.md``):
 
 * :mod:`.layout`: :class:`BlockSparseLayout` (the centre object), its conversions, ``patterns``,
   and :class:`BlockSparseMatrix` (block-sparse operands).
-* :mod:`.block_sparse`: :func:`block_sparse_attention` with its backends (``triton/``,
-  ``torch_path/``), float64 ``reference``, kernel ``tiles`` and exact ``traffic`` model.
+* :mod:`.block_sparse`: :func:`block_sparse_attention` with its backends (``cpu/``: the C++ kernel,
+  ``triton/``, ``torch_path/``), float64 ``reference``, kernel ``tiles`` and exact ``traffic`` model.
 * :mod:`.dense`: the paper's dense form with its two regime-specific backward kernels.
 * :mod:`.sparse_operands`: the paper's form with block-sparse operands A1, X, A2.
 * :mod:`.accounting`: byte counters, traffic reports, ``compare`` with a bound.
 * :mod:`.bounds`: the lower-bound calculator and the two-level-memory executor (``bounds.pebble``).
 * :mod:`.nn`: ``SparseSelfAttention`` and the ``torch.library`` custom ops; :mod:`.cli`: the command.
+* :mod:`.integrations`: ``integrations.transformers`` (Hugging Face ``attn_implementation``; imported
+  only when used).
 
 Importing the package touches neither CUDA nor Triton (Triton is imported on first kernel use); on a
 CPU-only torch build it sets ``TRITON_INTERPRET=1`` unless set, the only way Triton runs there.

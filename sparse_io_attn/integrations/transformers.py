@@ -144,15 +144,18 @@ class LayerPattern:
         return (self.pattern, self.block_size, layer)
 
 
+def _unpack(raw: dict, block_size, backend, where: str):
+    """A dict entry -> ``(pattern, block_size, backend)``, its missing keys from the defaults given."""
+    unknown = set(raw) - _DICT_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: {sorted(_DICT_KEYS)}")
+    return raw.get("pattern"), raw.get("block_size", block_size), raw.get("backend", backend)
+
+
 def _entry(raw, block_size, backend, where: str):
     """One layer's entry -> ``(pattern, block_size, backend)``."""
     if isinstance(raw, dict):
-        unknown = set(raw) - _DICT_KEYS
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: {sorted(_DICT_KEYS)}")
-        block_size = raw.get("block_size", block_size)
-        backend = raw.get("backend", backend)
-        raw = raw.get("pattern")
+        raw, block_size, backend = _unpack(raw, block_size, backend, where)
         if isinstance(raw, (list, tuple, dict)):
             raise ValueError(f"{where}: a per-layer entry cannot hold another list or dict")
     try:
@@ -185,12 +188,7 @@ def layer_pattern(config, layer_idx: Optional[int] = None) -> LayerPattern:
     where = f"config.{CONFIG_ATTR}"
     block_size, backend = DEFAULT_BLOCK_SIZE, "auto"
     if isinstance(raw, dict):
-        unknown = set(raw) - _DICT_KEYS
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; accepted: {sorted(_DICT_KEYS)}")
-        block_size = raw.get("block_size", block_size)
-        backend = raw.get("backend", backend)
-        raw = raw.get("pattern")
+        raw, block_size, backend = _unpack(raw, block_size, backend, where)
     if isinstance(raw, (list, tuple)):
         n_layers = getattr(config, "num_hidden_layers", None)
         if n_layers is not None and len(raw) != n_layers:

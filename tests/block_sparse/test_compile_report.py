@@ -3,7 +3,8 @@ sm_90 as a real launch compiles it (JIT specialisation, every autotuning configu
 loops' K/V (forward, dQ) and Q/dO (dK/dV) loads multi-buffered (cp.async) and spills no registers.
 Each case runs `sparse-io-attn compile-report` in a fresh process (this one imported Triton in
 interpreter mode). Head dims 64 and 128, bf16 and fp16, causal and not; every configuration for
-one dtype per head dim, the default configuration for the other combinations."""
+one dtype per head dim, the default configuration for the other combinations; fp32 (exact IEEE
+products on CUDA cores) at head dim 64, every configuration."""
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ CASES = [  # (dtype, head_dim, causal, configs)
     pytest.param("fp16", 128, False, "default", id="fp16-d128-default"),
     pytest.param("bf16", 64, False, "all", id="bf16-d64-all"),
     pytest.param("fp16", 64, True, "default", id="fp16-d64-causal-default"),
+    pytest.param("fp32", 64, False, "all", id="fp32-d64-all"),
 ]
 
 
@@ -36,4 +38,5 @@ def test_kernels_pipeline_and_do_not_spill(tmp_path, dtype, head_dim, causal, co
         assert 0 < r["shared_bytes"] <= 227 * 1024, r           # fits an H100 block
     for r in loops:
         assert r["pipelined"] and r["cp_async"] > 0, r
-        assert r["wgmma"] > 0 or r["BLOCK_N"] < 64 or r["BLOCK_M"] < 64, r   # tensor cores where tiles allow
+        if dtype != "fp32":   # fp32 runs exact IEEE products: no tensor cores by design
+            assert r["wgmma"] > 0 or r["BLOCK_N"] < 64 or r["BLOCK_M"] < 64, r   # tensor cores where tiles allow

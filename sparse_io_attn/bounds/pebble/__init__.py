@@ -11,6 +11,10 @@
   :func:`small_forward_counts` / :func:`small_forward_io`.
 * Runners: :func:`run_small_cache`, :func:`run_large_cache` put the inputs in slow memory, run, and
   return g = dL/dX (Definition 3.2) with the counts; :func:`run_small_cache_forward` returns O.
+
+The algorithms are transcribed from the appendices one function per algorithm, and stay parallel
+on purpose (``duplicates`` lists Algorithms 3 and 5, which walk the same tiles over different
+matrices): each is read line by line against the paper, and its counts must equal its own closed form, so they are not folded into shared helpers.
 """
 from sparse_io_attn.bounds.pebble.closed_form import (IOCount, algorithm1_counts, algorithm7_counts, algorithm8_counts, large_cache_counts,
                           large_cache_io, large_cache_peak, small_cache_counts, small_cache_io,
