@@ -39,14 +39,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparse_io_attn import block_sparse_attention, patterns
+from sparse_io_attn import block_sparse_attention
 from sparse_io_attn.block_sparse import cpu as cpu_backend
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.block_sparse.traffic import block_sparse_flops
 from sparse_io_attn.cli._common import DTYPES, format_header, format_table, machine_header, write_csv, write_json
 
+from _cpu_timing import PATTERNS, build, fwd_bwd, time_interleaved  # noqa: E402  (benchmarks/ on sys.path)
+
 RESULTS = Path(__file__).resolve().parent / "results"
-PATTERNS = ("sliding_window", "bigbird", "causal", "dense")
 
 
 def parse_args(argv=None):
@@ -63,45 +64,6 @@ def parse_args(argv=None):
     p.add_argument("--no-torch", action="store_true", help="skip backend='torch'")
     p.add_argument("--out", type=Path, default=RESULTS / "cpu_kernel", help="output stem (.md/.csv/.json)")
     return p.parse_args(argv)
-
-
-def build(name: str, N: int, block: int):
-    """``(layout, causal)`` for a pattern name."""
-    if name == "sliding_window":
-        return patterns.sliding_window(N, block), False
-    if name == "bigbird":
-        return patterns.bigbird(N, block), False
-    if name == "causal":
-        return patterns.causal(N, block), True
-    if name == "dense":
-        return patterns.dense(N, block), False
-    raise ValueError(f"unknown pattern {name!r}; choose from {', '.join(PATTERNS)}")
-
-
-def fwd_bwd(fn, q, k, v, do):
-    """A closure running ``fn`` forward and backward on leaf copies of q, k, v."""
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-
-    def run():
-        for t in leaves:
-            t.grad = None
-        fn(*leaves).backward(do)
-    return run
-
-
-def time_interleaved(methods: dict, repeats: int) -> dict:
-    """``{name: [seconds per round]}``: one warm-up round, then ``repeats`` rounds calling every
-    method once per round (the first method of a round rotates)."""
-    for fn in methods.values():
-        fn()
-    names = list(methods)
-    times = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            methods[name]()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def bench_pattern(args, name: str, dtype: torch.dtype, q, k, v, do, flex) -> dict:

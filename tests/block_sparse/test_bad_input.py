@@ -73,6 +73,9 @@ BAD = [
                  ValueError, "sm_scale must be a finite number", id="sm_scale-inf-triton"),
     pytest.param(lambda: _double_backward("triton"), NotImplementedError, "double backward", id="double-backward-triton"),
     pytest.param(lambda: _double_backward("torch"), NotImplementedError, "double backward", id="double-backward-torch"),
+    pytest.param(lambda: _double_backward("cpu"), NotImplementedError, "double backward", id="double-backward-cpu"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=float("-inf"), backend="cpu"),
+                 ValueError, "sm_scale must be a finite number", id="sm_scale-minus-inf-cpu"),
     pytest.param(_double_backward_op, NotImplementedError, "double backward", id="double-backward-custom-op"),
     pytest.param(lambda: BlockSparseLayout.from_flex_block_mask(_flex([[0, -1], [1, 0]], [2, 1])), ValueError,
                  r"kv_indices\[0, 0, 0, 1\] = -1 is one of the 2 blocks", id="flex-counted-minus-one"),
@@ -84,6 +87,8 @@ BAD = [
                  r"col_indices must lie in \[0, 4\)", id="negative-column-validate-false"),
     pytest.param(lambda: block_sparse_attention(*_qkv(), _bad_index_layout(), backend="torch"), ValueError,
                  r"col_indices must lie in \[0, 4\)", id="negative-column-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _bad_index_layout(), backend="cpu"), ValueError,
+                 r"col_indices must lie in \[0, 4\)", id="negative-column-cpu"),
     pytest.param(_op_with_bad_indices, ValueError, r"col_indices must lie in \[0, 4\)", id="custom-op-bad-indices"),
     pytest.param(lambda: patterns.sliding_window(2 ** 21, 1, window=2 ** 20), ValueError,
                  "GiB is available", id="pattern-too-large-for-memory"),
@@ -127,7 +132,7 @@ def test_cli_refuses_up_front(capsys, argv, message):
     assert message in err and "Traceback" not in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-2), (torch.bfloat16, 1e-2)],
                          ids=["fp32", "fp16", "bf16"])
 def test_dv_exact_at_large_logits(backend, dtype, tol):
