@@ -2,6 +2,7 @@
 benchmark patterns, forward+backward closures, and interleaved timing rounds."""
 from __future__ import annotations
 
+import argparse
 import time
 
 from sparse_io_attn import patterns
@@ -46,3 +47,13 @@ def time_interleaved(methods: dict, repeats: int) -> dict:
             methods[name]()
             times[name].append(time.perf_counter() - t0)
     return times
+
+
+def shape_arguments(p: argparse.ArgumentParser, repeats: int) -> argparse.ArgumentParser:
+    """The problem-size options every CPU benchmark takes (B = 1, H heads, N tokens, D, block)."""
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=repeats, help="timed rounds after one warm-up round")
+    return p

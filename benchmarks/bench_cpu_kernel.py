@@ -45,19 +45,15 @@ from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.block_sparse.traffic import block_sparse_flops
 from sparse_io_attn.cli._common import DTYPES, format_header, format_table, machine_header, write_csv, write_json
 
-from _cpu_timing import PATTERNS, build, fwd_bwd, time_interleaved  # noqa: E402  (benchmarks/ on sys.path)
+from _cpu_timing import PATTERNS, build, fwd_bwd, shape_arguments, time_interleaved  # noqa: E402  (benchmarks/ on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block", type=int, default=64)
+    shape_arguments(p, repeats=7)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
-    p.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up round (default 7)")
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     p.add_argument("--patterns", default=",".join(PATTERNS))
     p.add_argument("--no-flex", action="store_true", help="skip torch.compile(flex_attention)")

@@ -33,7 +33,7 @@ from sparse_io_attn import block_sparse_attention
 from sparse_io_attn.cli._common import format_header, format_table, machine_header, write_csv, write_json
 from sparse_io_attn.block_sparse.reference import rel_err
 
-from _cpu_timing import PATTERNS, build, fwd_bwd, time_interleaved  # noqa: E402  (benchmarks/ on sys.path)
+from _cpu_timing import PATTERNS, build, fwd_bwd, shape_arguments, time_interleaved  # noqa: E402  (benchmarks/ on sys.path)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGETS = {  # pattern -> (min fwd speedup vs SDPA, min fwd+bwd speedup vs SDPA)
@@ -45,11 +45,7 @@ FLEX_TARGET = 1.5
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=7, help="timed rounds after one warm-up round")
+    shape_arguments(p, repeats=7)
     p.add_argument("--threads", default=None,
                    help="comma-separated torch thread counts, one table block each (default: torch's choice)")
     p.add_argument("--patterns", default=",".join(PATTERNS))

@@ -27,17 +27,15 @@ import torch
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
 from sparse_io_attn.cli._common import format_header, format_table, machine_header, write_csv, write_json
 
+from _cpu_timing import shape_arguments  # noqa: E402  (benchmarks/ on sys.path)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 1.10
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=9, help="timed rounds after one warm-up round")
+    shape_arguments(p, repeats=9)
     p.add_argument("--backends", default="cpu,torch", help="comma-separated backends (cpu, torch)")
     p.add_argument("--out", type=Path, default=RESULTS / "exact_masks", help="output stem (.md/.csv/.json)")
     return p.parse_args(argv)
