@@ -90,7 +90,7 @@ class _Grid:
     def q_lo(self, r):
         return r * self.bq
 
-    def q_hi(self, r):
+    def q_hi(self, r):   # r, c: block indices in [0, R), [0, C)
         if self._q_hi is None:   # a table: one gather per call instead of four passes over r
             self._q_hi = torch.clamp((self.rows() + 1) * self.bq, max=self.sq) - 1
         return self._q_hi[r]
@@ -113,11 +113,10 @@ class _Grid:
         """Blocks ``(r[i], c)`` for ``c_first[i] <= c <= c_last[i]`` (clipped to the grid): ``(r, c)``."""
         return _expand(r, c_first.clamp(min=0), c_last.clamp(max=self.C - 1))
 
-    def band_spans(self, lo, hi, r: torch.Tensor | None = None):
-        """Per row ``r`` (default all; ``lo``/``hi`` scalars or tensors broadcasting against ``r``),
-        the first and last column block holding some element with ``lo <= q - k <= hi``; rows with
-        none get ``c_first > c_last``."""
-        r = self.rows() if r is None else r
+    def band_spans(self, lo: int, hi: int):
+        """Per row, the first and last column block holding some element with ``lo <= q - k <= hi``
+        (rows with none get ``c_first > c_last``)."""
+        r = self.rows()
         lo_k = self.q_lo(r) - hi   # smallest k with q - k <= hi for some q of the row
         hi_k = self.q_hi(r) - lo   # largest k with q - k >= lo
         c_first = torch.div(torch.clamp(lo_k, min=0), self.bk, rounding_mode="floor")
@@ -176,21 +175,15 @@ class _Grid:
 _BYTES_PER_CANDIDATE = 96
 
 
-def _max_candidates() -> tuple[int | None, str]:
-    """Most candidate blocks the memory available can hold while a layout is built (None: unknown)."""
-    from sparse_io_attn.bounds.devices import available_memory_bytes
-
-    free, source = available_memory_bytes("cpu")
-    return (None if free is None else free // _BYTES_PER_CANDIDATE), source
-
-
 def _check_size(candidates: int) -> None:
     """Refuse (``ValueError`` with the numbers) a layout whose candidate blocks would not fit in the
     memory available, before allocating them. Builders that combine parts (bands, global rows and
     columns, diagonals) call it with the total before listing any part."""
-    limit, source = _max_candidates()
-    if limit is not None and candidates > limit:
-        need, free = candidates * _BYTES_PER_CANDIDATE, limit * _BYTES_PER_CANDIDATE
+    from sparse_io_attn.bounds.devices import available_memory_bytes
+
+    need = candidates * _BYTES_PER_CANDIDATE
+    free, source = available_memory_bytes("cpu")
+    if free is not None and need > free:
         raise ValueError(f"this pattern keeps about {candidates:,} blocks, which needs about {need / 2**30:.1f} GiB "
                          f"to build but {free / 2**30:.1f} GiB is available ({source}); use a larger block_size "
                          f"or a shorter sequence")
@@ -737,8 +730,10 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
         return e & (k <= q) if causal else e
 
     # a row (column) block's document when one document holds all of it, else -1 (-2 for columns)
-    row_doc = torch.where(doc(g.q_lo(g.rows())) == doc(g.q_hi(g.rows())), doc(g.q_lo(g.rows())), -1)
-    col_doc = torch.where(doc(g.k_lo(g.cols())) == doc(g.k_hi(g.cols())), doc(g.k_lo(g.cols())), -2)
+    first_doc, last_doc = doc(g.q_lo(g.rows())), doc(g.q_hi(g.rows()))
+    row_doc = torch.where(first_doc == last_doc, first_doc, -1)
+    first_doc, last_doc = doc(g.k_lo(g.cols())), doc(g.k_hi(g.cols()))
+    col_doc = torch.where(first_doc == last_doc, first_doc, -2)
 
     def one_doc(r_, c_):
         return row_doc[r_] == col_doc[c_]
