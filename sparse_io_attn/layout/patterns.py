@@ -129,10 +129,13 @@ class _Grid:
         lo, hi = self._finite(lo), self._finite(hi)
         return self.ranges(self.rows(), *self.band_spans(lo, hi))
 
+    def ranges_count(self, c_first: torch.Tensor, c_last: torch.Tensor) -> int:
+        """How many blocks :meth:`ranges` returns, without listing them."""
+        return int(_span_lengths(c_first.clamp(min=0), c_last.clamp(max=self.C - 1)).sum())
+
     def band_count(self, lo: float, hi: float) -> int:
         """How many blocks :meth:`band` returns, without listing them."""
-        c_first, c_last = self.band_spans(self._finite(lo), self._finite(hi))
-        return int((c_last - c_first + 1).clamp(min=0).sum())
+        return self.ranges_count(*self.band_spans(self._finite(lo), self._finite(hi)))
 
     def diagonals_count(self, offsets: torch.Tensor) -> int:
         """Blocks holding an in-range element of a thin band ``q - k = d``, summed over ``d`` in
@@ -189,9 +192,14 @@ def _check_size(candidates: int) -> None:
                          f"or a shorter sequence")
 
 
+def _span_lengths(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """How many ``x`` with ``first[i] <= x <= last[i]``, per ``i``."""
+    return (last - first + 1).clamp(min=0)
+
+
 def _expand(ids: torch.Tensor, first: torch.Tensor, last: torch.Tensor):
     """Pairs ``(ids[i], x)`` for ``first[i] <= x <= last[i]``."""
-    n = (last - first + 1).clamp(min=0)
+    n = _span_lengths(first, last)
     _check_size(int(n.sum()))
     out_ids = torch.repeat_interleave(ids, n)
     start = torch.repeat_interleave(first, n)
@@ -438,8 +446,7 @@ def fixed(seqlen, block_size, stride: int | None = None, summary: int | None = N
     has_summary = first_summary <= g.k_hi(cols)
     scols = cols[has_summary]
     first_row = torch.div(first_summary[scols], g.bq, rounding_mode="floor") if causal else _zeros(scols.numel())
-    _check_size(int((c_last.clamp(max=g.C - 1) - c_first.clamp(min=0) + 1).clamp(min=0).sum())
-                + int((g.R - first_row).clamp(min=0).sum()))
+    _check_size(g.ranges_count(c_first, c_last) + int(_span_lengths(first_row, g.R - 1).sum()))
     r1, c1 = g.ranges(rows, c_first, c_last)
     c2, r2 = _expand(scols, first_row, torch.full_like(first_row, g.R - 1))   # rows reaching the column
     r, c = torch.cat([r1, r2]), torch.cat([c1, c2])
