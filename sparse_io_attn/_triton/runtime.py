@@ -24,7 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 import triton.language as tl  # noqa: E402
 
-from sparse_io_attn.accounting.counter import kernel_io  # noqa: E402
+from sparse_io_attn.tally.counter import kernel_io  # noqa: E402
 
 _DUMMY_IO: dict = {}   # device -> int64 buffer launched as io_ptr when nothing counts
 _TUNED: dict = {}      # (kernel, key, configs) -> triton.autotune wrapper
@@ -72,7 +72,7 @@ def tuned(kernel, configs: Sequence, key: Sequence[str]):
 
 def launch(kernel, grid, name: str, tensors: Sequence[str], device, *, configs=None, key: Sequence[str] = (),
            **kwargs):
-    """Launch ``kernel[grid](**kwargs)`` with an I/O counter slot (see :mod:`sparse_io_attn.accounting.counter`);
+    """Launch ``kernel[grid](**kwargs)`` with an I/O counter slot (see :mod:`sparse_io_attn.tally.counter`);
     returns the ``triton.Config`` used (or ``None``).
 
     ``name``/``tensors``: the kernel's name in a :class:`~sparse_io_attn.accounting.TrafficReport`

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sparse_io_attn.bounds.calculator import Bound, explicit_scope
 from sparse_io_attn.bounds.units import dtype_name, itemsize
-from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.tally.report import TrafficReport
 
 
 @dataclass(frozen=True)

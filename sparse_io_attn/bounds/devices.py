@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from sparse_io_attn._memory import available_memory_bytes  # noqa: F401  (re-exported)
 from sparse_io_attn.bounds.units import dtype_name, itemsize
 
 KiB = 1024
@@ -164,20 +165,3 @@ def regime_for(d: int, dtype, device=None) -> Regime:
     words = nbytes // itemsize(dtype)
     return Regime(d=d, dtype=dtype_name(dtype), device=label, M_words=words, d_squared=d * d,
                   regime="small" if words < d * d else "large", source=source)
-
-
-def available_memory_bytes(device=None) -> tuple[int | None, str]:
-    """Memory free for new allocations on ``device`` (default CPU) and where the figure comes from:
-    ``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of ``/proc/meminfo`` on the host, or
-    ``(None, "unknown")`` where neither can be read."""
-    device = torch.device("cpu" if device is None else device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0]), "torch.cuda.mem_get_info"
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "/proc/meminfo MemAvailable"
-    except OSError:
-        pass
-    return None, "unknown"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_io_attn.bounds.devices import available_memory_bytes
+from sparse_io_attn._memory import available_memory_bytes
 
 from sparse_io_attn.layout.patterns import from_spec
 

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from sparse_io_attn.accounting import traffic
-from sparse_io_attn.bounds.devices import available_memory_bytes
+from sparse_io_attn._memory import available_memory_bytes
 from sparse_io_attn.cli import _common as C
 from sparse_io_attn.cli.bounds import attention_bound, default_cache_words
 

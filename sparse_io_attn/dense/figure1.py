@@ -59,7 +59,7 @@ import math
 import torch
 
 from sparse_io_attn.accounting import IOCounter
-from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.bounds import dense_backward, dense_forward
 from sparse_io_attn.bounds.pebble import (large_cache_io, large_cache_peak, run_large_cache, run_small_cache,
                                           small_cache_io, small_cache_m_independent,

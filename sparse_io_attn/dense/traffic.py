@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.dense.large_cache import G_PATH as LARGE_G_PATH
 from sparse_io_attn.dense.large_cache import VARIANTS

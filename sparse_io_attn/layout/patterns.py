@@ -61,6 +61,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from sparse_io_attn import _memory
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout.core import BlockSparseLayout, _pair, assemble_ids, inrange_words
 
@@ -182,10 +183,8 @@ def _check_size(candidates: int) -> None:
     """Refuse (``ValueError`` with the numbers) a layout whose candidate blocks would not fit in the
     memory available, before allocating them. Builders that combine parts (bands, global rows and
     columns, diagonals) call it with the total before listing any part."""
-    from sparse_io_attn.bounds.devices import available_memory_bytes
-
     need = candidates * _BYTES_PER_CANDIDATE
-    free, source = available_memory_bytes("cpu")
+    free, source = _memory.available_memory_bytes("cpu")
     if free is not None and need > free:
         raise ValueError(f"this pattern keeps about {candidates:,} blocks, which needs about {need / 2**30:.1f} GiB "
                          f"to build but {free / 2**30:.1f} GiB is available ({source}); use a larger block_size "

@@ -23,7 +23,7 @@ products) for fp32 inputs and under the interpreter, the inputs' 16-bit type oth
 in base 2: scores are multiplied once by ``qk_scale = sm_scale * LOG2E`` and exponentiated with
 ``exp2``; ``lse`` is stored (and read back) in natural-log units, fp32.
 
-I/O counting (``COUNT_IO``, see :mod:`sparse_io_attn.accounting.counter`): each program tallies the
+I/O counting (``COUNT_IO``, see :mod:`sparse_io_attn.tally.counter`): each program tallies the
 bytes of the in-bounds, unmasked lanes it loads and stores (:func:`~sparse_io_attn._triton.jit.nbytes`)
 per tensor, plus the index bytes it reads (block-map rows, pair and plan lists), and adds them once
 at its end with :func:`~sparse_io_attn._triton.jit.io_add` into the named slots of

@@ -34,7 +34,7 @@ from dataclasses import replace
 import torch
 
 from sparse_io_attn._triton.shapes import padded_dim
-from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.sparse_operands.attention import Problem, build_problem
 from sparse_io_attn.sparse_operands.operands import Operand, check_operands, dense_operand
 from sparse_io_attn.sparse_operands.plan import ProductPlan, product_plan

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparse_io_attn import patterns
-from sparse_io_attn.bounds import devices
+from sparse_io_attn import _memory
 from sparse_io_attn.layout import patterns as patterns_mod
 
 N = 2 ** 20
@@ -17,7 +17,7 @@ BUDGET = 512 * 2 ** 20
 
 @pytest.fixture
 def small_memory(monkeypatch):
-    monkeypatch.setattr(devices, "available_memory_bytes", lambda device: (BUDGET, "test budget"))
+    monkeypatch.setattr(_memory, "available_memory_bytes", lambda device: (BUDGET, "test budget"))
 
 
 def _rows_match(layout, elem, start: int, stop: int):

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from sparse_io_attn.accounting.report import TrafficReport
+from sparse_io_attn.tally.report import TrafficReport
 
 _state = threading.local()
 
