@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._triton.shapes import padded_dim
-from sparse_io_attn.sparse_operands.attention import build_problem
+from sparse_io_attn.sparse_operands.problem import build_problem
 from sparse_io_attn.sparse_operands.operands import check_operands
 from sparse_io_attn.sparse_operands.plan import ProductPlan
 from sparse_io_attn.sparse_operands.traffic import products

@@ -22,7 +22,7 @@ though only the d-tiles stored in both operands are then read and multiplied
 (:mod:`sparse_io_attn.sparse_operands.flops` is the matching model of the multiply-adds).
 
 The ``*_TENSORS`` tuples name each kernel's tensors in counter-slot order: the launcher names the
-counter's tensors with them and :mod:`sparse_io_attn.sparse_operands.slots` turns them into the
+counter's tensors with them and :mod:`sparse_io_attn.sparse_operands.triton.slots` turns them into the
 kernels' named slots. The row-panel product's counter names its tensors after its operands (the
 product's ``a``, ``b``, ``c``; ``hsum`` for the column sums of ``H = A3 Y``), in
 :data:`MATMUL_TENSORS` order.
@@ -35,7 +35,7 @@ import torch
 
 from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.tally.report import TrafficReport
-from sparse_io_attn.sparse_operands.attention import Problem, build_problem
+from sparse_io_attn.sparse_operands.problem import Problem, build_problem
 from sparse_io_attn.sparse_operands.operands import Operand, check_operands, dense_operand
 from sparse_io_attn.sparse_operands.plan import ProductPlan, product_plan
 
