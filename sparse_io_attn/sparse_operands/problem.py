@@ -43,3 +43,13 @@ def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks:
     qk_mask = None if qk_layout is None else qk_layout.to_block_mask()[0, 0]
     plan = attention_plan(q_pattern, ops["A2"].pattern, qk_mask)
     return Problem(q_map=q_map, nnz_q=nnz_q, plan=plan, blocks=blocks, **ops)
+
+
+def gradient_products(A1: Operand, X: Operand, A3: Operand, Y: Operand, dQ: Operand, dH: Operand,
+                      needs=(True, True, True, True, True)) -> list[tuple[str, Operand, Operand, Operand]]:
+    """The backward pass's products, in launch order: ``(name, operand, a, b)``, the gradient of
+    ``operand`` being ``a @ b`` on ``operand``'s own block pattern: ``da1 = dQ X^T``,
+    ``dx = A1^T dQ``, ``da3 = dH Y^T``, ``dy = A3^T dH``; only those whose flag in ``needs``
+    (for A1, X, A2, A3, Y) is set."""
+    listed = ((0, "da1", A1, dQ, X.t()), (1, "dx", X, A1.t(), dQ), (3, "da3", A3, dH, Y.t()), (4, "dy", Y, A3.t(), dH))
+    return [(name, operand, a, b) for flag, name, operand, a, b in listed if needs[flag]]

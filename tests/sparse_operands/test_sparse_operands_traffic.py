@@ -1,7 +1,6 @@
 """The paper kernels' traffic model at sizes the interpreter cannot run (it equals the counters
 exactly: test_sparse_operands_attention.py; Theorem 4.5 against it: tests/experiments/test_sparsity_stress.py),
 the multiply-add model, plan caching."""
-import pytest
 import torch
 
 from sparse_io_attn import paper

@@ -22,6 +22,7 @@ import torch
 from sparse_io_attn.sparse_operands.triton import kernels
 from sparse_io_attn.sparse_operands.operands import Operand, dense_operand, like
 from sparse_io_attn.sparse_operands.plan import AttentionPlan, ProductPlan, product_plan
+from sparse_io_attn.sparse_operands.problem import gradient_products
 from sparse_io_attn.sparse_operands.traffic import (DKV_TENSORS, DQ_TENSORS, FWD_TENSORS, MATMUL_TENSORS,
                                                     PREPROCESS_TENSORS)
 
@@ -129,19 +130,9 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, A1: Operand, 
            **Q.strides("q"), **A2.strides("a2"), stride_hn=h.stride(0), stride_hd=h.stride(1),
            stride_dom=do.stride(0), stride_dod=do.stride(1),
            seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv, sm_scale=scale, **meta)
-    dH = like(H, "dh", dh)
-    grads = []
-    for need, name, out, a, b in (
-        (needs[0], "da1", A1, dQ, X.t()),
-        (needs[1], "dx", X, A1.t(), dQ),
-        (needs[3], "da3", A3, dH, Y.t()),
-        (needs[4], "dy", Y, A3.t(), dH),
-    ):
-        if not need:
-            grads.append(None)
-            continue
+    grads = {}
+    for name, out, a, b in gradient_products(A1, X, A3, Y, dQ, like(H, "dh", dh), needs):
         C = like(out, name, _grad_buffer(out))
         matmul(f"paper_{name}", a, b, C, product_plan(a.block_map, b.block_map, out.block_map))
-        grads.append(C.data)
-    dA1, dX, dA3, dY = grads
-    return dA1, dX, da2.data if needs[2] else None, dA3, dY
+        grads[name] = C.data
+    return grads.get("da1"), grads.get("dx"), da2.data if needs[2] else None, grads.get("da3"), grads.get("dy")
