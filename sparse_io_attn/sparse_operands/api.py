@@ -15,12 +15,21 @@ def _contiguous(t):
     return t if isinstance(t, BlockSparseMatrix) or t.is_contiguous() else t.contiguous()
 
 
+def _bind(prob: Problem, a1, x, a2, a3, y) -> list:
+    """The problem's operand templates over the tensors autograd hands in (dense data or BSR ``values``)."""
+    return [like(t, t.name, d) for t, d in ((prob.A1, a1), (prob.X, x), (prob.A2, a2), (prob.A3, a3), (prob.Y, y))]
+
+
 class _PaperAttention(torch.autograd.Function):
+    """Backend ``"triton"``: forward and backward through the launchers of :mod:`.triton.launch`;
+    inputs are the operands' data tensors (gradients land on them: BSR ``values`` get masked
+    gradients), ``prob`` their structure."""
+
     @staticmethod
     def forward(ctx, a1, x, a2, a3, y, prob: Problem, scale: float):
         from sparse_io_attn.sparse_operands.triton import launch
 
-        ops = [like(t, t.name, d) for t, d in ((prob.A1, a1), (prob.X, x), (prob.A2, a2), (prob.A3, a3), (prob.Y, y))]
+        ops = _bind(prob, a1, x, a2, a3, y)
         o, lse, Q, H = launch.forward(*ops, prob.q_map, prob.nnz_q, prob.plan, scale)
         ctx.save_for_backward(a1, x, a2, a3, y, o, lse, Q.data, H.data)
         ctx.prob, ctx.scale, ctx.Q, ctx.H = prob, scale, Q, H
@@ -33,7 +42,7 @@ class _PaperAttention(torch.autograd.Function):
 
         a1, x, a2, a3, y, o, lse, qd, hd = ctx.saved_tensors
         p = ctx.prob
-        ops = [like(t, t.name, d) for t, d in ((p.A1, a1), (p.X, x), (p.A2, a2), (p.A3, a3), (p.Y, y))]
+        ops = _bind(p, a1, x, a2, a3, y)
         Q, H = like(ctx.Q, "q", qd), like(ctx.H, "h", hd)
         dA1, dX, dA2, dA3, dY = launch.backward(do, o, lse, *ops, Q, H, p.plan, ctx.scale,
                                                 needs=ctx.needs_input_grad[:5])
