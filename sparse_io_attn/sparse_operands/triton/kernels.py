@@ -33,12 +33,13 @@ at its end with :func:`~sparse_io_attn._triton.jit.io_add` into the named slots 
 from __future__ import annotations
 
 from sparse_io_attn._triton.jit import LN2, LOG2E, dot, io_add, nbytes  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.sparse_operands.triton.slots import (DKV_A2, DKV_A2_MAP, DKV_DA2, DKV_DELTA, DKV_DH, DKV_DO, DKV_H,
-                                                         DKV_LAYOUT, DKV_LSE, DKV_Q, DKV_Q_MAP, DKV_W, DQ_A2, DQ_A2_MAP,
-                                                         DQ_DELTA, DQ_DO, DQ_DQ, DQ_H, DQ_LAYOUT, DQ_LSE, DQ_Q, DQ_Q_MAP,
-                                                         FWD_A2, FWD_A2_MAP, FWD_H, FWD_HSUM, FWD_LAYOUT, FWD_LSE, FWD_O,
-                                                         FWD_Q, FWD_Q_MAP, MATMUL_A, MATMUL_B, MATMUL_C, MATMUL_COLSUM,
-                                                         MATMUL_PLAN, PRE_DELTA, PRE_DO, PRE_LSE, PRE_O, PRE_W)
+from sparse_io_attn.sparse_operands.triton.slots import (DKV_A2, DKV_A2_MAP, DKV_DA2, DKV_DELTA, DKV_DH, DKV_DO,
+                                                         DKV_H, DKV_LAYOUT, DKV_LSE, DKV_Q, DKV_Q_MAP, DKV_W,
+                                                         DQ_A2, DQ_A2_MAP, DQ_DELTA, DQ_DO, DQ_DQ, DQ_H, DQ_LAYOUT,
+                                                         DQ_LSE, DQ_Q, DQ_Q_MAP, FWD_A2, FWD_A2_MAP, FWD_H,
+                                                         FWD_HSUM, FWD_LAYOUT, FWD_LSE, FWD_O, FWD_Q, FWD_Q_MAP,
+                                                         MATMUL_A, MATMUL_B, MATMUL_C, MATMUL_COLSUM, MATMUL_PLAN,
+                                                         PRE_DELTA, PRE_DO, PRE_LSE, PRE_O, PRE_W)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
