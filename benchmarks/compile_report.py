@@ -74,24 +74,16 @@ def dense_rows(d: int = 128) -> list[dict]:
 
 
 def sparse_operand_rows() -> list[dict]:
-    from sparse_io_attn._triton.runtime import dot_dtype
-    from sparse_io_attn.sparse_operands import aot as A
-    from sparse_io_attn.sparse_operands import kernels as K
+    from sparse_io_attn.sparse_operands.triton.report import compile_kernel, kernel_jobs
 
-    meta = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_D=32, NUM_D_TILES=4, DV_PAD=128, DOT_DTYPE=dot_dtype(torch.bfloat16),
-                COUNT_IO=False)
-    jobs = {"attn fwd": (K._paper_attn_fwd_kernel, dict(meta, HAS_ZERO=True)),
-            "attn bwd dK/dV": (K._paper_attn_bwd_dkv_kernel, dict(meta, HAS_ZERO=True)),
-            "attn bwd dQ": (K._paper_attn_bwd_dq_kernel, meta),
-            "row-panel product": (K._bsr_matmul_kernel, dict(BLOCK_M=64, BLOCK_K=32, BLOCK_N=32, NUM_N_TILES=4,
-                                                              WRITE_COLSUM=True, DOT_DTYPE=meta["DOT_DTYPE"],
-                                                              COUNT_IO=False))}
+    names = {"paper_attn_fwd": "attn fwd", "paper_attn_bwd_dkv": "attn bwd dK/dV", "paper_attn_bwd_dq": "attn bwd dQ",
+             "matmul": "row-panel product"}
+    jobs = kernel_jobs(torch.bfloat16, 128, 128, block_m=64, block_n=64, block_d=32, count_io=False)
     rows = []
-    for name, (kernel, consts) in jobs.items():
+    for kernel_name, (kernel, constexprs) in jobs.items():
         for w, s in ((4, 2), (8, 3)):
-            c = compile_for_cuda(kernel, consts, torch.bfloat16, int_ptrs=A._INT_PTRS, fp32_ptrs=A._FP32_PTRS,
-                                 num_warps=w, num_stages=s)
-            rows.append({"kernel": name, "num_warps": w, "num_stages": s, **ptx_report(c)})
+            c = compile_kernel(kernel, constexprs, torch.bfloat16, num_warps=w, num_stages=s)
+            rows.append({"kernel": names[kernel_name], "num_warps": w, "num_stages": s, **ptx_report(c)})
     return rows
 
 

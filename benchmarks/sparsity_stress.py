@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from sparse_io_attn.sparse_operands.stress import COLUMNS, format_table, sparsity_sweep
+from sparse_io_attn.experiments.sparsity_stress import COLUMNS, format_table, sparsity_sweep
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 

@@ -34,6 +34,8 @@ ALIASES: dict[str, str] = {
 
 #: (importer, imported) -> why the import sits inside a function (an optional or heavy dependency kept lazy)
 LAZY: dict[tuple[str, str], str] = {
+    ("sparse_io_attn.sparse_operands.api", "sparse_io_attn.sparse_operands.triton.launch"):
+        "the @triton.jit kernels (and Triton itself) load on the first backend='triton' call",
 }
 
 

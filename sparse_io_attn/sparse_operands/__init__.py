@@ -5,9 +5,14 @@ A2 may each be a :class:`~sparse_io_attn.BlockSparseMatrix` (Section 4.3 / Appen
 * :func:`predict_traffic` — the exact traffic model of the Triton kernels (``TrafficReport``).
 * :func:`predict_dot_macs` — the exact model of the ``tl.dot`` multiply-adds of the attention
   kernels (head-dim tiles absent from either operand are skipped: no load, no FLOPs).
-* :mod:`.stress` — the sparsity stress test against Theorem 4.5.
+* :func:`kernel_fast_memory_words` — the kernels' largest per-program working set (words).
+
+Modules: ``api.py`` (the public function and its autograd Function), ``operands.py`` (validation and
+tile addressing), ``plan.py`` (symbolic product and score plans), ``problem.py`` (one call's
+structure), ``torch_path.py`` (backend ``"torch"``), ``reference.py`` (float64 reference),
+``traffic.py`` and ``flops.py`` (exact models), ``triton/`` (backend ``"triton"``).
 """
-from sparse_io_attn.sparse_operands.attention import attention
+from sparse_io_attn.sparse_operands.api import attention
 from sparse_io_attn.sparse_operands.flops import predict_dot_macs
 from sparse_io_attn.sparse_operands.traffic import kernel_fast_memory_words, predict_traffic
 

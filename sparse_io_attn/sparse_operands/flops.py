@@ -24,10 +24,8 @@ Tests compare these numbers with the multiply-adds the interpreter actually exec
 """
 from __future__ import annotations
 
-import torch
-
 from sparse_io_attn._triton.shapes import padded_dim
-from sparse_io_attn.sparse_operands.attention import build_problem
+from sparse_io_attn.sparse_operands.problem import build_problem
 from sparse_io_attn.sparse_operands.operands import check_operands
 from sparse_io_attn.sparse_operands.plan import ProductPlan
 from sparse_io_attn.sparse_operands.traffic import products
@@ -38,9 +36,7 @@ PRODUCT_KERNELS = ("paper_q", "paper_h", "paper_da1", "paper_dx", "paper_da3", "
 
 def _product_macs(A, B, C, plan: ProductPlan) -> int:
     """``BM_A BK BN`` per (pair, column tile stored in both ``B[k, :]`` and ``C[i, :]``)."""
-    ptr = plan.pair_ptr.cpu().long()
-    pi = torch.repeat_interleave(torch.arange(plan.num_rows), ptr[1:] - ptr[:-1])
-    pk = plan.pair_k.cpu().long()
+    pi, pk = plan.pairs()
     shared = int(((C.block_map >= 0).cpu().long()[pi] * (B.block_map >= 0).cpu().long()[pk]).sum())
     return shared * A.block[0] * A.block[1] * B.block[1]
 

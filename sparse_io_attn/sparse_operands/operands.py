@@ -187,6 +187,11 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
     return blocks, dtypes.pop(), devices.pop()
 
 
+def dense_tensor(t) -> torch.Tensor:
+    """``t`` as a dense tensor (a :class:`BlockSparseMatrix` expanded, differentiably w.r.t. its ``values``)."""
+    return t.to_dense() if isinstance(t, BlockSparseMatrix) else t
+
+
 def as_operand(name: str, t, block) -> Operand:
     if isinstance(t, BlockSparseMatrix):
         return bsr_operand(name, t)

@@ -82,6 +82,13 @@ class ProductPlan:
     def num_pairs(self) -> int:
         return int(self.pair_a.numel())
 
+    def pairs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(i, k)`` of every pair (int64 on the CPU, in list order): output row block and A column
+        block / B row block."""
+        ptr = self.pair_ptr.cpu().long()
+        rows = torch.repeat_interleave(torch.arange(self.num_rows), ptr[1:] - ptr[:-1])
+        return rows, self.pair_k.cpu().long()
+
     def to(self, device) -> "ProductPlan":
         return ProductPlan(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 

@@ -10,22 +10,19 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn.block_sparse.reference import masked_attention
-from sparse_io_attn.layout.matrix import BlockSparseMatrix
-
-
-def dense(t) -> torch.Tensor:
-    return t.to_dense() if isinstance(t, BlockSparseMatrix) else t
+from sparse_io_attn.sparse_operands.operands import dense_tensor
 
 
 def attention(A1, A2, A3, X, Y, qk_layout, scale: float):
     """``(O [nq, dv], lse [nq])``: softmax over the QK pattern's keys (all keys if None); scores of
     structurally zero products are exactly 0 and enter the softmax as such."""
-    q = dense(A1) @ dense(X)
+    q = dense_tensor(A1) @ dense_tensor(X)
+    k = dense_tensor(A2)
     h = A3 @ Y
-    nq, nk = q.shape[0], dense(A2).shape[0]
+    nq, nk = q.shape[0], k.shape[0]
     if qk_layout is None:
         mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
     else:
         mask = qk_layout.to(q.device).to_dense_mask()[0, 0]
-    out, lse = masked_attention(q[None, None], dense(A2)[None, None], h[None, None], mask, scale)
+    out, lse = masked_attention(q[None, None], k[None, None], h[None, None], mask, scale)
     return out[0, 0], lse[0, 0].float()

@@ -22,7 +22,7 @@ though only the d-tiles stored in both operands are then read and multiplied
 (:mod:`sparse_io_attn.sparse_operands.flops` is the matching model of the multiply-adds).
 
 The ``*_TENSORS`` tuples name each kernel's tensors in counter-slot order: the launcher names the
-counter's tensors with them and :mod:`sparse_io_attn.sparse_operands.slots` turns them into the
+counter's tensors with them and :mod:`sparse_io_attn.sparse_operands.triton.slots` turns them into the
 kernels' named slots. The row-panel product's counter names its tensors after its operands (the
 product's ``a``, ``b``, ``c``; ``hsum`` for the column sums of ``H = A3 Y``), in
 :data:`MATMUL_TENSORS` order.
@@ -35,7 +35,7 @@ import torch
 
 from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.tally.report import TrafficReport
-from sparse_io_attn.sparse_operands.attention import Problem, build_problem
+from sparse_io_attn.sparse_operands.problem import Problem, build_problem, gradient_products
 from sparse_io_attn.sparse_operands.operands import Operand, check_operands, dense_operand
 from sparse_io_attn.sparse_operands.plan import ProductPlan, product_plan
 
@@ -65,9 +65,7 @@ def _matmul(rep: TrafficReport, kernel: str, A: Operand, B: Operand, C: Operand,
     cw = _extent(C.shape[1], C.block[1], nct)
     cpres = (C.block_map >= 0).cpu().long()
     bpres = (B.block_map >= 0).cpu().long()
-    ptr = plan.pair_ptr.cpu().long()
-    pi = torch.repeat_interleave(torch.arange(plan.num_rows), ptr[1:] - ptr[:-1])
-    pk = plan.pair_k.cpu().long()
+    pi, pk = plan.pairs()
     both_w = (cpres[pi] * bpres[pk]) @ cw  # [pairs]
     c_w = cpres @ cw  # [I]
     reads = {A.name: int((rows[pi] * kw[pk]).sum()) * A.element_size,
@@ -145,12 +143,9 @@ def products(p: Problem, dv: int, *, backward: bool = True, needs=(True, True, T
     out = [("paper_q", p.A1, p.X, Q, product_plan(p.A1.block_map, p.X.block_map, p.q_map), False),
            ("paper_h", p.A3, p.Y, H, product_plan(p.A3.block_map, p.Y.block_map, H.block_map), p.plan.has_zero)]
     if backward:
-        dQ, dH = _renamed(Q, "dq"), _renamed(H, "dh")
-        for need, name, res, a, b in ((needs[0], "da1", p.A1, dQ, p.X.t()), (needs[1], "dx", p.X, p.A1.t(), dQ),
-                                      (needs[3], "da3", p.A3, dH, p.Y.t()), (needs[4], "dy", p.Y, p.A3.t(), dH)):
-            if need:
-                out.append((f"paper_{name}", a, b, _renamed(res, name),
-                            product_plan(a.block_map, b.block_map, res.block_map), False))
+        for name, res, a, b in gradient_products(p.A1, p.X, p.A3, p.Y, _renamed(Q, "dq"), _renamed(H, "dh"), needs):
+            out.append((f"paper_{name}", a, b, _renamed(res, name),
+                        product_plan(a.block_map, b.block_map, res.block_map), False))
     return out
 
 

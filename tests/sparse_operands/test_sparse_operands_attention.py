@@ -17,11 +17,11 @@ from sparse_io_attn.accounting.compare import compare
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.sparse_operands.flops import ATTENTION_KERNELS, PRODUCT_KERNELS, predict_dot_macs
+from sparse_io_attn.sparse_operands.operands import dense_tensor
+from sparse_io_attn.sparse_operands.reference import OPERANDS, attention_reference, stored_blocks
 from sparse_io_attn.dense.reference import paper_gradients
-from sparse_io_attn.block_sparse.reference import masked_attention, rel_err
+from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
-
-NAMES = ("A1", "X", "A2", "A3", "Y")
 
 
 def _operand(shape, block, density, g, dtype=torch.float32):
@@ -53,35 +53,10 @@ def make_case(nq, nk, d1, d2, d3, dv, bm, bn, bd, dens, qk_density, seed, dtype=
     return (A1, A2, A3, X, Y), qk, do
 
 
-def _dense(t):
-    return t.to_dense() if isinstance(t, BlockSparseMatrix) else t
-
-
 def reference(ops, qk, scale, do):
-    """Float64 dense reference: ``(O, lse, {name: grad})``; a BlockSparseMatrix's expected gradient
-    is the dense gradient restricted to its stored blocks (``values``-shaped)."""
+    """Float64 ``(O, lse, {name: grad})`` of the operands in the order ``make_case`` returns them."""
     A1, A2, A3, X, Y = ops
-    leaves = {n: _dense(t).detach().double().requires_grad_() for n, t in zip(NAMES, (A1, X, A2, A3, Y))}
-    nq, nk = leaves["A1"].shape[0], leaves["A2"].shape[0]
-    mask = torch.ones(nq, nk, dtype=torch.bool) if qk is None else qk.to_dense_mask()[0, 0]
-    q = leaves["A1"] @ leaves["X"]
-    h = leaves["A3"] @ leaves["Y"]
-    out, lse = masked_attention(q[None, None], leaves["A2"][None, None], h[None, None], mask, scale)
-    out, lse = out[0, 0], lse[0, 0]
-    grads = torch.autograd.grad(out, list(leaves.values()), do.double())
-    expect = {}
-    for (name, g), t in zip(zip(NAMES, grads), (A1, X, A2, A3, Y)):
-        expect[name] = blocks_of(g, t) if isinstance(t, BlockSparseMatrix) else g
-    return out.detach(), lse.detach(), expect
-
-
-def blocks_of(dense: torch.Tensor, m: BlockSparseMatrix) -> torch.Tensor:
-    """The stored blocks of ``m``'s pattern cut out of ``dense`` (padding zero)."""
-    br, bc = m.block_size
-    full = dense.new_zeros(m.num_block_rows * br, m.num_block_cols * bc)
-    full[: dense.shape[0], : dense.shape[1]] = dense
-    blocks = full.view(m.num_block_rows, br, m.num_block_cols, bc).permute(0, 2, 1, 3)
-    return blocks[m.row_ids(), m.col_indices.long()]
+    return attention_reference(A1, A2, A3, X, Y, qk_layout=qk, scale=scale, do=do)
 
 
 def leaves_of(ops):
@@ -97,7 +72,7 @@ def run(ops, qk, scale, do, backend):
     with IOCounter() as io:
         o, lse = paper.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=scale, backend=backend, return_lse=True)
         grads = torch.autograd.grad(o, leaves_of(ops), do)
-    return o.detach(), lse, dict(zip(NAMES, grads)), io.report
+    return o.detach(), lse, dict(zip(OPERANDS, grads)), io.report
 
 
 # ---------------------------------------------------------------- torch backend (fast, broad)
@@ -122,7 +97,7 @@ def test_torch_backend_matches_float64_reference(dims):
     assert rel_err(o, ref_o) < 1e-5
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin) and rel_err(lse[fin], ref_lse[fin]) < 1e-5
-    for name in NAMES:
+    for name in OPERANDS:
         assert grads[name].shape == ref_g[name].shape, name
         assert rel_err(grads[name], ref_g[name]) < 1e-4, name
 
@@ -131,11 +106,11 @@ def test_float64_reference_agrees_with_paper_definitions():
     """The masked reference used here equals the paper's Definitions B.3-B.9 / 3.2 (no QK layout)."""
     ops, _, do = make_case(48, 48, 32, 32, 32, 32, 16, 16, 16, (0.5, 0.6, 0.7), None, seed=3)
     out, _, g = reference(ops, None, 0.5, do)
-    A1, A2, A3, X, Y = (_dense(t).double() for t in ops)
+    A1, A2, A3, X, Y = (dense_tensor(t).double() for t in ops)
     pg = paper_gradients(A1, A2, A3, X, Y, do.double(), scale=0.5)
     assert rel_err(g["A3"], pg["dA3"]) < 1e-12 and rel_err(g["Y"], pg["dY"]) < 1e-12
     for name, key, m in (("A1", "dA1", ops[0]), ("X", "dX", ops[3]), ("A2", "dA2", ops[1])):
-        assert rel_err(g[name], blocks_of(pg[key], m)) < 1e-12, name
+        assert rel_err(g[name], stored_blocks(pg[key], m)) < 1e-12, name
 
 
 # ---------------------------------------------------------------- triton kernels (interpreter)
@@ -202,7 +177,7 @@ def test_triton_matches_float64_reference(case_id):
     assert not torch.isnan(o).any() and rel_err(o, ref_o) < 1e-5
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin) and rel_err(lse[fin], ref_lse[fin]) < 1e-5
-    for name in NAMES:
+    for name in OPERANDS:
         assert grads[name].shape == ref_g[name].shape, name
         assert not torch.isnan(grads[name]).any(), name
         assert rel_err(grads[name], ref_g[name]) < 1e-5, (name, rel_err(grads[name], ref_g[name]))
@@ -282,7 +257,7 @@ def test_triton_backward_is_deterministic():
     ops, qk, do = make_case(48, 48, 32, 32, 32, 32, 16, 16, 16, (0.6, 0.6, 0.6), 0.7, seed=11)
     g1 = run(ops, qk, 0.4, do, "triton")[2]
     g2 = run(ops, qk, 0.4, do, "triton")[2]
-    for name in NAMES:
+    for name in OPERANDS:
         assert torch.equal(g1[name], g2[name]), name
 
 
@@ -310,7 +285,7 @@ def test_low_precision_matches_same_precision_baseline(dtype):
     ob, _, gb, _ = run(ops, qk, 0.4, do, "torch")
     ref_o, _, ref_g = reference(ops, qk, 0.4, do)
     assert rel_err(o, ref_o) <= 2 * rel_err(ob, ref_o) + 1e-3
-    for name in NAMES:
+    for name in OPERANDS:
         assert rel_err(gk[name], ref_g[name]) <= 3 * rel_err(gb[name], ref_g[name]) + 1e-3, name
 
 
@@ -392,7 +367,7 @@ def test_edge_cases_match_reference_without_nan(kind, backend):
     o, lse, grads, _ = run(ops, qk, 0.5, do, backend)
     ref_o, _, ref_g = reference(ops, qk, 0.5, do)
     assert not torch.isnan(o).any() and rel_err(o, ref_o) < 1e-5
-    for name in NAMES:
+    for name in OPERANDS:
         assert not torch.isnan(grads[name]).any(), name
         if kind == "n1":  # one key: softmax = 1 and dS = dp - delta is 0 up to fp32 rounding, so the
             # A1/X/A2 gradients are exactly 0 in float64: compare against the problem's gradient scale

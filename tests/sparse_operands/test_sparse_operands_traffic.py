@@ -1,11 +1,11 @@
 """The paper kernels' traffic model at sizes the interpreter cannot run (it equals the counters
-exactly: test_sparse_operands_attention.py), Theorem 4.5 against it, the stress sweep, plan caching."""
-import pytest
+exactly: test_sparse_operands_attention.py; Theorem 4.5 against it: tests/experiments/test_sparsity_stress.py),
+the multiply-add model, plan caching."""
 import torch
 
 from sparse_io_attn import paper
 from sparse_io_attn.sparse_operands import plan as plan_mod
-from sparse_io_attn.sparse_operands.stress import AXES, COLUMNS, format_table, make_operands, sparsity_sweep, stress_point
+from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 
 
@@ -38,48 +38,16 @@ def test_dense_forward_matches_closed_form():
     assert q.reads["a1"] == 4 * n * d and q.reads["x"] == 4 * d * d * nqb and q.writes["q"] == 4 * n * d
 
 
-@pytest.mark.parametrize("axis", AXES)
-@pytest.mark.parametrize("density", [0.05, 0.3, 1.0])
-def test_each_pass_is_above_compulsory_and_theorem_4_5_at_n2048(axis, density):
-    """Theorems F.3 (forward) and F.4 (backward) bound each pass alone; the model (== counters)
-    must sit above max(compulsory, bound) at M = the kernels' per-program fast memory."""
-    r = stress_point(2048, 128, axis, density, seed=int(density * 100) + AXES.index(axis))
-    assert r["source"] == "predicted"
-    floor = max(r["compulsory_words"], r["bound_words"])
-    assert r["bound_words"] > 0
-    assert r["fwd_words"] >= floor and r["bwd_words"] >= floor, r
-    assert r["fwd_ratio"] >= 1 and r["bwd_ratio"] >= 1
-
-
-def test_sparser_qk_pattern_moves_fewer_bytes():
-    totals = [stress_point(1024, 64, "QK", rho, seed=3)["total_words"] for rho in (0.1, 0.5, 1.0)]
-    assert totals[0] < totals[1] < totals[2]
-
-
-def test_sweep_rows_and_table():
-    rows = sparsity_sweep(256, 64, densities=(0.25, 1.0), axes=("A", "X"))
-    assert len(rows) == 4 and all(set(COLUMNS) <= set(r) for r in rows)
-    assert [r["axis"] for r in rows] == ["A", "A", "X", "X"]
-    A1 = make_operands(256, 64, 64, 16, "A", 0.25, seed=0)[0]
-    assert isinstance(A1, BlockSparseMatrix) and A1.nnz_blocks < A1.num_block_rows * A1.num_block_cols
-    table = format_table(rows)
-    assert table.count("\n") == 5 and "| A | 0.25 | 256 | predicted |" in table
-
-
-def test_counted_stress_point_equals_predicted():
-    counted = stress_point(64, 32, "A", 0.5, block_n=16, count=True, seed=4)
-    predicted = stress_point(64, 32, "A", 0.5, block_n=16, seed=4)
-    assert counted["source"] == "counted" and predicted["source"] == "predicted"
-    for k in ("fwd_words", "bwd_words", "index_bytes", "Z_A", "Z_AXA", "bound_words"):
-        assert counted[k] == predicted[k], k
-
-
 def test_plans_are_computed_once_and_cached(monkeypatch):
     """On a fresh cache (whatever earlier tests planned on this worker): the first prediction builds
     every plan, the second builds none and returns the same objects."""
     cache = plan_mod.PlanCache()
     monkeypatch.setattr(plan_mod, "CACHE", cache)
-    A1, A2, A3, X, Y, qk = make_operands(128, 32, 32, 16, "QK", 0.5, seed=2)
+    g = torch.Generator().manual_seed(2)
+    A1, A2 = (BlockSparseMatrix.random(torch.rand(4, 2, generator=g) < 0.7, (32, 16), generator=g) for _ in range(2))
+    X = BlockSparseMatrix.random(torch.rand(2, 2, generator=g) < 0.7, 16, generator=g)
+    A3, Y = torch.randn(128, 32, generator=g), torch.randn(32, 32, generator=g)
+    qk = BlockSparseLayout.from_block_mask(torch.rand(4, 4, generator=g) < 0.5, 32, (128, 128))
     paper.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
     assert {k[0] for k in cache.entries} == {"product", "attention"}
     assert cache.misses == len(cache.entries)

@@ -9,7 +9,7 @@ import sys
 def test_paper_attention_kernels_compile_for_sm90(tmp_path):
     """Run in a fresh process: this one imported Triton in interpreter mode. head_dim 80 with 32-wide
     d-tiles: 3 tiles, the last one partly out of bounds."""
-    code = ("import torch\nfrom sparse_io_attn.sparse_operands.aot import aot_compile\n"
+    code = ("import torch\nfrom sparse_io_attn.sparse_operands.triton.report import aot_compile\n"
             "print(aot_compile(torch.bfloat16, 80, 48, block_m=64, block_n=64, block_d=32))\n")
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=500)

@@ -1,57 +1,35 @@
-"""`attention`: the paper's attention ``softmax(A1 X A2^T * scale) A3 Y`` with block-sparse operands,
-its autograd Function and backend dispatch."""
+"""The public entry of the op: :func:`attention` (the paper's attention ``softmax(A1 X A2^T * scale) A3 Y``
+with block-sparse operands), its autograd Function over the Triton launchers and the backend dispatch."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands import torch_path
-from sparse_io_attn.sparse_operands.operands import Blocks, Operand, as_operand, check_operands, like
-from sparse_io_attn.sparse_operands.plan import AttentionPlan, attention_plan, structural_product
+from sparse_io_attn.sparse_operands.operands import check_operands, like
+from sparse_io_attn.sparse_operands.problem import Problem, build_problem
 
 
-@dataclass
-class Problem:
-    """Structure of one call: operand templates (addressing and block maps), the block pattern of
-    ``Q = A1 X`` and the score plan. Built on the host from patterns only."""
-    A1: Operand
-    X: Operand
-    A2: Operand
-    A3: Operand
-    Y: Operand
-    q_map: torch.Tensor
-    nnz_q: int
-    plan: AttentionPlan
-    blocks: Blocks
-
-
-def _contig(t):
+def _contiguous(t):
     return t if isinstance(t, BlockSparseMatrix) or t.is_contiguous() else t.contiguous()
 
 
-def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks: Blocks) -> Problem:
-    b = blocks
-    ops = dict(A1=as_operand("a1", A1, (b.m, b.d1)), X=as_operand("x", X, (b.d1, b.d2)),
-               A2=as_operand("a2", A2, (b.n, b.d2)), A3=as_operand("a3", A3, (b.n, b.d3)),
-               Y=as_operand("y", Y, (b.d3, b.dv)))
-    q_pat = structural_product(ops["A1"].pattern, ops["X"].pattern)
-    q_map = torch.full(q_pat.shape, -1, dtype=torch.int32, device=q_pat.device)
-    nnz_q = int(q_pat.sum())
-    q_map[q_pat] = torch.arange(nnz_q, dtype=torch.int32, device=q_pat.device)
-    qk_mask = None if qk_layout is None else qk_layout.to_block_mask()[0, 0]
-    plan = attention_plan(q_pat, ops["A2"].pattern, qk_mask)
-    return Problem(q_map=q_map, nnz_q=nnz_q, plan=plan, blocks=blocks, **ops)
+def _bind(prob: Problem, a1, x, a2, a3, y) -> list:
+    """The problem's operand templates over the tensors autograd hands in (dense data or BSR ``values``)."""
+    return [like(t, t.name, d) for t, d in ((prob.A1, a1), (prob.X, x), (prob.A2, a2), (prob.A3, a3), (prob.Y, y))]
 
 
 class _PaperAttention(torch.autograd.Function):
+    """Backend ``"triton"``: forward and backward through the launchers of :mod:`.triton.launch`;
+    inputs are the operands' data tensors (gradients land on them: BSR ``values`` get masked
+    gradients), ``prob`` their structure."""
+
     @staticmethod
     def forward(ctx, a1, x, a2, a3, y, prob: Problem, scale: float):
-        from sparse_io_attn.sparse_operands import launch
+        from sparse_io_attn.sparse_operands.triton import launch
 
-        ops = [like(t, t.name, d) for t, d in ((prob.A1, a1), (prob.X, x), (prob.A2, a2), (prob.A3, a3), (prob.Y, y))]
+        ops = _bind(prob, a1, x, a2, a3, y)
         o, lse, Q, H = launch.forward(*ops, prob.q_map, prob.nnz_q, prob.plan, scale)
         ctx.save_for_backward(a1, x, a2, a3, y, o, lse, Q.data, H.data)
         ctx.prob, ctx.scale, ctx.Q, ctx.H = prob, scale, Q, H
@@ -60,11 +38,11 @@ class _PaperAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        from sparse_io_attn.sparse_operands import launch
+        from sparse_io_attn.sparse_operands.triton import launch
 
         a1, x, a2, a3, y, o, lse, qd, hd = ctx.saved_tensors
         p = ctx.prob
-        ops = [like(t, t.name, d) for t, d in ((p.A1, a1), (p.X, x), (p.A2, a2), (p.A3, a3), (p.Y, y))]
+        ops = _bind(p, a1, x, a2, a3, y)
         Q, H = like(ctx.Q, "q", qd), like(ctx.H, "h", hd)
         dA1, dX, dA2, dA3, dY = launch.backward(do, o, lse, *ops, Q, H, p.plan, ctx.scale,
                                                 needs=ctx.needs_input_grad[:5])
@@ -99,7 +77,7 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
     if name == "torch":
         o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, float(scale))
     else:
-        A1, A2, A3, X, Y = (_contig(t) for t in (A1, A2, A3, X, Y))
+        A1, A2, A3, X, Y = (_contiguous(t) for t in (A1, A2, A3, X, Y))
         prob = build_problem(A1, A2, A3, X, Y, None if qk_layout is None else qk_layout.to(device), blocks)
         data = [t.values if isinstance(t, BlockSparseMatrix) else t for t in (A1, X, A2, A3, Y)]
         o, lse = _PaperAttention.apply(*data, prob, float(scale))

@@ -1,4 +1,4 @@
-"""Host launchers (backend ``"triton"``) for :mod:`sparse_io_attn.sparse_operands.kernels`: allocate, build the
+"""Host launchers (backend ``"triton"``) for :mod:`sparse_io_attn.sparse_operands.triton.kernels`: allocate, build the
 grid and launch with keyword arguments through :func:`sparse_io_attn._triton.runtime.launch` (which
 sets ``io_ptr``/``COUNT_IO`` and commits the I/O counter).
 
@@ -19,9 +19,10 @@ from sparse_io_attn._triton.shapes import padded_dim
 
 import torch
 
-from sparse_io_attn.sparse_operands import kernels as K
+from sparse_io_attn.sparse_operands.triton import kernels
 from sparse_io_attn.sparse_operands.operands import Operand, dense_operand, like
 from sparse_io_attn.sparse_operands.plan import AttentionPlan, ProductPlan, product_plan
+from sparse_io_attn.sparse_operands.problem import gradient_products
 from sparse_io_attn.sparse_operands.traffic import (DKV_TENSORS, DQ_TENSORS, FWD_TENSORS, MATMUL_TENSORS,
                                                     PREPROCESS_TENSORS)
 
@@ -35,7 +36,7 @@ def matmul(kernel: str, A: Operand, B: Operand, C: Operand, plan: ProductPlan,
         return
     # the counter names the product's tensors after its operands, in MATMUL_TENSORS' slot order
     names = dict(a=A.name, b=B.name, c=C.name, colsum="hsum" if colsum is not None else "colsum", plan="plan")
-    launch(K._bsr_matmul_kernel, (plan.num_rows,), kernel, tuple(names[t] for t in MATMUL_TENSORS), C.data.device,
+    launch(kernels._bsr_matmul_kernel, (plan.num_rows,), kernel, tuple(names[t] for t in MATMUL_TENSORS), C.data.device,
            a_ptr=A.data, b_ptr=B.data, c_ptr=C.data, colsum_ptr=colsum if colsum is not None else C.data,
            bmap_ptr=B.block_map, cmap_ptr=C.block_map, pair_ptr_ptr=plan.pair_ptr, pair_a_ptr=plan.pair_a,
            pair_k_ptr=plan.pair_k, **A.strides("a"), **B.strides("b"), **C.strides("c"),
@@ -82,7 +83,7 @@ def forward(A1: Operand, X: Operand, A2: Operand, A3: Operand, Y: Operand, q_map
     matmul("paper_h", A3, Y, H, product_plan(A3.block_map, Y.block_map, H.block_map), colsum=hsum)
     o = torch.empty(nq, dv, dtype=A1.data.dtype, device=device)
     lse = torch.empty(nq, dtype=torch.float32, device=device)
-    launch(K._paper_attn_fwd_kernel, (Q.block_map.shape[0],), "paper_attn_fwd", FWD_TENSORS, device,
+    launch(kernels._paper_attn_fwd_kernel, (Q.block_map.shape[0],), "paper_attn_fwd", FWD_TENSORS, device,
            q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h,
            hsum_ptr=hsum if hsum is not None else h, o_ptr=o, lse_ptr=lse,
            kept_crow_ptr=plan.kept_crow, kept_col_ptr=plan.kept_col, zero_crow_ptr=plan.zero_crow,
@@ -106,14 +107,14 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, A1: Operand, 
     nqb = Q.block_map.shape[0]
     delta = torch.empty(nq, dtype=torch.float32, device=device)
     w = torch.zeros(nqb, dv, dtype=torch.float32, device=device) if plan.has_zero else delta
-    launch(K._paper_attn_bwd_preprocess_kernel, (nqb,), "paper_attn_bwd_preprocess", PREPROCESS_TENSORS, device,
+    launch(kernels._paper_attn_bwd_preprocess_kernel, (nqb,), "paper_attn_bwd_preprocess", PREPROCESS_TENSORS, device,
            o_ptr=o, do_ptr=do, lse_ptr=lse, delta_ptr=delta, w_ptr=w, stride_om=o.stride(0), stride_od=o.stride(1),
            stride_dom=do.stride(0), stride_dod=do.stride(1), stride_w_blk=w.stride(0) if plan.has_zero else 0,
            seqlen_q=nq, head_dim_v=dv, BLOCK_M=meta["BLOCK_M"], DV_PAD=meta["DV_PAD"], HAS_ZERO=plan.has_zero)
     h = H.data
     dh = torch.empty_like(h)
     da2 = like(A2, "da2", _grad_buffer(A2))
-    launch(K._paper_attn_bwd_dkv_kernel, (A2.block_map.shape[0],), "paper_attn_bwd_dkv", DKV_TENSORS, device,
+    launch(kernels._paper_attn_bwd_dkv_kernel, (A2.block_map.shape[0],), "paper_attn_bwd_dkv", DKV_TENSORS, device,
            q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h, do_ptr=do,
            lse_ptr=lse, delta_ptr=delta, w_ptr=w, da2_ptr=da2.data, dh_ptr=dh,
            kept_ccol_ptr=plan.kept_ccol, kept_row_ptr=plan.kept_row, zero_ccol_ptr=plan.zero_ccol,
@@ -123,25 +124,15 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, A1: Operand, 
            seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
            sm_scale=scale, HAS_ZERO=plan.has_zero, **meta)
     dQ = like(Q, "dq", torch.empty_like(Q.data))
-    launch(K._paper_attn_bwd_dq_kernel, (nqb,), "paper_attn_bwd_dq", DQ_TENSORS, device,
+    launch(kernels._paper_attn_bwd_dq_kernel, (nqb,), "paper_attn_bwd_dq", DQ_TENSORS, device,
            q_ptr=Q.data, qmap_ptr=Q.block_map, a2_ptr=A2.data, a2map_ptr=A2.block_map, h_ptr=h, do_ptr=do,
            lse_ptr=lse, delta_ptr=delta, dq_ptr=dQ.data, kept_crow_ptr=plan.kept_crow, kept_col_ptr=plan.kept_col,
            **Q.strides("q"), **A2.strides("a2"), stride_hn=h.stride(0), stride_hd=h.stride(1),
            stride_dom=do.stride(0), stride_dod=do.stride(1),
            seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv, sm_scale=scale, **meta)
-    dH = like(H, "dh", dh)
-    grads = []
-    for need, name, out, a, b in (
-        (needs[0], "da1", A1, dQ, X.t()),
-        (needs[1], "dx", X, A1.t(), dQ),
-        (needs[3], "da3", A3, dH, Y.t()),
-        (needs[4], "dy", Y, A3.t(), dH),
-    ):
-        if not need:
-            grads.append(None)
-            continue
+    grads = {}
+    for name, out, a, b in gradient_products(A1, X, A3, Y, dQ, like(H, "dh", dh), needs):
         C = like(out, name, _grad_buffer(out))
         matmul(f"paper_{name}", a, b, C, product_plan(a.block_map, b.block_map, out.block_map))
-        grads.append(C.data)
-    dA1, dX, dA3, dY = grads
-    return dA1, dX, da2.data if needs[2] else None, dA3, dY
+        grads[name] = C.data
+    return grads.get("da1"), grads.get("dx"), da2.data if needs[2] else None, grads.get("da3"), grads.get("dy")

@@ -1,5 +1,5 @@
 """Triton kernels for ``softmax(A1 X A2^T * scale) A3 Y`` with block-sparse operands (jit only; the
-launcher is :mod:`sparse_io_attn.sparse_operands.launch`).
+launcher is :mod:`sparse_io_attn.sparse_operands.triton.launch`).
 
 Tiles are addressed as described in :mod:`sparse_io_attn.sparse_operands.operands`: tile id ``t`` from a block
 map, element ``(r, c)`` at ``base + (t // nb) * stride_ta + (t % nb) * stride_tb + r * stride_r +
@@ -27,18 +27,19 @@ I/O counting (``COUNT_IO``, see :mod:`sparse_io_attn.tally.counter`): each progr
 bytes of the in-bounds, unmasked lanes it loads and stores (:func:`~sparse_io_attn._triton.jit.nbytes`)
 per tensor, plus the index bytes it reads (block-map rows, pair and plan lists), and adds them once
 at its end with :func:`~sparse_io_attn._triton.jit.io_add` into the named slots of
-:mod:`sparse_io_attn.sparse_operands.slots` (slot order: the tensor tuples of
+:mod:`sparse_io_attn.sparse_operands.triton.slots` (slot order: the tensor tuples of
 :mod:`sparse_io_attn.sparse_operands.traffic`, whose model reproduces every tally).
 """
 from __future__ import annotations
 
 from sparse_io_attn._triton.jit import LN2, LOG2E, dot, io_add, nbytes  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.sparse_operands.slots import (DKV_A2, DKV_A2_MAP, DKV_DA2, DKV_DELTA, DKV_DH, DKV_DO, DKV_H,
-                                                  DKV_LAYOUT, DKV_LSE, DKV_Q, DKV_Q_MAP, DKV_W, DQ_A2, DQ_A2_MAP,
-                                                  DQ_DELTA, DQ_DO, DQ_DQ, DQ_H, DQ_LAYOUT, DQ_LSE, DQ_Q, DQ_Q_MAP,
-                                                  FWD_A2, FWD_A2_MAP, FWD_H, FWD_HSUM, FWD_LAYOUT, FWD_LSE, FWD_O,
-                                                  FWD_Q, FWD_Q_MAP, MATMUL_A, MATMUL_B, MATMUL_C, MATMUL_COLSUM,
-                                                  MATMUL_PLAN, PRE_DELTA, PRE_DO, PRE_LSE, PRE_O, PRE_W)
+from sparse_io_attn.sparse_operands.triton.slots import (DKV_A2, DKV_A2_MAP, DKV_DA2, DKV_DELTA, DKV_DH, DKV_DO,
+                                                         DKV_H, DKV_LAYOUT, DKV_LSE, DKV_Q, DKV_Q_MAP, DKV_W,
+                                                         DQ_A2, DQ_A2_MAP, DQ_DELTA, DQ_DO, DQ_DQ, DQ_H, DQ_LAYOUT,
+                                                         DQ_LSE, DQ_Q, DQ_Q_MAP, FWD_A2, FWD_A2_MAP, FWD_H,
+                                                         FWD_HSUM, FWD_LAYOUT, FWD_LSE, FWD_O, FWD_Q, FWD_Q_MAP,
+                                                         MATMUL_A, MATMUL_B, MATMUL_C, MATMUL_COLSUM, MATMUL_PLAN,
+                                                         PRE_DELTA, PRE_DO, PRE_LSE, PRE_O, PRE_W)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402

@@ -27,7 +27,8 @@ from sparse_io_attn.bounds import nnz_stats, sparse
 from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
-from sparse_io_attn.sparse_operands.traffic import kernel_fast_memory_words, predict_traffic
+from sparse_io_attn.sparse_operands import attention, kernel_fast_memory_words, predict_traffic
+from sparse_io_attn.tally.counter import IOCounter
 
 AXES = ("A", "X", "QK")
 INDEX_TENSORS = ("plan", "layout", "q_map", "a2_map")
@@ -88,9 +89,6 @@ def _split(report) -> tuple[int, int, int]:
 
 
 def _counted(A1, A2, A3, X, Y, qk):
-    from sparse_io_attn.accounting import IOCounter
-    from sparse_io_attn.sparse_operands.attention import attention
-
     leaves = [t.values if isinstance(t, BlockSparseMatrix) else t for t in (A1, X, A2, A3, Y)]
     for t in leaves:
         t.requires_grad_(True)
