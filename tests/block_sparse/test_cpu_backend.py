@@ -167,7 +167,7 @@ def test_non_positive_sm_scale(sm_scale):
                          ids=["fp32", "fp16", "bf16"])
 def test_exact_at_large_logits(dtype, tol):
     """Logits ~1e6: backward recomputes P with the forward's exact arithmetic (row maximum and log2
-    row sum kept apart, the same fused multiply-add), so dV and dQ stay accurate."""
+    row sum kept apart, the same rounded scaled score minus the same maximum), so dV and dQ stay accurate."""
     layout = patterns.sliding_window(64, 16, window=16)
     q, k, v, do = make_inputs(1, 2, 2, 64, 64, 16)
     q, k = q * 1e3, k * 1e3
@@ -397,3 +397,25 @@ def test_raw_ops_refuse_strides_past_the_layouts():
         _call("fwd", sched.rows, sched.masks, layout, q, k, v, do, 1, 1)
     with pytest.raises(RuntimeError, match="must be >= 0"):
         _call("fwd", sched.rows, sched.masks, layout, q, k, v, do, 0, -1)
+
+
+# ------------------------------------------------------------------------ build: sources, sanitizer
+def test_build_digest_covers_every_included_header():
+    import re
+    included, todo = set(), [_build.SOURCE]
+    while todo:
+        for name in re.findall(r'#include "([^"]+)"', todo.pop().read_text()):
+            if name not in included:
+                included.add(name)
+                todo.append(_build.SOURCE.with_name(name))
+    assert included == {path.name for path in _build.HEADERS}
+
+
+def test_sanitizer_build_has_its_own_name_and_flags(monkeypatch):
+    monkeypatch.delenv(_build.SANITIZE_ENV, raising=False)
+    plain = _build.extension_name()
+    assert not any(flag.startswith("-fsanitize") for flag in _build._cflags())
+    monkeypatch.setenv(_build.SANITIZE_ENV, "address,undefined")
+    name = _build.extension_name()
+    assert name != plain and name.startswith("sparse_io_attn_cpu_sanitize_")
+    assert {"-fsanitize=address,undefined", "-fno-omit-frame-pointer"} <= set(_build._cflags())

@@ -8,7 +8,9 @@
 // Math (the same as the Triton kernels and the torch path): scores in base 2,
 // t = (q . k) * c with c = sm_scale * log2(e); online softmax over the kept key blocks of a
 // query tile; stats = (row maximum m, log2 of the row sum l); backward recomputes
-// P = exp2((t - m) - log2 l), dS = P * (dP - delta), delta = rowsum(dO * O).
+// P = exp2((t - m) - log2 l), dS = P * (dP - delta), delta = rowsum(dO * O). t is rounded to fp32
+// before m (the maximum of those rounded values) is subtracted, never fused into one fma, so the
+// largest t of a row gives exactly exp2(0) at any logit size (built with -ffp-contract=off).
 //
 // Forward: one task per (batch, query head, query tile of BM <= 128 rows), walking the CSR list
 // of its query block (partial blocks, then full blocks). Kept key chunks are taken in groups of
@@ -35,8 +37,7 @@
 // through a counter (which thread runs a task does not change what it computes).
 //
 // Tile products are at::native::cpublas::brgemm calls on fp32 tiles (oneDNN's ukernel where
-// available; measured here: ~160 GFLOP/s per core for 64x64x64 fp32 tiles, as fast as a hand-written
-// AVX-512 microkernel, while the bf16 VNNI brgemm without AMX ran at ~85). Inputs of any
+// available; without AMX its fp32 kernel outruns the bf16 VNNI one). Inputs of any
 // dtype/strides are read directly when they are fp32 with a contiguous head dim, and otherwise
 // packed once per call into fp32 row-major copies; transposed fp32 copies (K^T per key block;
 // Q^T, dO^T per query block) are packed once per call. Everything is computed in fp32 and rounded
