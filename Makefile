@@ -25,4 +25,14 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q tests/gpu
 
-.PHONY: venv demo test test-gpu
+# The C++ CPU kernel built with AddressSanitizer + UBSan (its own cached build), fuzzed against the
+# torch backend and the float64 reference. Python is not instrumented: the ASan runtime is preloaded
+# and leak checks are off. FUZZ_CASES=300 for a quick run.
+FUZZ_CASES ?= 5000
+fuzz-sanitize: $(STAMP)
+	SPARSE_IO_ATTN_SANITIZE=address,undefined SPARSE_IO_ATTN_FUZZ_CASES=$(FUZZ_CASES) \
+	ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+	$(BIN)/python -m pytest -q -n 0 -p no:randomly tests/block_sparse/test_fuzz.py -k cpu_case
+
+.PHONY: venv demo test test-gpu fuzz-sanitize

@@ -8,7 +8,9 @@ Implements the backend interface of :mod:`sparse_io_attn.block_sparse.api`:
 with the semantics of the other backends (element-exact partial blocks, both causal alignments,
 GQA, per-head/per-batch layouts, empty rows -> output 0, lse ``-inf``, zero gradients).
 
-How it works (``kernel.cpp``):
+How it works (``kernel.cpp``: op registration, including ``simd.h`` vector helpers, ``tiles.h``
+buffers/packing/tile products, ``schedule.h`` the problem and the checked schedule lists, ``forward.h``,
+``backward.h``; one translation unit):
 
 * It walks the layout's kernel schedule (:func:`sparse_io_attn.block_sparse.schedule.schedule`):
   forward and dQ run one task per (batch, query head, query tile of up to 128 rows: the layout's
@@ -16,13 +18,15 @@ How it works (``kernel.cpp``):
   tile of up to 128 keys) over the CSC lists of every query head of its GQA group. Full blocks run
   without any mask; partial blocks apply key/query padding, the causal test and the packed
   element-mask bits (AVX-512 mask blends). Blocks a row does not keep are never read.
-* Flash-style: online softmax in base 2 (``exp2`` on ``(q.k) * sm_scale * log2(e)``), fp32
-  statistics and accumulators; backward recomputes ``P = exp2((s - m) - log2 l)`` from the
-  forward's ``stats``.
+* Flash-style: online softmax in base 2 (``exp2`` on ``t = (q.k) * sm_scale * log2(e)``, rounded to
+  fp32 before the row maximum ``m`` of those same values is subtracted, so finite inputs give
+  finite outputs at any logit size), fp32 statistics and accumulators; backward recomputes
+  ``P = exp2((t - m) - log2 l)`` from the forward's ``stats`` with the same operations.
+* The raw ops check the schedule's index ranges (pointers, block indices, mask ids) once per call
+  before any work and raise ``RuntimeError`` on a corrupted schedule.
 * Tile products are ``at::native::cpublas::brgemm`` calls on fp32 tiles (oneDNN's ukernel). fp16 and
-  bf16 inputs are converted to fp32 once per call and the results rounded once at the end: on the
-  development machine fp32 brgemm ran at ~160 GFLOP/s per core and the bf16 VNNI brgemm (no AMX) at
-  ~85, so fp32 compute is both faster and more accurate there.
+  bf16 inputs are converted to fp32 once per call and the results rounded once at the end (without
+  AMX the fp32 brgemm is the faster one, and it is the more accurate).
 * Deterministic: every output element is produced by exactly one task summing in a fixed order
   (no atomics on data, dK/dV reduced over the GQA group inside its task), so results are bitwise
   identical across runs and thread counts. Threads come from ``at::parallel_for``

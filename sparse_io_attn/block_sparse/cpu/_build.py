@@ -1,4 +1,4 @@
-"""JIT build and loading of the C++ kernel (``kernel.cpp``), and the fallback when it cannot be built.
+"""JIT build and loading of the C++ kernel (``kernel.cpp`` and the headers it includes), and the fallback when it cannot be built.
 
 The kernel is compiled on first use with :func:`torch.utils.cpp_extension.load` (ninja, one
 translation unit, ``-O3`` and ``-march=native`` on x86-64) into torch's default extensions
@@ -10,6 +10,9 @@ processes building at once (``pytest -n 2``) are serialised by torch's file lock
 directory: the second waits and loads the first one's library. ``SPARSE_IO_ATTN_CPU_MARCH=x86-64-v3``
 (or any ``-march`` value) builds for another instruction set instead of ``native``: the vector code
 is chosen at compile time (AVX-512 fast paths, else at::vec's AVX2 or generic code).
+``SPARSE_IO_ATTN_SANITIZE=address,undefined`` builds with ``-fsanitize=...`` under its own extension
+name (``sparse_io_attn_cpu_sanitize_*``); load it with the sanitizer runtime preloaded
+(``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``, see ``make fuzz-sanitize``).
 
 The ops are registered with ``TORCH_LIBRARY`` (namespace ``sparse_io_attn_cpu``): no pybind11,
 which keeps the first build short.
@@ -32,9 +35,13 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("kernel.cpp")
+# the headers kernel.cpp includes (one translation unit); the build's digest covers all of them
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "tiles.h", "schedule.h", "forward.h",
+                                                             "backward.h"))
 NAMESPACE = "sparse_io_attn_cpu"
 DISABLE_ENV = "SPARSE_IO_ATTN_NO_CPU_KERNEL"   # set to 1: behave as if the kernel could not be built
 ARCH_ENV = "SPARSE_IO_ATTN_CPU_MARCH"          # -march value instead of "native" (x86)
+SANITIZE_ENV = "SPARSE_IO_ATTN_SANITIZE"       # e.g. address,undefined: a sanitizer build (own cache entry)
 
 _lock = threading.Lock()
 _ops = None            # torch.ops namespace once loaded
@@ -49,7 +56,9 @@ def _openmp() -> bool:
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-fno-math-errno", "-Wno-unused-variable", "-Wno-unused-parameter"]
+    # -ffp-contract=off: no a * b + c fused behind the source's back (the softmax subtracts the rounded
+    # scaled score, see forward.h, and backward must repeat the forward's arithmetic exactly)
+    flags = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-Wno-unused-variable", "-Wno-unused-parameter"]
     if _openmp():
         flags.append("-fopenmp")
     machine = platform.machine().lower()
@@ -60,7 +69,16 @@ def _cflags() -> list[str]:
         flags.append("-march=native")
     elif machine in ("aarch64", "arm64"):
         flags.append("-mcpu=native")
-    return flags
+    return flags + _sanitize_flags()
+
+
+def _sanitize_flags() -> list[str]:
+    """``-fsanitize=<list>`` from ``SPARSE_IO_ATTN_SANITIZE`` (compile and link), or nothing. Python
+    itself is not instrumented: run with the sanitizer runtime preloaded (``make fuzz-sanitize``)."""
+    checks = os.environ.get(SANITIZE_ENV, "").strip()
+    if checks in ("", "0"):
+        return []
+    return [f"-fsanitize={checks}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-g"]
 
 
 def _cpu_signature() -> str:
@@ -75,11 +93,13 @@ def _cpu_signature() -> str:
 
 def extension_name() -> str:
     h = hashlib.sha1()
-    for part in (SOURCE.read_bytes(), " ".join(_cflags()).encode(), str(_openmp()).encode(), torch.__version__.encode(),
+    for part in (*(path.read_bytes() for path in (SOURCE, *HEADERS)), " ".join(_cflags()).encode(),
+                 str(_openmp()).encode(), torch.__version__.encode(),
                  _cpu_signature().encode(), sys.version.encode()):
         h.update(part)
         h.update(b"\0")
-    return f"sparse_io_attn_cpu_{h.hexdigest()[:12]}"
+    kind = "_sanitize" if _sanitize_flags() else ""
+    return f"sparse_io_attn_cpu{kind}_{h.hexdigest()[:12]}"
 
 
 def _compiler() -> str | None:
@@ -109,8 +129,9 @@ def _problem() -> str | None:
     """Why a build cannot even start (None: try it)."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"disabled by the environment variable {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
-    if not SOURCE.is_file():
-        return (f"the kernel source {SOURCE} is missing from the installed package; reinstall "
+    missing = [path for path in (SOURCE, *HEADERS) if not path.is_file()]
+    if missing:
+        return (f"the kernel source {missing[0]} is missing from the installed package; reinstall "
                 f"sparse_io_attn from a source checkout (pip install -e .)")
     if _compiler() is None:
         return (f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r} on PATH); install one "
@@ -129,7 +150,8 @@ def _build():
         print(f"sparse_io_attn: compiling the CPU attention kernel (first use with this torch/CPU; "
               f"about a minute) into {build_dir}", file=sys.stderr, flush=True)
     cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(),
-                       extra_ldflags=["-fopenmp"] if _openmp() else [], is_python_module=False, verbose=False)
+                       extra_ldflags=(["-fopenmp"] if _openmp() else []) + _sanitize_flags(),
+                       is_python_module=False, verbose=False)
     return getattr(torch.ops, NAMESPACE)
 
 
