@@ -29,6 +29,12 @@ TOP = max(FLOORS.values()) + 1  # the package's own __init__: imports every floo
 
 #: (importer, imported) -> why the import sits inside a function (an optional or heavy dependency kept lazy)
 LAZY: dict[tuple[str, str], str] = {
+    ("sparse_io_attn.block_sparse.api", "sparse_io_attn.block_sparse.triton.launch"):
+        "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
+    ("sparse_io_attn.accounting.traffic", "sparse_io_attn.dense.traffic"):
+        "the dense traffic model imports the dense Triton kernels: loaded on first use of traffic.dense",
+    ("sparse_io_attn.accounting.traffic", "sparse_io_attn.sparse_operands.traffic"):
+        "the sparse-operand traffic model imports their Triton kernels: loaded on first use of traffic.sparse_operands",
 }
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.api import causal_offset
+from sparse_io_attn.block_sparse.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 

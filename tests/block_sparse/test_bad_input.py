@@ -3,6 +3,7 @@ ends as a correct result or a clear error naming what was expected, what was got
 (never a silent wrong answer, a crash or a raw traceback)."""
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -50,6 +51,14 @@ def _op_with_bad_indices():
     args[1] = args[1].clone()
     args[1][0] = 99                                          # column 99 of 4 key blocks
     return ops.block_sparse_attn_fwd(q, k, v, *args, None, 0.25, "triton")
+
+
+def _sparse_q(to_layout, backend="torch", entry=block_sparse_attention):
+    q, k, v = (t.detach() for t in _qkv())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # "sparse CSR support is in beta"
+        q = to_layout(q)
+    return entry(q, k, v, _layout(), backend=backend)
 
 
 def _flex(indices, nums):
@@ -101,6 +110,110 @@ BAD = [
     pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), causal="diagonal"), ValueError,
                  "causal must be one of", id="causal-unknown-mode"),
     pytest.param(lambda: _layout().rows(10, 5), ValueError, r"0 <= start < stop <= seqlen_q", id="rows-empty-range"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=1j, backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got complex", id="sm_scale-complex-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=1j, backend="triton"), TypeError,
+                 r"sm_scale must be a real number .* got complex", id="sm_scale-complex-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=1j, backend="cpu"), TypeError,
+                 r"sm_scale must be a real number .* got complex", id="sm_scale-complex-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=1j, backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got complex", id="sm_scale-complex-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.complex64(0.3), backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got complex64", id="sm_scale-numpy-complex-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.complex64(0.3), backend="triton"), TypeError,
+                 r"sm_scale must be a real number .* got complex64", id="sm_scale-numpy-complex-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.complex64(0.3), backend="cpu"), TypeError,
+                 r"sm_scale must be a real number .* got complex64", id="sm_scale-numpy-complex-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=np.complex64(0.3), backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got complex64", id="sm_scale-numpy-complex-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=True, backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got bool", id="sm_scale-bool-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=True, backend="triton"), TypeError,
+                 r"sm_scale must be a real number .* got bool", id="sm_scale-bool-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=True, backend="cpu"), TypeError,
+                 r"sm_scale must be a real number .* got bool", id="sm_scale-bool-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=True, backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got bool", id="sm_scale-bool-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.bool_(True), backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got bool", id="sm_scale-numpy-bool-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.bool_(True), backend="triton"), TypeError,
+                 r"sm_scale must be a real number .* got bool", id="sm_scale-numpy-bool-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.bool_(True), backend="cpu"), TypeError,
+                 r"sm_scale must be a real number .* got bool", id="sm_scale-numpy-bool-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=np.bool_(True), backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got bool", id="sm_scale-numpy-bool-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale="0.3", backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got str", id="sm_scale-string-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale="0.3", backend="triton"), TypeError,
+                 r"sm_scale must be a real number .* got str", id="sm_scale-string-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale="0.3", backend="cpu"), TypeError,
+                 r"sm_scale must be a real number .* got str", id="sm_scale-string-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale="0.3", backend="torch"), TypeError,
+                 r"sm_scale must be a real number .* got str", id="sm_scale-string-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor([0.3]), backend="torch"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", id="sm_scale-1d-tensor-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor([0.3]), backend="triton"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", id="sm_scale-1d-tensor-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor([0.3]), backend="cpu"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", id="sm_scale-1d-tensor-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=torch.tensor([0.3]), backend="torch"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", id="sm_scale-1d-tensor-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(True), backend="torch"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real, got shape .* dtype torch.bool", id="sm_scale-bool-tensor-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(True), backend="triton"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real, got shape .* dtype torch.bool", id="sm_scale-bool-tensor-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(True), backend="cpu"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real, got shape .* dtype torch.bool", id="sm_scale-bool-tensor-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=torch.tensor(True), backend="torch"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real, got shape .* dtype torch.bool", id="sm_scale-bool-tensor-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(0.3j), backend="torch"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real", id="sm_scale-complex-tensor-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(0.3j), backend="triton"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real", id="sm_scale-complex-tensor-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(0.3j), backend="cpu"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real", id="sm_scale-complex-tensor-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=torch.tensor(0.3j), backend="torch"), TypeError,
+                 r"sm_scale as a tensor must be 0-d and real", id="sm_scale-complex-tensor-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.float32("nan"), backend="torch"), ValueError,
+                 r"sm_scale must be a finite number, got nan", id="sm_scale-numpy-nan-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.float32("nan"), backend="triton"), ValueError,
+                 r"sm_scale must be a finite number, got nan", id="sm_scale-numpy-nan-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.float32("nan"), backend="cpu"), ValueError,
+                 r"sm_scale must be a finite number, got nan", id="sm_scale-numpy-nan-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=np.float32("nan"), backend="torch"), ValueError,
+                 r"sm_scale must be a finite number, got nan", id="sm_scale-numpy-nan-custom-op"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(float("inf")), backend="torch"), ValueError,
+                 r"sm_scale must be a finite number, got inf", id="sm_scale-inf-tensor-torch"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(float("inf")), backend="triton"), ValueError,
+                 r"sm_scale must be a finite number, got inf", id="sm_scale-inf-tensor-triton"),
+    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(float("inf")), backend="cpu"), ValueError,
+                 r"sm_scale must be a finite number, got inf", id="sm_scale-inf-tensor-cpu"),
+    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=torch.tensor(float("inf")), backend="torch"), ValueError,
+                 r"sm_scale must be a finite number, got inf", id="sm_scale-inf-tensor-custom-op"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse(), "torch"), TypeError,
+                 r"q has layout torch.sparse_coo; .* pass q.to_dense\(\)", id="q-coo-torch"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse(), "triton"), TypeError,
+                 r"q has layout torch.sparse_coo; .* pass q.to_dense\(\)", id="q-coo-triton"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse(), "cpu"), TypeError,
+                 r"q has layout torch.sparse_coo; .* pass q.to_dense\(\)", id="q-coo-cpu"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse(), "torch", ops.block_sparse_attention_op), TypeError,
+                 r"q has layout torch.sparse_coo; .* pass q.to_dense\(\)", id="q-coo-custom-op"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_csr(), "torch"), TypeError,
+                 r"q has layout torch.sparse_csr; .* pass q.to_dense\(\)", id="q-csr-torch"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_csr(), "triton"), TypeError,
+                 r"q has layout torch.sparse_csr; .* pass q.to_dense\(\)", id="q-csr-triton"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_csr(), "cpu"), TypeError,
+                 r"q has layout torch.sparse_csr; .* pass q.to_dense\(\)", id="q-csr-cpu"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_csr(), "torch", ops.block_sparse_attention_op), TypeError,
+                 r"q has layout torch.sparse_csr; .* pass q.to_dense\(\)", id="q-csr-custom-op"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_bsr((16, 16)), "torch"), TypeError,
+                 r"q has layout torch.sparse_bsr; .* pass q.to_dense\(\)", id="q-bsr-torch"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_bsr((16, 16)), "triton"), TypeError,
+                 r"q has layout torch.sparse_bsr; .* pass q.to_dense\(\)", id="q-bsr-triton"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_bsr((16, 16)), "cpu"), TypeError,
+                 r"q has layout torch.sparse_bsr; .* pass q.to_dense\(\)", id="q-bsr-cpu"),
+    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_bsr((16, 16)), "torch", ops.block_sparse_attention_op), TypeError,
+                 r"q has layout torch.sparse_bsr; .* pass q.to_dense\(\)", id="q-bsr-custom-op"),
 ]
 
 
@@ -145,3 +258,20 @@ def test_dv_exact_at_large_logits(backend, dtype, tol):
     got = run(q, k, v, do, layout, False, backend=backend)
     ref = attention_reference(q, k, v, layout, do=do)
     assert rel_err(got[0], ref[0]) <= tol and rel_err(got[4], ref[4]) <= tol
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
+@pytest.mark.parametrize("sm_scale", [pytest.param(np.float32(0.3), id="numpy-float32"),
+                                      pytest.param(np.float64(0.3), id="numpy-float64"),
+                                      pytest.param(np.int64(1), id="numpy-int64"),
+                                      pytest.param(1, id="python-int"),
+                                      pytest.param(torch.tensor(0.3), id="tensor-0d-float32"),
+                                      pytest.param(torch.tensor(1, dtype=torch.int32), id="tensor-0d-int32")])
+def test_real_scalar_sm_scale_accepted(backend, sm_scale):
+    """Any finite real scalar is a softmax scale: the result is the float64 reference's at float(sm_scale)."""
+    layout = patterns.sliding_window(48, 16, window=16)
+    q, k, v, do = make_inputs(1, 2, 1, 48, 48, 16)
+    got = run(q, k, v, do, layout, True, backend=backend, sm_scale=sm_scale)
+    ref = attention_reference(q, k, v, layout, causal=True, sm_scale=float(sm_scale), do=do)
+    for g, r in zip(got[:1] + got[2:], ref[:1] + ref[2:]):
+        assert rel_err(g, r) <= 1e-5
