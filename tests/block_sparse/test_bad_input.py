@@ -13,7 +13,7 @@ from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 from sparse_io_attn.cli import main as cli
 from sparse_io_attn.nn import ops
 
-from helpers import make_inputs, run
+from helpers import BACKENDS, make_inputs, run
 
 
 def _qkv(D=16, Hq=2, Hkv=2, N=64, B=1):
@@ -245,7 +245,7 @@ def test_cli_refuses_up_front(capsys, argv, message):
     assert message in err and "Traceback" not in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-2), (torch.bfloat16, 1e-2)],
                          ids=["fp32", "fp16", "bf16"])
 def test_dv_exact_at_large_logits(backend, dtype, tol):
@@ -260,7 +260,7 @@ def test_dv_exact_at_large_logits(backend, dtype, tol):
     assert rel_err(got[0], ref[0]) <= tol and rel_err(got[4], ref[4]) <= tol
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sm_scale", [pytest.param(np.float32(0.3), id="numpy-float32"),
                                       pytest.param(np.float64(0.3), id="numpy-float64"),
                                       pytest.param(np.int64(1), id="numpy-int64"),

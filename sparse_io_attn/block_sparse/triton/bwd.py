@@ -19,7 +19,7 @@ get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 from __future__ import annotations
 
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.fwd import _tile_bits
+from sparse_io_attn.block_sparse.triton.fwd import _scores, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_LAYOUT,
                                                       DKDV_STATS, DKDV_MASK, DKDV_Q, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ,
                                                       DQ_K, DQ_LAYOUT, DQ_STATS, DQ_MASK, DQ_Q, DQ_V, PRE_DELTA,
@@ -143,7 +143,7 @@ def _attn_bwd_dkdv_kernel(
                                                  mask_m[:, None], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_M, BLOCK_N]
             if IS_CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-            sT = tl.trans(dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale)  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+            sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
             pT = tl.math.exp2(tl.where(tl.trans(valid), (sT - m_row[None, :]) - log2_sum[None, :],
                                        float("-inf")))  # [BLOCK_N, BLOCK_M]
             dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
@@ -170,7 +170,7 @@ def _attn_bwd_dkdv_kernel(
             m_row = tl.load(stats_ptr + row_base + offs_m)  # [BLOCK_M], finite: the row keeps this block
             log2_sum = tl.load(stats_ptr + stats_stride + row_base + offs_m)
             delta = tl.load(delta_ptr + row_base + offs_m)
-            sT = tl.trans(dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale)  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+            sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
             pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])
             dv = dot(pT, do, dv, DOT_DTYPE)
             dpT = dot(v, tl.trans(do), None, DOT_DTYPE)
@@ -273,7 +273,7 @@ def _attn_bwd_dq_kernel(
                                              tl.where(live, mask_m[:, None], False), BLOCK_SIZE_Q, MASK_WORDS)
         if IS_CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
         p = tl.math.exp2(tl.where(valid, (s - m_row[:, None]) - log2_sum[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]
         dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
@@ -295,7 +295,7 @@ def _attn_bwd_dq_kernel(
                         mask=mask_d[None, :], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                         mask=mask_d[None, :], other=0.0)
-        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale
+        s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
         p = tl.math.exp2((s - m_row[:, None]) - log2_sum[:, None])
         dp = dot(do, tl.trans(v), None, DOT_DTYPE)
         ds = p * (dp - delta[:, None])

@@ -20,7 +20,7 @@ them once at its end (compiled out otherwise).
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn._triton.jit import FP32_MAX, LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.slots import (FWD_K, FWD_LAYOUT, FWD_LSE, FWD_MASK, FWD_O, FWD_Q, FWD_STATS,
                                                       FWD_V)
 
@@ -37,6 +37,17 @@ def _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block, load_ok,
                     + row_in_block[:, None] * MASK_WORDS + (col_in_block // 32)[None, :],
                     mask=tl.where(mask_id >= 0, load_ok, False), other=-1)  # [rows, cols] int32
     return ((words >> (col_in_block % 32)[None, :]) & 1) != 0
+
+
+@triton.jit
+def _scores(q, k, qk_scale, DOT_DTYPE: tl.constexpr):
+    """Base-2 scores ``q @ k^T * qk_scale`` (``[rows of q, rows of k]``, fp32), saturated to the
+    finite fp32 range: a score past it would be +-inf and the row maximum's subtraction
+    ``inf - inf`` NaN; saturated, a row's largest scores share its probability. Every kernel forms
+    its scores here, so backward recomputes them exactly as the forward did. NaN stays NaN."""
+    s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale
+    return tl.minimum(tl.maximum(s, -FP32_MAX, propagate_nan=tl.PropagateNan.ALL), FP32_MAX,
+                      propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -107,7 +118,7 @@ def _attn_fwd_kernel(
                                              tl.where(live, mask_m[:, None], False), BLOCK_SIZE_Q, MASK_WORDS)
         if IS_CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
@@ -133,7 +144,7 @@ def _attn_fwd_kernel(
                         mask=mask_d[None, :], other=0.0)
             v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                         mask=mask_d[None, :], other=0.0)
-        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
