@@ -12,7 +12,7 @@ index and element-mask tensors (CSR, partial-block ids and masks, and the transp
 backward needs) plus ints; the op rebuilds the layout object inside with ``validate=False`` and checks
 its indices and its broadcast over q's ``[batch, heads]`` once per index tensors (a direct call may
 carry any). ``causal_offset`` is ``None`` or the
-``delta`` of ``j <= i + delta`` (:func:`sparse_io_attn.block_sparse.api.causal_offset`). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
+``delta`` of ``j <= i + delta`` (:func:`sparse_io_attn.block_sparse.causal.causal_offset`). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
 backward op, so ``torch.compile(model, fullgraph=True)`` sees two nodes and no graph break.
 
 Shapes and units are those of :func:`sparse_io_attn.block_sparse_attention`: ``out`` has q's shape
