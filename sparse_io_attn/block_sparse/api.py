@@ -117,8 +117,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Bloc
 
 def _resolve_sm_scale(sm_scale, head_dim: int) -> float:
     """``head_dim ** -0.5`` for ``None``; else any finite real scalar (Python int/float, NumPy
-    scalar, 0-d real tensor) as a Python float. Complex, bool, strings, tensors with elements other
-    than one, and non-finite values are refused."""
+    scalar, 0-d real tensor) as a Python float. Complex numbers, bools, strings, tensors that are
+    not 0-d and real, and non-finite values are refused (``TypeError``/``ValueError``)."""
     if sm_scale is None:
         return head_dim ** -0.5
     value = sm_scale

@@ -1,6 +1,7 @@
 """The reliability table: every bad input, edge case or numerical stress an outside audit found
 ends as a correct result or a clear error naming what was expected, what was got and the fix
 (never a silent wrong answer, a crash or a raw traceback)."""
+import functools
 import warnings
 
 import numpy as np
@@ -53,12 +54,40 @@ def _op_with_bad_indices():
     return ops.block_sparse_attn_fwd(q, k, v, *args, None, 0.25, "triton")
 
 
-def _sparse_q(to_layout, backend="torch", entry=block_sparse_attention):
+# both entry points, every backend: the prologue they share refuses before any backend runs
+ENTRIES = {**{backend: functools.partial(block_sparse_attention, backend=backend) for backend in BACKENDS},
+           "custom-op": functools.partial(ops.block_sparse_attention_op, backend="torch")}
+
+
+def _with_sm_scale(entry, sm_scale):
+    return entry(*_qkv(), _layout(), sm_scale=sm_scale)
+
+
+def _with_sparse_q(entry, to_layout):
     q, k, v = (t.detach() for t in _qkv())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")          # "sparse CSR support is in beta"
         q = to_layout(q)
-    return entry(q, k, v, _layout(), backend=backend)
+    return entry(q, k, v, _layout())
+
+
+BAD_SM_SCALES = [  # (value, exception, message, id)
+    (1j, TypeError, r"sm_scale must be a real number .* got complex", "complex"),
+    (np.complex64(0.3), TypeError, r"sm_scale must be a real number .* got complex64", "numpy-complex"),
+    (True, TypeError, r"sm_scale must be a real number .* got bool", "bool"),
+    (np.bool_(True), TypeError, r"sm_scale must be a real number .* got bool", "numpy-bool"),
+    ("0.3", TypeError, r"sm_scale must be a real number .* got str", "string"),
+    (torch.tensor([0.3]), TypeError, r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", "1d-tensor"),
+    (torch.tensor(True), TypeError, r"sm_scale as a tensor must be 0-d and real, .* dtype torch.bool", "bool-tensor"),
+    (torch.tensor(0.3j), TypeError, r"sm_scale as a tensor must be 0-d and real", "complex-tensor"),
+    (np.float32("nan"), ValueError, r"sm_scale must be a finite number, got nan", "numpy-nan"),
+    (torch.tensor(float("inf")), ValueError, r"sm_scale must be a finite number, got inf", "inf-tensor"),
+]
+SPARSE_LAYOUTS = [  # (conversion, layout name)
+    (lambda t: t.to_sparse(), "sparse_coo"),
+    (lambda t: t.to_sparse_csr(), "sparse_csr"),
+    (lambda t: t.to_sparse_bsr((16, 16)), "sparse_bsr"),
+]
 
 
 def _flex(indices, nums):
@@ -110,111 +139,14 @@ BAD = [
     pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), causal="diagonal"), ValueError,
                  "causal must be one of", id="causal-unknown-mode"),
     pytest.param(lambda: _layout().rows(10, 5), ValueError, r"0 <= start < stop <= seqlen_q", id="rows-empty-range"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=1j, backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got complex", id="sm_scale-complex-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=1j, backend="triton"), TypeError,
-                 r"sm_scale must be a real number .* got complex", id="sm_scale-complex-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=1j, backend="cpu"), TypeError,
-                 r"sm_scale must be a real number .* got complex", id="sm_scale-complex-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=1j, backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got complex", id="sm_scale-complex-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.complex64(0.3), backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got complex64", id="sm_scale-numpy-complex-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.complex64(0.3), backend="triton"), TypeError,
-                 r"sm_scale must be a real number .* got complex64", id="sm_scale-numpy-complex-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.complex64(0.3), backend="cpu"), TypeError,
-                 r"sm_scale must be a real number .* got complex64", id="sm_scale-numpy-complex-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=np.complex64(0.3), backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got complex64", id="sm_scale-numpy-complex-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=True, backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got bool", id="sm_scale-bool-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=True, backend="triton"), TypeError,
-                 r"sm_scale must be a real number .* got bool", id="sm_scale-bool-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=True, backend="cpu"), TypeError,
-                 r"sm_scale must be a real number .* got bool", id="sm_scale-bool-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=True, backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got bool", id="sm_scale-bool-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.bool_(True), backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got bool", id="sm_scale-numpy-bool-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.bool_(True), backend="triton"), TypeError,
-                 r"sm_scale must be a real number .* got bool", id="sm_scale-numpy-bool-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.bool_(True), backend="cpu"), TypeError,
-                 r"sm_scale must be a real number .* got bool", id="sm_scale-numpy-bool-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=np.bool_(True), backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got bool", id="sm_scale-numpy-bool-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale="0.3", backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got str", id="sm_scale-string-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale="0.3", backend="triton"), TypeError,
-                 r"sm_scale must be a real number .* got str", id="sm_scale-string-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale="0.3", backend="cpu"), TypeError,
-                 r"sm_scale must be a real number .* got str", id="sm_scale-string-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale="0.3", backend="torch"), TypeError,
-                 r"sm_scale must be a real number .* got str", id="sm_scale-string-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor([0.3]), backend="torch"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", id="sm_scale-1d-tensor-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor([0.3]), backend="triton"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", id="sm_scale-1d-tensor-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor([0.3]), backend="cpu"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", id="sm_scale-1d-tensor-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=torch.tensor([0.3]), backend="torch"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", id="sm_scale-1d-tensor-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(True), backend="torch"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real, got shape .* dtype torch.bool", id="sm_scale-bool-tensor-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(True), backend="triton"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real, got shape .* dtype torch.bool", id="sm_scale-bool-tensor-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(True), backend="cpu"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real, got shape .* dtype torch.bool", id="sm_scale-bool-tensor-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=torch.tensor(True), backend="torch"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real, got shape .* dtype torch.bool", id="sm_scale-bool-tensor-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(0.3j), backend="torch"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real", id="sm_scale-complex-tensor-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(0.3j), backend="triton"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real", id="sm_scale-complex-tensor-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(0.3j), backend="cpu"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real", id="sm_scale-complex-tensor-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=torch.tensor(0.3j), backend="torch"), TypeError,
-                 r"sm_scale as a tensor must be 0-d and real", id="sm_scale-complex-tensor-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.float32("nan"), backend="torch"), ValueError,
-                 r"sm_scale must be a finite number, got nan", id="sm_scale-numpy-nan-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.float32("nan"), backend="triton"), ValueError,
-                 r"sm_scale must be a finite number, got nan", id="sm_scale-numpy-nan-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=np.float32("nan"), backend="cpu"), ValueError,
-                 r"sm_scale must be a finite number, got nan", id="sm_scale-numpy-nan-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=np.float32("nan"), backend="torch"), ValueError,
-                 r"sm_scale must be a finite number, got nan", id="sm_scale-numpy-nan-custom-op"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(float("inf")), backend="torch"), ValueError,
-                 r"sm_scale must be a finite number, got inf", id="sm_scale-inf-tensor-torch"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(float("inf")), backend="triton"), ValueError,
-                 r"sm_scale must be a finite number, got inf", id="sm_scale-inf-tensor-triton"),
-    pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=torch.tensor(float("inf")), backend="cpu"), ValueError,
-                 r"sm_scale must be a finite number, got inf", id="sm_scale-inf-tensor-cpu"),
-    pytest.param(lambda: ops.block_sparse_attention_op(*_qkv(), _layout(), sm_scale=torch.tensor(float("inf")), backend="torch"), ValueError,
-                 r"sm_scale must be a finite number, got inf", id="sm_scale-inf-tensor-custom-op"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse(), "torch"), TypeError,
-                 r"q has layout torch.sparse_coo; .* pass q.to_dense\(\)", id="q-coo-torch"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse(), "triton"), TypeError,
-                 r"q has layout torch.sparse_coo; .* pass q.to_dense\(\)", id="q-coo-triton"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse(), "cpu"), TypeError,
-                 r"q has layout torch.sparse_coo; .* pass q.to_dense\(\)", id="q-coo-cpu"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse(), "torch", ops.block_sparse_attention_op), TypeError,
-                 r"q has layout torch.sparse_coo; .* pass q.to_dense\(\)", id="q-coo-custom-op"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_csr(), "torch"), TypeError,
-                 r"q has layout torch.sparse_csr; .* pass q.to_dense\(\)", id="q-csr-torch"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_csr(), "triton"), TypeError,
-                 r"q has layout torch.sparse_csr; .* pass q.to_dense\(\)", id="q-csr-triton"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_csr(), "cpu"), TypeError,
-                 r"q has layout torch.sparse_csr; .* pass q.to_dense\(\)", id="q-csr-cpu"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_csr(), "torch", ops.block_sparse_attention_op), TypeError,
-                 r"q has layout torch.sparse_csr; .* pass q.to_dense\(\)", id="q-csr-custom-op"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_bsr((16, 16)), "torch"), TypeError,
-                 r"q has layout torch.sparse_bsr; .* pass q.to_dense\(\)", id="q-bsr-torch"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_bsr((16, 16)), "triton"), TypeError,
-                 r"q has layout torch.sparse_bsr; .* pass q.to_dense\(\)", id="q-bsr-triton"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_bsr((16, 16)), "cpu"), TypeError,
-                 r"q has layout torch.sparse_bsr; .* pass q.to_dense\(\)", id="q-bsr-cpu"),
-    pytest.param(lambda: _sparse_q(lambda t: t.to_sparse_bsr((16, 16)), "torch", ops.block_sparse_attention_op), TypeError,
-                 r"q has layout torch.sparse_bsr; .* pass q.to_dense\(\)", id="q-bsr-custom-op"),
 ]
+
+
+BAD += [pytest.param(functools.partial(_with_sm_scale, entry, value), exc, match, id=f"sm_scale-{name}-{where}")
+        for value, exc, match, name in BAD_SM_SCALES for where, entry in ENTRIES.items()]
+BAD += [pytest.param(functools.partial(_with_sparse_q, entry, to_layout), TypeError,
+                     rf"q has layout torch.{name}; .* pass q.to_dense\(\)", id=f"q-{name}-{where}")
+        for to_layout, name in SPARSE_LAYOUTS for where, entry in ENTRIES.items()]
 
 
 @pytest.mark.parametrize("call,exc,match", BAD)
