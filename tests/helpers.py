@@ -7,6 +7,7 @@ from sparse_io_attn import BlockSparseLayout, block_sparse_attention
 from sparse_io_attn.block_sparse.reference import rel_err
 
 FP32_TOL = 1e-5
+BACKENDS = ("torch", "triton", "cpu")   # every backend of block_sparse_attention: parametrize("backend", BACKENDS)
 
 
 def make_layout(B, Hq, Nq, Nk, block, *, density=0.5, per_head=False, per_batch=False, empty_rows=(),

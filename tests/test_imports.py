@@ -36,6 +36,12 @@ ALIASES: dict[str, str] = {
 LAZY: dict[tuple[str, str], str] = {
     ("sparse_io_attn.sparse_operands.api", "sparse_io_attn.sparse_operands.triton.launch"):
         "the @triton.jit kernels (and Triton itself) load on the first backend='triton' call",
+    ("sparse_io_attn.block_sparse.api", "sparse_io_attn.block_sparse.triton.launch"):
+        "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
+    ("sparse_io_attn.accounting.traffic", "sparse_io_attn.dense.traffic"):
+        "the dense traffic model imports the dense Triton kernels: loaded on first use of traffic.dense",
+    ("sparse_io_attn.accounting.traffic", "sparse_io_attn.sparse_operands.traffic"):
+        "the sparse-operand traffic model imports their Triton kernels: loaded on first use of traffic.sparse_operands",
 }
 
 

@@ -23,6 +23,7 @@ import triton.language as tl  # noqa: E402
 
 LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): natural-log units -> base 2
 LN2 = tl.constexpr(0.6931471805599453)     # ln(2): base 2 -> natural-log units
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
 
 
 def slot(tensors: Sequence[str], name: str) -> tl.constexpr:

@@ -13,20 +13,28 @@ Every model returns a ``TrafficReport(source="predicted")`` equal, in bytes, to 
 """
 from __future__ import annotations
 
-import importlib
-
 from sparse_io_attn.block_sparse.traffic import (block_sparse, block_sparse_backward, block_sparse_flops,
                                                  block_sparse_forward, kept_elements)
 
-_FAMILIES = {"dense": "sparse_io_attn.dense.traffic",
-             "sparse_operands": "sparse_io_attn.sparse_operands.traffic",
-             "paper": "sparse_io_attn.sparse_operands.traffic"}
+def _dense_model():
+    """:mod:`sparse_io_attn.dense.traffic`, imported on first use (it imports the dense Triton kernels)."""
+    from sparse_io_attn.dense import traffic
+    return traffic
+
+
+def _sparse_operands_model():
+    """:mod:`sparse_io_attn.sparse_operands.traffic`, imported on first use (it imports the
+    sparse-operand Triton kernels)."""
+    from sparse_io_attn.sparse_operands import traffic
+    return traffic
+
+
+_FAMILIES = {"dense": _dense_model, "sparse_operands": _sparse_operands_model, "paper": _sparse_operands_model}
 
 
 def __getattr__(name):
-    # the other families' models are imported on first use (their packages import the accounting layer)
     if name in _FAMILIES:
-        return importlib.import_module(_FAMILIES[name])
+        return _FAMILIES[name]()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.api import causal_offset
+from sparse_io_attn.block_sparse.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 
@@ -17,7 +17,7 @@ def element_mask(layout: BlockSparseLayout | None, batch: int, num_heads_q: int,
     """``bool [batch, num_heads_q, seqlen_q, seqlen_k]``: the elements attention may use (the layout's
     element mask, partial blocks included).
 
-    ``causal`` (see :func:`~sparse_io_attn.block_sparse.api.causal_offset`): ``True``/``"top_left"``
+    ``causal`` (see :func:`~sparse_io_attn.block_sparse.causal.causal_offset`): ``True``/``"top_left"``
     keeps key ``j`` for query ``i`` only if ``j <= i`` (as ``scaled_dot_product_attention(
     is_causal=True)``), ``"bottom_right"`` only if ``j <= i + seqlen_k - seqlen_q``.
     """

@@ -33,7 +33,7 @@ from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout._csr import csr_row_ids
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.tally.report import TrafficReport
-from sparse_io_attn.block_sparse.api import causal_offset
+from sparse_io_attn.block_sparse.causal import causal_offset
 from sparse_io_attn.block_sparse.schedule import BlockLists, schedule
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, element_size
 

@@ -6,7 +6,8 @@ from typing import Callable, Union
 import torch
 from torch import nn
 
-from sparse_io_attn.block_sparse.api import BACKENDS, causal_offset
+from sparse_io_attn.block_sparse.api import BACKENDS
+from sparse_io_attn.block_sparse.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.nn.ops import block_sparse_attention_op
 

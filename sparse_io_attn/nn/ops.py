@@ -9,9 +9,10 @@ Two opaque ops, each a thin shell over a backend of :mod:`sparse_io_attn.block_s
 
 A :class:`~sparse_io_attn.BlockSparseLayout` is not a tensor, so it crosses the op boundary as its
 index and element-mask tensors (CSR, partial-block ids and masks, and the transposed CSC copy
-backward needs) plus ints; the op rebuilds the layout object inside with ``validate=False`` (the
-indices were validated when the layout was first built). ``causal_offset`` is ``None`` or the
-``delta`` of ``j <= i + delta`` (:func:`sparse_io_attn.block_sparse.api.causal_offset`). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
+backward needs) plus ints; the op rebuilds the layout object inside with ``validate=False`` and checks
+its indices and its broadcast over q's ``[batch, heads]`` once per index tensors (a direct call may
+carry any). ``causal_offset`` is ``None`` or the
+``delta`` of ``j <= i + delta`` (:func:`sparse_io_attn.block_sparse.causal.causal_offset`). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
 backward op, so ``torch.compile(model, fullgraph=True)`` sees two nodes and no graph break.
 
 Shapes and units are those of :func:`sparse_io_attn.block_sparse_attention`: ``out`` has q's shape
@@ -26,8 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from sparse_io_attn.block_sparse.api import (_no_double_backward, backend_module, causal_offset, check_inputs,
-                                             resolve_backend)
+from sparse_io_attn.block_sparse.api import _no_double_backward, backend_module, prologue
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 # Layout objects rebuilt inside the ops, keyed by the crow_indices tensor they were built from, so a
@@ -35,17 +35,21 @@ from sparse_io_attn.layout.core import BlockSparseLayout
 _REBUILT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def _layout_from_indices(crow_indices: Tensor, col_indices: Tensor, partial_ids: Tensor, partial_masks: Tensor,
-                         ccol_indices: Tensor, row_indices: Tensor, csc_partial_ids: Tensor,
+def _layout_from_indices(q: Tensor, k: Tensor, crow_indices: Tensor, col_indices: Tensor, partial_ids: Tensor,
+                         partial_masks: Tensor, ccol_indices: Tensor, row_indices: Tensor, csc_partial_ids: Tensor,
                          block_size_q: int, block_size_kv: int, layout_batch: int,
-                         layout_heads: int, seqlen_q: int, seqlen_k: int) -> BlockSparseLayout:
+                         layout_heads: int) -> tuple[BlockSparseLayout, tuple[int, int]]:
+    """``(layout, layout_strides)`` for the op's arguments: the layout rebuilt (and its indices
+    validated) once per index tensors; its broadcast over q's ``[batch, heads]`` checked per call
+    (the op's own arguments: a direct call may carry any)."""
     tensors = (col_indices, partial_ids, partial_masks, ccol_indices, row_indices, csc_partial_ids)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     meta = (block_size_q, block_size_kv, layout_batch, layout_heads, seqlen_q, seqlen_k)
     hit = _REBUILT.get(crow_indices)
     if hit is not None:
         layout, hit_tensors, hit_meta = hit
         if all(a is b for a, b in zip(hit_tensors, tensors)) and hit_meta == meta:
-            return layout
+            return layout, layout.broadcast_strides(q.shape[0], q.shape[1])
     layout = BlockSparseLayout(crow_indices, col_indices, block_size=(block_size_q, block_size_kv),
                                seqlen=(seqlen_q, seqlen_k), layout_batch=layout_batch,
                                layout_heads=layout_heads, name="custom_op", validate=False,
@@ -54,7 +58,7 @@ def _layout_from_indices(crow_indices: Tensor, col_indices: Tensor, partial_ids:
                                csc_partial_ids=csc_partial_ids)
     layout.check()  # a direct op call may carry any indices: validate once per rebuilt layout
     _REBUILT[crow_indices] = (layout, tensors, meta)
-    return layout
+    return layout, layout.broadcast_strides(q.shape[0], q.shape[1])
 
 
 @torch.library.custom_op("sparse_io_attn::block_sparse_attn_fwd", mutates_args=())
@@ -65,11 +69,11 @@ def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, crow_indices: Tensor,
                           backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Forward of block-sparse attention: ``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq], stats fp32
     [2, B, Hq, Nq])`` (``stats``: the softmax statistics backward recomputes ``P`` from)."""
-    layout = _layout_from_indices(crow_indices, col_indices, partial_ids, partial_masks, ccol_indices,
-                                  row_indices, csc_partial_ids, block_size_q, block_size_kv, layout_batch,
-                                  layout_heads, q.shape[2], k.shape[2])
+    layout, layout_strides = _layout_from_indices(q, k, crow_indices, col_indices, partial_ids, partial_masks,
+                                                  ccol_indices, row_indices, csc_partial_ids, block_size_q,
+                                                  block_size_kv, layout_batch, layout_heads)
     out, lse, stats = backend_module(backend).forward(q, k, v, layout, causal_offset=causal_offset,
-                                                      sm_scale=sm_scale)
+                                                      sm_scale=sm_scale, layout_strides=layout_strides)
     return out.contiguous(), lse.contiguous(), stats.contiguous()
 
 
@@ -90,11 +94,11 @@ def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                           backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of block-sparse attention: ``(dq, dk, dv)`` shaped like q, k, v (dk/dv summed over
     the query heads of a GQA group)."""
-    layout = _layout_from_indices(crow_indices, col_indices, partial_ids, partial_masks, ccol_indices,
-                                  row_indices, csc_partial_ids, block_size_q, block_size_kv, layout_batch,
-                                  layout_heads, q.shape[2], k.shape[2])
+    layout, layout_strides = _layout_from_indices(q, k, crow_indices, col_indices, partial_ids, partial_masks,
+                                                  ccol_indices, row_indices, csc_partial_ids, block_size_q,
+                                                  block_size_kv, layout_batch, layout_heads)
     dq, dk, dv = backend_module(backend).backward(do, q, k, v, out, stats, layout, causal_offset=causal_offset,
-                                                  sm_scale=sm_scale)
+                                                  sm_scale=sm_scale, layout_strides=layout_strides)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -140,13 +144,12 @@ def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, layout: BlockSpar
                               return_lse: bool = False, backend: str = "auto"):
     """Same contract as :func:`sparse_io_attn.block_sparse_attention`, through the custom ops.
 
-    Use this one inside code you ``torch.compile``; it validates the inputs the same way, then
-    calls ``torch.ops.sparse_io_attn.block_sparse_attn_fwd``. The layout's transposed indices are
-    built (once, cached on the layout) before the call.
+    Use this one inside code you ``torch.compile``; it runs the same prologue
+    (:func:`sparse_io_attn.block_sparse.api.prologue`), then calls
+    ``torch.ops.sparse_io_attn.block_sparse_attn_fwd``. The layout's transposed indices are built
+    (once, cached on the layout) before the call.
     """
-    sm_scale = check_inputs(q, k, v, layout, sm_scale)
-    delta = causal_offset(causal, q.shape[2], k.shape[2])
-    name = resolve_backend(backend, q.device)
-    layout = layout.to(q.device)
-    out, lse, _ = block_sparse_attn_fwd(q, k, v, *layout_op_args(layout), delta, sm_scale, name)
+    call = prologue(q, k, v, layout, causal=causal, sm_scale=sm_scale, backend=backend)
+    out, lse, _ = block_sparse_attn_fwd(q, k, v, *layout_op_args(call.layout), call.causal_offset, call.sm_scale,
+                                        call.backend)
     return (out, lse) if return_lse else out

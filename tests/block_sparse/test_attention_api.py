@@ -48,7 +48,7 @@ def test_bad_backend_and_sm_scale():
     q, k, v = qkv()
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton', 'cpu'\), got 'cuda'"):
         block_sparse_attention(q, k, v, LAYOUT, backend="cuda")
-    with pytest.raises(TypeError, match="sm_scale must be a float or None, got bool"):
+    with pytest.raises(TypeError, match="sm_scale must be a real number .* or None, got bool"):
         block_sparse_attention(q, k, v, LAYOUT, sm_scale=True)
 
 
@@ -106,3 +106,15 @@ def test_demo_subcommand_runs_and_passes(capsys):
     text = capsys.readouterr().out
     assert code == 0, text
     assert "=> PASS" in text and "█" in text and "SDPA, same mask" in text
+
+
+def test_resolve_backend_for_an_op_without_the_cpu_kernel():
+    """Ops with fewer backends (sparse operands: torch and triton) resolve "auto" through the same
+    function: triton on CUDA, torch elsewhere; a backend the op lacks is refused by name."""
+    ops_backends = ("torch", "triton")
+    assert resolve_backend("auto", torch.device("cpu"), supported=ops_backends) == "torch"
+    assert resolve_backend("auto", torch.device("cuda"), supported=ops_backends) == "triton"
+    assert resolve_backend("auto", torch.device("meta"), supported=ops_backends) == "torch"
+    assert resolve_backend("triton", torch.device("cpu"), supported=ops_backends) == "triton"
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\), got 'cpu'"):
+        resolve_backend("cpu", torch.device("cpu"), supported=ops_backends)

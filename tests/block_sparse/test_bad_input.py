@@ -1,8 +1,10 @@
 """The reliability table: every bad input, edge case or numerical stress an outside audit found
 ends as a correct result or a clear error naming what was expected, what was got and the fix
 (never a silent wrong answer, a crash or a raw traceback)."""
+import functools
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -12,7 +14,7 @@ from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 from sparse_io_attn.cli import main as cli
 from sparse_io_attn.nn import ops
 
-from helpers import make_inputs, run
+from helpers import BACKENDS, make_inputs, run
 
 
 def _qkv(D=16, Hq=2, Hkv=2, N=64, B=1):
@@ -50,6 +52,42 @@ def _op_with_bad_indices():
     args[1] = args[1].clone()
     args[1][0] = 99                                          # column 99 of 4 key blocks
     return ops.block_sparse_attn_fwd(q, k, v, *args, None, 0.25, "triton")
+
+
+# both entry points, every backend: the prologue they share refuses before any backend runs
+ENTRIES = {**{backend: functools.partial(block_sparse_attention, backend=backend) for backend in BACKENDS},
+           "custom-op": functools.partial(ops.block_sparse_attention_op, backend="torch")}
+
+
+def _with_sm_scale(entry, sm_scale):
+    return entry(*_qkv(), _layout(), sm_scale=sm_scale)
+
+
+def _with_sparse_q(entry, to_layout):
+    q, k, v = (t.detach() for t in _qkv())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # "sparse CSR support is in beta"
+        q = to_layout(q)
+    return entry(q, k, v, _layout())
+
+
+BAD_SM_SCALES = [  # (value, exception, message, id)
+    (1j, TypeError, r"sm_scale must be a real number .* got complex", "complex"),
+    (np.complex64(0.3), TypeError, r"sm_scale must be a real number .* got complex64", "numpy-complex"),
+    (True, TypeError, r"sm_scale must be a real number .* got bool", "bool"),
+    (np.bool_(True), TypeError, r"sm_scale must be a real number .* got bool", "numpy-bool"),
+    ("0.3", TypeError, r"sm_scale must be a real number .* got str", "string"),
+    (torch.tensor([0.3]), TypeError, r"sm_scale as a tensor must be 0-d and real, got shape \(1,\)", "1d-tensor"),
+    (torch.tensor(True), TypeError, r"sm_scale as a tensor must be 0-d and real, .* dtype torch.bool", "bool-tensor"),
+    (torch.tensor(0.3j), TypeError, r"sm_scale as a tensor must be 0-d and real", "complex-tensor"),
+    (np.float32("nan"), ValueError, r"sm_scale must be a finite number, got nan", "numpy-nan"),
+    (torch.tensor(float("inf")), ValueError, r"sm_scale must be a finite number, got inf", "inf-tensor"),
+]
+SPARSE_LAYOUTS = [  # (conversion, layout name)
+    (lambda t: t.to_sparse(), "sparse_coo"),
+    (lambda t: t.to_sparse_csr(), "sparse_csr"),
+    (lambda t: t.to_sparse_bsr((16, 16)), "sparse_bsr"),
+]
 
 
 def _flex(indices, nums):
@@ -104,6 +142,13 @@ BAD = [
 ]
 
 
+BAD += [pytest.param(functools.partial(_with_sm_scale, entry, value), exc, match, id=f"sm_scale-{name}-{where}")
+        for value, exc, match, name in BAD_SM_SCALES for where, entry in ENTRIES.items()]
+BAD += [pytest.param(functools.partial(_with_sparse_q, entry, to_layout), TypeError,
+                     rf"q has layout torch.{name}; .* pass q.to_dense\(\)", id=f"q-{name}-{where}")
+        for to_layout, name in SPARSE_LAYOUTS for where, entry in ENTRIES.items()]
+
+
 @pytest.mark.parametrize("call,exc,match", BAD)
 def test_bad_input_raises_clearly(call, exc, match):
     with pytest.raises(exc, match=match):
@@ -132,7 +177,7 @@ def test_cli_refuses_up_front(capsys, argv, message):
     assert message in err and "Traceback" not in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-2), (torch.bfloat16, 1e-2)],
                          ids=["fp32", "fp16", "bf16"])
 def test_dv_exact_at_large_logits(backend, dtype, tol):
@@ -145,3 +190,20 @@ def test_dv_exact_at_large_logits(backend, dtype, tol):
     got = run(q, k, v, do, layout, False, backend=backend)
     ref = attention_reference(q, k, v, layout, do=do)
     assert rel_err(got[0], ref[0]) <= tol and rel_err(got[4], ref[4]) <= tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sm_scale", [pytest.param(np.float32(0.3), id="numpy-float32"),
+                                      pytest.param(np.float64(0.3), id="numpy-float64"),
+                                      pytest.param(np.int64(1), id="numpy-int64"),
+                                      pytest.param(1, id="python-int"),
+                                      pytest.param(torch.tensor(0.3), id="tensor-0d-float32"),
+                                      pytest.param(torch.tensor(1, dtype=torch.int32), id="tensor-0d-int32")])
+def test_real_scalar_sm_scale_accepted(backend, sm_scale):
+    """Any finite real scalar is a softmax scale: the result is the float64 reference's at float(sm_scale)."""
+    layout = patterns.sliding_window(48, 16, window=16)
+    q, k, v, do = make_inputs(1, 2, 1, 48, 48, 16)
+    got = run(q, k, v, do, layout, True, backend=backend, sm_scale=sm_scale)
+    ref = attention_reference(q, k, v, layout, causal=True, sm_scale=float(sm_scale), do=do)
+    for g, r in zip(got[:1] + got[2:], ref[:1] + ref[2:]):
+        assert rel_err(g, r) <= 1e-5

@@ -13,11 +13,11 @@ import sys
 import pytest
 
 CASES = [  # (dtype, head_dim, causal, configs)
-    pytest.param("bf16", 128, True, "all", id="bf16-d128-causal-all"),
+    pytest.param("bf16", 128, True, "all", id="bf16-d128-causal-all", marks=pytest.mark.slow),
     pytest.param("fp16", 128, False, "default", id="fp16-d128-default"),
-    pytest.param("bf16", 64, False, "all", id="bf16-d64-all"),
+    pytest.param("bf16", 64, False, "all", id="bf16-d64-all", marks=pytest.mark.slow),
     pytest.param("fp16", 64, True, "default", id="fp16-d64-causal-default"),
-    pytest.param("fp32", 64, False, "all", id="fp32-d64-all"),
+    pytest.param("fp32", 64, False, "all", id="fp32-d64-all", marks=pytest.mark.slow),
 ]
 
 

@@ -13,10 +13,9 @@ from sparse_io_attn import BlockSparseLayout, patterns
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.block_sparse.reference import attention_reference, element_mask, masked_attention, rel_err
 
-from helpers import check_close, make_inputs, make_layout, run
+from helpers import BACKENDS, check_close, make_inputs, make_layout, run
 
 DEVICE = "cpu" if INTERPRET else "cuda"
-BACKENDS = [pytest.param("torch", id="torch"), pytest.param("triton", id="triton"), pytest.param("cpu", id="cpu")]
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""The custom ops under `torch.library.opcheck` and `torch.compile(fullgraph=True)` on CPU."""
+"""The custom ops under `torch.library.opcheck` and `torch.compile(fullgraph=True)` on CPU, for every
+backend (triton through the interpreter)."""
 import functools
 
 import pytest
@@ -10,11 +11,16 @@ from sparse_io_attn.nn import SparseSelfAttention, block_sparse_attention_op
 from sparse_io_attn.nn import ops
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 
+from helpers import BACKENDS
+
+# opcheck runs the op a dozen times: through Triton's interpreter that is a slow test
+OPCHECK_BACKENDS = [pytest.param(b, marks=pytest.mark.slow) if b == "triton" else b for b in BACKENDS]
+
 OP_CASES = [
     pytest.param(dict(B=2, Hq=4, Hkv=2, N=45, D=16, bs=16, causal=True, per_head=False),
                  id="B2-H4-KV2-N45-D16-causal"),
-    pytest.param(dict(B=1, Hq=2, Hkv=2, N=32, D=8, bs=(16, 8), causal=False, per_head=True),
-                 id="B1-H2-N32-D8-bs16x8-perhead"),
+    pytest.param(dict(B=1, Hq=2, Hkv=2, N=40, D=8, bs=(32, 16), causal=False, per_head=True),
+                 id="B1-H2-N40-D8-bs32x16-perhead"),
 ]
 
 
@@ -32,10 +38,11 @@ def _op_inputs(c):
     return q, k, v, layout
 
 
+@pytest.mark.parametrize("backend", OPCHECK_BACKENDS)
 @pytest.mark.parametrize("case", OP_CASES)
-def test_opcheck(case):
+def test_opcheck(case, backend):
     q, k, v, layout = _op_inputs(case)
-    args = (q, k, v, *ops.layout_op_args(layout), 0 if case["causal"] else None, case["D"] ** -0.5, "torch")
+    args = (q, k, v, *ops.layout_op_args(layout), 0 if case["causal"] else None, case["D"] ** -0.5, backend)
     torch.library.opcheck(ops.block_sparse_attn_fwd, args)
     out, lse, stats = ops.block_sparse_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     do = torch.randn_like(out)
@@ -43,10 +50,11 @@ def test_opcheck(case):
                           (do, q.detach(), k.detach(), v.detach(), out, stats, *args[3:]))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", OP_CASES)
-def test_op_matches_reference_and_public_function(case):
+def test_op_matches_reference_and_public_function(case, backend):
     q, k, v, layout = _op_inputs(case)
-    out, lse = block_sparse_attention_op(q, k, v, layout, causal=case["causal"], return_lse=True, backend="torch")
+    out, lse = block_sparse_attention_op(q, k, v, layout, causal=case["causal"], return_lse=True, backend=backend)
     do = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
     ref = attention_reference(q, k, v, layout, causal=case["causal"], do=do)
@@ -57,16 +65,16 @@ def test_op_matches_reference_and_public_function(case):
     for got, want in zip((dq, dk, dv), ref[2:]):
         assert rel_err(got, want) < 1e-5
     # the op path and the autograd.Function path run the same backend: identical results
-    out2 = block_sparse_attention(q, k, v, layout, causal=case["causal"], backend="torch")
+    out2 = block_sparse_attention(q, k, v, layout, causal=case["causal"], backend=backend)
     assert torch.equal(out, out2)
     assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), torch.autograd.grad(out2, (q, k, v), do)))
 
 
 class TinyBlock(nn.Module):
-    def __init__(self, pattern, E=32, H=4, kv=2):
+    def __init__(self, pattern, backend, E=32, H=4, kv=2):
         super().__init__()
         self.norm = nn.LayerNorm(E)
-        self.attn = SparseSelfAttention(E, H, pattern, num_kv_heads=kv, causal=True, backend="torch")
+        self.attn = SparseSelfAttention(E, H, pattern, num_kv_heads=kv, causal=True, backend=backend)
         self.mlp = nn.Sequential(nn.Linear(E, 2 * E), nn.GELU(), nn.Linear(2 * E, E))
 
     def forward(self, x):
@@ -82,9 +90,11 @@ def _grads(fn, model, x, w):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_compile_fullgraph_matches_eager():
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_fullgraph_matches_eager(backend):
     pattern = functools.partial(patterns.strided, block_size=16, stride=32, causal=True)
-    model = TinyBlock(pattern)
+    model = TinyBlock(pattern, backend)
     N = 72
     model.attn.layout_for(N)  # a new length is built eagerly (data-dependent), then traced
     x = torch.randn(2, N, 32)

@@ -36,25 +36,27 @@ def _masks_t(ops, layout: BlockSparseLayout, sched: Schedule) -> torch.Tensor:
     return hit
 
 
-def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
+            layout_strides: tuple[int, int]):
     """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``."""
     _check_cpu(q, k, v)
     ops = load()
     sched = _schedule(layout, causal_offset)
-    slb, slh = layout.broadcast_strides(q.shape[0], q.shape[1])
+    stride_lb, stride_lh = layout_strides
     return ops.fwd(q, k, v, *_lists(sched.rows), sched.masks, layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV,
-                   slb, slh, causal_offset, float(sm_scale))
+                   stride_lb, stride_lh, causal_offset, float(sm_scale))
 
 
-def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
+             layout_strides: tuple[int, int]):
     """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
     _check_cpu(do, q, k, v, out, stats)
     ops = load()
     sched = _schedule(layout, causal_offset)
-    slb, slh = layout.broadcast_strides(q.shape[0], q.shape[1])
+    stride_lb, stride_lh = layout_strides
     do = do.to(q.dtype)
     out = out.to(q.dtype)
     stats = stats.to(torch.float32)
     return ops.bwd(do, q, k, v, out, stats, *_lists(sched.cols), sched.masks,
                    _masks_t(ops, layout, sched), layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV,
-                   slb, slh, causal_offset, float(sm_scale))
+                   stride_lb, stride_lh, causal_offset, float(sm_scale))

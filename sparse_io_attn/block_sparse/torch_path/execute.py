@@ -157,12 +157,14 @@ class _Exec:
         dst.view(-1, self.bk, self.D).index_add_(0, ch.k_idx, val.reshape(-1, self.bk, self.D))
 
 
-def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
+            layout_strides: tuple[int, int]):
     """``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] float32 natural log, stats)``; ``stats``
     float32 ``[2, B, Hq, Nq]`` holds each row's base-2 score maximum ``m`` and ``log2`` of its sum
     ``l`` (``+inf``/``0`` on rows without keys), what backward needs to recompute ``P`` exactly as
     the forward did (``lse`` alone, rounded at the magnitude of ``m``, loses the digits of ``log2 l``
-    when logits are large)."""
+    when logits are large). ``layout_strides`` (the interface's) is implied by the plan, which
+    maps each unit to its layout mask when built (cached per layout and shape)."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     bq, bk = layout.block_size
@@ -206,7 +208,8 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm
     return _from_q_units(out, B, Hq, Nq).to(q.dtype), _from_q_units(lse, B, Hq, Nq), stats
 
 
-def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
+             layout_strides: tuple[int, int]):
     """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group. ``P = exp2((S - m)
     - log2 l)`` from the forward's ``stats``, the same scores and the same row maximum."""
     B, Hq, Nq, D = q.shape

@@ -19,7 +19,7 @@ get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 from __future__ import annotations
 
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.fwd import _tile_bits
+from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _scores, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_LAYOUT,
                                                       DKDV_STATS, DKDV_MASK, DKDV_Q, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ,
                                                       DQ_K, DQ_LAYOUT, DQ_STATS, DQ_MASK, DQ_Q, DQ_V, PRE_DELTA,
@@ -65,6 +65,69 @@ def _attn_bwd_preprocess_kernel(
         io_add(io_ptr, PRE_O, rows * head_dim * ELEM_BYTES, 0)
         io_add(io_ptr, PRE_DO, rows * head_dim * ELEM_BYTES, 0)
         io_add(io_ptr, PRE_DELTA, 0, rows * 4)
+
+
+@triton.jit
+def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, row_base, idx_ptr, mask_id_ptr,
+                        mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, col_in_block, n_start,
+                        stats_ptr, stats_stride, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
+                        causal_offset, qk_scale, BLOCK_SIZE_Q: tl.constexpr, MASK_WORDS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, TILES_M: tl.constexpr, EVEN_D: tl.constexpr,
+                        IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+                        MASKED: tl.constexpr):
+    """One query tile of dK/dV: tile ``t % TILES_M`` of query block ``idx_ptr[t // TILES_M]``.
+    ``MASKED``: a partial block (query padding, the causal test, the element mask ``mask_id_ptr[t //
+    TILES_M]``; disallowed elements get ``p = 0``; queries and mask rows tallied); else a full block
+    (every element allowed, every query in range and its row non-empty: no mask, no bounds checks).
+    Returns ``(dk, dv, queries_loaded, mask_rows)``."""
+    blk = tl.load(idx_ptr + t // TILES_M)
+    if MASKED:
+        mask_id = tl.load(mask_id_ptr + t // TILES_M)
+        m_start = blk * BLOCK_SIZE_Q + (t % TILES_M) * BLOCK_M
+        offs_m = m_start + offs_m0
+        live = m_start < seqlen_q
+        if IS_CAUSAL:
+            live = live & (tl.minimum(m_start + BLOCK_M, seqlen_q) - 1 + causal_offset >= n_start)
+        mask_m = tl.where(live, offs_m < seqlen_q, False)
+        mask_md = mask_m[:, None] & mask_d[None, :]
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                    mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                     mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+        m_row, log2_sum = _load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
+        delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
+        row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
+        valid = mask_m[:, None] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
+                                             mask_m[:, None], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_M, BLOCK_N]
+        if IS_CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+        pT = tl.math.exp2(tl.where(tl.trans(valid), (sT - m_row[None, :]) - log2_sum[None, :],
+                                   float("-inf")))  # [BLOCK_N, BLOCK_M]
+        if COUNT_IO:
+            queries_loaded += tl.sum(mask_m.to(tl.int64))
+            mask_rows += tl.where(mask_id >= 0, tl.sum(mask_m.to(tl.int64)), 0)
+    else:
+        m_start = tl.multiple_of(blk * BLOCK_SIZE_Q + (t % TILES_M) * BLOCK_M, BLOCK_M)
+        offs_m = m_start + offs_m0
+        if EVEN_D:
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)  # [BLOCK_M, HEAD_DIM]
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod)  # [BLOCK_M, HEAD_DIM]
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                        mask=mask_d[None, :], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                         mask=mask_d[None, :], other=0.0)
+        m_row = tl.load(stats_ptr + row_base + offs_m)  # [BLOCK_M], finite: the row keeps this block
+        log2_sum = tl.load(stats_ptr + stats_stride + row_base + offs_m)
+        delta = tl.load(delta_ptr + row_base + offs_m)
+        sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+        pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
+    dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+    dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
+    dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
+    dk = dot(dsT, q, dk, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+    return dk, dv, queries_loaded, mask_rows
 
 
 @triton.jit
@@ -120,62 +183,21 @@ def _attn_bwd_dkdv_kernel(
         full_start = tl.load(full_ptr_ptr + col)
         full_end = tl.load(full_ptr_ptr + col + 1)
 
-        # 1. partial blocks
+        # 1. partial blocks: padding, causal and element masks; 2. full blocks: no mask, no bounds checks
         for t in range(0, (part_end - part_start) * TILES_M):
-            e = part_start + t // TILES_M
-            blk = tl.load(part_idx_ptr + e)
-            mask_id = tl.load(part_mask_ptr + e)
-            m_start = blk * BLOCK_SIZE_Q + (t % TILES_M) * BLOCK_M
-            offs_m = m_start + offs_m0
-            live = m_start < seqlen_q
-            if IS_CAUSAL:
-                live = live & (tl.minimum(m_start + BLOCK_M, seqlen_q) - 1 + causal_offset >= n_start)
-            mask_m = tl.where(live, offs_m < seqlen_q, False)
-            mask_md = mask_m[:, None] & mask_d[None, :]
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                         mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-            m_row, log2_sum = _load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
-            row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
-            valid = mask_m[:, None] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
-                                                 mask_m[:, None], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_M, BLOCK_N]
-            if IS_CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-            sT = tl.trans(dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale)  # [BLOCK_N, BLOCK_M]: as the forward rounds it
-            pT = tl.math.exp2(tl.where(tl.trans(valid), (sT - m_row[None, :]) - log2_sum[None, :],
-                                       float("-inf")))  # [BLOCK_N, BLOCK_M]
-            dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-            dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
-            dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
-            dk = dot(dsT, q, dk, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-            if COUNT_IO:
-                queries_loaded += tl.sum(mask_m.to(tl.int64))
-                mask_rows += tl.where(mask_id >= 0, tl.sum(mask_m.to(tl.int64)), 0)
-
-        # 2. full blocks: unmasked
+            dk, dv, queries_loaded, mask_rows = _attn_bwd_dkdv_step(
+                dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, row_base, part_idx_ptr + part_start,
+                part_mask_ptr + part_start, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, col_in_block, n_start,
+                stats_ptr, stats_stride, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
+                causal_offset, qk_scale, BLOCK_SIZE_Q, MASK_WORDS, BLOCK_M, TILES_M, EVEN_D, IS_CAUSAL, DOT_DTYPE,
+                COUNT_IO, MASKED=True)
         for t in range(0, (full_end - full_start) * TILES_M):
-            blk = tl.load(full_idx_ptr + full_start + t // TILES_M)
-            m_start = tl.multiple_of(blk * BLOCK_SIZE_Q + (t % TILES_M) * BLOCK_M, BLOCK_M)
-            offs_m = m_start + offs_m0
-            if EVEN_D:
-                q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)
-                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod)
-            else:
-                q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                            mask=mask_d[None, :], other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                             mask=mask_d[None, :], other=0.0)
-            m_row = tl.load(stats_ptr + row_base + offs_m)  # [BLOCK_M], finite: the row keeps this block
-            log2_sum = tl.load(stats_ptr + stats_stride + row_base + offs_m)
-            delta = tl.load(delta_ptr + row_base + offs_m)
-            sT = tl.trans(dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale)  # [BLOCK_N, BLOCK_M]: as the forward rounds it
-            pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])
-            dv = dot(pT, do, dv, DOT_DTYPE)
-            dpT = dot(v, tl.trans(do), None, DOT_DTYPE)
-            dsT = pT * (dpT - delta[None, :])
-            dk = dot(dsT, q, dk, DOT_DTYPE)
+            dk, dv, queries_loaded, mask_rows = _attn_bwd_dkdv_step(
+                dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, row_base, full_idx_ptr + full_start,
+                part_mask_ptr, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, col_in_block, n_start,
+                stats_ptr, stats_stride, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
+                causal_offset, qk_scale, BLOCK_SIZE_Q, MASK_WORDS, BLOCK_M, TILES_M, EVEN_D, IS_CAUSAL, DOT_DTYPE,
+                COUNT_IO, MASKED=False)
         if COUNT_IO:
             queries_loaded += (full_end - full_start).to(tl.int64) * BLOCK_SIZE_Q
             index_entries += 4 + 2 * (part_end - part_start).to(tl.int64) * TILES_M \
@@ -199,6 +221,33 @@ def _attn_bwd_dkdv_kernel(
         io_add(io_ptr, DKDV_DV, 0, rows * row_bytes)
         io_add(io_ptr, DKDV_LAYOUT, index_entries * 4, 0)
         io_add(io_ptr, DKDV_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)
+
+
+@triton.jit
+def _attn_bwd_dq_step(dq, keys_loaded, mask_rows, q, do, m_row, log2_sum, delta, k_base, v_base, idx_ptr,
+                      mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
+                      stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+                      BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, TILES_N: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of dQ (:func:`_kv_tile`; ``MASKED``: a partial block, whose disallowed elements
+    get ``p = 0``). Returns ``(dq, keys_loaded, mask_rows)``."""
+    k, v, valid, keys, tile_mask_rows = _kv_tile(
+        k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block,
+        m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+        BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, MASKED)
+    s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]: as the forward rounds it
+    if MASKED:
+        p = tl.math.exp2(tl.where(valid, (s - m_row[:, None]) - log2_sum[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]
+        if COUNT_IO:
+            keys_loaded += keys
+            mask_rows += tile_mask_rows
+    else:
+        p = tl.math.exp2((s - m_row[:, None]) - log2_sum[:, None])  # [BLOCK_M, BLOCK_N]
+    dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
+    ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
+    dq = dot(ds, k, dq, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    return dq, keys_loaded, mask_rows
 
 
 @triton.jit
@@ -252,54 +301,21 @@ def _attn_bwd_dq_kernel(
     keys_loaded = tl.zeros([], dtype=tl.int64)
     mask_rows = tl.zeros([], dtype=tl.int64)
 
-    # 1. partial blocks
+    # 1. partial blocks: padding, causal and element masks; 2. full blocks: no mask, no bounds checks
     for t in range(0, (part_end - part_start) * TILES_N):
-        e = part_start + t // TILES_N
-        blk = tl.load(part_idx_ptr + e)
-        mask_id = tl.load(part_mask_ptr + e)
-        col_in_block = (t % TILES_N) * BLOCK_N + offs_n
-        n_start = blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N
-        cols = n_start + offs_n
-        live = n_start < seqlen_k
-        if IS_CAUSAL:
-            live = live & (n_start <= m_last + causal_offset)
-        mask_n = tl.where(live, cols < seqlen_k, False)  # (scalar & vector: tl.where, for the interpreter)
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
-        valid = mask_n[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
-                                             tl.where(live, mask_m[:, None], False), BLOCK_SIZE_Q, MASK_WORDS)
-        if IS_CAUSAL:
-            valid = valid & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale  # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(tl.where(valid, (s - m_row[:, None]) - log2_sum[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]
-        dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
-        ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-        dq = dot(ds, k, dq, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
-        if COUNT_IO:
-            keys_loaded += tl.sum(mask_n.to(tl.int64))
-            mask_rows += tl.where(live & (mask_id >= 0), tl.sum(mask_m.to(tl.int64)), 0)
-
-    # 2. full blocks: unmasked
+        dq, keys_loaded, mask_rows = _attn_bwd_dq_step(
+            dq, keys_loaded, mask_rows, q, do, m_row, log2_sum, delta, k_base, v_base, part_idx_ptr + part_start,
+            part_mask_ptr + part_start, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
+            MASKED=True)
     for t in range(0, (full_end - full_start) * TILES_N):
-        blk = tl.load(full_idx_ptr + full_start + t // TILES_N)
-        n_start = tl.multiple_of(blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N, BLOCK_N)
-        cols = n_start + offs_n
-        if EVEN_D:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-        else:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=mask_d[None, :], other=0.0)
-        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale
-        p = tl.math.exp2((s - m_row[:, None]) - log2_sum[:, None])
-        dp = dot(do, tl.trans(v), None, DOT_DTYPE)
-        ds = p * (dp - delta[:, None])
-        dq = dot(ds, k, dq, DOT_DTYPE)
+        dq, keys_loaded, mask_rows = _attn_bwd_dq_step(
+            dq, keys_loaded, mask_rows, q, do, m_row, log2_sum, delta, k_base, v_base, full_idx_ptr + full_start,
+            part_mask_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
+            MASKED=False)
     if COUNT_IO:
         keys_loaded += (full_end - full_start).to(tl.int64) * BLOCK_SIZE_KV
 

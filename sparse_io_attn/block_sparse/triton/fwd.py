@@ -20,7 +20,7 @@ them once at its end (compiled out otherwise).
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn._triton.jit import FP32_MAX, LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.slots import (FWD_K, FWD_LAYOUT, FWD_LSE, FWD_MASK, FWD_O, FWD_Q, FWD_STATS,
                                                       FWD_V)
 
@@ -37,6 +37,98 @@ def _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block, load_ok,
                     + row_in_block[:, None] * MASK_WORDS + (col_in_block // 32)[None, :],
                     mask=tl.where(mask_id >= 0, load_ok, False), other=-1)  # [rows, cols] int32
     return ((words >> (col_in_block % 32)[None, :]) & 1) != 0
+
+
+@triton.jit
+def _scores(q, k, qk_scale, DOT_DTYPE: tl.constexpr):
+    """Base-2 scores ``q @ k^T * qk_scale`` (``[rows of q, rows of k]``, fp32), saturated to the
+    finite fp32 range: a score past it would be +-inf and the row maximum's subtraction
+    ``inf - inf`` NaN; saturated, a row's largest scores share its probability. Every kernel forms
+    its scores here, so backward recomputes them exactly as the forward did. NaN stays NaN."""
+    s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale
+    return tl.minimum(tl.maximum(s, -FP32_MAX, propagate_nan=tl.PropagateNan.ALL), FP32_MAX,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _kv_tile(k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d,
+             row_in_block, m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+             BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
+             BLOCK_N: tl.constexpr, TILES_N: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             MASKED: tl.constexpr):
+    """``(k, v, valid, keys, mask_rows)`` of key tile ``t % TILES_N`` of block ``idx_ptr[t // TILES_N]``
+    for the query rows ``offs_m`` (forward and dQ). ``MASKED`` (a partial block): ``valid``
+    ``[BLOCK_M, BLOCK_N]`` marks the allowed elements (key padding, the causal test, the element mask
+    ``mask_id_ptr[t // TILES_N]``), ``keys`` counts the keys loaded and ``mask_rows`` the query rows
+    that read mask bits. Otherwise (a full block: every element allowed, every key in range) the loads
+    have no bounds checks, ``valid``, ``keys`` and ``mask_rows`` are 0 (the caller counts whole blocks)."""
+    blk = tl.load(idx_ptr + t // TILES_N)
+    if MASKED:
+        mask_id = tl.load(mask_id_ptr + t // TILES_N)
+        col_in_block = (t % TILES_N) * BLOCK_N + offs_n
+        n_start = blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N
+        cols = n_start + offs_n
+        live = n_start < seqlen_k
+        if IS_CAUSAL:
+            live = live & (n_start <= m_last + causal_offset)
+        mask_n = tl.where(live, cols < seqlen_k, False)  # (scalar & vector: tl.where, for the interpreter)
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        valid = mask_n[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
+                                             tl.where(live, mask_m[:, None], False), BLOCK_SIZE_Q, MASK_WORDS)
+        if IS_CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BLOCK_M, BLOCK_N]
+        keys = tl.sum(mask_n.to(tl.int64))
+        mask_rows = tl.where(live & (mask_id >= 0), tl.sum(mask_m.to(tl.int64)), 0)
+    else:
+        n_start = tl.multiple_of(blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N, BLOCK_N)
+        cols = n_start + offs_n
+        if EVEN_D:
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)  # [BLOCK_N, HEAD_DIM]
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)  # [BLOCK_N, HEAD_DIM]
+        else:
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                        mask=mask_d[None, :], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                        mask=mask_d[None, :], other=0.0)
+        valid = 0
+        keys = 0
+        mask_rows = 0
+    return k, v, valid, keys, mask_rows
+
+
+@triton.jit
+def _attn_fwd_step(acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t,
+                   offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
+                   stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+                   BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, TILES_N: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile of the online softmax (:func:`_kv_tile`; ``MASKED``: a partial block, whose
+    disallowed elements get probability 0 and whose rows may have nothing allowed yet, kept at a
+    finite shift). Returns ``(acc, l_i, m_i, keys_loaded, mask_rows)``."""
+    k, v, valid, keys, tile_mask_rows = _kv_tile(
+        k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block,
+        m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+        BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, MASKED)
+    s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+        if COUNT_IO:
+            keys_loaded += keys
+            mask_rows += tile_mask_rows
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M], finite: every element allowed
+        m_shift = m_new
+    p = tl.math.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.math.exp2(m_i - m_shift)  # [BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    return acc, l_i, m_new, keys_loaded, mask_rows
 
 
 @triton.jit
@@ -87,59 +179,21 @@ def _attn_fwd_kernel(
     keys_loaded = tl.zeros([], dtype=tl.int64)
     mask_rows = tl.zeros([], dtype=tl.int64)
 
-    # 1. partial blocks: padding, causal and element masks
+    # 1. partial blocks: padding, causal and element masks; 2. full blocks: no mask, no bounds checks
     for t in range(0, (part_end - part_start) * TILES_N):
-        e = part_start + t // TILES_N
-        blk = tl.load(part_idx_ptr + e)
-        mask_id = tl.load(part_mask_ptr + e)
-        col_in_block = (t % TILES_N) * BLOCK_N + offs_n
-        n_start = blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N
-        cols = n_start + offs_n
-        live = n_start < seqlen_k
-        if IS_CAUSAL:
-            live = live & (n_start <= m_last + causal_offset)
-        mask_n = tl.where(live, cols < seqlen_k, False)  # (scalar & vector: tl.where, for the interpreter)
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        valid = mask_n[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
-                                             tl.where(live, mask_m[:, None], False), BLOCK_SIZE_Q, MASK_WORDS)
-        if IS_CAUSAL:
-            valid = valid & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale  # [BLOCK_M, BLOCK_N]
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-        p = tl.math.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
-        m_i = m_new
-        if COUNT_IO:
-            keys_loaded += tl.sum(mask_n.to(tl.int64))
-            mask_rows += tl.where(live & (mask_id >= 0), tl.sum(mask_m.to(tl.int64)), 0)
-
-    # 2. full blocks: every element allowed, every key in range; the running max stays finite
+        acc, l_i, m_i, keys_loaded, mask_rows = _attn_fwd_step(
+            acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, part_idx_ptr + part_start,
+            part_mask_ptr + part_start, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
+            MASKED=True)
     for t in range(0, (full_end - full_start) * TILES_N):
-        blk = tl.load(full_idx_ptr + full_start + t // TILES_N)
-        n_start = tl.multiple_of(blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N, BLOCK_N)
-        cols = n_start + offs_n
-        if EVEN_D:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-        else:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=mask_d[None, :], other=0.0)
-        s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)
-        m_i = m_new
+        acc, l_i, m_i, keys_loaded, mask_rows = _attn_fwd_step(
+            acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, full_idx_ptr + full_start,
+            part_mask_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
+            MASKED=False)
     if COUNT_IO:
         keys_loaded += (full_end - full_start).to(tl.int64) * BLOCK_SIZE_KV
 

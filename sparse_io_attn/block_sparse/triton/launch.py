@@ -3,10 +3,10 @@
 Implements the backend interface of :mod:`sparse_io_attn.block_sparse.api` (inputs arrive validated, the
 layout on the tensors' device):
 
-* ``forward(q, k, v, layout, *, causal_offset, sm_scale) -> (out, lse, stats)``, ``lse`` fp32
+* ``forward(q, k, v, layout, *, causal_offset, sm_scale, layout_strides) -> (out, lse, stats)``, ``lse`` fp32
   ``[B, Hq, Nq]`` in natural-log units, ``-inf`` on rows with no allowed key (whose output is 0);
   ``stats`` fp32 ``[2, B, Hq, Nq]``: base-2 row maximum and log2 row sum, for backward.
-* ``backward(do, q, k, v, out, stats, layout, *, causal_offset, sm_scale) -> (dq, dk, dv)``,
+* ``backward(do, q, k, v, out, stats, layout, *, causal_offset, sm_scale, layout_strides) -> (dq, dk, dv)``,
   dk/dv summed over the query heads of a GQA group; deterministic (no atomics on data).
 
 The kernels walk the layout's schedule (:func:`sparse_io_attn.block_sparse.schedule.schedule`):
@@ -62,9 +62,10 @@ def _strides(t: torch.Tensor, prefix: str) -> dict:
                                                          t.stride())}
 
 
-def _common(q, k, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float) -> dict:
+def _common(q, k, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float,
+            layout_strides: tuple[int, int]) -> dict:
     B, Hq, Nq, D = q.shape
-    stride_lb, stride_lh = layout.broadcast_strides(B, Hq)
+    stride_lb, stride_lh = layout_strides
     head_dim = padded_head_dim(D)
     return dict(stride_lb=stride_lb, stride_lh=stride_lh, seqlen_q=Nq, seqlen_k=k.shape[2],
                 num_heads_q=Hq, num_heads_kv=k.shape[1], head_dim=D, sm_scale=float(sm_scale),
@@ -79,7 +80,8 @@ def _lists(lists: BlockLists, masks: torch.Tensor) -> dict:
                 part_idx_ptr=lists.part_idx, part_mask_ptr=lists.part_mask, mask_ptr=masks)
 
 
-def forward_calls(q, k, v, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float):
+def forward_calls(q, k, v, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float,
+                  layout_strides: tuple[int, int]):
     """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
     B, Hq, Nq, D = q.shape
     sched = schedule(layout, causal_offset)
@@ -91,16 +93,17 @@ def forward_calls(q, k, v, layout: BlockSparseLayout, causal_offset: int | None,
                     q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats,
                     **_lists(sched.rows, sched.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
                     **_strides(out, "o"), num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq,
-                    **_common(q, k, layout, causal_offset, sm_scale)))
+                    **_common(q, k, layout, causal_offset, sm_scale, layout_strides)))
     return call, out, lse, stats
 
 
-def backward_calls(do, q, k, v, out, stats, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float):
+def backward_calls(do, q, k, v, out, stats, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float,
+                   layout_strides: tuple[int, int]):
     """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     sched = schedule(layout, causal_offset)
-    common = _common(q, k, layout, causal_offset, sm_scale)
+    common = _common(q, k, layout, causal_offset, sm_scale, layout_strides)
     delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     pre_m = kernel_configs("dq", layout.block_size, D, q.dtype)[0].block_m
     pre = Call("attn_bwd_preprocess", _attn_bwd_preprocess_kernel, (triton.cdiv(Nq, pre_m), B * Hq),
@@ -150,17 +153,19 @@ def launched_tiles() -> KernelTiles | None:
                        preprocess=_LAST_TILES["attn_bwd_dq"][0])
 
 
-def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
+            layout_strides: tuple[int, int]):
     check_device(q, "backend 'triton'")
-    call, out, lse, stats = forward_calls(q, k, v, layout, causal_offset, sm_scale)
+    call, out, lse, stats = forward_calls(q, k, v, layout, causal_offset, sm_scale, layout_strides)
     _run(call, q.device)
     return out, lse, stats
 
 
-def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float):
+def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
+             layout_strides: tuple[int, int]):
     check_device(q, "backend 'triton'")
     calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), layout, causal_offset,
-                                       sm_scale)
+                                       sm_scale, layout_strides)
     for call in calls:
         _run(call, q.device)
     return dq, dk, dv

@@ -35,8 +35,10 @@ def example_calls(dtype: torch.dtype, head_dim: int, block: int, causal: bool) -
     q = torch.randn(B, Hq, N, head_dim).to(dtype)
     k, v = (torch.randn(B, Hkv, N, head_dim).to(dtype) for _ in range(2))
     delta = 0 if causal else None
-    fwd, out, _, stats = forward_calls(q, k, v, layout, delta, head_dim ** -0.5)
-    bwd, *_ = backward_calls(torch.randn_like(q), q, k, v, out, stats, layout, delta, head_dim ** -0.5)
+    layout_strides = layout.broadcast_strides(B, Hq)
+    fwd, out, _, stats = forward_calls(q, k, v, layout, delta, head_dim ** -0.5, layout_strides)
+    bwd, *_ = backward_calls(torch.randn_like(q), q, k, v, out, stats, layout, delta, head_dim ** -0.5,
+                             layout_strides)
     return [fwd] + bwd
 
 
