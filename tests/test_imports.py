@@ -40,8 +40,6 @@ LAZY: dict[tuple[str, str], str] = {
         "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
     ("sparse_io_attn.accounting.traffic", "sparse_io_attn.dense.traffic"):
         "the dense traffic model imports the dense Triton kernels: loaded on first use of traffic.dense",
-    ("sparse_io_attn.accounting.traffic", "sparse_io_attn.sparse_operands.traffic"):
-        "the sparse-operand traffic model imports their Triton kernels: loaded on first use of traffic.sparse_operands",
 }
 
 

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from sparse_io_attn.block_sparse.traffic import (block_sparse, block_sparse_backward, block_sparse_flops,
                                                  block_sparse_forward, kept_elements)
+from sparse_io_attn.sparse_operands import traffic as sparse_operands
+
+#: the sparse-operand model under the paper's name
+paper = sparse_operands
+
 
 def _dense_model():
     """:mod:`sparse_io_attn.dense.traffic`, imported on first use (it imports the dense Triton kernels)."""
@@ -22,14 +27,7 @@ def _dense_model():
     return traffic
 
 
-def _sparse_operands_model():
-    """:mod:`sparse_io_attn.sparse_operands.traffic`, imported on first use (it imports the
-    sparse-operand Triton kernels)."""
-    from sparse_io_attn.sparse_operands import traffic
-    return traffic
-
-
-_FAMILIES = {"dense": _dense_model, "sparse_operands": _sparse_operands_model, "paper": _sparse_operands_model}
+_FAMILIES = {"dense": _dense_model}
 
 
 def __getattr__(name):
@@ -39,4 +37,4 @@ def __getattr__(name):
 
 
 __all__ = ["block_sparse", "block_sparse_forward", "block_sparse_backward", "block_sparse_flops",
-           "kept_elements", "dense", "sparse_operands"]
+           "kept_elements", "dense", "sparse_operands", "paper"]
