@@ -3,7 +3,7 @@ small random problems against backend "torch" and the float64 reference, forward
 plus bitwise determinism of the cpu backward across two runs.
 
 Each case is drawn from ``random.Random(case)``, so a failure names its case id and reproduces
-alone (``-k "cpu_case[17]"``). The cases cover fp32/bf16/fp16, lengths 1-300 with Nq != Nk,
+alone (``pytest "tests/block_sparse/test_fuzz.py::test_cpu_case[17]"``). The cases cover fp32/bf16/fp16, lengths 1-300 with Nq != Nk,
 square and rectangular blocks of 1-200, element masks shared/per head/per batch, empty layouts and
 empty rows, non-contiguous and expanded (stride-0) inputs, GQA and both causal alignments.
 
