@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_io_attn.block_sparse.api import resolve_backend
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands import torch_path
@@ -73,7 +74,7 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
     gradients; block-sparse ones get gradients on their own block pattern (``values.grad``).
     """
     blocks, dtype, device = check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend)
-    name = backend if backend != "auto" else ("triton" if device.type == "cuda" else "torch")
+    name = resolve_backend(backend, device, supported=("torch", "triton"))
     if name == "torch":
         o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, float(scale))
     else:

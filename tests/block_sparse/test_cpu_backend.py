@@ -18,7 +18,6 @@ from sparse_io_attn.block_sparse import cpu
 from sparse_io_attn.block_sparse.api import resolve_backend
 from sparse_io_attn.block_sparse.cpu import _build
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
-from sparse_io_attn.nn import SparseSelfAttention, block_sparse_attention_op, ops
 
 from helpers import check_close, make_inputs, make_layout, run
 
@@ -96,7 +95,7 @@ def test_failed_build_is_reported_with_the_fix(monkeypatch):
     with pytest.raises(RuntimeError, match=r"building the C\+\+ kernel failed .*g\+\+: fatal error.*backend='torch'"):
         cpu.load()
     with pytest.raises(RuntimeError, match="building the C"):   # remembered: no second build attempt
-        cpu.forward(*make_inputs(1, 1, 1, 16, 16, 16)[:3], patterns.dense(16, 16), causal_offset=None, sm_scale=1.0)
+        cpu.forward(*make_inputs(1, 1, 1, 16, 16, 16)[:3], patterns.dense(16, 16), causal_offset=None, sm_scale=1.0, layout_strides=(0, 0))
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -180,7 +179,7 @@ def test_exact_at_large_logits(dtype, tol):
 def test_cuda_tensors_are_refused():
     q = torch.empty(1, 1, 16, 16, device="meta")
     with pytest.raises(ValueError, match="backend 'cpu' runs on CPU tensors"):
-        cpu.forward(q, q, q, patterns.dense(16, 16), causal_offset=None, sm_scale=1.0)
+        cpu.forward(q, q, q, patterns.dense(16, 16), causal_offset=None, sm_scale=1.0, layout_strides=(0, 0))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -205,69 +204,6 @@ def test_property_random_element_masks_tiny_and_odd_blocks(data):
     assert ((lse[fin] - ref[1][fin]).abs() <= 1e-5 * ref[1][fin].abs().clamp(min=1)).all()
     for name, x, r in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref[0],) + tuple(ref[2:])):
         assert not torch.isnan(x).any() and rel_err(x, r) <= 1e-4, name
-
-
-# ------------------------------------------------------------------------ custom op, torch.compile
-def _op_case():
-    torch.manual_seed(3)
-    layout = _elem_layout(1, 4, 45, 16, per_head=True).check()  # validated and transposed outside any trace
-    layout.ccol_indices
-    q = torch.randn(2, 4, 45, 16, requires_grad=True)
-    k = torch.randn(2, 2, 45, 16, requires_grad=True)
-    v = torch.randn(2, 2, 45, 16, requires_grad=True)
-    return q, k, v, layout
-
-
-def test_opcheck_with_backend_cpu():
-    q, k, v, layout = _op_case()
-    args = (q, k, v, *ops.layout_op_args(layout), 0, 0.25, "cpu")
-    torch.library.opcheck(ops.block_sparse_attn_fwd, args)
-    out, lse, stats = ops.block_sparse_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
-    do = torch.randn_like(out)
-    torch.library.opcheck(ops.block_sparse_attn_bwd, (do, q.detach(), k.detach(), v.detach(), out, stats, *args[3:]))
-
-
-@pytest.mark.parametrize("backend", ["cpu", "auto"])
-def test_compile_fullgraph_matches_eager(backend):
-    q, k, v, layout = _op_case()
-    do = torch.randn_like(q)
-
-    def f(q_, k_, v_):
-        return block_sparse_attention_op(q_, k_, v_, layout, causal=True, backend=backend)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(f, fullgraph=True)
-    out_c = compiled(q, k, v)
-    grads_c = torch.autograd.grad(out_c, (q, k, v), do)
-    out_e = f(q, k, v)
-    grads_e = torch.autograd.grad(out_e, (q, k, v), do)
-    assert torch.equal(out_c, out_e)
-    assert all(torch.equal(a, b) for a, b in zip(grads_c, grads_e))
-    # the op path and the autograd.Function path run the same kernel: identical results
-    out_f = block_sparse_attention(q, k, v, layout, causal=True, backend="cpu")
-    assert torch.equal(out_f, out_e)
-    ref = attention_reference(q, k, v, layout, causal=True, do=do)
-    assert rel_err(out_c.detach(), ref[0]) < 1e-5
-    assert all(rel_err(g, r) < 1e-5 for g, r in zip(grads_c, ref[2:]))
-
-
-def test_compiled_module_trains_with_backend_cpu():
-    torch.manual_seed(0)
-    model = SparseSelfAttention(32, 4, lambda n: patterns.sliding_window(n, 8, 12, causal=True), num_kv_heads=2,
-                                causal=True, backend="cpu")
-    x = torch.randn(2, 40, 32)
-    model.layout_for(40)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True)
-    y_c = compiled(x)
-    y_c.square().mean().backward()
-    g_c = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    y_e = model(x)
-    y_e.square().mean().backward()
-    assert torch.allclose(y_c, y_e, rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        assert torch.allclose(g_c[n], p.grad, rtol=1e-4, atol=1e-6), n
 
 
 # ------------------------------------------------------------------------ first build
@@ -341,13 +277,13 @@ def _raw_case(causal=False):
 
 
 def _call(which, lists, masks, layout, q, k, v, do, slb, slh, masks_t=None):
-    ops = cpu.load()
+    kernel_ops = cpu.load()
     args = (lists.full_ptr, lists.full_idx, lists.part_ptr, lists.part_idx, lists.part_mask, masks)
     sizes = (layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV, slb, slh, None, 0.25)
     if which == "fwd":
-        return ops.fwd(q, k, v, *args, *sizes)
-    out, _, stats = ops.fwd(q, k, v, *_rows_of(layout), masks, *sizes)
-    return ops.bwd(do, q, k, v, out, stats, *args, masks_t, *sizes)
+        return kernel_ops.fwd(q, k, v, *args, *sizes)
+    out, _, stats = kernel_ops.fwd(q, k, v, *_rows_of(layout), masks, *sizes)
+    return kernel_ops.bwd(do, q, k, v, out, stats, *args, masks_t, *sizes)
 
 
 def _rows_of(layout):

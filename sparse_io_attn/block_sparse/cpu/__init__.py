@@ -2,8 +2,8 @@
 
 Implements the backend interface of :mod:`sparse_io_attn.block_sparse.api`:
 
-* ``forward(q, k, v, layout, *, causal_offset, sm_scale) -> (out, lse, stats)``
-* ``backward(do, q, k, v, out, stats, layout, *, causal_offset, sm_scale) -> (dq, dk, dv)``
+* ``forward(q, k, v, layout, *, causal_offset, sm_scale, layout_strides) -> (out, lse, stats)``
+* ``backward(do, q, k, v, out, stats, layout, *, causal_offset, sm_scale, layout_strides) -> (dq, dk, dv)``
 
 with the semantics of the other backends (element-exact partial blocks, both causal alignments,
 GQA, per-head/per-batch layouts, empty rows -> output 0, lse ``-inf``, zero gradients).
