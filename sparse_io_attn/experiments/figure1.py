@@ -5,12 +5,12 @@ the FlashAttention-2 loop order), from three sources:
 * the dense kernels' exact traffic model (:mod:`.traffic`; bytes, equal to the kernels' counters),
 * the dense kernels' own ``COUNT_IO`` counters (:func:`kernel_counted_bytes`; Triton's interpreter
   on a CPU, so small ``n`` only),
-* the two-level-memory executor's closed forms and runs (:mod:`sparse_io_attn.bounds.pebble`;
+* the two-level-memory executor's closed forms and runs (:mod:`sparse_io_attn.experiments.pebble`;
   words, independent of the machine).
 
 This module is the one implementation of the analysis; ``sparse-io-attn sweep cache|dim``,
 ``benchmarks/dense_figure1.py`` and ``benchmarks/pebble_figure1.py`` only format its results.
-Log-log slopes come from :func:`sparse_io_attn.bounds.slopes.loglog_slope`.
+Log-log slopes come from :func:`sparse_io_attn.experiments.slopes.loglog_slope`.
 
 Algorithms are named by ``kind``: ``"small"``, ``"large_faithful"``, ``"large_fa2"`` (:data:`KINDS`).
 
@@ -61,10 +61,10 @@ import torch
 from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.bounds import dense_backward, dense_forward
-from sparse_io_attn.bounds.pebble import (large_cache_io, large_cache_peak, run_large_cache, run_small_cache,
+from sparse_io_attn.experiments.pebble import (large_cache_io, large_cache_peak, run_large_cache, run_small_cache,
                                           small_cache_io, small_cache_m_independent,
                                           small_forward_io, small_forward_m_independent)
-from sparse_io_attn.bounds.slopes import loglog_slope
+from sparse_io_attn.experiments.slopes import loglog_slope
 from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.dense.forward import forward
 from sparse_io_attn.dense.large_cache import G_PATH as LARGE_G_PATH
