@@ -4,7 +4,8 @@ The executor was renamed there; its block helpers are ``pebble_small_cache_block
 ``pebble_large_cache_blocks`` (formerly ``small_cache_block`` / ``large_cache_blocks``), re-exported
 here under both names.
 """
-from sparse_io_attn.experiments.pebble import (TwoLevelMemory, CapacityError, NotResidentError, IOCount, PebbleRun, algorithm1, algorithm2, algorithm3,
+from sparse_io_attn.experiments.pebble import (
+    TwoLevelMemory, CapacityError, NotResidentError, IOCount, PebbleRun, algorithm1, algorithm2, algorithm3,
     algorithm4, algorithm5, algorithm6, algorithm7, algorithm8, algorithm8_fa2, algorithm9,
     pebble_small_cache_block, pebble_large_cache_blocks, small_cache_io, large_cache_io, small_cache_counts,
     large_cache_counts, large_cache_peak, small_cache_m_independent, algorithm1_counts, algorithm7_counts,

@@ -2,7 +2,7 @@
 small-cache algorithm (Algorithm 6) and the large-cache algorithm (Algorithm 9, as written and in
 the FlashAttention-2 loop order), from three sources:
 
-* the dense kernels' exact traffic model (:mod:`.traffic`; bytes, equal to the kernels' counters),
+* the dense kernels' exact traffic model (:mod:`sparse_io_attn.dense.traffic`; bytes, equal to the kernels' counters),
 * the dense kernels' own ``COUNT_IO`` counters (:func:`kernel_counted_bytes`; Triton's interpreter
   on a CPU, so small ``n`` only),
 * the two-level-memory executor's closed forms and runs (:mod:`sparse_io_attn.experiments.pebble`;
@@ -66,14 +66,12 @@ from sparse_io_attn.experiments.pebble import (large_cache_io, large_cache_peak,
                                           small_forward_io, small_forward_m_independent)
 from sparse_io_attn.experiments.slopes import loglog_slope
 from sparse_io_attn.bounds.units import itemsize
-from sparse_io_attn.dense.forward import forward
-from sparse_io_attn.dense.large_cache import G_PATH as LARGE_G_PATH
-from sparse_io_attn.dense.large_cache import backward_large_cache
-from sparse_io_attn.dense.small_cache import G_PATH as SMALL_G_PATH
-from sparse_io_attn.dense.small_cache import backward_small_cache
+from sparse_io_attn.dense import forward
+from sparse_io_attn.dense import backward_large_cache, backward_small_cache
 from sparse_io_attn.dense.regime import choose_backward
-from sparse_io_attn.dense.tiling import min_large_cache_M, small_cache_block
-from sparse_io_attn.dense.traffic import (large_cache_traffic, large_forward_traffic, small_cache_traffic,
+from sparse_io_attn.dense.tiles import min_large_cache_M, small_cache_block
+from sparse_io_attn.dense.traffic import (LARGE_G_PATH, SMALL_G_PATH, large_cache_traffic, large_forward_traffic,
+                                          small_cache_traffic,
                                           small_forward_traffic)
 
 #: Algorithm 6 (small cache); Algorithm 9 as written; Algorithm 9 in FlashAttention-2 loop order
