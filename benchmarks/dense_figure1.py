@@ -57,7 +57,7 @@ def fmt(x) -> str:
 
 
 def crossing_lines(c, d):
-    from sparse_io_attn.dense.figure1 import crossing_lines as lines
+    from sparse_io_attn.experiments.figure1 import crossing_lines as lines
     return lines(c, d)
 
 
@@ -123,7 +123,7 @@ def plot(summaries, path: Path) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from sparse_io_attn.dense import figure1
+    from sparse_io_attn.experiments import figure1
     dtype = DTYPES[args.dtype]
     summaries = [figure1.summarize(args.n, d, dtype) for d in args.d]
     lines = ["# Kernel-level Figure 1: dense backward traffic vs fast memory M", ""] + header(args.dtype) + [""]

@@ -15,13 +15,13 @@ for ``A1, A2, A3 [..., n, d]`` and ``X, Y [d, d]``.
 
 Kernels run on CUDA, or on CPU through Triton's interpreter (slow; for tests and counting).
 """
-from sparse_io_attn.dense.launch import DenseGrads
-from sparse_io_attn.dense.forward import forward
-from sparse_io_attn.dense.function import attention, backward, backward_choice
-from sparse_io_attn.dense.large_cache import backward_large_cache
+from sparse_io_attn.dense.triton.launch import DenseGrads
+from sparse_io_attn.dense.triton.launch_forward import forward
+from sparse_io_attn.dense.api import attention, backward, backward_choice
+from sparse_io_attn.dense.triton.launch_large_cache import backward_large_cache
 from sparse_io_attn.dense.regime import KernelChoice, choose_backward, choose_forward, choose_regime, default_M
-from sparse_io_attn.dense.small_cache import backward_small_cache
-from sparse_io_attn.dense.tiling import large_cache_blocks, min_large_cache_M, small_cache_block, working_set_words
+from sparse_io_attn.dense.triton.launch_small_cache import backward_small_cache
+from sparse_io_attn.dense.tiles import large_cache_blocks, min_large_cache_M, small_cache_block, working_set_words
 
 __all__ = ["forward", "backward", "backward_small_cache", "backward_large_cache", "attention",
            "DenseGrads", "choose_regime", "choose_backward", "choose_forward", "backward_choice", "KernelChoice",

@@ -8,7 +8,7 @@ Two questions, two answers:
   it per device).
 * :func:`choose_backward` / :func:`choose_forward` answer the library's question, which is what
   ``regime="auto"`` runs: among the kernels that are *feasible* -- their tiles fit ``M`` words
-  (every kernel's declared working set, :mod:`.tiling`) and, for the small-cache kernels, their
+  (every kernel's declared working set, :mod:`.tiles`) and, for the small-cache kernels, their
   ``n x n`` fp32 buffers fit the free device memory -- the one with the least predicted traffic
   (:mod:`.traffic`, equal to the kernels' counters) for the actual ``(n, d, M, dtype)``. The
   returned :class:`KernelChoice` carries the paper's regime, every candidate's predicted bytes and
@@ -32,8 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparse_io_attn.bounds import DEFAULT_CPU_FAST_MEMORY_BYTES, device_fast_memory_words
 from sparse_io_attn.bounds.units import dtype_name, itemsize
-from sparse_io_attn.dense.tiling import min_large_cache_M
+from sparse_io_attn.tally.report import TrafficReport
+from sparse_io_attn.dense import traffic
+from sparse_io_attn.dense.buffers import nn_buffer_bytes, small_forward_buffer_bytes
+from sparse_io_attn.dense.tiles import min_large_cache_M
 
 REGIMES = ("auto", "small", "large")
 
@@ -54,7 +58,6 @@ _SHORT = {"small": "small-cache", "large-faithful": "large-cache as written", "l
 
 def default_M(dtype: torch.dtype, device=None) -> int:
     """Fast memory ``M`` in words of ``dtype`` for ``device`` (see the module docstring)."""
-    from sparse_io_attn.bounds import DEFAULT_CPU_FAST_MEMORY_BYTES, device_fast_memory_words
     if device is not None and torch.device(device).type == "cuda":
         words = device_fast_memory_words(dtype, torch.device(device))
     else:
@@ -193,13 +196,11 @@ def choose_forward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int = 
     """The forward kernel ``dense.forward(regime=...)`` runs.
 
     Candidates: ``"small"`` (the small-cache forward of Saha & Ye: ``B x B`` tiles, ``f`` stored
-    ``n x n``; feasible when ``M >= 1024`` and its fp32 buffers, :func:`.forward.small_forward_buffer_bytes`,
+    ``n x n``; feasible when ``M >= 1024`` and its fp32 buffers, :func:`.buffers.small_forward_buffer_bytes`,
     fit ``memory_bytes``) and ``"large"`` (FlashAttention order; feasible when its tiles fit ``M``).
-    ``"auto"`` takes the feasible one with fewer predicted bytes (:func:`.traffic.forward_traffic`);
+    ``"auto"`` takes the feasible one with fewer predicted bytes (:func:`forward_traffic`);
     ``memory_bytes=None`` skips the memory check.
     """
-    from sparse_io_attn.dense import traffic
-    from sparse_io_attn.dense.forward import small_forward_buffer_bytes
     _check_regime(regime)
     cands = {}
     try:
@@ -224,7 +225,7 @@ def choose_backward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int =
     """The backward kernel ``dense.backward(regime=...)`` runs (all five gradients).
 
     Candidates: ``"small"`` (Algorithm 6; feasible when ``M >= 1024`` and ``f, q, p, T``,
-    :func:`.small_cache.nn_buffer_bytes`, fit ``memory_bytes``), ``"large-faithful"`` (Algorithm 9
+    :func:`.buffers.nn_buffer_bytes`, fit ``memory_bytes``), ``"large-faithful"`` (Algorithm 9
     as written) and ``"large-fa2"`` (FlashAttention-2 loop order), feasible when every tile and the
     resident gradient fit ``M``. ``variant`` restricts the large-cache candidates to one variant
     (``None``: both under ``"auto"``, ``"faithful"`` for ``regime="large"``). ``with_forward``: the
@@ -232,8 +233,6 @@ def choose_backward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int =
     :func:`choose_forward`'s forward (and are infeasible when no forward fits). ``"auto"`` takes the
     feasible candidate with the fewest predicted bytes (:mod:`.traffic`).
     """
-    from sparse_io_attn.dense import traffic
-    from sparse_io_attn.dense.small_cache import nn_buffer_bytes
     _check_regime(regime)
     if variant not in (None, "faithful", "fa2"):
         raise ValueError(f"variant must be 'faithful', 'fa2' or None, got {variant!r}")
@@ -269,3 +268,14 @@ def choose_backward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int =
             cands[key] = {"bytes": b + fwd_bytes, "feasible": True, "why": ""}
     forced = "small" if regime == "small" else f"large-{variant or 'faithful'}"
     return _pick("backward", n, d, M, dtype, batch, cands, regime, forced, includes_forward=with_forward)
+
+
+def forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32, regime: str = "auto",
+                    memory_bytes: int | None = None) -> TrafficReport:
+    """Predicted traffic of :func:`~sparse_io_attn.dense.forward` with the same ``regime``: the
+    kernel :func:`choose_forward` picks (``memory_bytes`` as there; ``None`` skips the
+    memory check, which the launcher makes with the device's free memory)."""
+    choice = choose_forward(n, d, M, dtype=dtype, batch=batch, regime=regime, memory_bytes=memory_bytes)
+    if choice.kernel == "small":
+        return traffic.small_forward_traffic(n, d, M, batch=batch, dtype=dtype)
+    return traffic.large_forward_traffic(n, d, M, batch=batch, dtype=dtype, fit=regime == "auto")

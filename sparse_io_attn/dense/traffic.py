@@ -33,11 +33,41 @@ import torch
 
 from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.bounds.units import itemsize
-from sparse_io_attn.dense.large_cache import G_PATH as LARGE_G_PATH
-from sparse_io_attn.dense.large_cache import VARIANTS
-from sparse_io_attn.dense.small_cache import G_PATH as SMALL_G_PATH
-from sparse_io_attn.dense.tiling import MIN_BLOCK, forward_blocks, small_cache_block
-from sparse_io_attn.dense.tiling import large_cache_blocks as _blocks
+from sparse_io_attn.dense.tiles import MIN_BLOCK, forward_blocks, small_cache_block
+from sparse_io_attn.dense.tiles import large_cache_blocks as _blocks
+
+#: Counter tensors of each kernel, in slot order (:mod:`.triton.slots` builds the kernels' slots from
+#: them; the launchers name the counter's tensors with them). ``PRODUCT_TENSORS`` are positions: a
+#: product's launch names its own ``(A, B, C)`` for ``C = A B``.
+PRODUCT_TENSORS = ("a", "b", "c")
+#: FlashAttention-2's preprocessing ``v = (O o dO) 1``: ``O``, ``dO`` read; ``v`` written.
+DELTA_TENSORS = ("O", "dO", "v")
+#: The large-cache forward: ``S``, ``A2``, ``h`` read; ``O``, ``lse`` written.
+FWD_TENSORS = ("S", "A2", "h", "O", "lse")
+#: The small-cache softmax: ``S``, ``A2`` read; ``f`` written (twice) and read; ``lse`` written by the
+#: forward only (the backward names the first three).
+SOFTMAX_TENSORS = ("S", "A2", "f", "lse")
+#: Algorithm 4 (phase 3): ``f``, ``q`` read twice; ``p`` written.
+PHASE3_TENSORS = ("f", "q", "p")
+#: Algorithm 8 (the row kernel as written): ``S, A2, h, dO, lse, O`` read; ``dS`` written; ``A1`` read;
+#: the ``dX`` partials written.
+ROW_TENSORS = ("S", "A2", "h", "dO", "lse", "O", "dS", "A1", "dX")
+#: The row kernel in FlashAttention-2's dQ order: ``v`` read where Algorithm 8 reads ``O``; no ``dX``.
+DQ_TENSORS = ROW_TENSORS[:5] + ("v", "dS")
+#: The column kernel (dK/dV loop): ``S, A2, h, dO, lse, v`` read; ``dA2``, ``dh`` written.
+COL_TENSORS = ("S", "A2", "h", "dO", "lse", "v", "dA2", "dh")
+
+#: Kernels of the small-cache backward that lie on the paper's ``dX`` path (Algorithm 6).
+SMALL_G_PATH = ("small.phase1.S", "small.phase1.f", "small.phase2.h", "small.phase2.q", "small.phase3.p",
+                "small.phase4.T", "small.phase4.g")
+
+#: The large-cache backward's loop orders: Algorithm 9 as written, FlashAttention-2's.
+VARIANTS = ("faithful", "fa2")
+
+#: Kernels of each variant that lie on the paper's ``dX`` path.
+LARGE_G_PATH = {"faithful": ("large.phase1", "large.phase2"),
+                "fa2": ("large.phase1", "large.delta", "large.dq", "large.g")}
+
 
 F32 = 4
 
@@ -71,23 +101,12 @@ class _Model:
         self.add(kernel, {a: _cdiv(d_b, block_c) * n * d_a * sa, b: n * d_b * sb}, {c: d_a * d_b * F32})
 
 
-def forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32, regime: str = "auto",
-                    memory_bytes: int | None = None) -> TrafficReport:
-    """Predicted traffic of :func:`~sparse_io_attn.dense.forward` with the same ``regime``: the
-    kernel :func:`~.regime.choose_forward` picks (``memory_bytes`` as there; ``None`` skips the
-    memory check, which the launcher makes with the device's free memory)."""
-    from sparse_io_attn.dense.regime import choose_forward
-    choice = choose_forward(n, d, M, dtype=dtype, batch=batch, regime=regime, memory_bytes=memory_bytes)
-    if choice.kernel == "small":
-        return small_forward_traffic(n, d, M, batch=batch, dtype=dtype)
-    return large_forward_traffic(n, d, M, batch=batch, dtype=dtype, fit=regime == "auto")
-
 
 def large_forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32,
                           fit: bool = False) -> TrafficReport:
     """Predicted traffic of the large-cache (FlashAttention-order) forward, ``regime="large"``.
     ``fit``: raise ``ValueError`` when its tiles do not fit ``M`` (what ``"auto"`` requires) instead
-    of the ``16 x 16`` fallback of :func:`~.tiling.forward_blocks`."""
+    of the ``16 x 16`` fallback of :func:`~.tiles.forward_blocks`."""
     I = itemsize(dtype)
     m = _Model(batch)
     _forward(m, n, d, M, I, fit)
@@ -121,7 +140,7 @@ def small_forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch
 def small_cache_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float32,
                         g_only: bool = False) -> TrafficReport:
     """Predicted traffic of :func:`~sparse_io_attn.dense.backward_small_cache`; ``g_only`` keeps the
-    kernels of the paper's Algorithm 6 (the ``dX`` path, :data:`.small_cache.G_PATH`)."""
+    kernels of the paper's Algorithm 6 (the ``dX`` path, :data:`SMALL_G_PATH`)."""
     I = itemsize(dtype)
     B = small_cache_block(M)
     m = _Model(batch)
@@ -146,7 +165,7 @@ def large_cache_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.f
                         variant: str = "faithful", num_splits: int = 1, g_only: bool = False,
                         min_block: int = MIN_BLOCK) -> TrafficReport:
     """Predicted traffic of :func:`~sparse_io_attn.dense.backward_large_cache`; ``g_only`` keeps the
-    kernels on the ``dX`` path (:data:`.large_cache.G_PATH`). ``min_block < 16`` extends the
+    kernels on the ``dX`` path (:data:`LARGE_G_PATH`). ``min_block < 16`` extends the
     schedule to tiles the kernels cannot run (``tl.dot`` needs 16): a model-only comparison."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")

@@ -10,7 +10,7 @@ import torch
 from sparse_io_attn import dense
 from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.bounds import DEFAULT_CPU_FAST_MEMORY_BYTES
-from sparse_io_attn.dense import tiling
+from sparse_io_attn.dense import tiles
 
 
 def _inputs(batch, n, d, seed=0):
@@ -123,6 +123,7 @@ def test_auto_is_the_argmin_among_feasible_kernels():
     """Over a grid of (n, d, M, dtype): auto takes the feasible candidate with the fewest predicted
     bytes; feasible = the traffic model (hence the kernels) can tile M; bytes = the model's total."""
     from sparse_io_attn.dense import traffic
+    from sparse_io_attn.dense.regime import forward_traffic
     checked = 0
     for n, d, M, dt in _GRID:
         for with_forward in (False, True):
@@ -143,7 +144,7 @@ def test_auto_is_the_argmin_among_feasible_kernels():
             checked += 1
         ffeas = {k: v["bytes"] for k, v in fwd.candidates.items() if v["feasible"]}
         assert fwd.predicted_bytes == min(ffeas.values())
-        assert traffic.forward_traffic(n, d, M, dtype=dt).total_bytes == fwd.predicted_bytes
+        assert forward_traffic(n, d, M, dtype=dt).total_bytes == fwd.predicted_bytes
     assert checked == 2 * len(_GRID)
 
 
@@ -207,11 +208,11 @@ def test_min_large_cache_M_is_tight():
     for d in (8, 12, 16, 24, 32, 128, 256):
         for variant in ("faithful", "fa2"):
             m = dense.min_large_cache_M(d, variant)
-            for k in tiling.large_cache_kernels(variant):
+            for k in tiles.large_cache_kernels(variant):
                 dense.large_cache_blocks(k, m, d)
             with pytest.raises(ValueError):
-                for k in tiling.large_cache_kernels(variant):
-                    dense.large_cache_blocks(k, m - tiling.MIN_BLOCK, d)
+                for k in tiles.large_cache_kernels(variant):
+                    dense.large_cache_blocks(k, m - tiles.MIN_BLOCK, d)
 
 
 # every M the dense tests use (test_dense_kernels.py, this file) and the Figure-1 sweep
@@ -226,17 +227,17 @@ def test_working_sets_fit_M(d):
     for M in _TEST_MS:
         B = dense.small_cache_block(M)
         assert 4 * B * B <= M < 16 * (4 * B * B) and B & (B - 1) == 0
-        for k in tiling.SMALL_KERNELS:
+        for k in tiles.SMALL_KERNELS:
             assert dense.working_set_words(k, d, B=B) <= M
-        for k in tiling.LARGE_KERNELS:
+        for k in tiles.LARGE_KERNELS:
             try:
                 long, short = dense.large_cache_blocks(k, M, d)
             except ValueError:
                 continue
             ran += 1
             assert dense.working_set_words(k, d, long=long, short=short) <= M, (k, M, long, short)
-            assert short <= long <= M / (4 * d) and short <= max(d, tiling.MIN_BLOCK)
-            assert long >= tiling.MIN_BLOCK and short >= tiling.MIN_BLOCK
+            assert short <= long <= M / (4 * d) and short <= max(d, tiles.MIN_BLOCK)
+            assert long >= tiles.MIN_BLOCK and short >= tiles.MIN_BLOCK
     assert ran > 0
 
 
@@ -262,10 +263,10 @@ def test_small_cache_bad_M(bad, match):
 
 
 def test_small_cache_refuses_when_nn_buffers_do_not_fit(monkeypatch):
-    from sparse_io_attn.dense import small_cache
-    monkeypatch.setattr(small_cache, "available_memory_bytes", lambda device: (1000, "test"))
+    from sparse_io_attn.dense import buffers
+    monkeypatch.setattr(buffers, "available_memory_bytes", lambda device: (1000, "test"))
     A1, A2, A3, X, Y, dO = _inputs((), 20, 16)
-    need = small_cache.nn_buffer_bytes(20, 16)
+    need = buffers.nn_buffer_bytes(20, 16)
     with pytest.raises(ValueError, match=f"{need:,} bytes"):
         dense.backward_small_cache(A1, A2, A3, X, Y, dO, M=1024)
 

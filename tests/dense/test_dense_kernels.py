@@ -11,6 +11,7 @@ import torch
 from sparse_io_attn import dense
 from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.dense import traffic
+from sparse_io_attn.dense.regime import forward_traffic
 from sparse_io_attn.dense.reference import paper_forward, paper_gradients
 
 GRADS = ("dX", "dY", "dA1", "dA2", "dA3")
@@ -110,7 +111,7 @@ def test_counted_traffic_equals_model(batch, n, d, M, scale, kernel, variant, nu
         assert not set(counted.per_tensor()) & {"f", "q", "p", "T"}
     assert counted.total_bytes > 0
     assert counted == predicted, f"\n{counted}\n{predicted}"
-    assert fwd_counted == traffic.forward_traffic(n, d, max(M, 4096), batch=Z)
+    assert fwd_counted == forward_traffic(n, d, max(M, 4096), batch=Z)
 
 
 @pytest.mark.parametrize("batch, n, d, M, scale", [

@@ -14,40 +14,18 @@ fp32 ``[Z, n]``; ``f = exp(scale * S A2^T - lse)`` is recomputed tile by tile an
 * :func:`_col_kernel` (keys outer, rows inner; FlashAttention-2's dK/dV loop): a program keeps
   ``A2_j, h_j`` and accumulates ``dA2_j = scale * p_{:,j}^T S`` and ``dh_j = f_{:,j}^T dO``.
 
-Counter slots are named by operand role (:data:`ROW_ROLES`, :data:`COL_ROLES`); the launcher's
-tensor names map onto them by position.
+Counter slots come from :mod:`.slots`, built from the traffic model's ``ROW_TENSORS`` (``DQ_TENSORS``
+without ``FAITHFUL``) and ``COL_TENSORS``.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import dot, io_add, nbytes, slot
+from sparse_io_attn._triton.jit import dot, io_add, nbytes
 
 import triton
 import triton.language as tl
 
-#: Counter roles of :func:`_row_kernel`: ``s, a2, h, do, lse`` read; ``ov`` = ``O`` (``FAITHFUL``) or
-#: ``v`` read; ``ds`` written; ``a1`` read and ``g`` (the ``dX`` partials) written with ``FAITHFUL``
-#: only (the non-faithful launch names the first seven).
-ROW_ROLES = ("s", "a2", "h", "do", "lse", "ov", "ds", "a1", "g")
-ROW_S = slot(ROW_ROLES, "s")
-ROW_A2 = slot(ROW_ROLES, "a2")
-ROW_H = slot(ROW_ROLES, "h")
-ROW_DO = slot(ROW_ROLES, "do")
-ROW_LSE = slot(ROW_ROLES, "lse")
-ROW_OV = slot(ROW_ROLES, "ov")
-ROW_DS = slot(ROW_ROLES, "ds")
-ROW_A1 = slot(ROW_ROLES, "a1")
-ROW_G = slot(ROW_ROLES, "g")
-
-#: Counter roles of :func:`_col_kernel`: ``s, a2, h, do, lse, v`` read; ``da2``, ``dh`` written.
-COL_ROLES = ("s", "a2", "h", "do", "lse", "v", "da2", "dh")
-COL_S = slot(COL_ROLES, "s")
-COL_A2 = slot(COL_ROLES, "a2")
-COL_H = slot(COL_ROLES, "h")
-COL_DO = slot(COL_ROLES, "do")
-COL_LSE = slot(COL_ROLES, "lse")
-COL_V = slot(COL_ROLES, "v")
-COL_DA2 = slot(COL_ROLES, "da2")
-COL_DH = slot(COL_ROLES, "dh")
+from sparse_io_attn.dense.triton.slots import (COL_A2, COL_DA2, COL_DH, COL_DO, COL_H, COL_LSE, COL_S, COL_V, ROW_A1,
+                                               ROW_A2, ROW_DO, ROW_DS, ROW_G, ROW_H, ROW_LSE, ROW_OV, ROW_S)
 
 
 @triton.jit
@@ -58,7 +36,7 @@ def _row_kernel(
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """Rows outer, keys inner (Algorithm 8 with ``FAITHFUL``, else the dQ loop); counter roles
-    :data:`ROW_ROLES`."""
+    :data:`~sparse_io_attn.dense.traffic.ROW_TENSORS`."""
     pid_s = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     base = off_z * seqlen * head_dim
@@ -146,7 +124,7 @@ def _col_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    """Keys outer, rows inner (the dK/dV loop); counter roles :data:`COL_ROLES`."""
+    """Keys outer, rows inner (the dK/dV loop); counter slots :data:`~sparse_io_attn.dense.traffic.COL_TENSORS`."""
     pid_n = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     base = off_z * seqlen * head_dim

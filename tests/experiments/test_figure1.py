@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_io_attn.dense import figure1, traffic
+from sparse_io_attn.dense import traffic
+from sparse_io_attn.experiments import figure1
 
 
 @pytest.fixture(scope="module", params=[128, 256], ids=lambda d: f"N8192-D{d}")

@@ -9,29 +9,18 @@
 
 Counting (``COUNT_IO``): each program tallies the bytes of every masked load/store (in-range
 lanes only, :func:`~sparse_io_attn._triton.jit.nbytes`) and adds them at its end with
-:func:`~sparse_io_attn._triton.jit.io_add`. Counter slots are named by operand role: each kernel's
-role tuple (:data:`MATMUL_ROLES`, :data:`DELTA_ROLES`) is defined once here, and the launcher's tuple
-of real tensor names (e.g. ``("A1", "X", "S")``) maps onto it position by position.
+:func:`~sparse_io_attn._triton.jit.io_add`. Counter slots come from :mod:`.slots`, built from the
+traffic model's ``PRODUCT_TENSORS`` (positions: a product's launcher names its own tensors, e.g.
+``("A1", "X", "S")``) and ``DELTA_TENSORS``.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import dot, io_add, nbytes, slot
+from sparse_io_attn._triton.jit import dot, io_add, nbytes
 
 import triton
 import triton.language as tl
 
-#: Counter roles of the two-operand products ``C = A B`` (:func:`_proj_kernel` with ``b`` = ``W``,
-#: :func:`_atb_kernel`, and :func:`~.kernels_small._tile_matmul_kernel`): ``a``, ``b`` read, ``c`` written.
-MATMUL_ROLES = ("a", "b", "c")
-MATMUL_A = slot(MATMUL_ROLES, "a")
-MATMUL_B = slot(MATMUL_ROLES, "b")
-MATMUL_C = slot(MATMUL_ROLES, "c")
-
-#: Counter roles of :func:`_delta_kernel`: ``o``, ``do`` read, ``v`` written.
-DELTA_ROLES = ("o", "do", "v")
-DELTA_O = slot(DELTA_ROLES, "o")
-DELTA_DO = slot(DELTA_ROLES, "do")
-DELTA_V = slot(DELTA_ROLES, "v")
+from sparse_io_attn.dense.triton.slots import DELTA_DO, DELTA_O, DELTA_V, MATMUL_A, MATMUL_B, MATMUL_C
 
 
 @triton.jit
@@ -44,7 +33,8 @@ def _proj_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    """``C = alpha * A W``; counter roles :data:`MATMUL_ROLES` (``a`` = A, ``b`` = W, ``c`` = C)."""
+    """``C = alpha * A W``; counter slots :data:`~sparse_io_attn.dense.traffic.PRODUCT_TENSORS`
+    (``a`` = A, ``b`` = W, ``c`` = C)."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -82,7 +72,8 @@ def _atb_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    """``C[z] = alpha * A[z]^T B[z]`` (fp32); counter roles :data:`MATMUL_ROLES` (``a`` = A, ``b`` = B, ``c`` = C)."""
+    """``C[z] = alpha * A[z]^T B[z]`` (fp32); counter slots
+    :data:`~sparse_io_attn.dense.traffic.PRODUCT_TENSORS` (``a`` = A, ``b`` = B, ``c`` = C)."""
     pid_c = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_k = tl.arange(0, HEAD_DIM)
@@ -119,7 +110,7 @@ def _delta_kernel(
     seqlen, head_dim,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    """``v = (O o dO) 1`` (fp32 ``[Z, n]``); counter roles :data:`DELTA_ROLES`."""
+    """``v = (O o dO) 1`` (fp32 ``[Z, n]``); counter slots :data:`~sparse_io_attn.dense.traffic.DELTA_TENSORS`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -1,26 +1,20 @@
 """Dense forward kernel (FlashAttention-style), ``@triton.jit`` only.
 
 ``O = softmax(scale * S A2^T) h`` with ``S = A1 X`` and ``h = A3 Y`` computed before by
-:func:`~.kernels_common._proj_kernel`. One program per row block of ``BLOCK_M`` rows: it keeps
+:func:`~.common._proj_kernel`. One program per row block of ``BLOCK_M`` rows: it keeps
 ``S_i`` and the output accumulator, streams the key/value tiles ``A2_j, h_j`` of ``BLOCK_N`` rows,
 and runs the online softmax (natural-log units). Writes ``O`` (output dtype) and
 ``lse = m + log(l)`` (fp32 ``[Z, n]``). Operands are contiguous ``[Z, n, d]``. Counter slots are
-named by the roles :data:`FWD_ROLES` (see :mod:`.kernels_common`).
+named by the roles :data:`~sparse_io_attn.dense.traffic.FWD_TENSORS` (see :mod:`.slots`).
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import dot, io_add, nbytes, slot
+from sparse_io_attn._triton.jit import dot, io_add, nbytes
 
 import triton
 import triton.language as tl
 
-#: Counter roles of :func:`_dense_fwd_kernel`: ``s``, ``a2``, ``h`` read; ``o``, ``lse`` written.
-FWD_ROLES = ("s", "a2", "h", "o", "lse")
-FWD_S = slot(FWD_ROLES, "s")
-FWD_A2 = slot(FWD_ROLES, "a2")
-FWD_H = slot(FWD_ROLES, "h")
-FWD_O = slot(FWD_ROLES, "o")
-FWD_LSE = slot(FWD_ROLES, "lse")
+from sparse_io_attn.dense.triton.slots import FWD_A2, FWD_H, FWD_LSE, FWD_O, FWD_S
 
 
 @triton.jit
@@ -30,7 +24,7 @@ def _dense_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    """One row block of ``O`` and ``lse``; counter roles :data:`FWD_ROLES`."""
+    """One row block of ``O`` and ``lse``; counter slots :data:`~sparse_io_attn.dense.traffic.FWD_TENSORS`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     base = off_z * seqlen * head_dim

@@ -1,7 +1,7 @@
 """Host-side helpers shared by the dense launchers: input checks and the launchers of the shared
 kernels (projection ``A W``, ``A^T B``, ``v = (O o dO) 1``). Every kernel is launched through
-:func:`sparse_io_attn._triton.runtime.launch`; the tensor-name tuple it gets maps position by position
-onto the kernel's counter roles (e.g. :data:`~.kernels_common.MATMUL_ROLES`).
+:func:`sparse_io_attn._triton.runtime.launch` with a tensor-name tuple in the kernel's slot order
+(:mod:`sparse_io_attn.dense.traffic`'s ``*_TENSORS``; a product names its own ``(A, B, C)``).
 
 Storage convention: inputs and their gradients (``A1, A2, A3, X, Y, dO, O, dA*``) keep the input
 dtype; every intermediate (``S, h, f, q, p, T, dS, dh``), ``lse``/``v`` and the per-batch-element
@@ -17,6 +17,8 @@ import torch
 
 from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
 from sparse_io_attn._triton.shapes import padded_dim
+from sparse_io_attn.dense.traffic import DELTA_TENSORS
+from sparse_io_attn.dense.triton.common import _atb_kernel, _delta_kernel, _proj_kernel
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -93,8 +95,7 @@ def check_like(name: str, t, inp: DenseInputs, *, dtype=None, shape=None) -> tor
 def proj(name: str, tensors, a: torch.Tensor, w: torch.Tensor, *, block_m: int, block_c: int,
          out_dtype=torch.float32, alpha: float = 1.0) -> torch.Tensor:
     """``alpha * a @ w`` for ``a [Z, n, d_in]`` and ``w [d_in, d_out]`` (any strides); Algorithm 7's
-    row-block x column-block schedule (:func:`~.kernels_common._proj_kernel`)."""
-    from sparse_io_attn.dense.kernels_common import _proj_kernel
+    row-block x column-block schedule (:func:`~.common._proj_kernel`)."""
     Z, n, d_in = a.shape
     d_out = w.shape[1]
     c = torch.empty(Z, n, d_out, dtype=out_dtype, device=a.device)
@@ -112,8 +113,7 @@ def proj(name: str, tensors, a: torch.Tensor, w: torch.Tensor, *, block_m: int, 
 def atb(name: str, tensors, a: torch.Tensor, b: torch.Tensor, *, block_m: int, block_c: int,
         alpha: float = 1.0) -> torch.Tensor:
     """``alpha * a[z]^T b[z]`` per batch element, fp32 ``[Z, d_a, d_b]``
-    (:func:`~.kernels_common._atb_kernel`)."""
-    from sparse_io_attn.dense.kernels_common import _atb_kernel
+    (:func:`~.common._atb_kernel`)."""
     Z, n, d_a = a.shape
     d_b = b.shape[2]
     c = torch.empty(Z, d_a, d_b, dtype=torch.float32, device=a.device)
@@ -129,11 +129,10 @@ def atb(name: str, tensors, a: torch.Tensor, b: torch.Tensor, *, block_m: int, b
 
 
 def delta(name: str, o: torch.Tensor, do: torch.Tensor, *, block_m: int) -> torch.Tensor:
-    """``v = (O o dO) 1``, fp32 ``[Z, n]`` (:func:`~.kernels_common._delta_kernel`)."""
-    from sparse_io_attn.dense.kernels_common import _delta_kernel
+    """``v = (O o dO) 1``, fp32 ``[Z, n]`` (:func:`~.common._delta_kernel`)."""
     Z, n, d = o.shape
     v = torch.empty(Z, n, dtype=torch.float32, device=o.device)
-    launch(_delta_kernel, (triton_cdiv(n, block_m), Z), name, ("O", "dO", "v"), o.device,
+    launch(_delta_kernel, (triton_cdiv(n, block_m), Z), name, DELTA_TENSORS, o.device,
            o_ptr=o, do_ptr=do, v_ptr=v,
            stride_oz=o.stride(0), stride_om=o.stride(1), stride_od=o.stride(2),
            stride_dz=do.stride(0), stride_dm=do.stride(1), stride_dd=do.stride(2),

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.dense.forward import forward
-from sparse_io_attn.dense.large_cache import backward_large_cache
-from sparse_io_attn.dense.launch import DenseGrads
+from sparse_io_attn.dense.triton.launch_forward import forward
+from sparse_io_attn.dense.triton.launch_large_cache import backward_large_cache
+from sparse_io_attn.dense.triton.launch import DenseGrads
 from sparse_io_attn.dense.regime import REGIMES, choose_backward, default_M
-from sparse_io_attn.dense.small_cache import backward_small_cache, free_memory_bytes
+from sparse_io_attn.dense.buffers import free_memory_bytes
+from sparse_io_attn.dense.triton.launch_small_cache import backward_small_cache
 
 
 def backward_choice(A1, dO=None, O=None, *, M: int | None = None, regime: str = "auto", variant: str | None = None,

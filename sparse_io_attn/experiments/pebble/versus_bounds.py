@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from sparse_io_attn.bounds.calculator import dense_backward, dense_forward
-from sparse_io_attn.bounds.pebble.closed_form import large_cache_counts, small_cache_counts, small_forward_counts
+from sparse_io_attn.experiments.pebble.closed_form import large_cache_counts, small_cache_counts, small_forward_counts
 
 ALGORITHMS = ("alg6", "alg9", "alg9_fa2", "fwd_small")
 LABELS = {"alg6": "Alg 6 (small-cache backward)", "alg9": "Alg 9 as written (large-cache backward)",

@@ -13,52 +13,22 @@ Kernel names in the traffic report (see :mod:`.traffic`)::
     small.phase4.g   dX = g = scale * T A2
 
 The first seven are the paper's Algorithm 6 (the ``dX`` path); the rest give the other gradients
-with the same tiling.
+with the same tiles.
 """
 from __future__ import annotations
 
 import torch
 
 from sparse_io_attn._triton.runtime import dot_dtype, launch
-from sparse_io_attn.bounds.devices import available_memory_bytes
-from sparse_io_attn.dense.launch import DenseGrads, check_inputs, check_like, finish, triton_cdiv
-from sparse_io_attn.dense.tiling import small_cache_block
-
-#: Kernels of the small-cache backward that lie on the paper's ``dX`` path (Algorithm 6).
-G_PATH = ("small.phase1.S", "small.phase1.f", "small.phase2.h", "small.phase2.q", "small.phase3.p",
-          "small.phase4.T", "small.phase4.g")
-
-#: Host-memory budget for the ``n x n`` buffers when the free memory cannot be read (bytes).
-CPU_MEMORY_CAP_BYTES = 16 * 1024 ** 3
-
-
-def nn_buffer_bytes(n: int, d: int, batch: int = 1) -> int:
-    """Global memory the small-cache backward allocates for ``f, q, p`` (``n x n`` each) and
-    ``T`` (``d x n``), fp32, per call."""
-    return batch * (3 * n * n + d * n) * 4
-
-
-def free_memory_bytes(device) -> tuple[int, str]:
-    """Memory free for the ``n x n`` buffers on ``device`` and where the figure comes from
-    (:func:`~sparse_io_attn.bounds.devices.available_memory_bytes`, or
-    :data:`CPU_MEMORY_CAP_BYTES` where it cannot be read)."""
-    free, source = available_memory_bytes(device)
-    if free is None:
-        free, source = CPU_MEMORY_CAP_BYTES, "CPU_MEMORY_CAP_BYTES"
-    return free, source
-
-
-def check_buffers(need: int, device, what: str, instead: str) -> None:
-    """Raise ``ValueError`` when ``need`` bytes exceed :func:`free_memory_bytes`."""
-    free, source = free_memory_bytes(device)
-    if need > free:
-        raise ValueError(f"{what}: {need:,} bytes, but only {free:,} bytes are free ({source}); {instead}")
-
+from sparse_io_attn.dense.triton.launch import DenseGrads, check_inputs, check_like, finish, triton_cdiv
+from sparse_io_attn.dense.buffers import check_buffers, nn_buffer_bytes
+from sparse_io_attn.dense.tiles import small_cache_block
+from sparse_io_attn.dense.traffic import PHASE3_TENSORS, SOFTMAX_TENSORS
+from sparse_io_attn.dense.triton.bwd_small_cache import _phase3_kernel, _softmax_kernel, _tile_matmul_kernel
 
 def _tile_mm(name, tensors, a, b, *, B, out_dtype=torch.float32, alpha=1.0):
     """``alpha * a @ b`` per batch element on ``B x B`` tiles; ``a [Z, m, k]``, ``b [Z, k, n]``
     (any strides, stride 0 for a weight shared by the batch)."""
-    from sparse_io_attn.dense.kernels_small import _tile_matmul_kernel
     Z, m, k = a.shape
     n = b.shape[2]
     c = torch.empty(Z, m, n, dtype=out_dtype, device=a.device)
@@ -102,8 +72,7 @@ def backward_small_cache(A1, A2, A3, X, Y, dO, *, M: int, scale: float = 1.0) ->
     # Phase 1 (Algorithm 2): S = A1 X, then f
     S = _tile_mm("small.phase1.S", ("A1", "X", "S"), a1, x3, B=B)
     f = torch.empty(Z, n, n, dtype=torch.float32, device=a1.device)
-    from sparse_io_attn.dense.kernels_small import _phase3_kernel, _softmax_kernel
-    launch(_softmax_kernel, (triton_cdiv(n, B), Z), "small.phase1.f", ("S", "A2", "f"), a1.device,
+    launch(_softmax_kernel, (triton_cdiv(n, B), Z), "small.phase1.f", SOFTMAX_TENSORS[:3], a1.device,
            s_ptr=S, a2_ptr=a2, f_ptr=f, lse_ptr=f,
            stride_sz=S.stride(0), stride_sm=S.stride(1), stride_sd=S.stride(2),
            stride_kz=a2.stride(0), stride_kn=a2.stride(1), stride_kd=a2.stride(2),
@@ -114,7 +83,7 @@ def backward_small_cache(A1, A2, A3, X, Y, dO, *, M: int, scale: float = 1.0) ->
     q = _tile_mm("small.phase2.q", ("dO", "h", "q"), do, tr(h), B=B)
     # Phase 3 (Algorithm 4): p = f o q - diag((f o q) 1) f
     p = torch.empty_like(f)
-    launch(_phase3_kernel, (triton_cdiv(n, B), Z), "small.phase3.p", ("f", "q", "p"), a1.device,
+    launch(_phase3_kernel, (triton_cdiv(n, B), Z), "small.phase3.p", PHASE3_TENSORS, a1.device,
            f_ptr=f, q_ptr=q, p_ptr=p, stride_z=f.stride(0), stride_m=f.stride(1), stride_n=f.stride(2),
            seqlen=n, BLOCK=B)
     del q

@@ -1,7 +1,7 @@
 """Small-cache backward kernels, Algorithm 6 (Appendix C), ``@triton.jit`` only.
 
 Every matrix is cut into ``BLOCK x BLOCK`` tiles (the paper's ``B = sqrt(M/4)``); a program holds at
-most three tiles and two length-``BLOCK`` vectors (see :mod:`.tiling`).
+most three tiles and two length-``BLOCK`` vectors (see :mod:`.tiles`).
 
 * :func:`_tile_matmul_kernel`: ``C = alpha * A B`` with tiled ``A, B, C`` (one program per output
   tile, streaming the tiles of its row of ``A`` and column of ``B``) -- every matrix product of
@@ -15,31 +15,18 @@ most three tiles and two length-``BLOCK`` vectors (see :mod:`.tiling`).
 * :func:`_phase3_kernel`: Algorithm 4, ``p = f o q - diag((f o q) 1) f`` in two sweeps over a row
   block (the row sums ``v_i`` first, then ``p``).
 
-Counter slots are named by operand role (:data:`~.kernels_common.MATMUL_ROLES`,
-:data:`SOFTMAX_ROLES`, :data:`PHASE3_ROLES`); the launcher's tensor names map onto them by position.
+Counter slots come from :mod:`.slots`, built from the traffic model's ``PRODUCT_TENSORS``,
+``SOFTMAX_TENSORS`` and ``PHASE3_TENSORS``.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import dot, io_add, nbytes, slot
+from sparse_io_attn._triton.jit import dot, io_add, nbytes
 
 import triton
 import triton.language as tl
 
-from sparse_io_attn.dense.kernels_common import MATMUL_A, MATMUL_B, MATMUL_C
-
-#: Counter roles of :func:`_softmax_kernel`: ``s``, ``a2`` read; ``f`` written twice and read once;
-#: ``lse`` written (``WRITE_LSE`` only: the backward's launch names the first three).
-SOFTMAX_ROLES = ("s", "a2", "f", "lse")
-SOFTMAX_S = slot(SOFTMAX_ROLES, "s")
-SOFTMAX_A2 = slot(SOFTMAX_ROLES, "a2")
-SOFTMAX_F = slot(SOFTMAX_ROLES, "f")
-SOFTMAX_LSE = slot(SOFTMAX_ROLES, "lse")
-
-#: Counter roles of :func:`_phase3_kernel`: ``f``, ``q`` read twice; ``p`` written.
-PHASE3_ROLES = ("f", "q", "p")
-PHASE3_F = slot(PHASE3_ROLES, "f")
-PHASE3_Q = slot(PHASE3_ROLES, "q")
-PHASE3_P = slot(PHASE3_ROLES, "p")
+from sparse_io_attn.dense.triton.slots import (MATMUL_A, MATMUL_B, MATMUL_C, PHASE3_F, PHASE3_P, PHASE3_Q, SOFTMAX_A2,
+                                               SOFTMAX_F, SOFTMAX_LSE, SOFTMAX_S)
 
 
 @triton.jit
@@ -53,7 +40,7 @@ def _tile_matmul_kernel(
     COUNT_IO: tl.constexpr,
 ):
     """``C = alpha * A B`` on ``BLOCK x BLOCK`` tiles; counter roles
-    :data:`~.kernels_common.MATMUL_ROLES` (``a`` = A, ``b`` = B, ``c`` = C)."""
+    :data:`~sparse_io_attn.dense.traffic.PRODUCT_TENSORS` (``a`` = A, ``b`` = B, ``c`` = C)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     off_z = tl.program_id(2).to(tl.int64)
@@ -96,7 +83,7 @@ def _softmax_kernel(
     BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, WRITE_LSE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """Phase 1: ``f = softmax(scale * S A2^T)`` for one row block (and ``lse`` with ``WRITE_LSE``,
-    contiguous fp32 ``[Z, n]``); counter roles :data:`SOFTMAX_ROLES`."""
+    contiguous fp32 ``[Z, n]``); counter slots :data:`~sparse_io_attn.dense.traffic.SOFTMAX_TENSORS`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)
@@ -169,7 +156,7 @@ def _phase3_kernel(
     BLOCK: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """Phase 3: ``p = f o q - diag((f o q) 1) f`` for one row block (``f, q, p`` share strides);
-    counter roles :data:`PHASE3_ROLES`."""
+    counter slots :data:`~sparse_io_attn.dense.traffic.PHASE3_TENSORS`."""
     pid_m = tl.program_id(0)
     off_z = tl.program_id(1).to(tl.int64)
     offs_m = pid_m * BLOCK + tl.arange(0, BLOCK)

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from sparse_io_attn.bounds import dense_forward
-from sparse_io_attn.bounds import pebble as P
-from sparse_io_attn.bounds.pebble import versus_bounds as V
-from sparse_io_attn.bounds.slopes import loglog_slope
-from sparse_io_attn.dense import figure1
+from sparse_io_attn.experiments import pebble
+from sparse_io_attn.experiments.pebble import versus_bounds
+from sparse_io_attn.experiments.slopes import loglog_slope
+from sparse_io_attn.experiments import figure1
 from sparse_io_attn.dense.reference import paper_forward
 
-CONFIGS = [pytest.param(*c, id=f"n{c[0]}-d{c[1]}-M{c[2]}") for c in V.SMALL_TEST_CONFIGS + V.LARGE_TEST_CONFIGS]
+CONFIGS = [pytest.param(*c, id=f"n{c[0]}-d{c[1]}-M{c[2]}") for c in versus_bounds.SMALL_TEST_CONFIGS + versus_bounds.LARGE_TEST_CONFIGS]
 
 
 def _inputs(n, d):
@@ -25,10 +25,10 @@ def _inputs(n, d):
 def test_small_cache_forward_executor(n, d, M):
     """O against the float64 reference; reads, writes and peak equal the closed form; fits M."""
     A1, A2, A3, X, Y = _inputs(n, d)
-    run = P.run_small_cache_forward(A1, A2, A3, X, Y, M)
+    run = pebble.run_small_cache_forward(A1, A2, A3, X, Y, M)
     O, _ = paper_forward(A1, A2, A3, X, Y)
     assert np.linalg.norm(run.g - O.numpy()) <= 1e-10 * np.linalg.norm(O.numpy())
-    c = P.small_forward_counts(n, d, M)
+    c = pebble.small_forward_counts(n, d, M)
     assert (run.reads, run.writes, run.peak) == (c.reads, c.writes, c.peak) and run.peak <= M
     assert run.writes_by_array == {"S": n * d, "A": n * n, "l": n, "f": n * n, "h": n * d, "O": n * d}
 
@@ -37,7 +37,7 @@ def test_small_cache_forward_slope():
     """M < d^2: the forward less its M-independent 3n^2 + 3nd + n words falls as M^(-1/2)."""
     n, d = 512, 64
     Ms = [4 * b * b for b in (1, 2, 4, 8, 16)]
-    ys = [P.small_forward_io(n, d, M) - P.small_forward_m_independent(n, d) for M in Ms]
+    ys = [pebble.small_forward_io(n, d, M) - pebble.small_forward_m_independent(n, d) for M in Ms]
     assert loglog_slope(Ms, ys) == pytest.approx(-0.5, abs=1e-3)
 
 
@@ -49,13 +49,13 @@ def test_executor_runs_respect_the_proven_bounds(n, d, M):
     with unit constants at C."""
     inputs = _inputs(n, d)
     dO = torch.randn(n, d, dtype=torch.float64)
-    runs = {"alg6": P.run_small_cache(*inputs, dO, M), "alg9": P.run_large_cache(*inputs, dO, M),
-            "alg9_fa2": P.run_large_cache(*inputs, dO, M, variant="fa2"),
-            "fwd_small": P.run_small_cache_forward(*inputs, M)}
+    runs = {"alg6": pebble.run_small_cache(*inputs, dO, M), "alg9": pebble.run_large_cache(*inputs, dO, M),
+            "alg9_fa2": pebble.run_large_cache(*inputs, dO, M, variant="fa2"),
+            "fwd_small": pebble.run_small_cache_forward(*inputs, M)}
     for alg, run in runs.items():
-        r = V.row(alg, n, d, M)
+        r = versus_bounds.row(alg, n, d, M)
         assert run.total == r["words"] and run.capacity == r["capacity"], alg
-        assert V.check(r) == [], V.check(r)
+        assert versus_bounds.check(r) == [], versus_bounds.check(r)
         assert run.total >= r["proven_floor"] >= 2 * r["bound_at_capacity"] - 1e-9 * r["bound_at_capacity"]
         assert run.total >= r["compulsory"]
 
@@ -67,9 +67,9 @@ def _grid():
 
 
 def test_sweep_grid_respects_the_proven_bounds():
-    rows = V.rows(_grid())
+    rows = versus_bounds.rows(_grid())
     assert len(rows) == 4 * 39
-    bad = [b for r in rows for b in V.check(r)]
+    bad = [b for r in rows for b in versus_bounds.check(r)]
     assert bad == []
     assert min(r["ratio_to_floor"] for r in rows) > 1
 
@@ -79,7 +79,7 @@ def test_measured_constants_per_regime():
     sweep grid the best backward algorithm sits 13-45x above Theorem 1.1 with unit constants at the
     capacity it used (8-94x at the nominal M), the small-cache forward 8.5-12x above Saha & Ye for
     M < d^2."""
-    s = V.regime_summary(V.rows(_grid()))
+    s = versus_bounds.regime_summary(versus_bounds.rows(_grid()))
     assert s[("best backward", "small")]["min_at_capacity"] == pytest.approx(13.04, abs=0.01)
     assert s[("best backward", "large")]["min_at_capacity"] == pytest.approx(17.59, abs=0.01)
     assert s[("fwd_small", "small")]["min_at_capacity"] == pytest.approx(8.51, abs=0.01)
@@ -89,7 +89,7 @@ def test_measured_constants_per_regime():
 
 
 def test_forward_bound_is_saha_ye():
-    r = V.row("fwd_small", 2048, 128, 4096)
+    r = versus_bounds.row("fwd_small", 2048, 128, 4096)
     assert r["bound_at_M"] == dense_forward(2048, 128, 4096, form="paper").value_words
     with pytest.raises(ValueError, match="alg"):
-        V.counts("alg7", 8, 4, 16)
+        versus_bounds.counts("alg7", 8, 4, 16)

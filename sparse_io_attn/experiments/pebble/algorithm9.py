@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from sparse_io_attn.bounds.pebble.executor import TwoLevelMemory, block, num_blocks
+from sparse_io_attn.experiments.pebble.executor import TwoLevelMemory, block, num_blocks
 
 
-def large_cache_blocks(n: int, d: int, M: int) -> tuple[int, int]:
+def pebble_large_cache_blocks(n: int, d: int, M: int) -> tuple[int, int]:
     """``(B_r, B_c) = (min(ceil(M/4d), d), ceil(M/4d))``."""
     if M < 1:
         raise ValueError(f"M must be positive, got {M}")
@@ -34,7 +34,7 @@ def _rows(s: slice) -> int:
 def algorithm7(mem: TwoLevelMemory, M: int) -> None:
     """Phase 1: S = A1 X, h = A3 Y (writes S, h)."""
     n, d = mem.slow["A1"].shape
-    Br, Bc = large_cache_blocks(n, d, M)
+    Br, Bc = pebble_large_cache_blocks(n, d, M)
     Tr, Tc = num_blocks(n, Br), num_blocks(d, Bc)
     mem.allocate("S", (n, d)), mem.allocate("h", (n, d))
     for i in range(Tr):
@@ -69,7 +69,7 @@ def _tile_p(mem, i_keys, j_keys):
 def algorithm8(mem: TwoLevelMemory, M: int) -> np.ndarray:
     """Phase 2 as written: outer loop over query row blocks i, inner over key blocks j."""
     n, d = mem.slow["A1"].shape
-    Br, Bc = large_cache_blocks(n, d, M)
+    Br, Bc = pebble_large_cache_blocks(n, d, M)
     Tr, Tc = num_blocks(n, Br), num_blocks(n, Bc)
     mem.allocate("g", (d, d))
     mem.alloc("g", (d, d))                                                         # line 5
@@ -108,7 +108,7 @@ def algorithm8_fa2(mem: TwoLevelMemory, M: int) -> np.ndarray:
     The per-tile arithmetic is Algorithm 8's lines 11-20; g += T_{*,j} A2_j once per key block.
     """
     n, d = mem.slow["A1"].shape
-    Br, Bc = large_cache_blocks(n, d, M)
+    Br, Bc = pebble_large_cache_blocks(n, d, M)
     Tr, Tc = num_blocks(n, Br), num_blocks(n, Bc)
     mem.allocate("g", (d, d)), mem.allocate("v", (n,))
     for i in range(Tr):                                                            # pre-pass

@@ -49,8 +49,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sparse_io_attn.bounds.pebble.algorithm9 import large_cache_blocks
-from sparse_io_attn.bounds.pebble.algorithm6 import small_cache_block
+from sparse_io_attn.experiments.pebble.algorithm9 import pebble_large_cache_blocks
+from sparse_io_attn.experiments.pebble.algorithm6 import pebble_small_cache_block
 
 
 def _ceil(a: int, b: int) -> int:
@@ -87,7 +87,7 @@ def algorithm1_counts(n: int, d: int) -> IOCount:
 def small_cache_counts(n: int, d: int, M: int) -> IOCount:
     """Algorithm 6, exactly (see the module docstring)."""
     _check(n, d, M)
-    B = small_cache_block(M)
+    B = pebble_small_cache_block(M)
     I, J = _ceil(n, B), _ceil(d, B)
     reads = 5 * n * n + n * n * J + 5 * n * d * I + 4 * n * d * J + 2 * d * d * I
     writes = 4 * n * n + 3 * n * d + d * d
@@ -109,7 +109,7 @@ def small_cache_io(n: int, d: int, M: int) -> int:
 def small_forward_counts(n: int, d: int, M: int) -> IOCount:
     """The small-cache forward, exactly (see the module docstring)."""
     _check(n, d, M)
-    B = small_cache_block(M)
+    B = pebble_small_cache_block(M)
     I, J = _ceil(n, B), _ceil(d, B)
     reads = n * n + n * n * J + 3 * n * d * I + 2 * n * d * J + 2 * d * d * I
     writes = 2 * n * n + 3 * n * d + n
@@ -130,7 +130,7 @@ def small_forward_m_independent(n: int, d: int) -> int:
 
 def algorithm7_counts(n: int, d: int, M: int) -> IOCount:
     _check(n, d, M)
-    Br, Bc = large_cache_blocks(n, d, M)
+    Br, Bc = pebble_large_cache_blocks(n, d, M)
     Tr = _ceil(n, Br)
     r, c1 = min(Br, n), min(Bc, d)
     return IOCount(2 * n * d + 2 * d * d * Tr, 2 * n * d, 2 * r * d + d * c1 + r * c1)
@@ -138,7 +138,7 @@ def algorithm7_counts(n: int, d: int, M: int) -> IOCount:
 
 def algorithm8_counts(n: int, d: int, M: int, variant: str = "faithful") -> IOCount:
     _check(n, d, M)
-    Br, Bc = large_cache_blocks(n, d, M)
+    Br, Bc = pebble_large_cache_blocks(n, d, M)
     Tr, Tc = _ceil(n, Br), _ceil(n, Bc)
     r, c = min(Br, n), min(Bc, n)
     if variant == "faithful":

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparse_io_attn.dense.reference import paper_forward
-from sparse_io_attn.bounds.pebble.closed_form import algorithm1_counts, large_cache_peak
-from sparse_io_attn.bounds.pebble.executor import TwoLevelMemory
-from sparse_io_attn.bounds.pebble.algorithm9 import algorithm9
-from sparse_io_attn.bounds.pebble.algorithm6 import algorithm1, algorithm6, small_cache_forward
+from sparse_io_attn.experiments.pebble.closed_form import algorithm1_counts, large_cache_peak
+from sparse_io_attn.experiments.pebble.executor import TwoLevelMemory
+from sparse_io_attn.experiments.pebble.algorithm9 import algorithm9
+from sparse_io_attn.experiments.pebble.algorithm6 import algorithm1, algorithm6, small_cache_forward
 
 
 @dataclass

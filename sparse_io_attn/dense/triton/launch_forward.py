@@ -19,15 +19,15 @@ import torch
 
 from sparse_io_attn._triton.runtime import dot_dtype, launch
 from sparse_io_attn._triton.shapes import padded_dim
-from sparse_io_attn.dense.launch import check_inputs, proj, triton_cdiv
+from sparse_io_attn.dense.triton.launch import check_inputs, proj, triton_cdiv
 from sparse_io_attn.dense.regime import choose_forward, default_M
-from sparse_io_attn.dense.tiling import forward_blocks, large_cache_blocks, small_cache_block
+from sparse_io_attn.dense.tiles import forward_blocks, large_cache_blocks, small_cache_block
+from sparse_io_attn.dense.traffic import FWD_TENSORS, SOFTMAX_TENSORS
+from sparse_io_attn.dense.triton.fwd import _dense_fwd_kernel
+from sparse_io_attn.dense.triton.bwd_small_cache import _softmax_kernel
+from sparse_io_attn.dense.buffers import check_buffers, free_memory_bytes, small_forward_buffer_bytes
+from sparse_io_attn.dense.triton.launch_small_cache import _tile_mm
 
-
-def small_forward_buffer_bytes(n: int, d: int, batch: int = 1) -> int:
-    """Global memory the small-cache forward allocates for ``f`` (``n x n``), ``S`` and ``h``
-    (``n x d``), fp32, per call."""
-    return batch * (n * n + 2 * n * d) * 4
 
 
 def forward(A1, A2, A3, X, Y, *, scale: float = 1.0, M: int | None = None, regime: str = "auto"):
@@ -44,7 +44,7 @@ def forward(A1, A2, A3, X, Y, *, scale: float = 1.0, M: int | None = None, regim
             :func:`~.regime.choose_forward`; ``ValueError`` when none fits ``M``), ``"small"`` (the
             small-cache forward; ``M >= 1024``) or ``"large"`` (FlashAttention order; below what its
             tiles need it uses ``16 x 16`` tiles, which hold more than ``M`` words,
-            :func:`~.tiling.forward_blocks`).
+            :func:`~.tiles.forward_blocks`).
 
     Returns:
         ``(O, lse)``: ``O`` like ``A1``; ``lse`` fp32 ``[..., n]``, natural log of the row sums of
@@ -54,7 +54,6 @@ def forward(A1, A2, A3, X, Y, *, scale: float = 1.0, M: int | None = None, regim
     Z, n, d = inp.a1.shape
     M = default_M(inp.a1.dtype, inp.a1.device) if M is None else M
     if regime == "auto":
-        from sparse_io_attn.dense.small_cache import free_memory_bytes
         kernel = choose_forward(n, d, M, dtype=inp.a1.dtype, batch=Z,
                                 memory_bytes=free_memory_bytes(inp.a1.device)[0]).kernel
     else:
@@ -75,8 +74,7 @@ def _forward_large(inp, M, scale, fit):
     long, short = blocks("fwd.attn", M, d)
     O = torch.empty(Z, n, d, dtype=inp.a1.dtype, device=inp.a1.device)
     lse = torch.empty(Z, n, dtype=torch.float32, device=inp.a1.device)
-    from sparse_io_attn.dense.kernels_fwd import _dense_fwd_kernel
-    launch(_dense_fwd_kernel, (triton_cdiv(n, short), Z), "fwd.attn", ("S", "A2", "h", "O", "lse"),
+    launch(_dense_fwd_kernel, (triton_cdiv(n, short), Z), "fwd.attn", FWD_TENSORS,
            inp.a1.device, s_ptr=S, a2_ptr=inp.a2, h_ptr=h, o_ptr=O, lse_ptr=lse,
            seqlen=n, head_dim=d, sm_scale=float(scale),
            BLOCK_M=short, BLOCK_N=long, HEAD_DIM=padded_dim(d), DOT_DTYPE=dot_dtype(inp.a1.dtype))
@@ -85,8 +83,6 @@ def _forward_large(inp, M, scale, fit):
 
 def _forward_small(inp, M, scale):
     """The small-cache forward: four counted launches on ``B x B`` tiles (module docstring)."""
-    from sparse_io_attn.dense.kernels_small import _softmax_kernel
-    from sparse_io_attn.dense.small_cache import _tile_mm, check_buffers
     Z, n, d = inp.a1.shape
     B = small_cache_block(M)
     check_buffers(small_forward_buffer_bytes(n, d, Z), inp.a1.device,
@@ -97,7 +93,7 @@ def _forward_small(inp, M, scale):
     S = _tile_mm("fwd.small.S", ("A1", "X", "S"), a1, x3, B=B)
     f = torch.empty(Z, n, n, dtype=torch.float32, device=a1.device)
     lse = torch.empty(Z, n, dtype=torch.float32, device=a1.device)
-    launch(_softmax_kernel, (triton_cdiv(n, B), Z), "fwd.small.f", ("S", "A2", "f", "lse"), a1.device,
+    launch(_softmax_kernel, (triton_cdiv(n, B), Z), "fwd.small.f", SOFTMAX_TENSORS, a1.device,
            s_ptr=S, a2_ptr=a2, f_ptr=f, lse_ptr=lse,
            stride_sz=S.stride(0), stride_sm=S.stride(1), stride_sd=S.stride(2),
            stride_kz=a2.stride(0), stride_kn=a2.stride(1), stride_kd=a2.stride(2),

@@ -11,10 +11,10 @@ import math
 
 import numpy as np
 
-from sparse_io_attn.bounds.pebble.executor import TwoLevelMemory, block, num_blocks
+from sparse_io_attn.experiments.pebble.executor import TwoLevelMemory, block, num_blocks
 
 
-def small_cache_block(M: int) -> int:
+def pebble_small_cache_block(M: int) -> int:
     """``B = floor(sqrt(M / 4))`` (Algorithms 2-5, line 2)."""
     B = math.isqrt(M // 4)
     if B < 1:
@@ -56,7 +56,7 @@ def algorithm1(mem: TwoLevelMemory) -> np.ndarray:
 def algorithm2(mem: TwoLevelMemory, M: int) -> None:
     """Phase 1: S = A1 X, A = exp(S A2^T), l = A 1, f = diag(l)^-1 A (writes S, A, f)."""
     n, d = mem.slow["A1"].shape
-    B = small_cache_block(M)
+    B = pebble_small_cache_block(M)
     In, Id = num_blocks(n, B), num_blocks(d, B)
     bn = lambda i: block(i, B, n)  # noqa: E731
     bd = lambda i: block(i, B, d)  # noqa: E731
@@ -95,7 +95,7 @@ def algorithm2(mem: TwoLevelMemory, M: int) -> None:
 def algorithm3(mem: TwoLevelMemory, M: int) -> None:
     """Phase 2: h = A3 Y, q = dO h^T (writes h, q). (The text also passes f; it is unused.)"""
     n, d = mem.slow["A3"].shape
-    B = small_cache_block(M)
+    B = pebble_small_cache_block(M)
     In, Id = num_blocks(n, B), num_blocks(d, B)
     bn = lambda i: block(i, B, n)  # noqa: E731
     bd = lambda i: block(i, B, d)  # noqa: E731
@@ -123,7 +123,7 @@ def algorithm3(mem: TwoLevelMemory, M: int) -> None:
 def algorithm4(mem: TwoLevelMemory, M: int) -> None:
     """Phase 3: v = (f o q) 1, p = f o q - diag(v) f (writes p)."""
     n = mem.slow["f"].shape[0]
-    B = small_cache_block(M)
+    B = pebble_small_cache_block(M)
     In = num_blocks(n, B)
     bn = lambda i: block(i, B, n)  # noqa: E731
     mem.allocate("p", (n, n))
@@ -147,7 +147,7 @@ def algorithm4(mem: TwoLevelMemory, M: int) -> None:
 def algorithm5(mem: TwoLevelMemory, M: int) -> np.ndarray:
     """Phase 4: T = A1^T p, g = T A2 (writes T, g); returns g."""
     n, d = mem.slow["A1"].shape
-    B = small_cache_block(M)
+    B = pebble_small_cache_block(M)
     In, Id = num_blocks(n, B), num_blocks(d, B)
     bn = lambda i: block(i, B, n)  # noqa: E731
     bd = lambda i: block(i, B, d)  # noqa: E731
@@ -193,7 +193,7 @@ def small_cache_forward(mem: TwoLevelMemory, M: int) -> np.ndarray:
 
     Inputs A1, A2, A3, X, Y in ``mem.slow``; writes S, A, f, l, h, O; returns O."""
     n, d = mem.slow["A1"].shape
-    B = small_cache_block(M)
+    B = pebble_small_cache_block(M)
     In, Id = num_blocks(n, B), num_blocks(d, B)
     bn = lambda i: block(i, B, n)  # noqa: E731
     bd = lambda i: block(i, B, d)  # noqa: E731

@@ -22,14 +22,11 @@ import torch
 
 from sparse_io_attn._triton.runtime import dot_dtype, launch
 from sparse_io_attn._triton.shapes import padded_dim
-from sparse_io_attn.dense.launch import DenseGrads, atb, check_inputs, check_like, delta, finish, proj, triton_cdiv
-from sparse_io_attn.dense.tiling import large_cache_blocks
-
-VARIANTS = ("faithful", "fa2")
-
-#: Kernels of each variant that lie on the paper's ``dX`` path.
-G_PATH = {"faithful": ("large.phase1", "large.phase2"),
-          "fa2": ("large.phase1", "large.delta", "large.dq", "large.g")}
+from sparse_io_attn.dense.triton.launch import (DenseGrads, atb, check_inputs, check_like, delta, finish, proj,
+                                                triton_cdiv)
+from sparse_io_attn.dense.tiles import large_cache_blocks
+from sparse_io_attn.dense.traffic import COL_TENSORS, DQ_TENSORS, ROW_TENSORS, VARIANTS
+from sparse_io_attn.dense.triton.bwd_large_cache import _col_kernel, _row_kernel
 
 
 def backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, *, M: int, scale: float = 1.0,
@@ -41,7 +38,7 @@ def backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, *, M: int, scale: float =
             the softmax row sums, from :func:`~sparse_io_attn.dense.forward`).
         M: fast memory in words; tile sides start at the paper's ``B_c = M/(4d)``,
             ``B_r = min(M/(4d), d)`` (powers of two) and shrink until each kernel's working set fits
-            (:func:`~.tiling.large_cache_blocks`).
+            (:func:`~.tiles.large_cache_blocks`).
         variant: ``"faithful"`` (Algorithm 8 as written) or ``"fa2"`` (keeps ``1/M`` scaling).
         num_splits: programs per batch element sharing Algorithm 8's row blocks (``"faithful"``
             only); each writes its own ``d x d`` partial of ``g``.
@@ -69,7 +66,6 @@ def backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, *, M: int, scale: float =
     _, dl_short = large_cache_blocks("large.delta", M, d)
     v = delta("large.delta", o, do, block_m=dl_short)
     dS = torch.empty(Z, n, d, dtype=torch.float32, device=dev)
-    from sparse_io_attn.dense.kernels_large import _col_kernel, _row_kernel
     common = dict(s_ptr=S, a2_ptr=a2, h_ptr=h, do_ptr=do, lse_ptr=lse, ds_ptr=dS,
                   seqlen=n, head_dim=d, sm_scale=float(scale), HEAD_DIM=D, DOT_DTYPE=dt)
     at_long, at_short = large_cache_blocks("large.atb", M, d)
@@ -78,13 +74,13 @@ def backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, *, M: int, scale: float =
         long, short = large_cache_blocks("large.phase2", M, d)
         dX = torch.empty(Z, num_splits, d, d, dtype=torch.float32, device=dev)
         launch(_row_kernel, (num_splits, Z), "large.phase2",
-               ("S", "A2", "h", "dO", "lse", "O", "dS", "A1", "dX"), dev,
+               ROW_TENSORS, dev,
                ov_ptr=o, a1_ptr=a1, g_ptr=dX, num_splits=num_splits,
                BLOCK_M=short, BLOCK_N=long, FAITHFUL=True, **common)
     else:
         long, short = large_cache_blocks("large.dq", M, d)
         launch(_row_kernel, (triton_cdiv(n, long), Z), "large.dq",
-               ("S", "A2", "h", "dO", "lse", "v", "dS"), dev,
+               DQ_TENSORS, dev,
                ov_ptr=v, a1_ptr=a1, g_ptr=dS, num_splits=triton_cdiv(n, long),
                BLOCK_M=long, BLOCK_N=short, FAITHFUL=False, **common)
         dX = atb("large.g", ("A1", "dS", "dX"), a1, dS, block_m=at_short, block_c=at_long, alpha=scale)
@@ -93,7 +89,7 @@ def backward_large_cache(A1, A2, A3, X, Y, dO, O, lse, *, M: int, scale: float =
     dA2 = torch.empty(Z, n, d, dtype=a1.dtype, device=dev)
     dh = torch.empty(Z, n, d, dtype=torch.float32, device=dev)
     launch(_col_kernel, (triton_cdiv(n, long), Z), "large.dkdh",
-           ("S", "A2", "h", "dO", "lse", "v", "dA2", "dh"), dev,
+           COL_TENSORS, dev,
            s_ptr=S, a2_ptr=a2, h_ptr=h, do_ptr=do, lse_ptr=lse, v_ptr=v, da2_ptr=dA2, dh_ptr=dh,
            seqlen=n, head_dim=d, sm_scale=float(scale),
            BLOCK_M=short, BLOCK_N=long, HEAD_DIM=D, DOT_DTYPE=dt)

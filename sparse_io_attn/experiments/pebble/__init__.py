@@ -16,21 +16,21 @@ The algorithms are transcribed from the appendices one function per algorithm, a
 on purpose (``duplicates`` lists Algorithms 3 and 5, which walk the same tiles over different
 matrices): each is read line by line against the paper, and its counts must equal its own closed form, so they are not folded into shared helpers.
 """
-from sparse_io_attn.bounds.pebble.closed_form import (IOCount, algorithm1_counts, algorithm7_counts, algorithm8_counts, large_cache_counts,
+from sparse_io_attn.experiments.pebble.closed_form import (IOCount, algorithm1_counts, algorithm7_counts, algorithm8_counts, large_cache_counts,
                           large_cache_io, large_cache_peak, small_cache_counts, small_cache_io,
                           small_cache_m_independent, small_forward_counts, small_forward_io,
                           small_forward_m_independent)
-from sparse_io_attn.bounds.pebble.executor import CapacityError, NotResidentError, TwoLevelMemory
-from sparse_io_attn.bounds.pebble.algorithm9 import algorithm7, algorithm8, algorithm8_fa2, algorithm9, large_cache_blocks
-from sparse_io_attn.bounds.pebble.runner import (PebbleRun, run_no_cache, run_large_cache, run_small_cache,
+from sparse_io_attn.experiments.pebble.executor import CapacityError, NotResidentError, TwoLevelMemory
+from sparse_io_attn.experiments.pebble.algorithm9 import algorithm7, algorithm8, algorithm8_fa2, algorithm9, pebble_large_cache_blocks
+from sparse_io_attn.experiments.pebble.runner import (PebbleRun, run_no_cache, run_large_cache, run_small_cache,
                                                  run_small_cache_forward)
-from sparse_io_attn.bounds.pebble.algorithm6 import (algorithm1, algorithm2, algorithm3, algorithm4, algorithm5, algorithm6,
-                          small_cache_block, small_cache_forward)
+from sparse_io_attn.experiments.pebble.algorithm6 import (algorithm1, algorithm2, algorithm3, algorithm4, algorithm5, algorithm6,
+                          pebble_small_cache_block, small_cache_forward)
 
 __all__ = ["TwoLevelMemory", "CapacityError", "NotResidentError", "IOCount", "PebbleRun",
            "algorithm1", "algorithm2", "algorithm3", "algorithm4", "algorithm5", "algorithm6",
-           "algorithm7", "algorithm8", "algorithm8_fa2", "algorithm9", "small_cache_block",
-           "large_cache_blocks", "small_cache_io", "large_cache_io", "small_cache_counts",
+           "algorithm7", "algorithm8", "algorithm8_fa2", "algorithm9", "pebble_small_cache_block",
+           "pebble_large_cache_blocks", "small_cache_io", "large_cache_io", "small_cache_counts",
            "large_cache_counts", "large_cache_peak", "small_cache_m_independent", "algorithm1_counts",
            "algorithm7_counts", "algorithm8_counts", "run_small_cache",
            "run_large_cache", "run_no_cache", "small_cache_forward", "small_forward_counts", "small_forward_io",
