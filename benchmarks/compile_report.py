@@ -34,21 +34,21 @@ BLOCK_SPARSE = [(torch.bfloat16, 128, False), (torch.bfloat16, 128, True), (torc
 
 
 def dense_rows(d: int = 128) -> list[dict]:
-    from sparse_io_attn.dense import tiling
-    from sparse_io_attn.dense.kernels_common import _atb_kernel, _delta_kernel, _proj_kernel
-    from sparse_io_attn.dense.kernels_fwd import _dense_fwd_kernel
-    from sparse_io_attn.dense.kernels_large import _col_kernel, _row_kernel
-    from sparse_io_attn.dense.kernels_small import _phase3_kernel, _softmax_kernel, _tile_matmul_kernel
+    from sparse_io_attn.dense import tiles
+    from sparse_io_attn.dense.triton.bwd_large_cache import _col_kernel, _row_kernel
+    from sparse_io_attn.dense.triton.bwd_small_cache import _phase3_kernel, _softmax_kernel, _tile_matmul_kernel
+    from sparse_io_attn.dense.triton.common import _atb_kernel, _delta_kernel, _proj_kernel
+    from sparse_io_attn.dense.triton.fwd import _dense_fwd_kernel
 
     M, D, BF = 227 * 1024 // 2, padded_dim(d), tl.bfloat16
-    B = tiling.small_cache_block(M)
-    pl, ps = tiling.large_cache_blocks("large.phase1", M, d)
-    al, as_ = tiling.large_cache_blocks("large.atb", M, d)
-    _, dls = tiling.large_cache_blocks("large.delta", M, d)
-    fl, fs = tiling.forward_blocks("fwd.attn", M, d)
-    p2l, p2s = tiling.large_cache_blocks("large.phase2", M, d)
-    ql, qs = tiling.large_cache_blocks("large.dq", M, d)
-    kl, ks = tiling.large_cache_blocks("large.dkdh", M, d)
+    B = tiles.small_cache_block(M)
+    pl, ps = tiles.large_cache_blocks("large.phase1", M, d)
+    al, as_ = tiles.large_cache_blocks("large.atb", M, d)
+    _, dls = tiles.large_cache_blocks("large.delta", M, d)
+    fl, fs = tiles.forward_blocks("fwd.attn", M, d)
+    p2l, p2s = tiles.large_cache_blocks("large.phase2", M, d)
+    ql, qs = tiles.large_cache_blocks("large.dq", M, d)
+    kl, ks = tiles.large_cache_blocks("large.dkdh", M, d)
     jobs = {
         "proj (Alg 7)": (_proj_kernel, dict(BLOCK_M=ps, BLOCK_C=pl, HEAD_DIM=D, DOT_DTYPE=BF), ("c_ptr",)),
         "atb": (_atb_kernel, dict(BLOCK_M=as_, BLOCK_C=al, HEAD_DIM=D, DOT_DTYPE=BF), ("b_ptr", "c_ptr")),

@@ -10,6 +10,7 @@ from sparse_io_attn.block_sparse.torch_path.workers import for_each_chunk
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 LOG2E = 1.0 / math.log(2.0)
+FP32_MAX = torch.finfo(torch.float32).max
 LN2 = math.log(2.0)
 
 
@@ -102,12 +103,15 @@ class _Exec:
         return [out.view(ch.nb, N, D)]
 
     def scores(self, qs: list, ks: list, ch: _Chunk) -> torch.Tensor:
-        """``S = Q K^T`` (base-2 scale already in Q), dropped elements ``-inf``:
-        ``[steps * nb, R*bq*G, C*bk]`` in the score buffer."""
+        """``S = Q K^T`` (base-2 scale already in Q) saturated to the finite fp32 range (as the other
+        backends do: a row's largest scores then share its probability instead of giving
+        ``inf - inf``), dropped elements ``-inf``: ``[steps * nb, R*bq*G, C*bk]`` in the score buffer.
+        Forward and backward both form their scores here."""
         M, N = ch.R * self.bq * self.G, ch.C * self.bk
         s = self.buf_s[:ch.steps * ch.nb * M * N].view(ch.steps, ch.nb, M, N)
         for i, (a, b) in enumerate(zip(qs, ks)):
             torch.bmm(a, b.transpose(1, 2), out=s[i])
+        s.clamp_(-FP32_MAX, FP32_MAX)
         for cols, bias in ch.masks:
             s.view(ch.steps, ch.nb, ch.R * self.bq, self.G, N)[..., cols].add_(bias)
         return s.view(ch.steps * ch.nb, M, N)
