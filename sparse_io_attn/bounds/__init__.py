@@ -1,4 +1,4 @@
-"""The paper's I/O lower bounds as an API (issue 4).
+"""The paper's I/O lower bounds as an API.
 
 >>> import torch, sparse_io_attn.bounds as bounds
 >>> b = bounds.dense_backward(8192, 128, "228KiB", dtype=torch.bfloat16)
