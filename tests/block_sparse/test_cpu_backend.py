@@ -207,6 +207,7 @@ def test_property_random_element_masks_tiny_and_odd_blocks(data):
 
 
 # ------------------------------------------------------------------------ first build
+@pytest.mark.slow
 def test_two_processes_build_at_once(tmp_path):
     """Two processes (pytest -n 2 workers) asking for a kernel nobody has built yet: torch's file
     lock lets one compile while the other waits; both then run it."""

@@ -162,6 +162,7 @@ def compare(c: Case, got, ref, tol, what: str) -> None:
 
 
 @pytest.mark.skipif(not cpu.is_available(), reason=f"CPU kernel unavailable: {cpu.unavailable_reason()}")
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(CPU_CASES))
 def test_cpu_case(case):
     c = make_case(case)
@@ -175,6 +176,7 @@ def test_cpu_case(case):
 
 
 @pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(TRITON_CASES))
 def test_triton_case(case):
     c = make_case(case, triton=True)

@@ -6,6 +6,7 @@ import functools
 import socket
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -69,6 +70,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp_gloo_two_processes_match_single_process(tmp_path):
     model = _model()
     x, y = torch.randn(4, 37, 16), torch.randn(4, 37, 3)  # 37: not a multiple of the block
