@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from sparse_io_attn.cli._common import MissingExtra
+
 SUBCOMMANDS = ("demo", "bounds", "bench", "sweep", "layout", "compile-report")
 
 EPILOG = """examples:
@@ -42,8 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from sparse_io_attn.cli._common import MissingExtra
-
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from sparse_io_attn.cli import _common as C
-from sparse_io_attn.cli import sweep_io as F
+import torch
+
+from sparse_io_attn.block_sparse.api import block_sparse_attention
+from sparse_io_attn.cli import _common as common
+from sparse_io_attn.cli import sweep_io
 
 EXAMPLES = """examples:
   sparse-io-attn sweep cache --seq-len 1024 --head-dim 64
@@ -30,13 +35,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("sweep", help="run one of the paper's experiments, writing CSV and a PNG",
                        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = p.add_subparsers(dest="sweep", required=True, parser_class=type(p))
-    for name, module_doc, adder in (("cache", F.CACHE_DOC, F.add_cache_args), ("dim", F.DIM_DOC, F.add_dim_args),
-                                    ("sparsity", F.SPARSITY_DOC, F.add_sparsity_args),
+    for name, module_doc, adder in (("cache", sweep_io.CACHE_DOC, sweep_io.add_cache_args), ("dim", sweep_io.DIM_DOC, sweep_io.add_dim_args),
+                                    ("sparsity", sweep_io.SPARSITY_DOC, sweep_io.add_sparsity_args),
                                     ("seq-len", SEQ_DOC, add_seq_args)):
         q = kinds.add_parser(name, help=module_doc.split("\n")[0], description=module_doc,
                              epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
         adder(q)
-        q.add_argument("--out-dir", default=str(C.RESULTS_DIR), help="where CSV/PNG/MD go (default benchmarks/results)")
+        q.add_argument("--out-dir", default=str(common.RESULTS_DIR), help="where CSV/PNG/MD go (default benchmarks/results)")
         q.add_argument("--no-plot", action="store_true", help="write the CSV only")
         q.add_argument("--json", action="store_true", help="print header and rows as JSON")
         q.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -44,8 +49,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    runners = {"cache": F.run_cache, "dim": F.run_dim, "sparsity": F.run_sparsity, "seq-len": run_seq}
-    C.check_writable_dir(args.out_dir, "--out-dir")   # before the sweep runs, not after
+    runners = {"cache": sweep_io.run_cache, "dim": sweep_io.run_dim, "sparsity": sweep_io.run_sparsity, "seq-len": run_seq}
+    common.check_writable_dir(args.out_dir, "--out-dir")   # before the sweep runs, not after
     result = runners[args.sweep](args)
     return emit(args, *result)
 
@@ -56,14 +61,14 @@ def emit(args, name: str, header: dict, rows: list[dict], columns, notes: list[s
     ``table_rows`` (default all rows) or, with --json, everything as JSON."""
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    files = [C.write_csv(out / f"sweep_{name}.csv", rows, header)]
+    files = [common.write_csv(out / f"sweep_{name}.csv", rows, header)]
     png = out / f"sweep_{name}.png"
     if not args.no_plot:
         plot(png)
         files.append(png)
-    table = C.format_table(rows if table_rows is None else table_rows, columns)
-    base = C.machine_header()
-    text = "\n".join([C.format_header(header), "# " + ", ".join(f"{k}={v}" for k, v in header.items()
+    table = common.format_table(rows if table_rows is None else table_rows, columns)
+    base = common.machine_header()
+    text = "\n".join([common.format_header(header), "# " + ", ".join(f"{k}={v}" for k, v in header.items()
                                                                 if k not in base), table]
                      + [f"- {n}" for n in notes])
     md = out / f"sweep_{name}.md"
@@ -71,7 +76,7 @@ def emit(args, name: str, header: dict, rows: list[dict], columns, notes: list[s
                                                                if not args.no_plot else ""))
     files.append(md)
     if args.json:
-        print(C.to_json({"header": header, "rows": rows, "notes": notes, "files": [str(f) for f in files]}))
+        print(common.to_json({"header": header, "rows": rows, "notes": notes, "files": [str(f) for f in files]}))
     else:
         print(text)
         print("wrote " + ", ".join(str(f) for f in files))
@@ -96,11 +101,11 @@ SEQ_COLUMNS = [("pattern", "pattern"), ("n", "n"), ("density", "density"), ("sta
 def add_seq_args(p) -> None:
     p.add_argument("--pattern", dest="patterns", action="append", default=None, metavar="SPEC",
                    help="pattern spec, repeatable (default: longformer:w=256,g=64 and bigbird)")
-    p.add_argument("--min-seq-len", type=C.parse_count, default=1024, help="first n (default 1k)")
-    p.add_argument("--max-seq-len", type=C.parse_count, default=131072, help="last n (default 131072)")
+    p.add_argument("--min-seq-len", type=common.parse_count, default=1024, help="first n (default 1k)")
+    p.add_argument("--max-seq-len", type=common.parse_count, default=131072, help="last n (default 131072)")
     p.add_argument("--heads", type=int, default=4, help="heads (default 4)")
     p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    p.add_argument("--block", type=C.parse_count, default=64, help="block size (default 64)")
+    p.add_argument("--block", type=common.parse_count, default=64, help="block size (default 64)")
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--repeats", type=int, default=2, help="timed fwd+bwd runs per point (median; default 2)")
     p.add_argument("--time-budget", type=float, default=900.0, help="stop the sweep before exceeding this (s)")
@@ -110,13 +115,8 @@ def add_seq_args(p) -> None:
 
 def _seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: str, repeats: int) -> dict:
     """Run in a fresh subprocess: time fwd and fwd+bwd of the torch path, report peak RSS."""
-    import resource
-
-    import torch
-
-    from sparse_io_attn.block_sparse.api import block_sparse_attention
-    layout = C.build_layout(spec, n, block)
-    dt = C.parse_dtype(dtype)
+    layout = common.build_layout(spec, n, block)
+    dt = common.parse_dtype(dtype)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     q, k, v, do = (torch.randn(1, heads, n, head_dim, dtype=dt) for _ in range(4))
     for t in (q, k, v):
@@ -131,8 +131,8 @@ def _seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: 
             t.grad = None
         block_sparse_attention(q, k, v, layout, backend="torch").backward(do)
 
-    t_fb = C.time_fn(fwd_bwd, warmup=0 if n >= 32768 else 1, repeats=repeats, max_seconds=120)
-    t_f = C.time_fn(fwd, warmup=0, repeats=repeats, max_seconds=60)
+    t_fb = common.time_fn(fwd_bwd, warmup=0 if n >= 32768 else 1, repeats=repeats, max_seconds=120)
+    t_f = common.time_fn(fwd, warmup=0, repeats=repeats, max_seconds=60)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"name": layout.name, "density": layout.density, "fwd_bwd_s": t_fb["median_s"], "fwd_s": t_f["median_s"],
             "peak_rss_bytes": peak, "baseline_rss_bytes": base}
@@ -147,7 +147,7 @@ def _small_cache_need(n: int, head_dim: int, heads: int) -> int:
 
 
 def run_seq(args):
-    dtype = C.parse_dtype(args.dtype)
+    dtype = common.parse_dtype(args.dtype)
     specs = args.patterns or list(DEFAULT_SEQ_PATTERNS)
     if args.min_seq_len > args.max_seq_len:
         raise ValueError(f"--min-seq-len {args.min_seq_len} is larger than --max-seq-len {args.max_seq_len}")
@@ -155,17 +155,17 @@ def run_seq(args):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     device_memory = _parse_bytes(args.device_memory)
-    C.build_layout(specs[0], args.min_seq_len, args.block)  # fail fast on a bad spec, in this process
+    common.build_layout(specs[0], args.min_seq_len, args.block)  # fail fast on a bad spec, in this process
     ns = []
     n = args.min_seq_len
     while n <= args.max_seq_len:
         ns.append(n)
         n *= 2
-    header = C.machine_header(dtype)
+    header = common.machine_header(dtype)
     header.update({"backend": "torch", "batch": 1, "heads": args.heads, "head_dim": args.head_dim,
                    "block": args.block, "device_memory_bytes": device_memory})
     rows, notes, start = [], [], time.perf_counter()
-    with C.progress(len(ns) * len(specs), "sweep seq-len", enabled=not args.no_progress) as bar:
+    with common.progress(len(ns) * len(specs), "sweep seq-len", enabled=not args.no_progress) as bar:
         for spec in specs:
             last = None
             for n in ns:
@@ -200,7 +200,7 @@ def run_seq(args):
     refused = [r["n"] for r in rows if r["small_cache"].startswith("refused")]
     if refused:
         notes.append(f"small-cache kernel (Algorithm 6) refused from n = {min(refused):,}: its fp32 f, q, p (n x n) and T "
-                     f"buffers for {args.heads} heads exceed --device-memory {C.human_bytes(device_memory)}")
+                     f"buffers for {args.heads} heads exceed --device-memory {common.human_bytes(device_memory)}")
     notes.append("peak RSS is the subprocess high-water mark (includes the Python/torch runtime); 'over base' "
                  "subtracts the mark taken after import, before the inputs are allocated")
     header["elapsed_s"] = round(time.perf_counter() - start, 1)
@@ -208,7 +208,7 @@ def run_seq(args):
 
 
 def plot_seq(rows, header, path) -> None:
-    plt = C.pyplot()
+    plt = common.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     specs = list(dict.fromkeys(r["pattern"] for r in rows))
     palette = ["tab:blue", "tab:orange", "tab:green", "tab:purple"]
@@ -228,7 +228,7 @@ def plot_seq(rows, header, path) -> None:
     ax2.plot(ns_all, [r["small_cache_need_gib"] * 2 ** 30 for r in first], color="tab:red", ls="-.",
              label="small-cache kernel: f, q, p (n x n each)")
     ax2.axhline(header["device_memory_bytes"], color="tab:red", lw=0.8)
-    ax2.text(ns_all[0], header["device_memory_bytes"], f" device memory {C.human_bytes(header['device_memory_bytes'])}",
+    ax2.text(ns_all[0], header["device_memory_bytes"], f" device memory {common.human_bytes(header['device_memory_bytes'])}",
              color="tab:red", fontsize=8, va="bottom")
     refused = [r["n"] for r in first if r["small_cache"].startswith("refused")]
     if refused:
@@ -245,7 +245,7 @@ def plot_seq(rows, header, path) -> None:
                      fontsize=10)
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=7)
-    C.save_figure(fig, path, header)
+    common.save_figure(fig, path, header)
 
 
 def _run_point(spec, n, args, dtype) -> dict:
@@ -260,7 +260,6 @@ def _run_point(spec, n, args, dtype) -> dict:
 
 
 def _parse_bytes(text: str) -> int:
-    import re
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.I)
     if not m:
         raise ValueError(f"expected a byte size such as 80GiB or 24GB, got {text!r}")

@@ -2,7 +2,7 @@
 threshold sweep over d) and ``sparsity`` (the Theorem 4.5 stress test), with their plots.
 
 The numbers come from the library (:mod:`sparse_io_attn.dense.figure1` for ``cache`` and ``dim``,
-:func:`sparse_io_attn.sparse_operands.stress.sparsity_sweep` for ``sparsity``); this module parses
+:func:`sparse_io_attn.experiments.sparsity_stress.sparsity_sweep` for ``sparsity``); this module parses
 the flags, words the findings and draws the plots. Sources of each number (a column says which):
 
 * ``executor``: closed-form word counts of the paper's Algorithm 6 (small cache) and Algorithm 9
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.cli import _common as C
+from sparse_io_attn.cli import _common as common
+from sparse_io_attn.cli.bounds import default_cache_words
+from sparse_io_attn.experiments import sparsity_stress
 
 # ============================================================================== cache
 CACHE_DOC = """Figure 1 of the paper with measured points: backward I/O vs fast-memory size M at fixed
@@ -35,14 +37,14 @@ bisection on the model (kernels with the tiles they can run, and the algorithms 
 
 
 def add_cache_args(p) -> None:
-    p.add_argument("--seq-len", type=C.parse_count, default=2048, help="n (default 2048)")
+    p.add_argument("--seq-len", type=common.parse_count, default=2048, help="n (default 2048)")
     p.add_argument("--head-dim", type=int, default=128, help="d (default 128)")
-    p.add_argument("--m-min", type=C.parse_count, default=None, help="smallest M in words (default d^2/16)")
-    p.add_argument("--m-max", type=C.parse_count, default=None, help="largest M in words (default 16 d^2)")
+    p.add_argument("--m-min", type=common.parse_count, default=None, help="smallest M in words (default d^2/16)")
+    p.add_argument("--m-max", type=common.parse_count, default=None, help="largest M in words (default 16 d^2)")
     p.add_argument("--per-octave", type=int, default=2, help="M points per doubling (default 2)")
-    p.add_argument("--count-n", type=C.parse_count, default=128,
+    p.add_argument("--count-n", type=common.parse_count, default=128,
                    help="n of the counted kernel runs (interpreter; 0 = none; default 128)")
-    p.add_argument("--count-m-min", type=C.parse_count, default=4096,
+    p.add_argument("--count-m-min", type=common.parse_count, default=4096,
                    help="counted runs only at M >= this (default 4096: 32 x 32 tiles; 16 x 16 tiles take "
                         "minutes in the interpreter), at the powers of 4 in the range")
 
@@ -59,7 +61,7 @@ def run_cache(args):
         raise ValueError(f"--per-octave must be >= 1, got {args.per_octave}")
     if args.count_n and args.count_n > 1024:
         raise ValueError(f"--count-n {args.count_n} is too large for the Triton interpreter (at most 1024)")
-    header = C.machine_header(torch.float32)  # kernel bytes / 4 = words: the dense kernels' intermediates are fp32
+    header = common.machine_header(torch.float32)  # kernel bytes / 4 = words: the dense kernels' intermediates are fp32
     header.update({"n": n, "d": d, "count_n": args.count_n, "units": "words (elements); kernel fp32 bytes / 4; dX path only"})
     # after the header, which records the environment as the command found it (importing the
     # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
@@ -68,7 +70,7 @@ def run_cache(args):
     Ms = figure1.cache_grid(d, m_min, m_max, args.per_octave)
     count_Ms = figure1.counted_points(Ms, args.count_m_min) if args.count_n else []
     total = len(Ms) * (2 if args.count_n else 1) + len(count_Ms)
-    with C.progress(total, "sweep cache", enabled=not args.no_progress) as bar:
+    with common.progress(total, "sweep cache", enabled=not args.no_progress) as bar:
         rows = figure1.cache_rows(n, d, Ms, count_n=args.count_n, count_Ms=count_Ms,
                                   progress=lambda note: bar.update(note=note))
     cross = figure1.crossings(n, d)
@@ -129,7 +131,7 @@ def _cache_notes(f: dict, d: int) -> list[str]:
 
 
 def plot_cache(rows, header, path) -> None:
-    plt = C.pyplot()
+    plt = common.pyplot()
     n, d, cn = header["n"], header["d"], header["count_n"]
     has_counted = any(r.get("kernel_small_counted_at_count_n") for r in rows)
     fig, axes = plt.subplots(1, 2 if has_counted else 1, figsize=(15 if has_counted else 10, 5.5), squeeze=False,
@@ -183,7 +185,7 @@ def plot_cache(rows, header, path) -> None:
         ax2.set_title(f"n={cn}, d={d}: kernels counted (interpreter) vs model; executor run", fontsize=10)
         ax2.legend(fontsize=7, loc="upper right", framealpha=0.9)
         ax2.grid(True, which="both", alpha=0.25)
-    C.save_figure(fig, path, header)
+    common.save_figure(fig, path, header)
 
 
 def _line(ax, M, rows, key, color, ls, marker, label):
@@ -204,29 +206,28 @@ and the crossings, by bisection on the model. On a CPU no timings are taken."""
 
 def add_dim_args(p) -> None:
     p.add_argument("--dims", default="64,128,256", help="comma list of d (default 64,128,256)")
-    p.add_argument("--seq-len", type=C.parse_count, default=8192, help="n (default 8192)")
+    p.add_argument("--seq-len", type=common.parse_count, default=8192, help="n (default 8192)")
     p.add_argument("--device", default="h100", help="device table entry giving M (default h100)")
     p.add_argument("--cache", default=None, help="M in words or bytes (overrides --device)")
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
 
 
 def run_dim(args):
-    dtype = C.parse_dtype(args.dtype)
-    dims = C.parse_list(args.dims, item=int, what="--dims") if all(
+    dtype = common.parse_dtype(args.dtype)
+    dims = common.parse_list(args.dims, item=int, what="--dims") if all(
         s.strip().isdigit() for s in args.dims.split(",") if s.strip()) else None
     if not dims or any(x < 16 or x > 256 for x in dims):
         raise ValueError(f"--dims must be integers in 16..256, got {args.dims!r}")
-    from sparse_io_attn.cli.bounds import default_cache_words
     M_dev = default_cache_words(args.cache, dtype, None if args.cache else args.device)
     n = args.seq_len
-    header = C.machine_header(dtype)
+    header = common.machine_header(dtype)
     header.update({"n": n, "device_M_words": M_dev, "M_from": args.cache or args.device})
     # after the header, which records the environment as the command found it (importing the
     # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
     from sparse_io_attn.dense import figure1
 
     header["units"] = "words; small/large columns: dX path (fp32 bytes / 4); auto: all five gradients"
-    with C.progress(len(dims) * (len(figure1.THRESHOLD_GRID) + 1), "sweep dim", enabled=not args.no_progress) as bar:
+    with common.progress(len(dims) * (len(figure1.THRESHOLD_GRID) + 1), "sweep dim", enabled=not args.no_progress) as bar:
         rows = figure1.threshold_rows(n, dims, M_dev, progress=bar.update)
     notes = []
     for d in dims:
@@ -258,7 +259,7 @@ def run_dim(args):
 
 
 def plot_dim(rows, header, path) -> None:
-    plt = C.pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.8))
     dims = sorted({r["d"] for r in rows})
     palette = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple"]
@@ -282,7 +283,7 @@ def plot_dim(rows, header, path) -> None:
     ax.set_title(f"threshold sweep, n={header['n']}, dtype {header['dtype']}", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.25)
-    C.save_figure(fig, path, header)
+    common.save_figure(fig, path, header)
 
 
 # ============================================================================== sparsity
@@ -290,11 +291,11 @@ SPARSITY_DOC = """Theorem 4.5 stress test: sweeps the block density of A1/A2, of
 independently (the other operands full) and tabulates the sparse-operand kernels' traffic (forward and
 backward, matrix elements; the exact traffic model, or --count to run the kernels through Triton's
 interpreter at small n), Z_A, Z_X, Z_AX, Z_AXA, the Theorem 4.5 bound with unit constants at M = the
-kernels' per-program fast memory, and measured/bound (sparse_io_attn.sparse_operands.stress.sparsity_sweep)."""
+kernels' per-program fast memory, and measured/bound (sparse_io_attn.experiments.sparsity_stress.sparsity_sweep)."""
 
 
 def add_sparsity_args(p) -> None:
-    p.add_argument("--seq-len", type=C.parse_count, default=4096, help="n (default 4096)")
+    p.add_argument("--seq-len", type=common.parse_count, default=4096, help="n (default 4096)")
     p.add_argument("--head-dim", type=int, default=128, help="d (default 128)")
     p.add_argument("--densities", default="0.05,0.1,0.25,0.5,1.0", help="block densities (default 0.05,...,1.0)")
     p.add_argument("--axes", default="A,X,QK", help="operands to sweep: A (A1 and A2), X, QK (default all)")
@@ -304,20 +305,18 @@ def add_sparsity_args(p) -> None:
 
 
 def run_sparsity(args):
-    from sparse_io_attn.sparse_operands import stress
-
-    densities = [_density(x) for x in C.parse_list(args.densities, what="--densities")]
-    axes = C.parse_list(args.axes, allowed=stress.AXES, what="--axes")
+    densities = [_density(x) for x in common.parse_list(args.densities, what="--densities")]
+    axes = common.parse_list(args.axes, allowed=sparsity_stress.AXES, what="--axes")
     if args.count and args.seq_len > 512:
         raise ValueError(f"--count runs the kernels through the Triton interpreter; use --seq-len <= 512, "
                          f"got {args.seq_len}")
     if args.count:
         import sparse_io_attn._triton.runtime  # noqa: F401  (interpreter set-up before triton is imported)
-    header = C.machine_header(torch.float32)
+    header = common.machine_header(torch.float32)
     header.update({"n": args.seq_len, "d": args.head_dim, "block_n": args.block_n, "block_d": args.block_d,
                    "M": "kernel per-program fast memory (paper.traffic.kernel_fast_memory_words)"})
-    with C.progress(len(axes) * len(densities), "sweep sparsity", enabled=not args.no_progress) as bar:
-        rows = stress.sparsity_sweep(args.seq_len, args.head_dim, densities=densities, axes=tuple(axes),
+    with common.progress(len(axes) * len(densities), "sweep sparsity", enabled=not args.no_progress) as bar:
+        rows = sparsity_stress.sparsity_sweep(args.seq_len, args.head_dim, densities=densities, axes=tuple(axes),
                                      block_n=args.block_n, block_d=args.block_d, count=args.count,
                                      progress=lambda r: bar.update(note=f"{r['axis']} {r['density']}"))
     notes = sparsity_findings(rows)
@@ -378,7 +377,7 @@ def _density(text: str) -> float:
 
 
 def plot_sparsity(rows, header, path) -> None:
-    plt = C.pyplot()
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 5))
     palette = {"A": "tab:blue", "X": "tab:orange", "QK": "tab:green"}
     for axis in dict.fromkeys(r["axis"] for r in rows):
@@ -395,4 +394,4 @@ def plot_sparsity(rows, header, path) -> None:
     ax.set_title(f"Theorem 4.5 stress test, n={header['n']}, d={header['d']}", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.25)
-    C.save_figure(fig, path, header)
+    common.save_figure(fig, path, header)
