@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import importlib.metadata
+import io
 import json
 import math
 import os
@@ -159,21 +160,29 @@ def time_fn(fn, *, warmup: int = 1, repeats: int = 5, max_seconds: float = 30.0,
 
 
 # ---------------------------------------------------------------------------------------- output
-def write_csv(path, rows: list[dict], header: dict | None = None) -> Path:
-    """Rows as CSV; the machine header goes first as ``# key: value`` comment lines."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def format_csv(rows: list[dict], header: dict | None = None) -> str:
+    """Rows as CSV text (columns in order of first appearance); with ``header``, the machine header
+    goes first as ``# key: value`` comment lines."""
     fields: list = []
     for r in rows:
         fields += [k for k in r if k not in fields]
+    buf = io.StringIO()
+    if header:
+        for k, v in header.items():
+            buf.write(f"# {k}: {v}\n")
+    w = csv.DictWriter(buf, fieldnames=fields)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: _csv_value(r.get(k)) for k in fields})
+    return buf.getvalue()
+
+
+def write_csv(path, rows: list[dict], header: dict | None = None) -> Path:
+    """:func:`format_csv` written to ``path`` (its directory created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        if header:
-            for k, v in header.items():
-                f.write(f"# {k}: {v}\n")
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: _csv_value(r.get(k)) for k in fields})
+        f.write(format_csv(rows, header))
     return path
 
 

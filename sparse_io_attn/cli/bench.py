@@ -11,8 +11,6 @@ with unit constants, see ``sparse-io-attn bounds``) and traffic / bound.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 from pathlib import Path
 
 import torch
@@ -315,15 +313,7 @@ def _emit(rows, header, bound, args) -> None:
     if args.json == "-":
         print(common.to_json(payload))
     elif args.csv == "-":
-        buf = io.StringIO()
-        fields = []
-        for r in rows:
-            fields += [k for k in r if k not in fields]
-        w = csv.DictWriter(buf, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: common._csv_value(r.get(k)) for k in fields})
-        print(buf.getvalue(), end="")
+        print(common.format_csv(rows), end="")
     else:
         print(text)
     if args.json and args.json != "-":
