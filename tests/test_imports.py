@@ -40,6 +40,30 @@ LAZY: dict[tuple[str, str], str] = {
         "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
     ("sparse_io_attn.accounting.traffic", "sparse_io_attn.dense.traffic"):
         "the dense traffic model imports the dense Triton kernels: loaded on first use of traffic.dense",
+    # the CLI: every subcommand module is imported to build the parser, so what imports Triton (and fixes
+    # its interpreter mode, which compile-report must choose itself) loads only in the run that needs it
+    ("sparse_io_attn.cli.bench", "sparse_io_attn._triton.runtime"):
+        "Triton and its interpreter switch: only when --backends names triton",
+    ("sparse_io_attn.cli.sweep.sparsity", "sparse_io_attn._triton.runtime"):
+        "Triton and its interpreter switch: only for sweep sparsity --count",
+    ("sparse_io_attn.cli.compile_report", "sparse_io_attn.block_sparse.triton.report"):
+        "imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
+    ("sparse_io_attn.cli.bounds", "sparse_io_attn.dense"):
+        "the dense Triton kernels: only for the kernel-choice report",
+    ("sparse_io_attn.cli.bounds", "sparse_io_attn.dense.forward"):
+        "the dense Triton kernels: only for the kernel-choice report",
+    ("sparse_io_attn.cli.bounds", "sparse_io_attn.dense.small_cache"):
+        "the dense Triton kernels: only for the kernel-choice report",
+    ("sparse_io_attn.cli.bounds", "sparse_io_attn.dense.traffic"):
+        "the dense Triton kernels: only for the kernel-choice report",
+    ("sparse_io_attn.cli.sweep.cache", "sparse_io_attn.experiments.sweeps"):
+        "the dense Triton kernels: only when sweep cache runs",
+    ("sparse_io_attn.cli.sweep.dim", "sparse_io_attn.experiments.sweeps"):
+        "the dense Triton kernels: only when sweep dim runs",
+    ("sparse_io_attn.cli.sweep.sparsity", "sparse_io_attn.experiments.sweeps"):
+        "the dense Triton kernels: only when sweep sparsity runs",
+    ("sparse_io_attn.cli.sweep.seq_len", "sparse_io_attn.experiments.sweeps"):
+        "the dense Triton kernels: only when sweep seq-len runs",
 }
 
 

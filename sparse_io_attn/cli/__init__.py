@@ -9,10 +9,15 @@ traceback); 3 an optional extra that is not installed (matplotlib, the ``plot`` 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-SUBCOMMANDS = ("demo", "bounds", "bench", "sweep", "layout", "compile-report")
+from sparse_io_attn.cli import bench, bounds, compile_report, demo, layout, sweep
+from sparse_io_attn.cli._common import MissingExtra
+
+#: command name -> its module, in the order ``--help`` lists them
+COMMANDS = {"demo": demo, "bounds": bounds, "bench": bench, "sweep": sweep, "layout": layout,
+            "compile-report": compile_report}
+SUBCOMMANDS = tuple(COMMANDS)
 
 EPILOG = """examples:
   sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --dtype bf16
@@ -36,14 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sparse-io-attn", description=__doc__.split("\n")[0], epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"{__name__}.{name.replace('-', '_')}").add_parser(sub)
+    for command in COMMANDS.values():
+        command.add_parser(sub)
     return parser
 
 
 def main(argv=None) -> int:
-    from sparse_io_attn.cli._common import MissingExtra
-
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,5 +1,5 @@
 """Helpers shared by the subcommands: argument parsing of sizes/dtypes/patterns, the machine
-header, a progress bar, CSV/JSON writers, timing and plot set-up.
+header, a progress bar (tqdm), CSV/JSON writers, timing and plot set-up.
 
 Errors a user can fix raise ``ValueError`` (the command prints one line and exits 2). An optional
 extra that is not installed (matplotlib, from the ``plot`` extra) raises :class:`MissingExtra`
@@ -8,6 +8,8 @@ extra that is not installed (matplotlib, from the ``plot`` extra) raises :class:
 from __future__ import annotations
 
 import csv
+import importlib.metadata
+import io
 import json
 import math
 import os
@@ -21,9 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from sparse_io_attn._memory import available_memory_bytes
-
 from sparse_io_attn.layout.patterns import from_spec
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -88,8 +90,7 @@ def machine_header(dtype: torch.dtype | None = None, device: str | torch.device 
             pass
         dev = f"cpu: {cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
     try:  # the version without importing triton (importing it first would skip the interpreter set-up)
-        from importlib.metadata import version
-        triton_version = version("triton")
+        triton_version = importlib.metadata.version("triton")
     except Exception:
         triton_version = "absent"
     return {
@@ -111,47 +112,15 @@ def format_header(header: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------- progress
-class _SimpleBar:
-    """Fallback progress bar on stderr when tqdm is absent."""
-
-    def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.n, self.t0 = total, desc, 0, time.perf_counter()
-        self._draw()
-
-    def _draw(self, end=""):
-        width = 30
-        filled = int(width * self.n / max(self.total, 1))
-        sys.stderr.write(f"\r{self.desc} [{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} "
-                         f"{time.perf_counter() - self.t0:.0f}s{end}")
-        sys.stderr.flush()
-
-    def update(self, k: int = 1):
-        self.n += k
-        self._draw()
-
-    def set_postfix_str(self, s: str):
-        pass
-
-    def close(self):
-        self._draw("\n")
-
-
 class progress:
-    """``with progress(total, "bench") as bar: ... bar.update()`` on stderr; tqdm when installed,
-    a plain bar otherwise; silent when ``enabled`` is False."""
+    """``with progress(total, "bench") as bar: ... bar.update()``: a tqdm bar on stderr, silent when
+    ``enabled`` is False."""
 
     def __init__(self, total: int, desc: str, enabled: bool = True):
         self.total, self.desc, self.enabled = total, desc, enabled
 
     def __enter__(self):
-        if not self.enabled:
-            self.bar = None
-        else:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr, leave=False)
-            except ImportError:
-                self.bar = _SimpleBar(self.total, self.desc)
+        self.bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr, leave=False) if self.enabled else None
         return self
 
     def update(self, k: int = 1, note: str | None = None):
@@ -191,21 +160,29 @@ def time_fn(fn, *, warmup: int = 1, repeats: int = 5, max_seconds: float = 30.0,
 
 
 # ---------------------------------------------------------------------------------------- output
-def write_csv(path, rows: list[dict], header: dict | None = None) -> Path:
-    """Rows as CSV; the machine header goes first as ``# key: value`` comment lines."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def format_csv(rows: list[dict], header: dict | None = None) -> str:
+    """Rows as CSV text (columns in order of first appearance); with ``header``, the machine header
+    goes first as ``# key: value`` comment lines."""
     fields: list = []
     for r in rows:
         fields += [k for k in r if k not in fields]
+    buf = io.StringIO()
+    if header:
+        for k, v in header.items():
+            buf.write(f"# {k}: {v}\n")
+    w = csv.DictWriter(buf, fieldnames=fields)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: _csv_value(r.get(k)) for k in fields})
+    return buf.getvalue()
+
+
+def write_csv(path, rows: list[dict], header: dict | None = None) -> Path:
+    """:func:`format_csv` written to ``path`` (its directory created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        if header:
-            for k, v in header.items():
-                f.write(f"# {k}: {v}\n")
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: _csv_value(r.get(k)) for k in fields})
+        f.write(format_csv(rows, header))
     return path
 
 

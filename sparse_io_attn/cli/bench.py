@@ -11,12 +11,16 @@ with unit constants, see ``sparse-io-attn bounds``) and traffic / bound.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
-from sparse_io_attn.accounting import traffic
+from sparse_io_attn.accounting import IOCounter, traffic
+from sparse_io_attn.block_sparse import cpu
+from sparse_io_attn.block_sparse.api import block_sparse_attention
 from sparse_io_attn._memory import available_memory_bytes
-from sparse_io_attn.cli import _common as C
+from sparse_io_attn.cli import _common as common
 from sparse_io_attn.cli.bounds import attention_bound, default_cache_words
 
 BACKENDS = ("cpu", "torch", "triton", "sdpa", "flex")
@@ -40,12 +44,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time backends and compare their traffic with the lower bound",
                        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pattern", default="bigbird", help="pattern spec (default bigbird; see `layout --help`)")
-    p.add_argument("--seq-len", type=C.parse_count, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--seq-len", type=common.parse_count, default=4096, help="sequence length (default 4096)")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads for GQA (default = --heads)")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension (default 64)")
-    p.add_argument("--block", type=C.parse_count, default=64, help="layout block size (default 64)")
+    p.add_argument("--block", type=common.parse_count, default=64, help="layout block size (default 64)")
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--causal", action="store_true", help="element-level causal masking inside kept blocks")
     p.add_argument("--backends", default="cpu,torch,triton,sdpa,flex",
@@ -85,44 +89,39 @@ class Skip(Exception):
 
 def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
     """A callable computing the forward for one backend, or :class:`Skip`."""
-    from sparse_io_attn.block_sparse.api import block_sparse_attention
-
     if backend == "torch":
         return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="torch")
     if backend == "cpu":
-        from sparse_io_attn.block_sparse import cpu
-
         if q.device.type != "cpu":
             raise Skip("the C++ kernel runs on CPU tensors only")
         if not cpu.is_available():
             raise Skip(f"the C++ kernel is unavailable: {cpu.unavailable_reason()}")
         return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="cpu")
     if backend == "triton":
-        import sparse_io_attn._triton.runtime as K
+        from sparse_io_attn._triton import runtime as triton_runtime
 
         if q.device.type != "cuda":
             tiles = layout.nnz_blocks * (1 if layout.num_layouts > 1 else q.shape[0] * q.shape[1])
-            if not K.INTERPRET:
+            if not triton_runtime.INTERPRET:
                 raise Skip("no CUDA device and Triton's interpreter is off (set TRITON_INTERPRET=1)")
             if tiles > INTERPRETER_TILE_LIMIT and not args.allow_interpreter:
                 raise Skip(f"CPU: Triton runs only through its interpreter (~5 ms per tile); {tiles:,} tiles "
                            f"> {INTERPRETER_TILE_LIMIT}: use a smaller case or --allow-interpreter")
         return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="triton")
     if backend == "sdpa":
-        import torch.nn.functional as F
         B, Hq = q.shape[:2]
         scores = B * Hq * q.shape[2] * k.shape[2] * max(q.element_size(), 4) * (3 if q.requires_grad else 1)
         free, source = available_memory_bytes(q.device)
         if free is not None and scores > free // 2:
-            raise Skip(f"dense SDPA would materialize n x n scores (~{C.human_bytes(scores)}) on a device with "
-                       f"{C.human_bytes(free)} available ({source})")
+            raise Skip(f"dense SDPA would materialize n x n scores (~{common.human_bytes(scores)}) on a device with "
+                       f"{common.human_bytes(free)} available ({source})")
         mask = layout.to(q.device).expand_dense_mask(B, Hq)
         if causal:
             mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=q.device).tril()
         rep = q.shape[1] // k.shape[1]
         kk = k.repeat_interleave(rep, dim=1) if rep > 1 else k
         vv = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        return lambda: F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+        return lambda: scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
     if backend == "flex":
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -169,7 +168,6 @@ def triton_traffic(layout, q, k, v, causal: bool, pass_: str, count: bool, fwd):
     """``(bytes, "counted" | "predicted")`` for the triton backend: counted by the kernels under
     ``IOCounter`` (an extra run) with ``count``, else predicted by ``accounting.traffic``."""
     if count:
-        from sparse_io_attn.accounting import IOCounter
         with IOCounter() as io:
             if pass_ == "fwd":
                 with torch.no_grad():
@@ -184,11 +182,11 @@ def triton_traffic(layout, q, k, v, causal: bool, pass_: str, count: bool, fwd):
 
 # ------------------------------------------------------------------------------------ main
 def run(args) -> int:
-    if "triton" in C.parse_list(args.backends, allowed=BACKENDS, what="--backends"):
+    if "triton" in common.parse_list(args.backends, allowed=BACKENDS, what="--backends"):
         import sparse_io_attn._triton.runtime  # noqa: F401  (sets TRITON_INTERPRET on CPU before triton is imported)
-    dtype = C.parse_dtype(args.dtype)
-    backends = C.parse_list(args.backends, allowed=BACKENDS, what="--backends")
-    passes = C.parse_list(args.passes, allowed=PASSES, what="--pass")
+    dtype = common.parse_dtype(args.dtype)
+    backends = common.parse_list(args.backends, allowed=BACKENDS, what="--backends")
+    passes = common.parse_list(args.passes, allowed=PASSES, what="--pass")
     for name in ("batch", "heads", "head_dim", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -207,18 +205,18 @@ def run(args) -> int:
     if args.json == "-" and args.csv == "-":
         raise ValueError("--json and --csv cannot both write to stdout; give one of them a PATH")
     for flag in ("json", "csv", "md"):   # refuse before the benchmark runs, not after
-        C.check_writable(getattr(args, flag), f"--{flag}")
+        common.check_writable(getattr(args, flag), f"--{flag}")
     kv = args.kv_heads or args.heads
     elem = torch.empty((), dtype=dtype).element_size()
     # q, k, v, do, out, their gradients, and the kernels' fp32 work copies (about 4 x q in fp32)
     tensors = args.batch * args.seq_len * args.head_dim * ((3 * args.heads + 2 * kv) * 2 * elem + 4 * args.heads * 4)
-    C.check_memory(tensors, f"--seq-len {args.seq_len} with batch {args.batch}, {args.heads} heads, head dim "
+    common.check_memory(tensors, f"--seq-len {args.seq_len} with batch {args.batch}, {args.heads} heads, head dim "
                    f"{args.head_dim}", device, fix="use a smaller --seq-len or --batch")
 
-    layout = C.build_layout(args.pattern, args.seq_len, args.block).to(device)
+    layout = common.build_layout(args.pattern, args.seq_len, args.block).to(device)
     B, H, D, n = args.batch, args.heads, args.head_dim, args.seq_len
     cache_words = default_cache_words(args.cache, dtype)
-    header = C.machine_header(dtype, device)
+    header = common.machine_header(dtype, device)
     header.update({"pattern": layout.name, "seq_len": n, "batch": B, "heads": H, "kv_heads": kv_heads,
                    "head_dim": D, "block": args.block, "causal": args.causal, "density": round(layout.density, 4),
                    "cache_words": cache_words})
@@ -230,7 +228,7 @@ def run(args) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else None
 
     rows = []
-    with C.progress(len(backends) * len(passes), "bench", enabled=not args.no_progress) as bar:
+    with common.progress(len(backends) * len(passes), "bench", enabled=not args.no_progress) as bar:
         for backend in backends:
             for pass_ in passes:
                 row = {"backend": backend, "pass": pass_, "status": "ok", "reason": ""}
@@ -239,7 +237,7 @@ def run(args) -> int:
                 qq, kk, vv = (t.detach().requires_grad_(need_grad) for t in (q, k, v))
                 try:
                     fwd = _attention_fn(backend, qq, kk, vv, layout, args.causal, args)
-                    timing = C.time_fn(_case_fn(fwd, pass_, qq, kk, vv, do), warmup=args.warmup,
+                    timing = common.time_fn(_case_fn(fwd, pass_, qq, kk, vv, do), warmup=args.warmup,
                                        repeats=args.repeats, max_seconds=args.max_seconds, sync=sync)
                 except Skip as e:
                     row.update(status="skipped", reason=str(e))
@@ -298,7 +296,7 @@ COLUMNS = [("backend", "backend"), ("pass", "pass"), ("status", "status"), ("med
 
 
 def _emit(rows, header, bound, args) -> None:
-    table = C.format_table(rows, COLUMNS)
+    table = common.format_table(rows, COLUMNS)
     notes = [f"- {r['backend']} {r['pass']}: {r['reason']}" for r in rows if r.get("reason")]
     bound_lines = []
     for pass_, b in sorted(bound.items()):
@@ -306,33 +304,22 @@ def _emit(rows, header, bound, args) -> None:
                            f"{b['theorem']} {b['theorem_bytes']:,.0f} B, unit constants); binding: {b['binds']}")
         if b.get("note"):
             bound_lines.append(f"  note: {b['note']}")
-    text = "\n".join([C.format_header(header),
+    text = "\n".join([common.format_header(header),
                       f"# pattern {header['pattern']} (density {header['density']}), n={header['seq_len']}, "
                       f"B={header['batch']}, H={header['heads']}/{header['kv_heads']}, D={header['head_dim']}, "
                       f"block {header['block']}, causal={header['causal']}, M={header['cache_words']:,} words",
                       table] + bound_lines + notes)
     payload = {"header": header, "rows": rows, "bounds": bound}
     if args.json == "-":
-        print(C.to_json(payload))
+        print(common.to_json(payload))
     elif args.csv == "-":
-        import csv
-        import io
-        buf = io.StringIO()
-        fields = []
-        for r in rows:
-            fields += [k for k in r if k not in fields]
-        w = csv.DictWriter(buf, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: C._csv_value(r.get(k)) for k in fields})
-        print(buf.getvalue(), end="")
+        print(common.format_csv(rows), end="")
     else:
         print(text)
     if args.json and args.json != "-":
-        C.write_json(args.json, payload)
+        common.write_json(args.json, payload)
     if args.csv and args.csv != "-":
-        C.write_csv(args.csv, rows, header)
+        common.write_csv(args.csv, rows, header)
     if args.md:
-        from pathlib import Path
         Path(args.md).parent.mkdir(parents=True, exist_ok=True)
         Path(args.md).write_text("```\n" + text + "\n```\n")

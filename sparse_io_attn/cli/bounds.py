@@ -21,7 +21,7 @@ from sparse_io_attn.accounting import traffic
 from sparse_io_attn.bounds import (DEFAULT_CPU_FAST_MEMORY_BYTES, dense_backward, dense_forward,
                                    device_fast_memory_words, get_device, parse_memory, sparse, sparse_informal)
 from sparse_io_attn.bounds.units import itemsize
-from sparse_io_attn.cli import _common as C
+from sparse_io_attn.cli import _common as common
 
 EXAMPLES = """examples:
   sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --dtype bf16
@@ -43,19 +43,19 @@ INFORMAL_FLAGS = ("z_input", "z_qk")
 def add_parser(sub) -> None:
     p = sub.add_parser("bounds", help="I/O lower bounds, regime and kernel choice for one problem",
                        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-len", type=C.parse_count, required=True, help="n, sequence length (4k accepted)")
+    p.add_argument("--seq-len", type=common.parse_count, required=True, help="n, sequence length (4k accepted)")
     p.add_argument("--head-dim", type=int, required=True, help="d, head dimension")
     p.add_argument("--cache", default=None, help="fast memory M: words or a size like 228KiB")
     p.add_argument("--device", default=None, help="device name from the table (h100, a100, ...) for M")
     p.add_argument("--dtype", default="bf16", help="fp32, fp16 or bf16 (default bf16)")
     p.add_argument("--pattern", default=None, help="block-sparse QK pattern spec, e.g. sliding_window:512")
-    p.add_argument("--block", type=C.parse_count, default=64, help="block size for --pattern (default 64)")
+    p.add_argument("--block", type=common.parse_count, default=64, help="block size for --pattern (default 64)")
     p.add_argument("--causal", action="store_true", help="count only key <= query inside the pattern")
     for z, what in zip(Z_FLAGS, ("min(nnz A1, nnz A2)", "nnz X", "min(nnz A1X, nnz XA2^T)", "nnz A1XA2^T")):
-        p.add_argument(f"--{z.replace('_', '-')}", dest=z, type=C.parse_count, default=None, help=f"Z: {what}")
-    p.add_argument("--z-input", dest="z_input", type=C.parse_count, default=None,
+        p.add_argument(f"--{z.replace('_', '-')}", dest=z, type=common.parse_count, default=None, help=f"Z: {what}")
+    p.add_argument("--z-input", dest="z_input", type=common.parse_count, default=None,
                    help="Theorem 1.2: nonzeros of the input matrix (with --z-qk)")
-    p.add_argument("--z-qk", dest="z_qk", type=C.parse_count, default=None,
+    p.add_argument("--z-qk", dest="z_qk", type=common.parse_count, default=None,
                    help="Theorem 1.2: nonzeros of the key-query matrix (with --z-input)")
     p.add_argument("--verbose", action="store_true",
                    help="also print the explicit-constant bounds for materialising QK^T (not attention bounds)")
@@ -125,6 +125,7 @@ def kernel_choice(n: int, d: int, M: int, dtype=torch.float32) -> dict:
     from sparse_io_attn import dense  # imports the kernels (Triton): only when asked
     from sparse_io_attn.dense.forward import small_forward_buffer_bytes
     from sparse_io_attn.dense.small_cache import nn_buffer_bytes
+    from sparse_io_attn.dense import traffic as dense_traffic
 
     out = {"paper_regime": "small" if M < d * d else "large"}
     for pass_, fn in (("backward", dense.choose_backward), ("forward", dense.choose_forward)):
@@ -136,9 +137,8 @@ def kernel_choice(n: int, d: int, M: int, dtype=torch.float32) -> dict:
     g = {}
     for key in ("small", "large-faithful", "large-fa2"):
         try:
-            from sparse_io_attn.dense import traffic
-            rep = (traffic.small_cache_traffic(n, d, M, dtype=dtype, g_only=True) if key == "small" else
-                   traffic.large_cache_traffic(n, d, M, dtype=dtype, variant=key.split("-")[1], g_only=True))
+            rep = (dense_traffic.small_cache_traffic(n, d, M, dtype=dtype, g_only=True) if key == "small" else
+                   dense_traffic.large_cache_traffic(n, d, M, dtype=dtype, variant=key.split("-")[1], g_only=True))
             g[key] = rep.total_bytes
         except ValueError:
             g[key] = None
@@ -150,7 +150,7 @@ def kernel_choice(n: int, d: int, M: int, dtype=torch.float32) -> dict:
 
 # ------------------------------------------------------------------------------------ main
 def run(args) -> int:
-    dtype = C.parse_dtype(args.dtype)
+    dtype = common.parse_dtype(args.dtype)
     n, d = args.seq_len, args.head_dim
     if d < 1:
         raise ValueError(f"--head-dim must be >= 1, got {d}")
@@ -186,7 +186,7 @@ def run(args) -> int:
             "dense_forward": dense_forward(n, d, M, dtype=dtype)}
     if args.pattern or given:
         if args.pattern:
-            layout = C.build_layout(args.pattern, n, args.block)
+            layout = common.build_layout(args.pattern, n, args.block)
             z = {"Z_A": n * d, "Z_X": d * d, "Z_AX": n * d, "Z_AXA": qk_nnz(layout, args.causal)}
             out["pattern"] = {"name": layout.name, "density": layout.density, "block": args.block,
                               "note": "dense Q/K operands (Z_A = n d, Z_X = d^2, Z_AX = n d), Z_AXA = kept score "
@@ -203,7 +203,7 @@ def run(args) -> int:
     for key, b in objs.items():
         out[key] = b.to_dict()
     if args.json:
-        print(C.to_json(out))
+        print(common.to_json(out))
         return 0
     print(_text(out, objs, verbose=args.verbose))
     return 0
@@ -212,7 +212,7 @@ def run(args) -> int:
 def _text(out: dict, objs: dict, verbose: bool = False) -> str:
     k = out["kernels"]
     lines = [f"n = {out['n']:,}, d = {out['d']}, dtype {out['dtype']}, M = {out['M_words']:,} words "
-             f"({C.human_bytes(out['M_bytes'])}; {out['source_of_M']})",
+             f"({common.human_bytes(out['M_bytes'])}; {out['source_of_M']})",
              f"M / d^2 = {out['M_over_d2']:.3g} -> {out['regime']}",
              f"backward: {k['backward']['summary']}", f"forward:  {k['forward']['summary']}"]
     for pass_ in ("backward", "forward"):

@@ -13,7 +13,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.functional import scaled_dot_product_attention
 
+from sparse_io_attn.accounting import IOCounter, traffic
+from sparse_io_attn.block_sparse.api import block_sparse_attention
+from sparse_io_attn.block_sparse.reference import attention_reference, element_mask, masked_attention, rel_err
+from sparse_io_attn.cli.bounds import attention_bound, default_cache_words
+from sparse_io_attn.layout.patterns import parse_spec
 from sparse_io_attn.cli._common import (DTYPES, build_layout, check_memory, format_header, machine_header, parse_count,
                                         parse_dtype, time_fn)
 
@@ -69,8 +75,6 @@ def make_context(args) -> DemoContext:
     kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     if kv_heads < 1 or args.heads % kv_heads:
         raise ValueError(f"--kv-heads must divide --heads ({args.heads}), got {kv_heads}")
-    from sparse_io_attn.layout.patterns import parse_spec
-
     # the float64 reference and the SDPA baselines build dense [B, H, N, N] scores and masks
     dense = args.batch * args.heads * args.seq_len ** 2 * (4 * 8 + 2)
     check_memory(dense, f"the demo's dense float64 reference at --seq-len {args.seq_len}",
@@ -98,8 +102,6 @@ def section_layout(ctx: DemoContext) -> None:
 
 
 def _run_ours(ctx: DemoContext, *, backward: bool):
-    from sparse_io_attn import block_sparse_attention
-
     q, k, v = (t.detach().clone().requires_grad_(backward) for t in (ctx.q, ctx.k, ctx.v))
     out, lse = block_sparse_attention(q, k, v, ctx.layout, causal=ctx.causal, return_lse=True,
                                       backend=ctx.args.backend)
@@ -112,8 +114,6 @@ def _run_ours(ctx: DemoContext, *, backward: bool):
 def section_correctness(ctx: DemoContext) -> None:
     """Relative errors ||x - ref|| / ||ref|| against the float64 reference; fp32 passes at 1e-5,
     fp16/bf16 at 2x (output) / 3x (gradients) the error of dense PyTorch attention in that dtype."""
-    from sparse_io_attn.block_sparse.reference import attention_reference, element_mask, masked_attention, rel_err
-
     got = _run_ours(ctx, backward=True)
     ref = attention_reference(ctx.q, ctx.k, ctx.v, ctx.layout, causal=ctx.causal, do=ctx.do)
     names = ("out", "lse", "dq", "dk", "dv")
@@ -145,31 +145,28 @@ def section_correctness(ctx: DemoContext) -> None:
 
 def section_timing(ctx: DemoContext) -> None:
     """Median wall time of ours vs dense SDPA (equivalent boolean mask / is_causal, and no mask)."""
-    import torch.nn.functional as F
-
     q, k, v = ctx.q, ctx.k, ctx.v
     group = q.shape[1] // k.shape[1]
     ke, ve = (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)) if group > 1 else (k, v)
     if ctx.causal and ctx.layout.density == 1.0:
-        masked = lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)  # noqa: E731
+        masked = lambda q_, k_, v_: scaled_dot_product_attention(q_, k_, v_, is_causal=True)  # noqa: E731
     else:
         mask = ctx.layout.expand_dense_mask(q.shape[0], q.shape[1])
         if ctx.causal:
             mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool).tril()
-        masked = lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)  # noqa: E731
+        masked = lambda q_, k_, v_: scaled_dot_product_attention(q_, k_, v_, attn_mask=mask)  # noqa: E731
 
     def fwd_bwd(fn, args):
         leaves = [t.detach().clone().requires_grad_() for t in args]
         return lambda: fn(*leaves).backward(ctx.do)
 
-    from sparse_io_attn import block_sparse_attention
     ours = lambda q_, k_, v_: block_sparse_attention(q_, k_, v_, ctx.layout, causal=ctx.causal,  # noqa: E731
                                                      backend=ctx.args.backend)
     methods = {
         "block_sparse_attention": (lambda: ours(q, k, v), fwd_bwd(ours, (q, k, v))),
         "SDPA, same mask": (lambda: masked(q, ke, ve), fwd_bwd(masked, (q, ke, ve))),
-        "SDPA, no mask (dense)": (lambda: F.scaled_dot_product_attention(q, ke, ve),
-                                  fwd_bwd(F.scaled_dot_product_attention, (q, ke, ve))),
+        "SDPA, no mask (dense)": (lambda: scaled_dot_product_attention(q, ke, ve),
+                                  fwd_bwd(scaled_dot_product_attention, (q, ke, ve))),
     }
     reps = ctx.args.repeats
     times = {name: (time_fn(f, repeats=reps)["median_s"], time_fn(fb, repeats=reps)["median_s"])
@@ -190,11 +187,6 @@ COUNTED_SEQ_LEN = 256  # the counted run goes through Triton's interpreter on CP
 def section_traffic_and_bounds(ctx: DemoContext) -> None:
     """Bytes the Triton kernels move for this problem (exact traffic model) against the lower bound;
     then a cut-down copy runs through the kernels with ``IOCounter`` on, to show counted == model."""
-    from sparse_io_attn import block_sparse_attention
-    from sparse_io_attn.accounting import IOCounter, traffic
-
-    from sparse_io_attn.cli.bounds import attention_bound, default_cache_words
-
     a = ctx.args
     B, Hq, N, D = ctx.q.shape
     Hkv, dtype = ctx.k.shape[1], ctx.q.dtype

@@ -272,12 +272,12 @@ def test_sweep_dim(tmp_path):
 
 
 def test_sweep_sparsity_passes_the_stress_rows_through(tmp_path):
-    from sparse_io_attn.sparse_operands import stress
+    from sparse_io_attn.experiments import sparsity_stress
     proc = run_cli("sweep", "sparsity", "--seq-len", "256", "--head-dim", "32", "--densities", "0.25,1",
                    "--axes", "QK", "--out-dir", tmp_path, "--json", "--no-plot")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["rows"]
-    want = stress.sparsity_sweep(256, 32, densities=(0.25, 1.0), axes=("QK",))
+    want = sparsity_stress.sparsity_sweep(256, 32, densities=(0.25, 1.0), axes=("QK",))
     assert [(r["axis"], r["density"], r["Z_AXA"], r["bwd_words"]) for r in rows] == \
         [(r["axis"], r["density"], r["Z_AXA"], r["bwd_words"]) for r in want]
     assert all(r["bwd_ratio"] == pytest.approx(r["bwd_words"] / r["bound_words"]) for r in rows)

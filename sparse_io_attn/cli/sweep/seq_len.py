@@ -1,106 +1,41 @@
-"""``sparse-io-attn sweep cache|dim|sparsity|seq-len``: the seed summary's experiments.
-
-Each sweep prints a table, writes ``sweep_<name>.csv`` (machine header as ``#`` comment lines),
-``sweep_<name>.md`` and a PNG plot ``sweep_<name>.png`` into ``--out-dir`` (matplotlib, from the
-``plot`` extra; ``--no-plot`` skips the picture). ``--json`` prints header + rows as JSON instead
-of the table.
-"""
+"""``sparse-io-attn sweep seq-len``: the long-sequence stress test of the torch path, one point per
+fresh subprocess (:func:`seq_point`), with its flags, table columns and plot."""
 from __future__ import annotations
 
-import argparse
 import json
+import re
+import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from sparse_io_attn.cli import _common as C
-from sparse_io_attn.cli import sweep_io as F
+import torch
 
-EXAMPLES = """examples:
-  sparse-io-attn sweep cache --seq-len 1024 --head-dim 64
-  sparse-io-attn sweep cache --seq-len 8192 --head-dim 128 --count-n 128
-  sparse-io-attn sweep dim --device h100 --dtype fp32
-  sparse-io-attn sweep sparsity --seq-len 1024
-  sparse-io-attn sweep seq-len --max-seq-len 131072 --pattern sliding_window:512 --pattern bigbird
-  sparse-io-attn sweep seq-len --max-seq-len 4k --out-dir /tmp/res --no-plot --json"""
+from sparse_io_attn.block_sparse.api import block_sparse_attention
+from sparse_io_attn.cli import _common as common
 
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("sweep", help="run one of the paper's experiments, writing CSV and a PNG",
-                       description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    kinds = p.add_subparsers(dest="sweep", required=True, parser_class=type(p))
-    for name, module_doc, adder in (("cache", F.CACHE_DOC, F.add_cache_args), ("dim", F.DIM_DOC, F.add_dim_args),
-                                    ("sparsity", F.SPARSITY_DOC, F.add_sparsity_args),
-                                    ("seq-len", SEQ_DOC, add_seq_args)):
-        q = kinds.add_parser(name, help=module_doc.split("\n")[0], description=module_doc,
-                             epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-        adder(q)
-        q.add_argument("--out-dir", default=str(C.RESULTS_DIR), help="where CSV/PNG/MD go (default benchmarks/results)")
-        q.add_argument("--no-plot", action="store_true", help="write the CSV only")
-        q.add_argument("--json", action="store_true", help="print header and rows as JSON")
-        q.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.set_defaults(func=run)
-
-
-def run(args) -> int:
-    runners = {"cache": F.run_cache, "dim": F.run_dim, "sparsity": F.run_sparsity, "seq-len": run_seq}
-    C.check_writable_dir(args.out_dir, "--out-dir")   # before the sweep runs, not after
-    result = runners[args.sweep](args)
-    return emit(args, *result)
-
-
-def emit(args, name: str, header: dict, rows: list[dict], columns, notes: list[str], plot,
-         table_rows: list[dict] | None = None) -> int:
-    """Write CSV (all ``rows``), MD and (unless --no-plot) PNG for one sweep; print the table of
-    ``table_rows`` (default all rows) or, with --json, everything as JSON."""
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files = [C.write_csv(out / f"sweep_{name}.csv", rows, header)]
-    png = out / f"sweep_{name}.png"
-    if not args.no_plot:
-        plot(png)
-        files.append(png)
-    table = C.format_table(rows if table_rows is None else table_rows, columns)
-    base = C.machine_header()
-    text = "\n".join([C.format_header(header), "# " + ", ".join(f"{k}={v}" for k, v in header.items()
-                                                                if k not in base), table]
-                     + [f"- {n}" for n in notes])
-    md = out / f"sweep_{name}.md"
-    md.write_text(f"# sweep {name}\n\n```\n{text}\n```\n" + (f"\n![sweep {name}](sweep_{name}.png)\n"
-                                                               if not args.no_plot else ""))
-    files.append(md)
-    if args.json:
-        print(C.to_json({"header": header, "rows": rows, "notes": notes, "files": [str(f) for f in files]}))
-    else:
-        print(text)
-        print("wrote " + ", ".join(str(f) for f in files))
-    return 0
-
-
-# ============================================================================== seq-len
-SEQ_DOC = """Long-sequence stress test: peak memory and forward+backward time of the torch path
+DOC = """Long-sequence stress test: peak memory and forward+backward time of the torch path
 from n = 1k up to --max-seq-len (doubling) for block-sparse patterns, each point in a fresh
 subprocess (peak resident memory = its high-water mark), next to the bytes a dense n x n fp32
 score matrix and the small-cache kernel's f, q, p materialization would need; the small-cache
 kernel is reported as refused where that exceeds --device-memory. Points stop early (and say so)
 once --time-budget seconds would be exceeded."""
 
-DEFAULT_SEQ_PATTERNS = ("longformer:w=256,g=64", "bigbird")
-SEQ_COLUMNS = [("pattern", "pattern"), ("n", "n"), ("density", "density"), ("status", "status"),
+DEFAULT_PATTERNS = ("longformer:w=256,g=64", "bigbird")
+COLUMNS = [("pattern", "pattern"), ("n", "n"), ("density", "density"), ("status", "status"),
                ("fwd_bwd_s", "fwd+bwd s"), ("fwd_s", "fwd s"), ("peak_rss_mib", "peak RSS MiB"),
                ("rss_over_baseline_mib", "over base MiB"), ("dense_scores_gib", "n x n fp32 GiB"),
                ("small_cache_need_gib", "small-cache f,q,p GiB"), ("small_cache", "small-cache kernel")]
 
 
-def add_seq_args(p) -> None:
+def add_args(p) -> None:
     p.add_argument("--pattern", dest="patterns", action="append", default=None, metavar="SPEC",
                    help="pattern spec, repeatable (default: longformer:w=256,g=64 and bigbird)")
-    p.add_argument("--min-seq-len", type=C.parse_count, default=1024, help="first n (default 1k)")
-    p.add_argument("--max-seq-len", type=C.parse_count, default=131072, help="last n (default 131072)")
+    p.add_argument("--min-seq-len", type=common.parse_count, default=1024, help="first n (default 1k)")
+    p.add_argument("--max-seq-len", type=common.parse_count, default=131072, help="last n (default 131072)")
     p.add_argument("--heads", type=int, default=4, help="heads (default 4)")
     p.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    p.add_argument("--block", type=C.parse_count, default=64, help="block size (default 64)")
+    p.add_argument("--block", type=common.parse_count, default=64, help="block size (default 64)")
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
     p.add_argument("--repeats", type=int, default=2, help="timed fwd+bwd runs per point (median; default 2)")
     p.add_argument("--time-budget", type=float, default=900.0, help="stop the sweep before exceeding this (s)")
@@ -108,15 +43,10 @@ def add_seq_args(p) -> None:
                    help="memory the small-cache kernel's fp32 n x n buffers must fit in (default 80GiB, an H100's HBM)")
 
 
-def _seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: str, repeats: int) -> dict:
+def seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: str, repeats: int) -> dict:
     """Run in a fresh subprocess: time fwd and fwd+bwd of the torch path, report peak RSS."""
-    import resource
-
-    import torch
-
-    from sparse_io_attn.block_sparse.api import block_sparse_attention
-    layout = C.build_layout(spec, n, block)
-    dt = C.parse_dtype(dtype)
+    layout = common.build_layout(spec, n, block)
+    dt = common.parse_dtype(dtype)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     q, k, v, do = (torch.randn(1, heads, n, head_dim, dtype=dt) for _ in range(4))
     for t in (q, k, v):
@@ -131,45 +61,41 @@ def _seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: 
             t.grad = None
         block_sparse_attention(q, k, v, layout, backend="torch").backward(do)
 
-    t_fb = C.time_fn(fwd_bwd, warmup=0 if n >= 32768 else 1, repeats=repeats, max_seconds=120)
-    t_f = C.time_fn(fwd, warmup=0, repeats=repeats, max_seconds=60)
+    t_fb = common.time_fn(fwd_bwd, warmup=0 if n >= 32768 else 1, repeats=repeats, max_seconds=120)
+    t_f = common.time_fn(fwd, warmup=0, repeats=repeats, max_seconds=60)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"name": layout.name, "density": layout.density, "fwd_bwd_s": t_fb["median_s"], "fwd_s": t_f["median_s"],
             "peak_rss_bytes": peak, "baseline_rss_bytes": base}
 
 
-def _small_cache_need(n: int, head_dim: int, heads: int) -> int:
-    """Bytes the small-cache kernel (Algorithm 6) allocates for its n x n matrices f, q, p and the
-    d x n matrix T (fp32), over ``heads`` (batch x head) problems: ``dense.small_cache.nn_buffer_bytes``."""
-    from sparse_io_attn.dense.small_cache import nn_buffer_bytes  # imports the kernels (Triton): only here
-
-    return int(nn_buffer_bytes(n, head_dim, heads))
-
-
-def run_seq(args):
-    dtype = C.parse_dtype(args.dtype)
-    specs = args.patterns or list(DEFAULT_SEQ_PATTERNS)
+def run(args):
+    dtype = common.parse_dtype(args.dtype)
+    specs = args.patterns or list(DEFAULT_PATTERNS)
     if args.min_seq_len > args.max_seq_len:
         raise ValueError(f"--min-seq-len {args.min_seq_len} is larger than --max-seq-len {args.max_seq_len}")
     for name in ("heads", "repeats"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     device_memory = _parse_bytes(args.device_memory)
-    C.build_layout(specs[0], args.min_seq_len, args.block)  # fail fast on a bad spec, in this process
+    common.build_layout(specs[0], args.min_seq_len, args.block)  # fail fast on a bad spec, in this process
     ns = []
     n = args.min_seq_len
     while n <= args.max_seq_len:
         ns.append(n)
         n *= 2
-    header = C.machine_header(dtype)
+    header = common.machine_header(dtype)
     header.update({"backend": "torch", "batch": 1, "heads": args.heads, "head_dim": args.head_dim,
                    "block": args.block, "device_memory_bytes": device_memory})
     rows, notes, start = [], [], time.perf_counter()
-    with C.progress(len(ns) * len(specs), "sweep seq-len", enabled=not args.no_progress) as bar:
+    # after the header, which records the environment as the command found it (importing the
+    # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
+    from sparse_io_attn.experiments import sweeps
+
+    with common.progress(len(ns) * len(specs), "sweep seq-len", enabled=not args.no_progress) as bar:
         for spec in specs:
             last = None
             for n in ns:
-                need = _small_cache_need(n, args.head_dim, args.heads)
+                need = sweeps.small_cache_need(n, args.head_dim, args.heads)
                 row = {"pattern": spec, "n": n,
                        "dense_scores_gib": args.heads * n * n * 4 / 2 ** 30,
                        "small_cache_need_gib": need / 2 ** 30,
@@ -200,15 +126,15 @@ def run_seq(args):
     refused = [r["n"] for r in rows if r["small_cache"].startswith("refused")]
     if refused:
         notes.append(f"small-cache kernel (Algorithm 6) refused from n = {min(refused):,}: its fp32 f, q, p (n x n) and T "
-                     f"buffers for {args.heads} heads exceed --device-memory {C.human_bytes(device_memory)}")
+                     f"buffers for {args.heads} heads exceed --device-memory {common.human_bytes(device_memory)}")
     notes.append("peak RSS is the subprocess high-water mark (includes the Python/torch runtime); 'over base' "
                  "subtracts the mark taken after import, before the inputs are allocated")
     header["elapsed_s"] = round(time.perf_counter() - start, 1)
-    return "seq_len", header, rows, SEQ_COLUMNS, notes, lambda path: plot_seq(rows, header, path)
+    return "seq_len", header, rows, COLUMNS, notes, lambda path: plot(rows, header, path)
 
 
-def plot_seq(rows, header, path) -> None:
-    plt = C.pyplot()
+def plot(rows, header, path) -> None:
+    plt = common.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     specs = list(dict.fromkeys(r["pattern"] for r in rows))
     palette = ["tab:blue", "tab:orange", "tab:green", "tab:purple"]
@@ -228,7 +154,7 @@ def plot_seq(rows, header, path) -> None:
     ax2.plot(ns_all, [r["small_cache_need_gib"] * 2 ** 30 for r in first], color="tab:red", ls="-.",
              label="small-cache kernel: f, q, p (n x n each)")
     ax2.axhline(header["device_memory_bytes"], color="tab:red", lw=0.8)
-    ax2.text(ns_all[0], header["device_memory_bytes"], f" device memory {C.human_bytes(header['device_memory_bytes'])}",
+    ax2.text(ns_all[0], header["device_memory_bytes"], f" device memory {common.human_bytes(header['device_memory_bytes'])}",
              color="tab:red", fontsize=8, va="bottom")
     refused = [r["n"] for r in first if r["small_cache"].startswith("refused")]
     if refused:
@@ -245,12 +171,12 @@ def plot_seq(rows, header, path) -> None:
                      fontsize=10)
         ax.grid(True, which="both", alpha=0.25)
         ax.legend(fontsize=7)
-    C.save_figure(fig, path, header)
+    common.save_figure(fig, path, header)
 
 
 def _run_point(spec, n, args, dtype) -> dict:
-    code = ("import json,sys; from sparse_io_attn.cli.sweep import _seq_point; "
-            f"print(json.dumps(_seq_point({spec!r}, {n}, {args.heads}, {args.head_dim}, {args.block}, "
+    code = ("import json,sys; from sparse_io_attn.cli.sweep.seq_len import seq_point; "
+            f"print(json.dumps(seq_point({spec!r}, {n}, {args.heads}, {args.head_dim}, {args.block}, "
             f"{args.dtype!r}, {args.repeats})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -260,11 +186,8 @@ def _run_point(spec, n, args, dtype) -> dict:
 
 
 def _parse_bytes(text: str) -> int:
-    import re
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", str(text), flags=re.I)
     if not m:
         raise ValueError(f"expected a byte size such as 80GiB or 24GB, got {text!r}")
     unit = (m.group(2) or "B").upper().rstrip("B").rstrip("I")
     return int(float(m.group(1)) * {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}[unit])
-
-
