@@ -98,7 +98,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from sparse_io_attn.block_sparse.api import BACKENDS
 from sparse_io_attn.layout import patterns
-from sparse_io_attn.layout.core import BlockSparseLayout, _pair
+from sparse_io_attn.layout._args import as_pair
+from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.nn.ops import block_sparse_attention_op
 
 __all__ = ["register", "sparse_io_attn_forward", "sparse_io_attn_mask", "LayerPattern", "layer_pattern",
@@ -159,7 +160,7 @@ def _entry(raw, block_size, backend, where: str):
         if isinstance(raw, (list, tuple, dict)):
             raise ValueError(f"{where}: a per-layer entry cannot hold another list or dict")
     try:
-        block_size = _pair(block_size, "block_size")
+        block_size = as_pair(block_size, "block_size")
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{where}: {exc}") from None
     if backend not in BACKENDS:

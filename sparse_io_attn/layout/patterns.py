@@ -63,7 +63,8 @@ import torch
 
 from sparse_io_attn import _memory
 from sparse_io_attn.layout import _bits
-from sparse_io_attn.layout.core import BlockSparseLayout, _pair, assemble_ids, inrange_words
+from sparse_io_attn.layout._args import as_pair
+from sparse_io_attn.layout.core import BlockSparseLayout, assemble_ids, inrange_words
 
 __all__ = ["dense", "causal", "sliding_window", "strided", "fixed", "longformer", "bigbird", "random",
            "document", "block_diagonal", "prefix_lm", "from_spec", "get", "available", "SPEC_PARAMS",
@@ -81,8 +82,8 @@ class _Grid:
     (first and last in-range element of each block, int64)."""
 
     def __init__(self, seqlen, block_size):
-        self.sq, self.sk = _pair(seqlen, "seqlen")
-        self.bq, self.bk = _pair(block_size, "block_size")
+        self.sq, self.sk = as_pair(seqlen, "seqlen")
+        self.bq, self.bk = as_pair(block_size, "block_size")
         if max(self.sq, self.sk) > MAX_SEQLEN:
             raise ValueError(f"seqlen must be at most {MAX_SEQLEN}, got {(self.sq, self.sk)}")
         self.R, self.C = math.ceil(self.sq / self.bq), math.ceil(self.sk / self.bk)
@@ -332,12 +333,12 @@ def _tag(name: str, params: str, causal: bool) -> str:
 
 def _default_window(seqlen) -> int:
     """4% of ``seqlen_k`` each side: about 10% block density at N = 4096, block 64."""
-    return max(1, _pair(seqlen, "seqlen")[1] // 25)
+    return max(1, as_pair(seqlen, "seqlen")[1] // 25)
 
 
 def _window(window, seqlen) -> int:
     """A window in elements, capped at the longest possible distance (a larger one changes nothing)."""
-    sq, sk = _pair(seqlen, "seqlen")
+    sq, sk = as_pair(seqlen, "seqlen")
     return min(_int(window, "window"), sq + sk)
 
 
@@ -784,7 +785,7 @@ def _document_spec(seqlen, block_size, num_docs: int = 4, lengths=None, cu_seqle
                    causal: bool = False) -> BlockSparseLayout:
     """``document`` for specs: ``cu_seqlens``, document ``lengths`` or ``num_docs`` equal parts of
     ``seqlen`` (the last one takes the remainder)."""
-    total = _pair(seqlen, "seqlen")
+    total = as_pair(seqlen, "seqlen")
     if total[0] != total[1]:
         raise ValueError(f"document needs seqlen_q == seqlen_k, got {total}")
     total = total[0]
@@ -822,7 +823,7 @@ _REGISTRY: dict[str, tuple[Callable[..., BlockSparseLayout], tuple[str, ...]]] =
     "random": (random, ("density",)),
     "document": (_document_spec, ("num_docs",)),
     "prefix_lm": (lambda seqlen, block_size, prefix=None: prefix_lm(
-        seqlen, block_size, _pair(seqlen, "seqlen")[1] // 4 if prefix is None else prefix), ("prefix",)),
+        seqlen, block_size, as_pair(seqlen, "seqlen")[1] // 4 if prefix is None else prefix), ("prefix",)),
 }
 _NAME_ALIASES = {"block_diagonal": "document", "local": "sliding_window", "window": "sliding_window"}
 #: positional parameters of each pattern in a spec, in order
