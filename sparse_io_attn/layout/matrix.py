@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from sparse_io_attn.layout._csr import INDEX_DTYPE, csr_row_ids, csr_to_mask, csr_transpose, mask_to_csr, validate_csr
+from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_index_capacity, csr_row_ids, csr_to_mask, csr_transpose,
+                                        mask_to_csr, validate_csr)
 from sparse_io_attn.layout._args import as_pair
 
 _DRAW_LIMIT = 64
@@ -69,6 +70,7 @@ class BlockSparseMatrix:
             if crow_indices.device != values.device or col_indices.device != values.device:
                 raise ValueError(f"BlockSparseMatrix: indices and values must be on one device, got "
                                  f"{crow_indices.device}, {col_indices.device}, {values.device}")
+        check_index_capacity(col_indices.numel(), "BlockSparseMatrix")
         self.crow_indices = crow_indices.to(INDEX_DTYPE)
         self.col_indices = col_indices.to(INDEX_DTYPE)
         self.values = values

@@ -8,6 +8,7 @@ import torch
 import sparse_io_attn.layout._csr as csr_module
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.layout.matrix import BlockSparseMatrix
 
 
 def _one_partial(word: int, dtype=torch.int64):
@@ -81,3 +82,9 @@ def test_every_constructor_refuses_too_many_blocks(index_limit):
 def test_blocks_within_the_limit_accepted(index_limit):
     layout = BlockSparseLayout.from_block_mask(_blocks(5), 4)
     assert layout.nnz_blocks == 5
+
+
+def test_block_sparse_matrix_refuses_too_many_blocks(index_limit):
+    dense = torch.randn(12, 12) * _blocks(6).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    with pytest.raises(ValueError, match="at most 5 stored blocks"):
+        BlockSparseMatrix.from_dense(dense, 4)

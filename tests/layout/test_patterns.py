@@ -1,4 +1,4 @@
-"""Every pattern against an element-level definition written here independently of patterns.py:
+"""Every pattern against an element-level definition written here independently of layout/patterns/:
 build the element mask by broadcasting over (q, k) positions and compare the layout's element mask
 with it exactly (element-exact layouts), and its kept blocks with the blocks holding an allowed
 element."""

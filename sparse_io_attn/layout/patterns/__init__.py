@@ -32,14 +32,13 @@ prefix_lm           ``k < prefix`` or ``k <= q`` (bidirectional prefix, causal c
 Cost: builders enumerate the candidate blocks of each row from the pattern's structure (bands,
 diagonals, global rows and columns, documents), never the ``seqlen_q x seqlen_k`` element mask or
 the full block grid (``dense`` and ``random`` excepted, whose kept blocks are the grid), and
-evaluate the element definition only on blocks that may be partial, once per distinct mask shape.
-Time and memory are O(kept blocks), about 0.1-0.4 us and 100 B per kept block at the peak: at
-N = 2**20, block 16 (2 cores, measured) ``sliding_window(window=256)`` builds in 0.3 s,
-``bigbird()`` in 0.5 s and ``longformer(window=256)`` in 0.6 s with 200-300 MiB beyond the import,
-``document`` with 4096-token documents (16.8M kept blocks) in 3.3 s. Before listing any block a
-builder counts the blocks its parts keep and refuses with a ``ValueError`` (the count and the memory
-available) when they cannot fit: ``strided(2**20, 16, stride=256)`` keeps 271M blocks by its
-definition (every 256th key of the whole sequence), ``fixed(2**20, 16)`` 537M.
+evaluate the element definition only on blocks that may be partial, once per distinct mask shape:
+time and memory O(kept blocks). Before listing any block a builder counts the blocks its parts keep
+and refuses with a ``ValueError`` (the count and the memory available) when they cannot fit.
+
+Parameters past the sequence (a window or stride longer than ``seqlen_q + seqlen_k``, a prefix
+longer than ``seqlen_k``) give the layout the definition gives (dense or causal, ...), and the
+layout's name states the value asked for; ``document`` refuses more documents than positions.
 
 Specs (``from_spec``, used by the CLI's ``--pattern``)::
 
