@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn.layout._csr import INDEX_DTYPE, _absolute_crow
+from sparse_io_attn.layout.causal import causal_blocks
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 
@@ -62,16 +63,10 @@ def schedule(layout: BlockSparseLayout, causal_offset: int | None) -> Schedule:
 
 
 def classify(layout: BlockSparseLayout, causal_offset: int | None, lid, r, c, pid):
-    """For kept blocks ``(lid, r, c)`` with partial ids ``pid``: ``(alive, full)`` bool masks."""
-    (bq, bk), (sq, sk) = layout.block_size, layout.seqlen
-    q_lo, q_hi = r * bq, torch.clamp((r + 1) * bq, max=sq) - 1
-    k_lo, k_hi = c * bk, torch.clamp((c + 1) * bk, max=sk) - 1
-    whole = ((r + 1) * bq <= sq) & ((c + 1) * bk <= sk)
-    alive = torch.ones_like(whole)
-    if causal_offset is not None:
-        alive = k_lo <= q_hi + causal_offset
-        whole = whole & (k_hi <= q_lo + causal_offset)
-    return alive, alive & whole & (pid < 0)
+    """For kept blocks ``(lid, r, c)`` with partial ids ``pid``: ``(alive, full)`` bool masks
+    (liveness decided by :func:`~sparse_io_attn.layout.causal.causal_blocks`)."""
+    live = causal_blocks(r, c, layout.block_size, layout.seqlen, causal_offset)
+    return live.alive, live.alive & live.whole & (pid < 0)
 
 
 def _lists(L: int, n: int, own, other, pid, alive, full) -> BlockLists:

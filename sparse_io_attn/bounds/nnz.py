@@ -12,11 +12,15 @@ multiplied by A2ᵀ in chunks whose results are reduced to counts per key block 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import scipy.sparse as sp
 import torch
+
+from sparse_io_attn.bounds import calculator
+from sparse_io_attn.layout import _bits
 
 _CHUNK_ROWS = 4096  # product rows per chunk when counting inside partial blocks
 _CHUNK_ENTRIES = 1 << 23   # rows per chunk = max(1, _CHUNK_ENTRIES // n_k)
@@ -53,26 +57,24 @@ class NnzStats:
 
     def bound(self, M, *, dtype=None, heads: int = 1):
         """:func:`~sparse_io_attn.bounds.sparse` evaluated on these counts (element level only)."""
-        from sparse_io_attn.bounds.calculator import sparse
         if self.level != "element":
             raise ValueError("a bound in words needs element-level counts; call nnz_stats(..., "
                              "level='element')")
         note = ("Z_AXA restricted to a QK pattern: masked attention is outside Theorem 4.5's "
                 "hypotheses (structural product of sparse operands); not a proven lower bound"
                 if self.restricted_to_qk_pattern else "")
-        return sparse(self.Z_A, self.Z_X, self.Z_AX, self.Z_AXA, M, n=max(self.n, self.n_k),
+        return calculator.sparse(self.Z_A, self.Z_X, self.Z_AX, self.Z_AXA, M, n=max(self.n, self.n_k),
                       d=self.d, dtype=dtype, heads=heads, note=note)
 
     def informal_bound(self, M, *, dtype=None, heads: int = 1):
         """Theorem 1.2 (:func:`~sparse_io_attn.bounds.sparse_informal`) on these counts, with
         ``Z_input = Z_A`` and ``Z_QK = Z_AXA`` (element level only)."""
-        from sparse_io_attn.bounds.calculator import sparse_informal
         if self.level != "element":
             raise ValueError("a bound in words needs element-level counts; call nnz_stats(..., "
                              "level='element')")
         note = ("Z_QK restricted to a QK pattern: outside the theorem's hypotheses; not a proven lower bound"
                 if self.restricted_to_qk_pattern else "")
-        return sparse_informal(self.Z_A, self.Z_AXA, M, n=max(self.n, self.n_k), d=self.d, dtype=dtype,
+        return calculator.sparse_informal(self.Z_A, self.Z_AXA, M, n=max(self.n, self.n_k), d=self.d, dtype=dtype,
                                heads=heads, note=note)
 
     def __str__(self) -> str:
@@ -228,8 +230,6 @@ def _layout_keep(layout, layout_index):
         layout_index = 0
     if not 0 <= layout_index < L:
         raise ValueError(f"layout_index must be in [0, {L}), got {layout_index}")
-    from sparse_io_attn.layout import _bits
-
     lo = layout.to("cpu")
     crow = lo.crow_indices[layout_index].numpy().astype(np.int64)
     a, b = int(crow[0]), int(crow[-1])
@@ -249,7 +249,6 @@ def _layout_keep(layout, layout_index):
 
 def _check_block_size(block_size):
     """``block_size`` as a positive int or a pair of positive ints (``ValueError``/``TypeError``)."""
-    import numbers
     sizes = (block_size,) if isinstance(block_size, numbers.Integral) else block_size
     try:
         sizes = tuple(sizes)

@@ -20,6 +20,28 @@ from __future__ import annotations
 import torch
 
 INDEX_DTYPE = torch.int32
+#: the largest value an index tensor holds (and so the most stored blocks a layout may have)
+INDEX_MAX = torch.iinfo(INDEX_DTYPE).max
+
+
+def check_index_capacity(num_entries: int, what: str = "layout") -> None:
+    """Raise ``ValueError`` unless ``num_entries`` stored blocks fit the int32 indices."""
+    if num_entries > INDEX_MAX:
+        raise ValueError(f"{what}: at most {INDEX_MAX} stored blocks fit int32 indices, got "
+                         f"{num_entries}; use larger blocks")
+
+
+def check_fits_int32(t: torch.Tensor, name: str, what: str = "layout") -> None:
+    """Raise ``ValueError`` unless every value of the integer tensor ``t`` fits int32 (so that the
+    conversion to the stored int32 loses nothing)."""
+    if t.dtype == torch.int32 or t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    limits = torch.iinfo(torch.int32)
+    if lo < limits.min or hi > limits.max:
+        raise ValueError(f"{what}: {name} is stored as int32, values in [{limits.min}, {limits.max}], "
+                         f"got values in [{lo}, {hi}]; pass values that fit (element-mask words "
+                         f"as signed int32, e.g. word - 2**32 for word >= 2**31)")
 
 
 def mask_to_csr(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +117,9 @@ def validate_csr(crow: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols:
     if crow.device != col.device:
         raise ValueError(f"{what}: crow_indices and col_indices must be on one device, got "
                          f"{crow.device} and {col.device}")
-    if col.numel() > torch.iinfo(INDEX_DTYPE).max:
-        raise ValueError(f"{what}: at most {torch.iinfo(INDEX_DTYPE).max} stored blocks fit int32 "
-                         f"indices, got {col.numel()}; use larger blocks")
+    check_index_capacity(col.numel(), what)
+    check_fits_int32(crow, "crow_indices", what)
+    check_fits_int32(col, "col_indices", what)
     c64 = crow.to(torch.int64).cpu()
     if c64.numel() and c64[0, 0].item() != 0:
         raise ValueError(f"{what}: crow_indices[0, 0] must be 0, got {c64[0, 0].item()}")

@@ -1,29 +1,48 @@
 """Conversions between :class:`~sparse_io_attn.BlockSparseLayout` and the block-sparse formats of
 SciPy (BSR), PyTorch (``torch.sparse_bsr``) and FlexAttention (``BlockMask``).
 
-The layout's own ``from_*``/``to_*`` methods call these functions. Every conversion carries the
-element masks of partial blocks: BSR block *values* are the element mask (nonzero = allowed), a
-``BlockMask``'s ``mask_mod`` is evaluated on its partial blocks (and ``to_flex_block_mask`` writes
-one that reads ours), so round trips are exact.
+This module sits below the layout class: the ``blocks_from_*`` readers turn a foreign object into
+:class:`Blocks` (the candidate blocks and their element masks, the arguments of
+:func:`~sparse_io_attn.layout.core.assemble`), and the ``to_*`` writers read a layout's public
+fields. The layout's ``from_*``/``to_*`` methods are the public entry points. Every conversion
+carries the element masks of partial blocks: BSR block *values* are the element mask (nonzero =
+allowed), a ``BlockMask``'s ``mask_mod`` is evaluated on its partial blocks (and
+``to_flex_block_mask`` writes one that reads ours), so round trips are exact.
 """
 from __future__ import annotations
 
 import math
 import warnings
+from typing import NamedTuple
 
 import torch
 
 from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout._args import as_pair
 from sparse_io_attn.layout._csr import csr_row_ids, from_relative_offsets, to_relative_offsets, validate_csr
-from sparse_io_attn.layout.core import BlockSparseLayout, _pair, assemble
+from sparse_io_attn.layout.causal import causal_blocks
 
 _EVAL_CHUNK = 1 << 22  # mask_mod evaluations per vmap call
 
 
+class Blocks(NamedTuple):
+    """Unique candidate blocks ``(lid, r, c)`` (int64) with the element masks ``words`` of those
+    where ``partial`` is True (all when ``partial`` is None; no words: all full): the arguments of
+    :func:`~sparse_io_attn.layout.core.assemble` but ``name``."""
+    lid: torch.Tensor
+    r: torch.Tensor
+    c: torch.Tensor
+    words: torch.Tensor | None
+    partial: torch.Tensor | None
+    block_size: tuple[int, int]
+    seqlen: tuple[int, int]
+    layout_batch: int
+    layout_heads: int
+
+
 # ---------------------------------------------------------------------------------------- SciPy / PyTorch BSR
-def from_scipy_bsr(bsr, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
-                   name: str = "custom") -> BlockSparseLayout:
-    """Build from a ``scipy.sparse`` BSR matrix/array, or a list of them (one per head).
+def blocks_from_scipy_bsr(bsr, seqlen=None, *, layout_batch: int = 1, exact: bool = True) -> Blocks:
+    """The blocks of a ``scipy.sparse`` BSR matrix/array, or a list of them (one per head).
 
     The block size is ``bsr.blocksize``. ``exact=True`` (default): a stored block's nonzero values
     are its allowed elements (all nonzero: a full block; none: not kept). ``exact=False``: every
@@ -47,10 +66,10 @@ def from_scipy_bsr(bsr, seqlen=None, *, layout_batch: int = 1, exact: bool = Tru
     else:
         lid, r, c, vals, grid, block = _scipy_blocks(bsr, "bsr")
         lb = lh = 1
-    return _from_blocks(lid, r, c, vals, (lb, lh), grid, block, seqlen, exact, name)
+    return _from_blocks(lid, r, c, vals, (lb, lh), grid, block, seqlen, exact)
 
 
-def to_scipy_bsr(layout: BlockSparseLayout, dtype=None):
+def to_scipy_bsr(layout, dtype=None):
     """``scipy.sparse.bsr_matrix`` of shape ``(num_q_blocks * BLOCK_SIZE_Q, num_kv_blocks *
     BLOCK_SIZE_KV)``, blocksize ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``; each kept block's values are its
     element mask as ``dtype`` (default ``numpy.int8``: 1 allowed, 0 not; full blocks all ones). A
@@ -73,11 +92,10 @@ def to_scipy_bsr(layout: BlockSparseLayout, dtype=None):
     return out[0] if layout.num_layouts == 1 else out
 
 
-def from_torch_bsr(t, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
-                   name: str = "custom") -> BlockSparseLayout:
-    """Build from a ``torch.sparse_bsr`` tensor ``[M, N]``, ``[H, M, N]`` or ``[B, H, M, N]``
+def blocks_from_torch_bsr(t, seqlen=None, *, layout_batch: int = 1, exact: bool = True) -> Blocks:
+    """The blocks of a ``torch.sparse_bsr`` tensor ``[M, N]``, ``[H, M, N]`` or ``[B, H, M, N]``
     (batched BSR), or a list of ``L`` 2-D ones (``layout_heads = L // layout_batch``, the order
-    ``to_torch_bsr(as_list=True)`` returns). ``exact`` as in :func:`from_scipy_bsr` (nonzero
+    ``to_torch_bsr(as_list=True)`` returns). ``exact`` as in :func:`blocks_from_scipy_bsr` (nonzero
     values are allowed elements; ``False``: stored blocks kept whole). The block size is
     ``t.values().shape[-2:]``; ``seqlen`` defaults to ``(M, N)``."""
     if isinstance(t, (list, tuple)):
@@ -96,10 +114,10 @@ def from_torch_bsr(t, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
     else:
         lead, lid, r, c, vals, grid, block = _torch_blocks(t, "t")
         lb, lh = (lead[0], lead[1]) if len(lead) == 2 else (1, lead[0] if lead else 1)
-    return _from_blocks(lid, r, c, vals, (lb, lh), grid, block, seqlen, exact, name)
+    return _from_blocks(lid, r, c, vals, (lb, lh), grid, block, seqlen, exact)
 
 
-def to_torch_bsr(layout: BlockSparseLayout, dtype: torch.dtype = torch.bool, *, as_list: bool = False):
+def to_torch_bsr(layout, dtype: torch.dtype = torch.bool, *, as_list: bool = False):
     """``torch.sparse_bsr`` tensor on the layout's device whose block values are the element masks
     (``dtype``: True/1 allowed; full blocks all ones).
 
@@ -138,17 +156,17 @@ def to_torch_bsr(layout: BlockSparseLayout, dtype: torch.dtype = torch.bool, *, 
                (*lead, R * bq, C * bk))
 
 
-def _block_values(layout: BlockSparseLayout) -> torch.Tensor:
+def _block_values(layout) -> torch.Tensor:
     """Element masks of the kept blocks in CSR order, ``bool [nnz_blocks, bq, bk]``."""
     return _bits.unpack(layout.entry_words(), layout.BLOCK_SIZE_KV)
 
 
-def _from_blocks(lid, r, c, vals, lead, grid, block, seqlen, exact: bool, name: str) -> BlockSparseLayout:
-    """Stored blocks (duplicates allowed: their values are OR-ed) -> a layout."""
+def _from_blocks(lid, r, c, vals, lead, grid, block, seqlen, exact: bool) -> Blocks:
+    """Stored blocks (duplicates allowed: their values are OR-ed) -> unique blocks."""
     (lb, lh), (R, C), (bq, bk) = lead, grid, block
     if R == 0 or C == 0:
         raise ValueError(f"a BSR matrix needs at least one block per axis, got {R} x {C}")
-    sq, sk = _pair((R * bq, C * bk) if seqlen is None else seqlen, "seqlen")
+    sq, sk = as_pair((R * bq, C * bk) if seqlen is None else seqlen, "seqlen")
     if math.ceil(sq / bq) != R or math.ceil(sk / bk) != C:
         raise ValueError(f"seqlen {(sq, sk)} with block_size {(bq, bk)} needs {math.ceil(sq / bq)} x "
                          f"{math.ceil(sk / bk)} blocks, the BSR input has {R} x {C}")
@@ -159,31 +177,24 @@ def _from_blocks(lid, r, c, vals, lead, grid, block, seqlen, exact: bool, name: 
     c_u, rest = uniq % C, uniq // C
     r_u, l_u = rest % R, rest // R
     words = _bits.pack(merged > 0) if exact else None
-    return assemble(l_u, r_u, c_u, words, block_size=(bq, bk), seqlen=(sq, sk), layout_batch=lb,
-                    layout_heads=lh, name=name)
+    return Blocks(l_u, r_u, c_u, words, None, (bq, bk), (sq, sk), lb, lh)
 
 
 # ---------------------------------------------------------------------------------------- FlexAttention
-def _flex_block_tables(layout: BlockSparseLayout, causal: bool):
-    """``(kept, full)`` bool ``[lb, lh, R, C]`` for FlexAttention: ``full`` blocks have every element
-    of the block rectangle allowed (inside both lengths, below the diagonal with ``causal``)."""
-    bq, bk = layout.block_size
-    sq, sk = layout.seqlen
-    R, C = layout.num_q_blocks, layout.num_kv_blocks
+def _flex_block_tables(layout, causal: bool):
+    """``(kept, full)`` bool ``[lb, lh, R, C]`` for FlexAttention: blocks that hold an allowed element,
+    and those of them with every element of the block rectangle allowed (full in the layout, inside
+    both lengths, below the diagonal with ``causal``)."""
     dev = layout.device
-    r, c = torch.arange(R, device=dev), torch.arange(C, device=dev)
-    q_lo, q_hi = r * bq, torch.clamp((r + 1) * bq, max=sq) - 1
-    k_lo, k_hi = c * bk, torch.clamp((c + 1) * bk, max=sk) - 1
-    whole = ((r + 1) * bq <= sq)[:, None] & ((c + 1) * bk <= sk)[None, :]
+    r = torch.arange(layout.num_q_blocks, device=dev)[:, None]
+    c = torch.arange(layout.num_kv_blocks, device=dev)[None, :]
+    live = causal_blocks(r, c, layout.block_size, layout.seqlen, 0 if causal else None)
     table = layout.block_table()
-    kept = table >= -1
-    if causal:
-        kept = kept & (k_lo[None, :] <= q_hi[:, None])
-        whole = whole & (k_hi[None, :] <= q_lo[:, None])
-    return kept, kept & whole & (table == -1)
+    kept = (table >= -1) & live.alive
+    return kept, kept & live.whole & (table == -1)
 
 
-def to_flex_block_mask(layout: BlockSparseLayout, causal: bool = False, *, separate_full_blocks: bool = True):
+def to_flex_block_mask(layout, causal: bool = False, *, separate_full_blocks: bool = True):
     """A ``torch.nn.attention.flex_attention.BlockMask`` computing exactly this layout's mask.
 
     ``BLOCK_SIZE = (BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, ``seq_lengths = seqlen`` and batch/head dims
@@ -235,8 +246,8 @@ def to_flex_block_mask(layout: BlockSparseLayout, causal: bool = False, *, separ
                                     BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(sq, sk))
 
 
-def from_flex_block_mask(block_mask, *, name: str = "flex") -> BlockSparseLayout:
-    """Build from a FlexAttention ``BlockMask``, element-exact: blocks in its full lists are full
+def blocks_from_flex_block_mask(block_mask) -> Blocks:
+    """The blocks of a FlexAttention ``BlockMask``, element-exact: blocks in its full lists are full
     blocks; on the blocks of its partial lists its ``mask_mod`` is evaluated element by element
     (for ``b < B``, ``h < H`` of the BlockMask's own batch/head dims, ``q < seq_lengths[0]``,
     ``kv < seq_lengths[1]``), giving partial blocks (or full/empty ones when every/no element is
@@ -270,8 +281,7 @@ def from_flex_block_mask(block_mask, *, name: str = "flex") -> BlockSparseLayout
                                   torch.zeros(lid_f.numel(), dtype=torch.bool)])
     else:
         partial_flag = None
-    return assemble(lid_p, r_p, c_p, words, partial=partial_flag, block_size=(bq, bk), seqlen=(sq, sk),
-                    layout_batch=lb, layout_heads=lh, name=name)
+    return Blocks(lid_p, r_p, c_p, words, partial_flag, (bq, bk), (sq, sk), lb, lh)
 
 
 def _flex_list(num_blocks: torch.Tensor, indices: torch.Tensor, R: int, C: int, what: str) -> torch.Tensor:

@@ -6,29 +6,16 @@ traffic model and bound calculator read their counts from one.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 
-from sparse_io_attn.layout import _bits
-from sparse_io_attn.layout._csr import (INDEX_DTYPE, coo_to_csr, csr_row_ids, csr_to_mask, csr_transpose,
-                                        mask_to_csr, validate_csr)
+from sparse_io_attn.layout import _bits, convert
+from sparse_io_attn.layout._args import as_pair
+from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_fits_int32, check_index_capacity, coo_to_csr, csr_row_ids,
+                                        csr_to_mask, csr_transpose, mask_to_csr, validate_csr)
 
 _DRAW_LIMIT = 64  # rows/cols drawn by __str__ before truncating
-
-
-def _pair(x, what: str) -> tuple[int, int]:
-    if isinstance(x, bool) or x is None:
-        raise TypeError(f"{what} must be an int or an (int, int) pair, got {x!r}")
-    if isinstance(x, int):
-        a = b = x
-    elif isinstance(x, Sequence) and len(x) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in x):
-        a, b = x
-    else:
-        raise TypeError(f"{what} must be an int or an (int, int) pair, got {x!r}")
-    if a <= 0 or b <= 0:
-        raise ValueError(f"{what} must be positive, got {(a, b)}")
-    return int(a), int(b)
 
 
 class BlockSparseLayout:
@@ -82,13 +69,20 @@ class BlockSparseLayout:
                  partial_ids: torch.Tensor | None = None, partial_masks: torch.Tensor | None = None,
                  ccol_indices: torch.Tensor | None = None, row_indices: torch.Tensor | None = None,
                  csc_partial_ids: torch.Tensor | None = None):
-        self.block_size = _pair(block_size, "block_size")
-        self.seqlen = _pair(seqlen, "seqlen")
+        self.block_size = as_pair(block_size, "block_size")
+        self.seqlen = as_pair(seqlen, "seqlen")
         bq, bk = self.block_size
         self.num_q_blocks = math.ceil(self.seqlen[0] / bq)
         self.num_kv_blocks = math.ceil(self.seqlen[1] / bk)
         if validate:
             validate_csr(crow_indices, col_indices, self.num_q_blocks, self.num_kv_blocks)
+        check_index_capacity(col_indices.numel())
+        for what, t in (("crow_indices", crow_indices), ("col_indices", col_indices),
+                        ("partial_ids", partial_ids), ("partial_masks", partial_masks),
+                        ("ccol_indices", ccol_indices), ("row_indices", row_indices),
+                        ("csc_partial_ids", csc_partial_ids)):
+            if isinstance(t, torch.Tensor):
+                check_fits_int32(t, what)
         L = crow_indices.shape[0]
         if layout_heads is None:
             layout_heads = L // layout_batch if layout_batch > 0 else L
@@ -153,14 +147,14 @@ class BlockSparseLayout:
         if block_mask.dim() not in (2, 3, 4):
             raise ValueError(f"block_mask must have shape [nqb, nkb], [H, nqb, nkb] or "
                              f"[B, H, nqb, nkb], got {tuple(block_mask.shape)}")
-        bq, bk = _pair(block_size, "block_size")
+        bq, bk = as_pair(block_size, "block_size")
         lb, lh = _lead(block_mask.shape[:-2])
         nqb, nkb = block_mask.shape[-2:]
         if nqb == 0 or nkb == 0:
             raise ValueError(f"block_mask needs at least one block per axis, got {nqb} x {nkb}")
         if seqlen is None:
             seqlen = (nqb * bq, nkb * bk)
-        sq, sk = _pair(seqlen, "seqlen")
+        sq, sk = as_pair(seqlen, "seqlen")
         if math.ceil(sq / bq) != nqb or math.ceil(sk / bk) != nkb:
             raise ValueError(f"seqlen {(sq, sk)} with block_size {(bq, bk)} needs a block mask of "
                              f"{math.ceil(sq / bq)} x {math.ceil(sk / bk)} blocks, got {nqb} x {nkb}")
@@ -184,7 +178,7 @@ class BlockSparseLayout:
         if mask.dim() not in (2, 3, 4):
             raise ValueError(f"mask must have shape [Nq, Nk], [H, Nq, Nk] or [B, H, Nq, Nk], "
                              f"got {tuple(mask.shape)}")
-        bq, bk = _pair(block_size, "block_size")
+        bq, bk = as_pair(block_size, "block_size")
         sq, sk = mask.shape[-2:]
         if sq == 0 or sk == 0:
             raise ValueError(f"mask needs at least one query and one key, got shape {tuple(mask.shape)}")
@@ -202,41 +196,48 @@ class BlockSparseLayout:
                         layout_batch=lb, layout_heads=lh, name=name)
 
     # ------------------------------------------------------------------ SciPy / PyTorch BSR / Flex
-    # (implemented in :mod:`sparse_io_attn.layout.convert`)
+    # (the format readers and writers live in :mod:`sparse_io_attn.layout.convert`)
     @classmethod
     def from_scipy_bsr(cls, bsr, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
                        name: str = "custom") -> "BlockSparseLayout":
-        """See :func:`sparse_io_attn.layout.convert.from_scipy_bsr` (``exact``: block values are the
-        element mask; ``False``: stored blocks kept whole)."""
-        from sparse_io_attn.layout import convert
-        return convert.from_scipy_bsr(bsr, seqlen, layout_batch=layout_batch, exact=exact, name=name)
+        """Build from a ``scipy.sparse`` BSR matrix/array, or a list of them (one per head).
+
+        The block size is ``bsr.blocksize``. ``exact=True`` (default): a stored block's nonzero values
+        are its allowed elements (all nonzero: a full block; none: not kept). ``exact=False``: every
+        stored block is kept whole, values ignored. ``seqlen`` defaults to ``bsr.shape``; pass the
+        layout's ``seqlen`` to round-trip a ragged layout exactly (SciPy shapes are whole blocks).
+        A list of ``L`` matrices gives ``L`` masks, ``layout_heads = L // layout_batch`` (the order
+        :meth:`to_scipy_bsr` returns: mask ``l = b * layout_heads + h``).
+        """
+        blocks = convert.blocks_from_scipy_bsr(bsr, seqlen, layout_batch=layout_batch, exact=exact)
+        return assemble(**blocks._asdict(), name=name)
 
     def to_scipy_bsr(self, dtype=None):
         """See :func:`sparse_io_attn.layout.convert.to_scipy_bsr`."""
-        from sparse_io_attn.layout import convert
         return convert.to_scipy_bsr(self, dtype)
 
     @classmethod
     def from_torch_bsr(cls, t, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
                        name: str = "custom") -> "BlockSparseLayout":
-        """See :func:`sparse_io_attn.layout.convert.from_torch_bsr` (``exact`` as for SciPy)."""
-        from sparse_io_attn.layout import convert
-        return convert.from_torch_bsr(t, seqlen, layout_batch=layout_batch, exact=exact, name=name)
+        """Build from a ``torch.sparse_bsr`` tensor ``[M, N]``, ``[H, M, N]`` or ``[B, H, M, N]``
+        (batched BSR), or a list of ``L`` 2-D ones (``layout_heads = L // layout_batch``, the order
+        ``to_torch_bsr(as_list=True)`` returns). ``exact`` as in :meth:`from_scipy_bsr`. The block
+        size is ``t.values().shape[-2:]``; ``seqlen`` defaults to ``(M, N)``."""
+        blocks = convert.blocks_from_torch_bsr(t, seqlen, layout_batch=layout_batch, exact=exact)
+        return assemble(**blocks._asdict(), name=name)
 
     def to_torch_bsr(self, dtype: torch.dtype = torch.bool, *, as_list: bool = False):
         """See :func:`sparse_io_attn.layout.convert.to_torch_bsr`."""
-        from sparse_io_attn.layout import convert
         return convert.to_torch_bsr(self, dtype, as_list=as_list)
 
     @classmethod
     def from_flex_block_mask(cls, block_mask, *, name: str = "flex") -> "BlockSparseLayout":
-        """See :func:`sparse_io_attn.layout.convert.from_flex_block_mask`."""
-        from sparse_io_attn.layout import convert
-        return convert.from_flex_block_mask(block_mask, name=name)
+        """Build from a FlexAttention ``BlockMask``, element-exact; see
+        :func:`sparse_io_attn.layout.convert.blocks_from_flex_block_mask`."""
+        return assemble(**convert.blocks_from_flex_block_mask(block_mask)._asdict(), name=name)
 
     def to_flex_block_mask(self, causal: bool = False, *, separate_full_blocks: bool = True):
         """See :func:`sparse_io_attn.layout.convert.to_flex_block_mask`."""
-        from sparse_io_attn.layout import convert
         return convert.to_flex_block_mask(self, causal, separate_full_blocks=separate_full_blocks)
 
     # ------------------------------------------------------------------ views

@@ -21,8 +21,9 @@ import math
 
 import torch
 
-from sparse_io_attn.layout._csr import INDEX_DTYPE, csr_row_ids, csr_to_mask, csr_transpose, mask_to_csr, validate_csr
-from sparse_io_attn.layout.core import _pair
+from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_index_capacity, csr_row_ids, csr_to_mask, csr_transpose,
+                                        mask_to_csr, validate_csr)
+from sparse_io_attn.layout._args import as_pair
 
 _DRAW_LIMIT = 64
 
@@ -46,8 +47,8 @@ class BlockSparseMatrix:
 
     def __init__(self, crow_indices: torch.Tensor, col_indices: torch.Tensor, values: torch.Tensor,
                  shape, block_size, *, validate: bool = True):
-        self.shape = _pair(tuple(shape) if not isinstance(shape, int) else shape, "shape")
-        self.block_size = _pair(block_size, "block_size")
+        self.shape = as_pair(tuple(shape) if not isinstance(shape, int) else shape, "shape")
+        self.block_size = as_pair(block_size, "block_size")
         br, bc = self.block_size
         self.num_block_rows = math.ceil(self.shape[0] / br)
         self.num_block_cols = math.ceil(self.shape[1] / bc)
@@ -69,6 +70,7 @@ class BlockSparseMatrix:
             if crow_indices.device != values.device or col_indices.device != values.device:
                 raise ValueError(f"BlockSparseMatrix: indices and values must be on one device, got "
                                  f"{crow_indices.device}, {col_indices.device}, {values.device}")
+        check_index_capacity(col_indices.numel(), "BlockSparseMatrix")
         self.crow_indices = crow_indices.to(INDEX_DTYPE)
         self.col_indices = col_indices.to(INDEX_DTYPE)
         self.values = values
@@ -85,9 +87,9 @@ class BlockSparseMatrix:
         (padding outside ``shape`` zeroed). ``shape`` defaults to ``(R * BR, C * BC)``."""
         if not isinstance(block_mask, torch.Tensor) or block_mask.dtype != torch.bool or block_mask.dim() != 2:
             raise TypeError("block_mask must be a 2-D torch.bool tensor [block_rows, block_cols]")
-        br, bc = _pair(block_size, "block_size")
+        br, bc = as_pair(block_size, "block_size")
         R, C = block_mask.shape
-        shape = (R * br, C * bc) if shape is None else _pair(shape, "shape")
+        shape = (R * br, C * bc) if shape is None else as_pair(shape, "shape")
         if (math.ceil(shape[0] / br), math.ceil(shape[1] / bc)) != (R, C):
             raise ValueError(f"shape {shape} with block_size {(br, bc)} needs a {math.ceil(shape[0] / br)} x "
                              f"{math.ceil(shape[1] / bc)} block mask, got {R} x {C}")
@@ -106,7 +108,7 @@ class BlockSparseMatrix:
             raise TypeError(f"from_dense expects a 2-D torch.Tensor, got {got}")
         if not tensor.is_floating_point():
             raise TypeError(f"from_dense expects a floating-point tensor, got {tensor.dtype}")
-        br, bc = _pair(block_size, "block_size")
+        br, bc = as_pair(block_size, "block_size")
         n0, n1 = tensor.shape
         R, C = math.ceil(n0 / br), math.ceil(n1 / bc)
         padded = torch.zeros(R * br, C * bc, dtype=tensor.dtype, device=tensor.device)

@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, create_causal_mas
 from sparse_io_attn import BlockSparseLayout, patterns
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.integrations import transformers as sia_hf
+from sparse_io_attn.integrations.transformers.layouts import layout_with_mask
 
 NAME = sia_hf.register()
 VOCAB = 101
@@ -242,7 +243,7 @@ def test_padded_layout_is_per_batch_and_element_exact():
     mask = create_causal_mask(cfg, emb, am, None, torch.arange(N)[None])
     assert mask.dtype == torch.bool and mask.shape == (2, 1, N, N)
     attn = model.model.layers[0].self_attn
-    layout, _ = sia_hf._layout_with_mask(attn, mask, N, N, None, torch.device("cpu"))
+    layout, _ = layout_with_mask(attn, mask, N, N, None, torch.device("cpu"))
     assert layout.layout_batch == 2 and layout.block_size == (8, 8)
     want = mask & causal_pattern_mask(patterns.sliding_window(N, 8, window=5), N)
     assert torch.equal(layout.to_dense_mask(), want)
@@ -268,7 +269,7 @@ def test_packed_sequences_use_the_document_pattern():
     cfg = tiny_config(sparse_attention={"pattern": None, "block_size": 8})
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
     mask = create_causal_mask(cfg, torch.zeros(1, 40, 64), None, None, pid)
-    layout, _ = sia_hf._layout_with_mask(model.model.layers[0].self_attn, mask, 40, 40, pid, torch.device("cpu"))
+    layout, _ = layout_with_mask(model.model.layers[0].self_attn, mask, 40, 40, pid, torch.device("cpu"))
     assert layout.equal(patterns.document(cu, 8, causal=True))
 
 

@@ -9,7 +9,7 @@ import torch
 
 from sparse_io_attn import patterns
 from sparse_io_attn import _memory
-from sparse_io_attn.layout import patterns as patterns_mod
+from sparse_io_attn.layout.patterns import _grid, builders
 
 N = 2 ** 20
 BUDGET = 512 * 2 ** 20
@@ -79,7 +79,8 @@ def test_patterns_too_large_refuse_before_listing_blocks(small_memory, monkeypat
     def no_listing(*args, **kwargs):
         raise AssertionError("a block list was built before the size check")
 
-    monkeypatch.setattr(patterns_mod, "_expand", no_listing)
+    monkeypatch.setattr(_grid, "_expand", no_listing)
+    monkeypatch.setattr(builders, "_expand", no_listing)
     with pytest.raises(ValueError, match=r"keeps about ([\d,]+) blocks.*0\.5 GiB is available \(test budget\)") as e:
         build()
     if count is not None:
@@ -92,7 +93,7 @@ def test_diagonal_count_is_exact():
     for _ in range(300):
         sq, sk = rng.randint(1, 90), rng.randint(1, 90)
         bq, bk = rng.randint(1, 24), rng.randint(1, 24)
-        g = patterns_mod._Grid((sq, sk), (bq, bk))
+        g = _grid._Grid((sq, sk), (bq, bk))
         offsets = rng.sample(range(-sk - 3, sq + 3), 12)
         expect = sum(len({(q // bq, (q - d) // bk) for q in range(sq) if 0 <= q - d < sk}) for d in offsets)
         assert g.diagonals_count(torch.tensor(offsets)) == expect, (sq, sk, bq, bk, offsets)

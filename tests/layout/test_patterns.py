@@ -1,4 +1,4 @@
-"""Every pattern against an element-level definition written here independently of patterns.py:
+"""Every pattern against an element-level definition written here independently of layout/patterns/:
 build the element mask by broadcasting over (q, k) positions and compare the layout's element mask
 with it exactly (element-exact layouts), and its kept blocks with the blocks holding an allowed
 element."""
@@ -298,3 +298,42 @@ def test_fuzz_interval_patterns(data):
         for n in lengths:
             cu.append(cu[-1] + n)
         check(patterns.document(cu, bq, causal=causal), elem_document(cu, causal), bq)
+
+
+HUGE = 10 ** 23
+#: every positional parameter of every spec, set far past the sequence
+HUGE_SPECS = [pytest.param(f"{name}:" + ",".join(["1"] * i + [str(HUGE)]), id=f"{name}-{param}")
+              for name, params in patterns.SPEC_PARAMS.items() for i, param in enumerate(params)]
+HUGE_SPECS += [pytest.param(f"sliding_window:{HUGE},causal", id="sliding_window-causal"),
+               pytest.param(f"random:0.1,seed={HUGE}", id="random-seed"),
+               pytest.param(f"random:0.1,heads={HUGE}", id="random-heads")]
+
+
+@pytest.mark.parametrize("spec", HUGE_SPECS)
+def test_spec_parameter_past_the_sequence_named_or_refused(spec):
+    """A parameter past the sequence either builds a layout whose name states the value asked for
+    (and whose mask is the one the definition gives) or is refused with a ValueError."""
+    try:
+        layout = patterns.from_spec(spec, 48, (8, 16))
+    except ValueError as e:
+        assert str(HUGE) in str(e) or "must be" in str(e)
+        return
+    assert str(HUGE) in layout.name, (spec, layout.name)
+
+
+@pytest.mark.parametrize("build,reference", [
+    pytest.param(lambda n: patterns.sliding_window(n, 8, window=HUGE), lambda n: patterns.dense(n, 8), id="sliding_window"),
+    pytest.param(lambda n: patterns.strided(n, 8, stride=HUGE, causal=True), lambda n: patterns.causal(n, 8), id="strided"),
+    pytest.param(lambda n: patterns.fixed(n, 8, stride=HUGE, summary=3), lambda n: patterns.dense(n, 8), id="fixed"),
+    pytest.param(lambda n: patterns.prefix_lm(n, 8, prefix=HUGE), lambda n: patterns.dense(n, 8), id="prefix_lm"),
+    pytest.param(lambda n: patterns.longformer(n, 8, window=HUGE, global_tokens=0), lambda n: patterns.dense(n, 8),
+                 id="longformer"),
+])
+def test_parameter_past_the_sequence_gives_the_definition(build, reference):
+    n = 37
+    assert torch.equal(build(n).to_dense_mask(), reference(n).to_dense_mask())
+
+
+def test_document_spec_refuses_more_documents_than_positions():
+    with pytest.raises(ValueError, match="num_docs must be <= 40"):
+        patterns.from_spec("document:41", 40, 8)

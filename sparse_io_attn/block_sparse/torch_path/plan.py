@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout._csr import csr_row_ids
+from sparse_io_attn.layout.causal import causal_blocks
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 SCORE_BUDGET = 1 << 20
@@ -92,20 +94,14 @@ def _unit_maps(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int):
 def _row_lists(layout: BlockSparseLayout, l: int, delta: int | None) -> list[tuple[tuple[int, int], ...]]:
     """Kept ``(key block, partial id)`` pairs of each query-block row of mask ``l``, minus blocks
     entirely past the causal diagonal ``j <= i + delta`` (no element of the block allowed)."""
-    bq, bk = layout.block_size
-    crow = layout.crow_indices[l].tolist()
-    col = layout.col_indices[crow[0]:crow[-1]].tolist()
-    pid = layout.partial_ids[crow[0]:crow[-1]].tolist()
-    base = crow[0]
-    rows = []
-    for r in range(layout.num_q_blocks):
-        a, b = crow[r] - base, crow[r + 1] - base
-        pairs = tuple(zip(col[a:b], pid[a:b]))
-        if delta is not None:
-            last_q = min((r + 1) * bq, layout.seqlen_q) - 1
-            pairs = tuple(cp for cp in pairs if cp[0] * bk <= last_q + delta)
-        rows.append(pairs)
-    return rows
+    crow = layout.crow_indices[l].to(torch.int64)
+    col = layout.col_indices[int(crow[0]):int(crow[-1])].to(torch.int64)
+    row = csr_row_ids((crow - crow[0])[None])
+    alive = causal_blocks(row, col, layout.block_size, layout.seqlen, delta).alive.tolist()
+    pid = layout.partial_ids[int(crow[0]):int(crow[-1])].tolist()
+    col, starts = col.tolist(), (crow - crow[0]).tolist()
+    return [tuple((col[e], pid[e]) for e in range(starts[r], starts[r + 1]) if alive[e])
+            for r in range(layout.num_q_blocks)]
 
 
 def _contiguous(ids) -> bool:

@@ -1,0 +1,234 @@
+"""Layouts per call: the pattern on ``n`` positions (cached, shared by every model and layer), its
+rows and columns for a KV-cache call (queries at absolute positions ``q_start..``, keys at
+``kv_start..``), and its intersection with the model's element mask (padding, packed documents,
+static caches, a model's own sliding window). Building is kept out of ``torch.compile`` graphs."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from sparse_io_attn.integrations.transformers.config import CONFIG_ATTR, LayerPattern, layer_pattern, module_pattern
+from sparse_io_attn.layout import patterns
+from sparse_io_attn.layout.core import BlockSparseLayout
+
+_SQUARE_CACHE_SIZE = 64     # (pattern, n) -> square layout, shared by every model and layer (LRU)
+_MODULE_CACHE_SIZE = 256    # (seqlen_q, seqlen_k, device) -> layout, per attention module (cleared when full)
+_MODULE_CACHE_ATTR = "_sparse_io_attn_layouts"
+
+_SQUARE: "OrderedDict[tuple, Optional[BlockSparseLayout]]" = OrderedDict()
+
+
+def _square_layout(pat: LayerPattern, n: int) -> Optional[BlockSparseLayout]:
+    """The pattern on ``n`` positions, ``seqlen (n, n)`` (``None``: dense), cached (LRU)."""
+    if pat.is_dense:
+        return None
+    key = (pat.key, n)
+    if key in _SQUARE:
+        _SQUARE.move_to_end(key)
+        return _SQUARE[key]
+    if isinstance(pat.pattern, str):
+        layout = patterns.from_spec(pat.pattern, n, pat.block_size)
+    else:
+        layout = pat.pattern(n, n, pat.layer_idx)
+        if layout is not None:
+            if not isinstance(layout, BlockSparseLayout):
+                raise TypeError(f"config.{CONFIG_ATTR}: the callable must return a BlockSparseLayout or None, "
+                                f"got {type(layout).__name__}")
+            if layout.seqlen != (n, n):
+                raise ValueError(f"config.{CONFIG_ATTR}: the callable was asked for ({n}, {n}) positions and "
+                                 f"returned a layout with seqlen {layout.seqlen}")
+            if layout.layout_batch != 1:
+                raise ValueError(f"config.{CONFIG_ATTR}: pattern layouts must be shared by the batch "
+                                 f"(layout_batch 1), got {layout.layout_batch}")
+    if layout is not None:
+        layout = layout.to("cpu").check()
+    _SQUARE[key] = layout
+    while len(_SQUARE) > _SQUARE_CACHE_SIZE:
+        _SQUARE.popitem(last=False)
+    return layout
+
+
+def _window_layout(pat: LayerPattern, q_start: int, kv_start: int, q: int, kv: int) -> Optional[BlockSparseLayout]:
+    """The pattern's elements for query positions ``[q_start, q_start + q)`` against key positions
+    ``[kv_start, kv_start + kv)`` (``seqlen (q, kv)``), or ``None`` for dense."""
+    n = max(q_start + q, kv_start + kv)
+    square = _square_layout(pat, n)
+    if square is None:
+        return None
+    if q_start == 0 and kv_start == 0 and q == n and kv == n:
+        return square
+    rows = square.rows(q_start, q_start + q)
+    if kv_start == 0 and kv == n:
+        return rows
+    return BlockSparseLayout.from_dense_mask(rows.to_dense_mask()[0, :, :, kv_start:kv_start + kv],
+                                             square.block_size, name=f"{square.name}[{q_start}:,{kv_start}:]")
+
+
+def pattern_layout(config, seqlen: int, layer_idx: int = 0) -> Optional[BlockSparseLayout]:
+    """The layout layer ``layer_idx`` uses for a prefill of ``seqlen`` tokens, before the model's
+    causality is applied (``None``: dense). For printing and for building reference masks."""
+    return _square_layout(layer_pattern(config, layer_idx), int(seqlen))
+
+
+def _finish(layout: BlockSparseLayout, device: torch.device) -> BlockSparseLayout:
+    layout = layout.to(device).check()  # index ranges validated once, outside any trace
+    layout.ccol_indices                 # the transposed copy backward needs, built outside any trace
+    return layout
+
+
+def layout_no_mask(module, q: int, kv: int, device: torch.device):
+    """``(layout, backend)`` for a call without an element mask (cached on the module)."""
+    cache = getattr(module, _MODULE_CACHE_ATTR, None)
+    if cache is not None:
+        hit = cache.get((q, kv, str(device)))
+        if hit is not None:
+            return hit
+    return _build_no_mask(module, q, kv, device)
+
+
+@torch.compiler.disable(reason="sparse_io_attn: building a layout for a new sequence length is data-dependent; "
+                        "run one eager forward per length before torch.compile(..., fullgraph=True)")
+def _build_no_mask(module, q: int, kv: int, device: torch.device):
+    if kv < q:
+        raise ValueError(f"sparse_io_attn: {q} queries and only {kv} keys; self-attention with a KV cache "
+                         f"has seqlen_k >= seqlen_q")
+    pat = module_pattern(module)
+    layout = _window_layout(pat, kv - q, 0, q, kv)   # queries are the last q positions (bottom-right)
+    if layout is None:
+        layout = patterns.dense((q, kv), pat.block_size)
+    entry = (_finish(layout, device), pat.backend)
+    cache = getattr(module, _MODULE_CACHE_ATTR, None)
+    if cache is None or len(cache) >= _MODULE_CACHE_SIZE:
+        cache = {}
+        setattr(module, _MODULE_CACHE_ATTR, cache)
+    cache[(q, kv, str(device))] = entry
+    return entry
+
+
+# mask tensor -> (q_offset, kv_offset, maybe_packed) recorded by sparse_io_attn_mask when the offsets
+# are not the default (queries = the last keys) or the mask may be one of packed sequences
+_MASK_INFO: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# mask tensor -> {(pattern key, q, kv, device, position_ids id): (layout, backend)}: one build per forward
+_MASK_LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _element_mask(mask: torch.Tensor, q: int, kv: int) -> torch.Tensor:
+    """A 4-D boolean (or 0 / -inf additive) attention mask -> ``bool [b, h, q, kv]``."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"sparse_io_attn: attention_mask must be a tensor or None, got {type(mask).__name__} "
+                        f"(was the model's mask built for another attn_implementation?)")
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    elif mask.dim() == 3:
+        mask = mask[:, None]
+    if mask.dim() != 4 or tuple(mask.shape[-2:]) != (q, kv):
+        raise ValueError(f"sparse_io_attn: expected an attention mask [batch, 1 or heads, {q}, {kv}], got "
+                         f"{tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.is_floating_point():
+        allowed = mask == 0
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        if not bool((allowed | blocked).all()):
+            raise NotImplementedError("sparse_io_attn: the additive attention mask carries a bias (values other "
+                                      "than 0 and -inf); block-sparse attention takes a mask, not a bias")
+        return allowed
+    return mask != 0
+
+
+def _packed_documents(position_ids, q: int, kv: int, offsets, allowed: torch.Tensor):
+    """Document ids ``[b, n]`` when ``position_ids`` packs several sequences per row (each restarting at
+    0, counting up by 1) and the mask keeps documents apart; else ``None``."""
+    if not isinstance(position_ids, torch.Tensor) or q != kv or tuple(offsets) != (0, 0):
+        return None
+    pid = position_ids if position_ids.dim() == 2 else position_ids.reshape(1, -1)
+    if pid.shape[-1] != q or pid.shape[0] not in (1, allowed.shape[0]) or q < 2:
+        return None
+    pid = pid.to(allowed.device)
+    starts = pid == 0
+    if not bool(starts[:, 0].all()) or not bool(starts[:, 1:].any()):
+        return None
+    if not bool(((pid[:, 1:] - pid[:, :-1] == 1) | starts[:, 1:]).all()):
+        return None
+    doc = starts.cumsum(-1)
+    same = doc[:, None, :, None] == doc[:, None, None, :]        # [b, 1, n, n]
+    if bool((allowed & ~same).any()):
+        return None   # the mask lets documents see each other: not packed as far as the model is concerned
+    return doc
+
+
+def _packed_pattern(pat: LayerPattern, doc: torch.Tensor) -> torch.Tensor:
+    """``bool [b, h, n, n]``: each document's own pattern on its diagonal block."""
+    b, n = doc.shape
+    rows = []
+    for r in range(b):
+        ids = doc[r].cpu()
+        bounds = [0] + (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist() + [n]
+        parts = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            square = _square_layout(pat, e - s)
+            parts.append((s, e, None if square is None else square.to_dense_mask()[0]))
+        heads = max((m.shape[0] for _, _, m in parts if m is not None), default=1)
+        out = torch.zeros(heads, n, n, dtype=torch.bool)
+        for s, e, m in parts:
+            out[:, s:e, s:e] = True if m is None else m
+        rows.append(out)
+    heads = max(x.shape[0] for x in rows)
+    return torch.stack([x.expand(heads, n, n) for x in rows])
+
+
+@torch.compiler.disable(reason="sparse_io_attn: a padded or packed batch turns its element mask into a "
+                        "per-batch layout (data-dependent)")
+def layout_with_mask(module, mask: torch.Tensor, q: int, kv: int, position_ids, device: torch.device):
+    """``(layout, backend)`` for a call with the model's element mask: ``mask & pattern`` as a
+    per-batch layout, built once per mask for all layers sharing a pattern."""
+    pat = module_pattern(module)
+    key = (pat.key, q, kv, str(device), None if position_ids is None else id(position_ids))
+    per_mask = _MASK_LAYOUTS.get(mask)
+    if per_mask is None:
+        per_mask = {}
+        _MASK_LAYOUTS[mask] = per_mask
+    hit = per_mask.get(key)
+    if hit is not None:
+        return hit
+    allowed = _element_mask(mask, q, kv)
+    q_offset, kv_offset, maybe_packed = _MASK_INFO.get(mask, (kv - q, 0, False))
+    offsets = (q_offset, kv_offset)
+    block_size, name = pat.block_size, "dense"
+    if not pat.is_dense:
+        doc = _packed_documents(position_ids, q, kv, offsets, allowed) if maybe_packed else None
+        if doc is not None:
+            extra = _packed_pattern(pat, doc)
+            name = f"packed[{pat.pattern if isinstance(pat.pattern, str) else 'callable'}]"
+        else:
+            window = _window_layout(pat, offsets[0], offsets[1], q, kv)
+            extra = None if window is None else window.to_dense_mask()
+            if window is not None:
+                block_size, name = window.block_size, window.name
+        if extra is not None:
+            allowed = allowed & extra.to(allowed.device)
+    layout = BlockSparseLayout.from_dense_mask(allowed.contiguous(), block_size, name=f"{name} & mask")
+    entry = (_finish(layout, device), pat.backend)
+    per_mask[key] = entry
+    return entry
+
+
+@torch.compiler.disable(reason="sparse_io_attn: remembering the offsets of a materialized mask")
+def remember_mask(mask: torch.Tensor, q_offset, kv_offset, maybe_packed: bool) -> torch.Tensor:
+    """Record where ``mask``'s queries and keys sit (and whether it may be one of packed sequences)
+    for :func:`layout_with_mask`; returns ``mask``."""
+    _MASK_INFO[mask] = (int(q_offset), int(kv_offset), bool(maybe_packed))
+    return mask
+
+
+def reset_layouts(model: Optional[torch.nn.Module] = None) -> None:
+    """Forget cached layouts (call after changing ``config.sparse_attention`` of a model that already
+    ran): the shared pattern cache, and the per-module caches of ``model``'s attention modules."""
+    _SQUARE.clear()
+    if model is not None:
+        for m in model.modules():
+            if _MODULE_CACHE_ATTR in m.__dict__:
+                delattr(m, _MODULE_CACHE_ATTR)
