@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e ".[test,plot,examples]"
+	$(BIN)/pip install -q -e ".[test,plot]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -61,8 +61,8 @@ Theorem 4.5 bounds the cost of forming A1 X A2^T only; the kernels also stream t
 def findings(rows: list[dict]) -> str:
     """Computed summary: passes below max(compulsory, bound) (none expected), then per (n, axis) the
     ratio to the floor first and the per-pass ratios to the bound, and the two causes at the
-    sparsest A1/A2 point (``sparse_io_attn.cli.sweep_io.sparsity_findings``)."""
-    from sparse_io_attn.cli.sweep_io import sparsity_findings
+    sparsest A1/A2 point (``sparse_io_attn.experiments.sweeps.sparsity_findings``)."""
+    from sparse_io_attn.experiments.sweeps import sparsity_findings
 
     out = ["## Findings", ""]
     below = [r for r in rows if min(r["fwd_words"], r["bwd_words"]) < max(r["compulsory_words"], r["bound_words"])]

@@ -30,9 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from sparse_io_attn.block_sparse import cpu, torch_path
+from sparse_io_attn.block_sparse import torch_path
 from sparse_io_attn.block_sparse.causal import CAUSAL_MODES, causal_offset
-from sparse_io_attn.block_sparse.cpu._build import available_for_auto
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -50,12 +49,19 @@ def resolve_backend(backend: str, device: torch.device, *, supported: tuple[str,
     if backend == "auto":
         if device.type == "cuda" and "triton" in supported:
             return "triton"
-        if device.type == "cpu" and "cpu" in supported and available_for_auto():
+        if device.type == "cpu" and "cpu" in supported and _cpu_backend().available_for_auto():
             return "cpu"
         return "torch"
     if backend not in supported:
         raise ValueError(f"backend must be one of {('auto',) + tuple(supported)}, got {backend!r}")
     return backend
+
+
+def _cpu_backend():
+    """Backend ``"cpu"``, imported on first use: its build module marks ``available_for_auto`` as a
+    constant for ``torch.compile``, which imports ``torch._dynamo`` (and with it Triton)."""
+    from sparse_io_attn.block_sparse import cpu
+    return cpu
 
 
 def _triton_backend():
@@ -68,7 +74,9 @@ def backend_module(name: str):
     """The module implementing backend ``name`` (``forward``/``backward`` of the interface above)."""
     if name == "triton":
         return _triton_backend()
-    return {"torch": torch_path, "cpu": cpu}[name]
+    if name == "cpu":
+        return _cpu_backend()
+    return torch_path
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSparseLayout,

@@ -17,7 +17,6 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sparse_io_attn.accounting import IOCounter, traffic
-from sparse_io_attn.block_sparse import cpu
 from sparse_io_attn.block_sparse.api import block_sparse_attention
 from sparse_io_attn._memory import available_memory_bytes
 from sparse_io_attn.cli import _common as common
@@ -94,6 +93,8 @@ def _attention_fn(backend: str, q, k, v, layout, causal: bool, args):
     if backend == "cpu":
         if q.device.type != "cpu":
             raise Skip("the C++ kernel runs on CPU tensors only")
+        from sparse_io_attn.block_sparse import cpu  # the C++ build module loads torch._dynamo (and Triton)
+
         if not cpu.is_available():
             raise Skip(f"the C++ kernel is unavailable: {cpu.unavailable_reason()}")
         return lambda: block_sparse_attention(q, k, v, layout, causal=causal, backend="cpu")

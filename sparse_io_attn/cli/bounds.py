@@ -116,38 +116,6 @@ def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, cau
             "note": "" if layout is None or z_axa == n * n else PATTERN_NOTE}
 
 
-def kernel_choice(n: int, d: int, M: int, dtype=torch.float32) -> dict:
-    """What ``dense.backward`` / ``dense.forward`` with ``regime="auto"`` run for one (batch, head)
-    problem of this size (``dense.choose_backward`` with the forward's outputs given, as in
-    training; ``dense.choose_forward``), next to the paper's regime: the chosen kernels, each
-    candidate's predicted bytes and a summary line. The small-cache kernels' ``n x n`` buffers are
-    reported (bytes), not checked against a device's memory."""
-    from sparse_io_attn import dense  # imports the kernels (Triton): only when asked
-    from sparse_io_attn.dense.forward import small_forward_buffer_bytes
-    from sparse_io_attn.dense.small_cache import nn_buffer_bytes
-    from sparse_io_attn.dense import traffic as dense_traffic
-
-    out = {"paper_regime": "small" if M < d * d else "large"}
-    for pass_, fn in (("backward", dense.choose_backward), ("forward", dense.choose_forward)):
-        try:
-            c = fn(n, d, M, dtype=dtype)
-            out[pass_] = c.to_dict()
-        except ValueError as e:
-            out[pass_] = {"kernel": None, "label": None, "summary": f"no {pass_} kernel fits: {e}"}
-    g = {}
-    for key in ("small", "large-faithful", "large-fa2"):
-        try:
-            rep = (dense_traffic.small_cache_traffic(n, d, M, dtype=dtype, g_only=True) if key == "small" else
-                   dense_traffic.large_cache_traffic(n, d, M, dtype=dtype, variant=key.split("-")[1], g_only=True))
-            g[key] = rep.total_bytes
-        except ValueError:
-            g[key] = None
-    out["backward_dX_path_bytes"] = g
-    out["small_cache_buffers_bytes"] = {"backward (f, q, p, T)": nn_buffer_bytes(n, d),
-                                        "forward (f, S, h)": small_forward_buffer_bytes(n, d)}
-    return out
-
-
 # ------------------------------------------------------------------------------------ main
 def run(args) -> int:
     dtype = common.parse_dtype(args.dtype)
@@ -172,7 +140,9 @@ def run(args) -> int:
         get_device(args.device)  # ValueError listing the known names
     M = default_cache_words(args.cache, dtype, args.device)
 
-    choice = kernel_choice(n, d, M, dtype)
+    from sparse_io_attn.dense import regime  # the dense Triton kernels (and Triton): only when asked
+
+    choice = regime.kernel_choice(n, d, M, dtype)
     out = {"n": n, "d": d, "dtype": args.dtype, "M_words": M, "M_bytes": M * itemsize(dtype),
            "d_squared": d * d, "M_over_d2": M / (d * d),
            "regime": "small cache (M < d^2)" if M < d * d else "large cache (M >= d^2)",

@@ -279,3 +279,30 @@ def forward_traffic(n: int, d: int, M: int, *, batch: int = 1, dtype=torch.float
     if choice.kernel == "small":
         return traffic.small_forward_traffic(n, d, M, batch=batch, dtype=dtype)
     return traffic.large_forward_traffic(n, d, M, batch=batch, dtype=dtype, fit=regime == "auto")
+
+
+def kernel_choice(n: int, d: int, M: int, dtype=torch.float32) -> dict:
+    """What ``dense.backward`` / ``dense.forward`` with ``regime="auto"`` run for one (batch, head)
+    problem of this size (``choose_backward`` with the forward's outputs given, as in
+    training; ``choose_forward``), next to the paper's regime: the chosen kernels, each
+    candidate's predicted bytes and a summary line. The small-cache kernels' ``n x n`` buffers are
+    reported (bytes), not checked against a device's memory."""
+    out = {"paper_regime": "small" if M < d * d else "large"}
+    for pass_, fn in (("backward", choose_backward), ("forward", choose_forward)):
+        try:
+            c = fn(n, d, M, dtype=dtype)
+            out[pass_] = c.to_dict()
+        except ValueError as e:
+            out[pass_] = {"kernel": None, "label": None, "summary": f"no {pass_} kernel fits: {e}"}
+    g = {}
+    for key in ("small", "large-faithful", "large-fa2"):
+        try:
+            rep = (traffic.small_cache_traffic(n, d, M, dtype=dtype, g_only=True) if key == "small" else
+                   traffic.large_cache_traffic(n, d, M, dtype=dtype, variant=key.split("-")[1], g_only=True))
+            g[key] = rep.total_bytes
+        except ValueError:
+            g[key] = None
+    out["backward_dX_path_bytes"] = g
+    out["small_cache_buffers_bytes"] = {"backward (f, q, p, T)": nn_buffer_bytes(n, d),
+                                        "forward (f, S, h)": small_forward_buffer_bytes(n, d)}
+    return out

@@ -19,8 +19,8 @@ Triton's interpreter).
 """
 from __future__ import annotations
 
-from sparse_io_attn.dense import figure1
-from sparse_io_attn.dense.small_cache import nn_buffer_bytes
+from sparse_io_attn.dense.buffers import nn_buffer_bytes
+from sparse_io_attn.experiments import figure1
 from sparse_io_attn.experiments import sparsity_stress
 
 
@@ -37,7 +37,7 @@ def cache_plan(d: int, m_min: int, m_max: int, per_octave: int, count_n: int,
 
 def cache_sweep(n: int, d: int, Ms: list[int], count_n: int, count_Ms: list[int],
                 progress=None) -> tuple[list[dict], dict, list[str]]:
-    """``(rows, crossings, notes)``: :func:`sparse_io_attn.dense.figure1.cache_rows` over ``Ms``,
+    """``(rows, crossings, notes)``: :func:`sparse_io_attn.experiments.figure1.cache_rows` over ``Ms``,
     the crossings of the small- and large-cache backwards (bisection on the model) and the findings
     in words. ``progress(note)`` is called once per step of :func:`cache_plan`."""
     rows = figure1.cache_rows(n, d, Ms, count_n=count_n, count_Ms=count_Ms, progress=progress)
@@ -47,7 +47,7 @@ def cache_sweep(n: int, d: int, Ms: list[int], count_n: int, count_Ms: list[int]
 
 
 def cache_notes(findings: dict, d: int) -> list[str]:
-    """:func:`sparse_io_attn.dense.figure1.cache_findings` in words."""
+    """:func:`sparse_io_attn.experiments.figure1.cache_findings` in words."""
     out = []
     s = findings["executor_small_m_dependent_slope"]
     if s is not None:
@@ -91,7 +91,7 @@ def dim_steps(dims: list[int]) -> int:
 
 
 def dim_sweep(n: int, dims: list[int], device_M: int, progress=None) -> tuple[list[dict], list[str]]:
-    """``(rows, notes)``: :func:`sparse_io_attn.dense.figure1.threshold_rows` for each ``d`` at the
+    """``(rows, notes)``: :func:`sparse_io_attn.experiments.figure1.threshold_rows` for each ``d`` at the
     device's fast memory ``device_M`` (rows with ``at_device_M``) and over ``M / d^2``, and per ``d``
     where the small-cache backward moves less, what ``regime="auto"`` runs and the crossings."""
     rows = figure1.threshold_rows(n, dims, device_M, progress=progress)
@@ -171,5 +171,5 @@ def sparsity_findings(rows) -> list[str]:
 # ============================================================================== seq-len
 def small_cache_need(n: int, head_dim: int, heads: int) -> int:
     """Bytes the small-cache kernel (Algorithm 6) allocates for its n x n matrices f, q, p and the
-    d x n matrix T (fp32), over ``heads`` (batch x head) problems: ``dense.small_cache.nn_buffer_bytes``."""
+    d x n matrix T (fp32), over ``heads`` (batch x head) problems: ``dense.buffers.nn_buffer_bytes``."""
     return int(nn_buffer_bytes(n, head_dim, heads))

@@ -1,8 +1,8 @@
 """experiments.sweeps: the numbers behind ``sparse-io-attn sweep`` (the CLI's own tests run the commands)."""
 import pytest
 
-from sparse_io_attn.dense import figure1
-from sparse_io_attn.dense.small_cache import nn_buffer_bytes
+from sparse_io_attn.dense.buffers import nn_buffer_bytes
+from sparse_io_attn.experiments import figure1
 from sparse_io_attn.experiments import sparsity_stress, sweeps
 
 

@@ -36,7 +36,7 @@ The C++ source is compiled on first use (:mod:`._build`: ``torch.utils.cpp_exten
 cached per torch version and CPU kind). Without a compiler ``backend="auto"`` falls back to the
 torch path with one warning and ``backend="cpu"`` raises ``RuntimeError`` saying what is missing.
 """
-from sparse_io_attn.block_sparse.cpu._build import is_available, load, unavailable_reason
+from sparse_io_attn.block_sparse.cpu._build import available_for_auto, is_available, load, unavailable_reason
 from sparse_io_attn.block_sparse.cpu._launch import backward, forward
 
-__all__ = ["forward", "backward", "is_available", "load", "unavailable_reason"]
+__all__ = ["forward", "backward", "available_for_auto", "is_available", "load", "unavailable_reason"]

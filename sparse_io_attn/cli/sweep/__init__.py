@@ -46,7 +46,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     common.check_writable_dir(args.out_dir, "--out-dir")   # before the sweep runs, not after
-    result = KINDS[args.sweep].run(args)
+    from sparse_io_attn.experiments import sweeps  # the dense Triton kernels (and Triton): only when a sweep runs
+
+    result = KINDS[args.sweep].run(args, sweeps)
     return emit(args, *result)
 
 

@@ -29,7 +29,7 @@ def add_args(p) -> None:
                         "minutes in the interpreter), at the powers of 4 in the range")
 
 
-def run(args):
+def run(args, sweeps):
     n, d = args.seq_len, args.head_dim
     if not 16 <= d <= 256:
         raise ValueError(f"--head-dim must be in 16..256, got {d}")
@@ -45,7 +45,6 @@ def run(args):
     header.update({"n": n, "d": d, "count_n": args.count_n, "units": "words (elements); kernel fp32 bytes / 4; dX path only"})
     # after the header, which records the environment as the command found it (importing the
     # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
-    from sparse_io_attn.experiments import sweeps
 
     Ms, count_Ms, steps = sweeps.cache_plan(d, m_min, m_max, args.per_octave, args.count_n, args.count_m_min)
     with common.progress(steps, "sweep cache", enabled=not args.no_progress) as bar:

@@ -21,7 +21,7 @@ def add_args(p) -> None:
     p.add_argument("--dtype", default="fp32", help="fp32, fp16 or bf16 (default fp32)")
 
 
-def run(args):
+def run(args, sweeps):
     dtype = common.parse_dtype(args.dtype)
     dims = common.parse_list(args.dims, item=int, what="--dims") if all(
         s.strip().isdigit() for s in args.dims.split(",") if s.strip()) else None
@@ -33,7 +33,6 @@ def run(args):
     header.update({"n": n, "device_M_words": M_dev, "M_from": args.cache or args.device})
     # after the header, which records the environment as the command found it (importing the
     # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
-    from sparse_io_attn.experiments import sweeps
 
     header["units"] = "words; small/large columns: dX path (fp32 bytes / 4); auto: all five gradients"
     with common.progress(sweeps.dim_steps(dims), "sweep dim", enabled=not args.no_progress) as bar:

@@ -68,7 +68,7 @@ def seq_point(spec: str, n: int, heads: int, head_dim: int, block: int, dtype: s
             "peak_rss_bytes": peak, "baseline_rss_bytes": base}
 
 
-def run(args):
+def run(args, sweeps):
     dtype = common.parse_dtype(args.dtype)
     specs = args.patterns or list(DEFAULT_PATTERNS)
     if args.min_seq_len > args.max_seq_len:
@@ -89,7 +89,6 @@ def run(args):
     rows, notes, start = [], [], time.perf_counter()
     # after the header, which records the environment as the command found it (importing the
     # dense kernels sets TRITON_INTERPRET=1 on a machine without CUDA)
-    from sparse_io_attn.experiments import sweeps
 
     with common.progress(len(ns) * len(specs), "sweep seq-len", enabled=not args.no_progress) as bar:
         for spec in specs:

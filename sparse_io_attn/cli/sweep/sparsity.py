@@ -24,7 +24,7 @@ def add_args(p) -> None:
     p.add_argument("--count", action="store_true", help="count with the kernels (interpreter; n <= 512)")
 
 
-def run(args):
+def run(args, sweeps):
     densities = [_density(x) for x in common.parse_list(args.densities, what="--densities")]
     axes = common.parse_list(args.axes, allowed=sparsity_stress.AXES, what="--axes")
     if args.count and args.seq_len > 512:
@@ -36,7 +36,6 @@ def run(args):
     header.update({"n": args.seq_len, "d": args.head_dim, "block_n": args.block_n, "block_d": args.block_d,
                    "M": "kernel per-program fast memory (paper.traffic.kernel_fast_memory_words)"})
     # after the header, which records the environment as the command found it
-    from sparse_io_attn.experiments import sweeps
 
     with common.progress(len(axes) * len(densities), "sweep sparsity", enabled=not args.no_progress) as bar:
         rows, notes = sweeps.sparsity_sweep(args.seq_len, args.head_dim, densities=densities, axes=tuple(axes),
