@@ -247,17 +247,12 @@ EXTREME = [pytest.param(1e5, None, id="logits-1e10"), pytest.param(1.0, 1e30, id
 def test_finite_inputs_give_finite_results_at_extreme_logits(backend, layout_name, scale, sm_scale):
     """Finite inputs give finite outputs, lse and gradients on every backend, whatever the logits'
     size: scores past the fp32 range saturate, and the row maximum is subtracted exactly as the
-    forward formed it. Each output row stays a convex combination of value rows. One documented
-    exception (README Limits): on ``cpu`` the returned lse is ``+inf`` where the scaled scores
-    themselves pass the fp32 range (outputs and gradients stay finite)."""
+    forward formed it. Each output row stays a convex combination of value rows."""
     q, k, v, do = make_inputs(1, 2, 1, 40, 40, 16)
     q, k = q * scale, k * scale
     causal = layout_name == "window-causal"
     layout = patterns.dense(40, 16) if not causal else patterns.sliding_window(40, 16, 20, causal=True)
     got = run(q, k, v, do, layout, causal, backend=backend, sm_scale=sm_scale)
     for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
-        if name == "lse" and backend == "cpu" and scale * scale * (sm_scale or 1.0) > 1e38:
-            assert not torch.isnan(x).any()
-            continue
         assert torch.isfinite(x).all(), f"non-finite {name} on {backend}"
     assert got[0].abs().max() <= v.abs().max() * (1 + 1e-6)

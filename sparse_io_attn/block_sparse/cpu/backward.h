@@ -157,14 +157,14 @@ static void bwd_task(const Problem& P, const Lists& L, const BwdIn& in, T* dk, T
                 uint32_t kb = len_bits(mq - ia - iv) & ~len_bits(lo - iv);
                 if (bits != nullptr && kb) kb &= word_bits(bits, i0 + ia + iv);
                 // the forward's exact arithmetic: fl(c s) - m
-                const Vec x = keep_bits(Vec::loadu(srow + iv) * vc, kb) - Vec::loadu(mr + iv);
+                const Vec x = keep_bits(saturate(Vec::loadu(srow + iv) * vc), kb) - Vec::loadu(mr + iv);
                 const Vec p = vexp2(x - Vec::loadu(lr + iv));
                 p.store(srow + iv);
                 (p * (Vec::loadu(prow + iv) - Vec::loadu(dr + iv))).store(prow + iv);
               }
             } else {
               for (int64_t iv = 0; iv < niv; iv += VL) {
-                const Vec p = vexp2((Vec::loadu(srow + iv) * vc - Vec::loadu(mr + iv)) - Vec::loadu(lr + iv));
+                const Vec p = vexp2((saturate(Vec::loadu(srow + iv) * vc) - Vec::loadu(mr + iv)) - Vec::loadu(lr + iv));
                 p.store(srow + iv);
                 (p * (Vec::loadu(prow + iv) - Vec::loadu(dr + iv))).store(prow + iv);
               }

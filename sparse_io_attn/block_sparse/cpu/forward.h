@@ -54,6 +54,8 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
   // exp2 amplifies past float range once |t| passes about 2^32). backward.h repeats the same
   // operations. c > 0: the max pass reads raw scores and m = fl(c max(s)), which equals
   // max(fl(c s)) because rounding is monotonic; otherwise the max pass stores fl(c s) itself.
+  // t saturates at the largest finite float (saturate), as the other backends' scores do: past it
+  // the row's largest scores share its probability and m, hence lse, stays finite.
   const bool fast = P.c2 > 0.f;
   const Vec vc(P.c2), vf(fast ? P.c2 : 1.f);
   std::vector<Seg>& segs = w.segs;
@@ -81,7 +83,7 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
             uint32_t kb = len_bits(nallow - jv);
             if (bits != nullptr && kb) kb &= word_bits(bits, g.j0 + jv);
             Vec x = Vec::loadu(s + jv);
-            if (!fast) x = x * vc;
+            if (!fast) x = saturate(x * vc);
             x = keep_bits(x, kb);
             x.store(s + jv);
             vmax = at::vec::maximum(vmax, x);
@@ -96,7 +98,7 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
           }
         } else {
           for (int64_t jv = 0; jv < ncv; jv += VL) {
-            Vec x = Vec::loadu(s + jv) * vc;
+            Vec x = saturate(Vec::loadu(s + jv) * vc);
             if (jv + VL > g.nc) x = keep_bits(x, len_bits(g.nc - jv));
             x.store(s + jv);
             vmax = at::vec::maximum(vmax, x);
@@ -104,7 +106,7 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
         }
       }
       float mx = hmax(vmax);
-      if (fast) mx *= P.c2;
+      if (fast) mx = std::min(mx * P.c2, FLT_MAX_F);
       mn[i] = std::max(mi[i], mx);
     }
     // rescale factors of all rows at once
@@ -124,7 +126,7 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
         float* s = srow + g.col;
         const int64_t ncv = round_up(g.nc, VL);
         for (int64_t jv = 0; jv < ncv; jv += VL) {
-          const Vec p = vexp2(Vec::loadu(s + jv) * vf - vm);
+          const Vec p = vexp2(saturate(Vec::loadu(s + jv) * vf) - vm);
           p.store(s + jv);
           vsum = vsum + p;
         }

@@ -42,6 +42,11 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t VL = Vec::size();
 static_assert(VL <= 16 && 32 % VL == 0, "vector length must divide a mask word");
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float FLT_MAX_F = std::numeric_limits<float>::max();
+
+// Scaled scores above the largest finite float become that float (NaN and -inf pass through): the
+// row maximum stays finite, so exp2(t - m) never sees inf - inf.
+static inline Vec saturate(const Vec& x) { return at::vec::minimum(x, Vec(FLT_MAX_F)); }
 constexpr float POS_INF = std::numeric_limits<float>::infinity();
 constexpr double LOG2E = 1.4426950408889634;
 constexpr float LN2 = 0.6931471805599453f;
