@@ -40,9 +40,14 @@ def unpack(words: torch.Tensor, block_size_kv: int) -> torch.Tensor:
 
 
 def popcount(words: torch.Tensor) -> torch.Tensor:
-    """Set bits per mask, ``int64 [...]`` for ``words [..., bq, W]``."""
-    shifts = torch.arange(WORD_BITS, device=words.device)
-    return ((words.to(torch.int64)[..., None] >> shifts) & 1).sum(dim=(-3, -2, -1))
+    """Set bits per mask, ``int64 [...]`` for ``words [..., bq, W]``: a branch-free bit count of each
+    32-bit word in int64 lanes (memory of the words' size, not one value per bit)."""
+    v = words.to(torch.int64) & 0xFFFFFFFF
+    v = v - ((v >> 1) & 0x55555555)
+    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+    v = (v + (v >> 4)) & 0x0F0F0F0F
+    v = ((v * 0x01010101) & 0xFFFFFFFF) >> 24
+    return v.sum(dim=(-2, -1))
 
 
 def dedup(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
