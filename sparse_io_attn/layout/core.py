@@ -200,15 +200,8 @@ class BlockSparseLayout:
     @classmethod
     def from_scipy_bsr(cls, bsr, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
                        name: str = "custom") -> "BlockSparseLayout":
-        """Build from a ``scipy.sparse`` BSR matrix/array, or a list of them (one per head).
-
-        The block size is ``bsr.blocksize``. ``exact=True`` (default): a stored block's nonzero values
-        are its allowed elements (all nonzero: a full block; none: not kept). ``exact=False``: every
-        stored block is kept whole, values ignored. ``seqlen`` defaults to ``bsr.shape``; pass the
-        layout's ``seqlen`` to round-trip a ragged layout exactly (SciPy shapes are whole blocks).
-        A list of ``L`` matrices gives ``L`` masks, ``layout_heads = L // layout_batch`` (the order
-        :meth:`to_scipy_bsr` returns: mask ``l = b * layout_heads + h``).
-        """
+        """Build from a ``scipy.sparse`` BSR matrix/array, or a list of them (one per head); arguments
+        and semantics in :func:`sparse_io_attn.layout.convert.blocks_from_scipy_bsr`."""
         blocks = convert.blocks_from_scipy_bsr(bsr, seqlen, layout_batch=layout_batch, exact=exact)
         return assemble(**blocks._asdict(), name=name)
 
@@ -219,10 +212,8 @@ class BlockSparseLayout:
     @classmethod
     def from_torch_bsr(cls, t, seqlen=None, *, layout_batch: int = 1, exact: bool = True,
                        name: str = "custom") -> "BlockSparseLayout":
-        """Build from a ``torch.sparse_bsr`` tensor ``[M, N]``, ``[H, M, N]`` or ``[B, H, M, N]``
-        (batched BSR), or a list of ``L`` 2-D ones (``layout_heads = L // layout_batch``, the order
-        ``to_torch_bsr(as_list=True)`` returns). ``exact`` as in :meth:`from_scipy_bsr`. The block
-        size is ``t.values().shape[-2:]``; ``seqlen`` defaults to ``(M, N)``."""
+        """Build from a ``torch.sparse_bsr`` tensor (or a list of 2-D ones); arguments and semantics in
+        :func:`sparse_io_attn.layout.convert.blocks_from_torch_bsr`."""
         blocks = convert.blocks_from_torch_bsr(t, seqlen, layout_batch=layout_batch, exact=exact)
         return assemble(**blocks._asdict(), name=name)
 
