@@ -57,3 +57,26 @@ def check_close(got, ref, tol=FP32_TOL):
             "dq": rel_err(got[2], ref[2]), "dk": rel_err(got[3], ref[3]), "dv": rel_err(got[4], ref[4])}
     bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, f"relative errors above {tol}: {bad}"
+
+
+class _NoHostSync(torch.overrides.TorchFunctionMode):
+    """Raises on every tensor operation that reads data back to the host (a synchronisation on CUDA):
+    ``.item()``, ``.tolist()``, ``bool()``/``int()``/``float()`` of a tensor, ``nonzero``, boolean-mask
+    indexing, ``unique``, ``bincount``, ``masked_select``, copies to the CPU."""
+    FORBIDDEN = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique",
+                 "unique_consecutive", "bincount", "masked_select", "cpu", "numpy", "argwhere"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name in self.FORBIDDEN:
+            raise AssertionError(f"host synchronisation: {name}")
+        if name == "__getitem__" and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool
+                                         for a in (args[1] if isinstance(args[1], tuple) else (args[1],))):
+            raise AssertionError("host synchronisation: boolean-mask indexing")
+        return func(*args, **(kwargs or {}))
+
+
+def no_host_sync() -> _NoHostSync:
+    """``with no_host_sync(): ...`` fails the test on any operation that would synchronise a CUDA
+    device with the host (checked on CPU tensors by the operation's name)."""
+    return _NoHostSync()

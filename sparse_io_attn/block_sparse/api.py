@@ -15,7 +15,7 @@ by :func:`prologue`, the one prologue of both entry points).
 backward needs to recompute the probabilities exactly as the forward did.
 
 ``causal_offset`` is ``None`` (no causal mask) or ``delta``: key ``j`` is allowed for query ``i``
-only if ``j <= i + delta`` (:func:`sparse_io_attn.block_sparse.causal.causal_offset`, re-exported here).
+only if ``j <= i + delta`` (:func:`sparse_io_attn.layout.causal.causal_offset`, re-exported here).
 
 ``"cpu"`` is :mod:`sparse_io_attn.block_sparse.cpu` (the fused C++ kernel, compiled on first use; the
 fastest on CPU); ``"torch"`` is :mod:`sparse_io_attn.block_sparse.torch_path` (plain PyTorch, any
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 
 from sparse_io_attn.block_sparse import torch_path
-from sparse_io_attn.block_sparse.causal import CAUSAL_MODES, causal_offset
+from sparse_io_attn.layout.causal import CAUSAL_MODES, causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
@@ -160,6 +160,7 @@ def prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: BlockSpa
     """Validate the inputs (:func:`check_inputs`) and decide the causal offset, the backend, the
     layout's device copy and its broadcast strides: the one prologue of every entry point."""
     sm_scale = check_inputs(q, k, v, layout, sm_scale)
+    layout = layout.for_query_heads(q.shape[1], k.shape[1])   # a per-KV-head selection serves its group
     layout_strides = layout.broadcast_strides(q.shape[0], q.shape[1])
     delta = causal_offset(causal, q.shape[2], k.shape[2])
     return Prologue(layout.to(q.device), delta, sm_scale, resolve_backend(backend, q.device), layout_strides)
@@ -205,7 +206,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
         q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA: query
             head ``h`` reads kv head ``h // (Hq // Hkv)``). float32, float16 or bfloat16.
         layout: a :class:`BlockSparseLayout` with ``seqlen == (Nq, Nk)``; its masks are shared or
-            per (batch, query head). The layout is the mask: full blocks and element-masked
+            per batch, and shared, per query head or per KV head (``layout_heads == Hkv``: one mask
+            for the query heads of each GQA group). The layout is the mask: full blocks and element-masked
             partial blocks, exactly the elements it allows are attended.
         causal: intersect the layout with a causal mask: ``True`` or ``"top_left"`` (key ``j``
             allowed for query ``i`` iff ``j <= i``, like ``scaled_dot_product_attention(

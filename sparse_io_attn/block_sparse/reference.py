@@ -8,22 +8,24 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.causal import causal_offset
+from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 
 def element_mask(layout: BlockSparseLayout | None, batch: int, num_heads_q: int, seqlen_q: int,
-                 seqlen_k: int, *, causal=False, device=None) -> torch.Tensor:
+                 seqlen_k: int, *, causal=False, device=None, num_heads_kv: int | None = None) -> torch.Tensor:
     """``bool [batch, num_heads_q, seqlen_q, seqlen_k]``: the elements attention may use (the layout's
-    element mask, partial blocks included).
+    element mask, partial blocks included; a layout with one mask per KV head serves the query heads
+    of each group of ``num_heads_kv``).
 
-    ``causal`` (see :func:`~sparse_io_attn.block_sparse.causal.causal_offset`): ``True``/``"top_left"``
+    ``causal`` (see :func:`~sparse_io_attn.layout.causal.causal_offset`): ``True``/``"top_left"``
     keeps key ``j`` for query ``i`` only if ``j <= i`` (as ``scaled_dot_product_attention(
     is_causal=True)``), ``"bottom_right"`` only if ``j <= i + seqlen_k - seqlen_q``.
     """
     if layout is None:
         mask = torch.ones(batch, num_heads_q, seqlen_q, seqlen_k, dtype=torch.bool, device=device)
     else:
+        layout = layout.for_query_heads(num_heads_q, num_heads_kv or num_heads_q)
         mask = layout.to(device or layout.device).expand_dense_mask(batch, num_heads_q)
     delta = causal_offset(causal, seqlen_q, seqlen_k)
     if delta is not None:
@@ -67,7 +69,7 @@ def attention_reference(q, k, v, layout: BlockSparseLayout | None = None, *, cau
         sm_scale = q.shape[-1] ** -0.5
     B, Hq, Nq, _ = q.shape
     Nk = k.shape[2]
-    mask = element_mask(layout, B, Hq, Nq, Nk, causal=causal, device=q.device)
+    mask = element_mask(layout, B, Hq, Nq, Nk, causal=causal, device=q.device, num_heads_kv=k.shape[1])
     q64, k64, v64 = (t.detach().double().requires_grad_(do is not None) for t in (q, k, v))
     with torch.enable_grad():
         out, lse = masked_attention(q64, k64, v64, mask, sm_scale)

@@ -13,7 +13,10 @@ a block is
 
 Both lists exist in CSR order (query-block rows, for the forward and dQ kernels) and CSC order
 (key-block columns, for dK/dV), with absolute int32 offsets like the layout's own CSR. A schedule
-depends only on the layout and the offset; :func:`schedule` caches it per layout (weakly).
+depends only on the layout and the offset; :func:`schedule` caches it per layout (weakly) and
+rebuilds it when the layout's tensors are edited in place. Lists have one slot per storage slot of
+the layout (the entries first, unused slots after the last pointer), so building them is a fixed
+amount of tensor work on the layout's device, without host synchronisation.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_io_attn.layout._csr import INDEX_DTYPE, _absolute_crow
+from sparse_io_attn.layout._csr import INDEX_DTYPE, group_offsets, slot_rows, stable_partition
 from sparse_io_attn.layout.causal import causal_blocks
 from sparse_io_attn.layout.core import BlockSparseLayout
 
@@ -55,11 +58,14 @@ _CACHE: "weakref.WeakKeyDictionary[BlockSparseLayout, dict]" = weakref.WeakKeyDi
 
 
 def schedule(layout: BlockSparseLayout, causal_offset: int | None) -> Schedule:
-    """The full/partial split of ``layout`` under ``causal_offset`` (cached per layout)."""
+    """The full/partial split of ``layout`` under ``causal_offset``, built on the layout's device
+    and cached per layout until one of its tensors is edited in place (its version key changes)."""
     per = _CACHE.setdefault(layout, {})
-    if causal_offset not in per:
-        per[causal_offset] = _build(layout, causal_offset)
-    return per[causal_offset]
+    key = layout.version_key()
+    hit = per.get(causal_offset)
+    if hit is None or hit[0] != key or key is None:
+        hit = per[causal_offset] = (key, _build(layout, causal_offset))
+    return hit[1]
 
 
 def classify(layout: BlockSparseLayout, causal_offset: int | None, lid, r, c, pid):
@@ -70,27 +76,34 @@ def classify(layout: BlockSparseLayout, causal_offset: int | None, lid, r, c, pi
 
 
 def _lists(L: int, n: int, own, other, pid, alive, full) -> BlockLists:
-    """Entries (in the wanted order) -> CSR-style full/partial lists over ``L * n`` rows."""
-    def ptr(sel):
-        counts = torch.bincount((own[sel]), minlength=L * n)
-        flat = torch.zeros(L * n + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=flat[1:])
-        return _absolute_crow(flat, L, n).to(INDEX_DTYPE)
+    """Entries (sorted by ``own``, the flat row ``l * n + i`` of the order) -> CSR-style full and
+    partial lists over ``L * n`` rows, each packed at the front of a buffer with one slot per entry
+    (slots past the last pointer hold block 0 / mask -1 and are never read)."""
     part = alive & ~full
-    return BlockLists(ptr(full), other[full].to(INDEX_DTYPE), ptr(part), other[part].to(INDEX_DTYPE),
-                      pid[part].to(INDEX_DTYPE))
+
+    def packed(keep, values, fill):
+        return torch.where(keep, values, fill)[stable_partition(keep)].to(INDEX_DTYPE)
+    return BlockLists(group_offsets(own, full, L * n, L), packed(full, other, 0),
+                      group_offsets(own, part, L * n, L), packed(part, other, 0), packed(part, pid, -1))
 
 
 def _build(layout: BlockSparseLayout, causal_offset: int | None) -> Schedule:
-    lo = layout.to("cpu")
-    L, R, C = lo.num_layouts, lo.num_q_blocks, lo.num_kv_blocks
-    lid, r, c = lo.entries()
-    pid = lo.partial_ids.to(torch.int64)
-    alive, full = classify(lo, causal_offset, lid, r, c, pid)
-    rows = _lists(L, R, lid * R + r, c, pid, alive, full)
-    # CSC order: sort by (lid, c, r)
-    order = torch.argsort((lid * C + c) * R + r)
-    cols = _lists(L, C, (lid * C + c)[order], r[order], pid[order], alive[order], full[order])
-    masks = lo.partial_masks if lo.partial_masks.shape[0] else torch.zeros(
-        1, *lo.partial_masks.shape[1:], dtype=torch.int32)
-    return Schedule(rows, cols, masks.contiguous(), causal_offset).to(layout.device)
+    """Tensor operations on the layout's device over its storage slots (O(slots), fixed sizes: no
+    ``nonzero``, no ``.item()``, no host copy), so a layout chosen on the device every step is
+    scheduled without synchronising."""
+    L, R, C = layout.num_layouts, layout.num_q_blocks, layout.num_kv_blocks
+    col = layout.col_slots.to(torch.int64)
+    flat_row = slot_rows(layout.crow_indices, col.numel())
+    used = flat_row < L * R                      # unused capacity of a fixed-capacity layout: False
+    lid = flat_row // R
+    r = torch.where(used, flat_row - lid * R, 0)
+    pid = layout.partial_id_slots.to(torch.int64)
+    alive, full = classify(layout, causal_offset, lid, r, col, pid)
+    alive, full = alive & used, full & used
+    rows = _lists(L, R, lid * R + r, col, pid, alive, full)
+    # CSC order: sort by (lid, c, r); unused slots last
+    order = torch.sort(torch.where(used, (lid * C + col) * R + r, L * C * R), stable=True).indices
+    cols = _lists(L, C, (lid * C + col)[order], r[order], pid[order], alive[order], full[order])
+    masks = layout.partial_masks if layout.partial_masks.shape[0] else torch.zeros(
+        1, *layout.partial_masks.shape[1:], dtype=torch.int32, device=layout.device)
+    return Schedule(rows, cols, masks.contiguous(), causal_offset)

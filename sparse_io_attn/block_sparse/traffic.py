@@ -33,7 +33,7 @@ from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout._csr import csr_row_ids
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.tally.report import TrafficReport
-from sparse_io_attn.block_sparse.causal import causal_offset
+from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.block_sparse.schedule import BlockLists, schedule
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, element_size
 
@@ -84,8 +84,8 @@ def _walk(layout: BlockSparseLayout, lists: BlockLists, tile_own: int, tile_othe
     # partial entries x (own tile i, other tile j)
     flat = csr_row_ids(lists.part_ptr.cpu())
     lid, own_blk = flat // n_own, flat % n_own
-    other_blk = lists.part_idx.cpu().to(torch.int64)
-    has_bits = lists.part_mask.cpu() >= 0
+    other_blk = lists.part_idx.cpu()[:flat.numel()].to(torch.int64)   # the lists' used slots
+    has_bits = lists.part_mask.cpu()[:flat.numel()] >= 0
     i = torch.arange(per_own, dtype=torch.int64)
     j = torch.arange(per_other, dtype=torch.int64)
     own_start = (own_blk * blk_own)[:, None, None] + (i * tile_own)[None, :, None]       # [E, I, 1]
@@ -125,6 +125,7 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
     """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``);
     ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`."""
     es, D = _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    layout = layout.for_query_heads(num_heads_q, num_heads_kv)
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
     sched, delta = _schedule(layout, causal)
@@ -143,6 +144,7 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
                           tiles: KernelTiles | None = None) -> TrafficReport:
     """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``)."""
     es, D = _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    layout = layout.for_query_heads(num_heads_q, num_heads_kv)
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
     sched, delta = _schedule(layout, causal)

@@ -61,11 +61,44 @@ def csr_row_ids(crow: torch.Tensor) -> torch.Tensor:
 
     Needs absolute, non-decreasing offsets starting at 0 (entry ``j`` belongs to the first row
     whose end exceeds ``j``). A binary search instead of ``repeat_interleave(counts)``, which has a
-    fixed cost of ~20 ms per call on CPU builds of torch 2.13.
+    fixed cost of ~20 ms per call on CPU builds of torch 2.13. Reads ``nnz`` from ``crow`` (a host
+    synchronisation on CUDA); :func:`slot_rows` is the fixed-size form.
     """
     ends = crow[:, 1:].reshape(-1).to(torch.int64).contiguous()
     nnz = int(ends[-1]) if ends.numel() else 0
-    return torch.searchsorted(ends, torch.arange(nnz, device=crow.device), right=True)
+    return slot_rows(crow, nnz)
+
+
+def slot_rows(crow: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The flat row id ``l * R + r`` owning each of ``num_slots`` storage slots (int64 ``[num_slots]``);
+    slots past ``crow[-1, -1]`` (unused capacity) get ``L * R``. Tensor operations only, sized by
+    ``num_slots``: no host synchronisation."""
+    ends = crow[:, 1:].reshape(-1).to(torch.int64).contiguous()
+    return torch.searchsorted(ends, torch.arange(num_slots, device=crow.device), right=True)
+
+
+def stable_partition(keep: torch.Tensor) -> torch.Tensor:
+    """The permutation ``order`` (int64) that moves the entries where ``keep`` (bool ``[n]``) to the
+    front, each group in its original order: ``x[order]`` is ``x[keep]`` followed by ``x[~keep]``.
+    Fixed size, no host synchronisation (``x[keep]`` has a data-dependent size)."""
+    kept = keep.to(torch.int64)
+    before_kept = torch.cumsum(kept, 0) - kept                     # kept entries before each entry
+    position = torch.where(keep, before_kept,
+                           kept.sum() + torch.arange(keep.numel(), device=keep.device) - before_kept)
+    order = torch.empty_like(position)
+    order[position] = torch.arange(keep.numel(), device=keep.device)
+    return order
+
+
+def group_offsets(group: torch.Tensor, keep: torch.Tensor, num_groups: int, L: int) -> torch.Tensor:
+    """Absolute CSR offsets ``int32 [L, num_groups // L + 1]`` of the entries where ``keep``, counted
+    per flat group id ``group`` (int64 in ``[0, num_groups)`` where ``keep``): scatter-add and cumsum,
+    no host synchronisation."""
+    counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=group.device)
+    counts.scatter_add_(0, torch.where(keep, group, num_groups), keep.to(torch.int64))
+    flat = torch.zeros(num_groups + 1, dtype=torch.int64, device=group.device)
+    torch.cumsum(counts[:-1], 0, out=flat[1:])
+    return _absolute_crow(flat, L, num_groups // L).to(INDEX_DTYPE)
 
 
 def csr_to_mask(crow: torch.Tensor, col: torch.Tensor, num_cols: int) -> torch.Tensor:
@@ -79,23 +112,25 @@ def csr_to_mask(crow: torch.Tensor, col: torch.Tensor, num_cols: int) -> torch.T
 
 
 def csr_transpose(crow: torch.Tensor, col: torch.Tensor, num_cols: int):
-    """CSR -> CSC of the same matrices: ``(ccol [L, C+1], row [nnz], perm [nnz])``.
+    """CSR -> CSC of the same matrices: ``(ccol [L, C+1], row [n], perm [n])`` for ``n = col.numel()``.
 
     ``perm[j]`` is the CSR position of the j-th CSC entry (so ``values[perm]`` reorders values).
+    ``col`` may hold unused capacity past ``crow[-1, -1]``: those slots sort to the end of the CSC
+    order (``row`` 0 there) and no column counts them. Fixed size, no host synchronisation.
     """
     L, R1 = crow.shape
     R = R1 - 1
     C = num_cols
-    flat_row = csr_row_ids(crow)
+    n = col.numel()
+    flat_row = slot_rows(crow, n)
+    used = flat_row < L * R
     lid = flat_row // R
-    r = flat_row - lid * R
+    r = torch.where(used, flat_row - lid * R, 0)
     c = col.to(torch.int64)
-    # sort by (l, c, r); keys are unique, so the order is fully determined
-    perm = torch.argsort((lid * C + c) * R + r)
-    counts = torch.bincount(lid * C + c, minlength=L * C)
-    flat = torch.zeros(L * C + 1, dtype=torch.int64, device=crow.device)
-    torch.cumsum(counts, dim=0, out=flat[1:])
-    return _absolute_crow(flat, L, C).to(INDEX_DTYPE), r[perm].to(INDEX_DTYPE), perm
+    # sort by (l, c, r); keys are unique among used slots, unused ones go last in slot order
+    key = torch.where(used, (lid * C + c) * R + r, L * C * R)
+    perm = torch.sort(key, stable=True).indices
+    return group_offsets(lid * C + c, used, L * C, L), r[perm].to(INDEX_DTYPE), perm
 
 
 def validate_csr(crow: torch.Tensor, col: torch.Tensor, num_rows: int, num_cols: int,

@@ -1,5 +1,7 @@
-"""Block liveness under the causal mask: the one decision the schedule, the torch path's plan and
-the FlexAttention conversion share.
+"""The causal mask: ``causal=`` -> the offset ``delta`` of ``j <= i + delta`` (:func:`causal_offset`,
+what every backend, reference, traffic model and selection applies), and block liveness under it
+(:func:`causal_blocks`, the one decision the schedule, the torch path's plan, the FlexAttention
+conversion and the top-k selection share).
 
 The causal mask with offset ``delta`` allows key ``j`` for query ``i`` iff ``j <= i + delta``
 (``delta = 0``: top-left alignment; ``seqlen_k - seqlen_q``: bottom-right). Block ``(r, c)`` of a
@@ -11,6 +13,26 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+
+CAUSAL_MODES = (False, True, "top_left", "bottom_right")
+
+
+def causal_offset(causal, seqlen_q: int, seqlen_k: int) -> int | None:
+    """``causal`` -> the offset ``delta`` of the causal mask ``j <= i + delta``, or ``None``.
+
+    ``False``: no causal mask. ``True`` or ``"top_left"``: ``delta = 0`` (query ``i`` sees keys
+    ``0..i``, like ``scaled_dot_product_attention(is_causal=True)``). ``"bottom_right"``:
+    ``delta = seqlen_k - seqlen_q`` (the last query sees every key; FlashAttention-2's convention
+    for ``seqlen_q != seqlen_k``, what decoding with a KV cache and chunked prefill need).
+    """
+    if causal is False or causal is None:
+        return None
+    if causal is True or causal == "top_left":
+        return 0
+    if causal == "bottom_right":
+        return int(seqlen_k) - int(seqlen_q)
+    raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
 
 
 class CausalBlocks(NamedTuple):

@@ -12,6 +12,7 @@ import torch
 
 from sparse_io_attn.layout import _bits, convert
 from sparse_io_attn.layout._args import as_pair
+from sparse_io_attn.layout._kv_indices import csr_from_kv_lists, repeat_matrices
 from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_fits_int32, check_index_capacity, coo_to_csr, csr_row_ids,
                                         csr_to_mask, csr_transpose, mask_to_csr, validate_csr)
 
@@ -42,7 +43,19 @@ class BlockSparseLayout:
       deduplicated (equal masks are stored once) and canonical: bits past the sequence ends are 0,
       a mask with every in-range bit set is a full block, an empty one is not kept.
     * the transposed copy ``ccol_indices [L, num_kv_blocks + 1]`` / ``row_indices`` (and
-      ``csc_partial_ids``) that backward iterates, built once on first use and cached.
+      ``csc_partial_ids``), built on first use and cached.
+    * **Fixed capacity** (``fixed_capacity=True``; what :meth:`from_kv_indices` and
+      :func:`~sparse_io_attn.layout.patterns.topk` build): ``col_slots`` / ``partial_id_slots`` hold
+      a number of slots fixed by the shapes (e.g. ``K`` per query-block row), the kept blocks first
+      in CSR order and unused slots after ``crow_indices[-1, -1]`` (column 0, partial id -1). The
+      kernels' schedule reads the slots with tensor operations only, so a layout chosen on the
+      device every step never synchronises with the host. ``col_indices`` / ``partial_ids`` are the
+      used slots (reading them takes the count from ``crow_indices``: one synchronisation).
+
+    Caches derived from the tensors (the transposed copy, device copies, index validation, the
+    kernels' schedules) are keyed on the tensors' version counters: editing ``crow_indices``,
+    ``col_slots``, ``partial_id_slots`` or ``partial_masks`` in place (a reused buffer, a CUDA graph)
+    rebuilds them on the next use.
 
     Rebuilding the dense element mask (what :meth:`to_dense_mask` returns)::
 
@@ -68,7 +81,7 @@ class BlockSparseLayout:
                  name: str = "custom", validate: bool = True,
                  partial_ids: torch.Tensor | None = None, partial_masks: torch.Tensor | None = None,
                  ccol_indices: torch.Tensor | None = None, row_indices: torch.Tensor | None = None,
-                 csc_partial_ids: torch.Tensor | None = None):
+                 csc_partial_ids: torch.Tensor | None = None, fixed_capacity: bool = False):
         self.block_size = as_pair(block_size, "block_size")
         self.seqlen = as_pair(seqlen, "seqlen")
         bq, bk = self.block_size
@@ -92,41 +105,92 @@ class BlockSparseLayout:
         self.layout_batch = int(layout_batch)
         self.layout_heads = int(layout_heads)
         self.crow_indices = crow_indices.to(INDEX_DTYPE)
-        self.col_indices = col_indices.to(INDEX_DTYPE)
+        self.col_slots = col_indices.to(INDEX_DTYPE)
+        self.fixed_capacity = bool(fixed_capacity)
         dev = self.crow_indices.device
         if (partial_ids is None) != (partial_masks is None):
             raise ValueError("pass partial_ids and partial_masks together (or neither: all blocks full)")
         if partial_ids is None:
-            partial_ids = torch.full((self.col_indices.numel(),), -1, dtype=INDEX_DTYPE, device=dev)
+            partial_ids = torch.full((self.col_slots.numel(),), -1, dtype=INDEX_DTYPE, device=dev)
             partial_masks = torch.zeros(0, bq, _bits.num_words(bk), dtype=torch.int32, device=dev)
         elif validate:
-            _validate_partial(partial_ids, partial_masks, self.col_indices.numel(), (bq, bk))
-        self.partial_ids = partial_ids.to(INDEX_DTYPE)
+            _validate_partial(partial_ids, partial_masks, self.col_slots.numel(), (bq, bk))
+        self.partial_id_slots = partial_ids.to(INDEX_DTYPE)
         self.partial_masks = partial_masks.to(torch.int32)
-        self._checked = bool(validate)   # index ranges validated (check() runs once otherwise)
         self.name = name
-        self._csc = None  # (ccol_indices, row_indices, csc_partial_ids), built on first use
+        # derived state, each entry tagged with the version key it was derived at
+        self._checked_at = (self.version_key(),) if validate else None   # (key,): index ranges valid
+        self._used = None      # (key, col_indices, partial_ids): the used slots
+        self._csc = None       # (key, (ccol_indices, row_indices, csc_partial_ids))
         if ccol_indices is not None and row_indices is not None:
             if csc_partial_ids is None:
-                if bool((self.partial_ids >= 0).any()):
+                if bool((self.partial_id_slots >= 0).any()):
                     raise ValueError("a layout with partial blocks needs csc_partial_ids next to the "
                                      "transposed indices (or neither)")
-                csc_partial_ids = self.partial_ids
-            self._csc = (ccol_indices.to(INDEX_DTYPE), row_indices.to(INDEX_DTYPE), csc_partial_ids.to(INDEX_DTYPE))
+                csc_partial_ids = self.partial_id_slots
+            self._csc = (self.version_key(), (ccol_indices.to(INDEX_DTYPE), row_indices.to(INDEX_DTYPE),
+                                              csc_partial_ids.to(INDEX_DTYPE)))
         self._device_copies: dict = {}
 
+    def version_key(self) -> tuple | None:
+        """The version counters of the tensors everything cached is derived from: any in-place edit
+        of ``crow_indices``, ``col_slots``, ``partial_id_slots`` or ``partial_masks`` changes it.
+        ``None`` while ``torch.compile`` traces (the tensors are then fake; caches are not used)."""
+        if torch.compiler.is_compiling():
+            return None
+        return (self.crow_indices._version, self.col_slots._version, self.partial_id_slots._version,
+                self.partial_masks._version)
+
+    def _fresh(self, entry) -> bool:
+        """Whether a cached ``(key, value)`` entry still matches the tensors."""
+        key = self.version_key()
+        return entry is not None and (entry[0] is None or key is None or entry[0] == key)
+
+    @property
+    def col_indices(self) -> torch.Tensor:
+        """Column (key-block) index of every kept block, ``int32 [nnz_blocks]``, sorted inside each row."""
+        return self._used_slots()[0]
+
+    @property
+    def partial_ids(self) -> torch.Tensor:
+        """``-1`` (full block) or the element-mask id of every kept block, ``int32 [nnz_blocks]``."""
+        return self._used_slots()[1]
+
+    def _used_slots(self):
+        if not self.fixed_capacity:
+            return self.col_slots, self.partial_id_slots
+        if not self._fresh(self._used):
+            nnz = int(self.crow_indices[-1, -1])            # the one read of data: a sync on CUDA
+            self._used = (self.version_key(), self.col_slots[:nnz], self.partial_id_slots[:nnz])
+        return self._used[1:]
+
+    @property
+    def checked(self) -> bool:
+        """Whether the index ranges are known valid for the tensors as they are now (validated, or
+        valid by construction)."""
+        return self._fresh(self._checked_at)
+
     def check(self) -> "BlockSparseLayout":
-        """Validate the index ranges once (cached): every column and partial id inside its tensors.
-        Layouts built with ``validate=False`` (e.g. inside the custom op) are checked here before
-        any kernel reads them; raises ``ValueError`` naming the bad entries."""
-        if not self._checked:
-            validate_csr(self.crow_indices, self.col_indices, self.num_q_blocks, self.num_kv_blocks)
-            _validate_partial(self.partial_ids, self.partial_masks, self.col_indices.numel(), self.block_size)
-            if self._csc is not None:
-                validate_csr(self._csc[0], self._csc[1], self.num_kv_blocks, self.num_q_blocks,
-                             what="layout (transposed copy)")
-                _validate_partial(self._csc[2], self.partial_masks, self.col_indices.numel(), self.block_size)
-            self._checked = True
+        """Validate the index ranges (cached until a tensor is edited in place): every column and
+        partial id inside its tensors. Layouts built with ``validate=False`` from outside data (e.g.
+        inside the custom op) are checked here before any kernel reads them; raises ``ValueError``
+        naming the bad entries. Layouts the library builds are valid by construction and skip it."""
+        if torch.compiler.is_compiling() or self.checked:
+            return self   # traced code: the custom op checks the real tensors it receives
+        validate_csr(self.crow_indices, self.col_indices, self.num_q_blocks, self.num_kv_blocks)
+        _validate_partial(self.partial_ids, self.partial_masks, self.col_indices.numel(), self.block_size)
+        if self._csc is not None and self._fresh(self._csc):
+            ccol, row, csc_ids = self._csc[1]
+            validate_csr(ccol, row[:row.numel() if not self.fixed_capacity else self.col_indices.numel()],
+                         self.num_kv_blocks, self.num_q_blocks, what="layout (transposed copy)")
+            _validate_partial(csc_ids[:self.col_indices.numel()], self.partial_masks, self.col_indices.numel(),
+                              self.block_size)
+        self._checked_at = (self.version_key(),)
+        return self
+
+    def _mark_checked(self) -> "BlockSparseLayout":
+        """Record that the tensors, as they are now, are valid by construction."""
+        self._checked_at = (self.version_key(),)
         return self
 
     # ------------------------------------------------------------------ constructors
@@ -161,6 +225,64 @@ class BlockSparseLayout:
         crow, col = mask_to_csr(block_mask.reshape(lb * lh, nqb, nkb))
         return cls(crow, col, block_size=(bq, bk), seqlen=(sq, sk), layout_batch=lb,
                    layout_heads=lh, name=name, validate=False)
+
+    @classmethod
+    def from_kv_indices(cls, kv_indices: torch.Tensor, block_size, seqlen, *, kv_counts: torch.Tensor | None = None,
+                        check: bool = True, name: str = "kv_indices") -> "BlockSparseLayout":
+        """Build from per-row lists of key blocks: what a data-dependent selection produces.
+
+        ``kv_indices`` (int32 or int64) ``[Mq, K]``, ``[H, Mq, K]`` or ``[B, H, Mq, K]`` lists up to
+        ``K`` key blocks for each of the ``Mq = ceil(seqlen_q / BLOCK_SIZE_Q)`` query-block rows, in
+        any order, possibly repeated; entries ``< 0`` are empty slots. With ``kv_counts`` (int, shape
+        ``kv_indices.shape[:-1]``) only the first ``kv_counts[..., r]`` entries of row ``r`` count
+        (the convention of FlexAttention's ``BlockMask.from_kv_blocks``). Every listed block is full;
+        causality comes from the attention call's ``causal=`` (which makes the diagonal block partial).
+        ``H`` may be the number of query heads or of KV heads (one selection per GQA group).
+
+        The layout is built on ``kv_indices``' device with tensor operations only, with fixed
+        capacity (``K`` slots per row, see the class docstring), and is valid by construction: the
+        attention call does not re-check it. ``check=True`` raises ``ValueError`` for entries
+        ``>= ceil(seqlen_k / BLOCK_SIZE_KV)`` and ``kv_counts`` outside ``[0, K]``, which reads the
+        values (one synchronisation on CUDA); ``check=False``, and code traced by ``torch.compile``,
+        skip that: such entries then count as empty slots and are never read.
+        """
+        if not isinstance(kv_indices, torch.Tensor) or kv_indices.dtype not in (torch.int32, torch.int64):
+            got = kv_indices.dtype if isinstance(kv_indices, torch.Tensor) else type(kv_indices).__name__
+            raise TypeError(f"kv_indices must be an int32 or int64 tensor of key-block indices, got {got}")
+        if kv_indices.dim() not in (2, 3, 4):
+            raise ValueError(f"kv_indices must have shape [Mq, K], [H, Mq, K] or [B, H, Mq, K], got "
+                             f"{tuple(kv_indices.shape)}")
+        (bq, bk), (sq, sk) = as_pair(block_size, "block_size"), as_pair(seqlen, "seqlen")
+        nqb, nkb = math.ceil(sq / bq), math.ceil(sk / bk)
+        lb, lh = _lead(kv_indices.shape[:-2])
+        if kv_indices.shape[-2] != nqb:
+            raise ValueError(f"kv_indices has {kv_indices.shape[-2]} query-block rows but seqlen_q {sq} with "
+                             f"BLOCK_SIZE_Q {bq} has {nqb}; pass one row per query block")
+        if kv_counts is not None:
+            if not isinstance(kv_counts, torch.Tensor) or kv_counts.dtype not in (torch.int32, torch.int64):
+                got = kv_counts.dtype if isinstance(kv_counts, torch.Tensor) else type(kv_counts).__name__
+                raise TypeError(f"kv_counts must be an int32 or int64 tensor, got {got}")
+            if kv_counts.shape != kv_indices.shape[:-1]:
+                raise ValueError(f"kv_counts must have shape {tuple(kv_indices.shape[:-1])} (kv_indices' shape "
+                                 f"without the last dim), got {tuple(kv_counts.shape)}")
+            if kv_counts.device != kv_indices.device:
+                raise ValueError(f"kv_counts is on {kv_counts.device} but kv_indices on {kv_indices.device}")
+        if check and not torch.compiler.is_compiling() and kv_indices.numel():
+            top = int(kv_indices.max())
+            if top >= nkb:
+                raise ValueError(f"kv_indices holds key block {top} but seqlen_k {sk} with BLOCK_SIZE_KV {bk} "
+                                 f"has {nkb} key blocks (indices 0..{nkb - 1}; negative entries are empty slots)")
+            if kv_counts is not None and kv_counts.numel():
+                lo, hi = int(kv_counts.min()), int(kv_counts.max())
+                if lo < 0 or hi > kv_indices.shape[-1]:
+                    raise ValueError(f"kv_counts must lie in [0, {kv_indices.shape[-1]}] (K, the slots per row), "
+                                     f"got values in [{lo}, {hi}]")
+        K = kv_indices.shape[-1]
+        counts = None if kv_counts is None else kv_counts.reshape(lb * lh * nqb)
+        crow, col = csr_from_kv_lists(kv_indices.reshape(lb * lh * nqb, K), nkb, lb * lh, counts)
+        layout = cls(crow, col, block_size=(bq, bk), seqlen=(sq, sk), layout_batch=lb, layout_heads=lh,
+                     name=name, validate=False, fixed_capacity=True)
+        return layout._mark_checked()
 
     @classmethod
     def from_dense_mask(cls, mask: torch.Tensor, block_size, *, exact: bool = True,
@@ -285,10 +407,12 @@ class BlockSparseLayout:
         return self._transposed()[2]
 
     def _transposed(self):
-        if self._csc is None:
-            ccol, row, perm = csr_transpose(self.crow_indices, self.col_indices, self.num_kv_blocks)
-            self._csc = (ccol, row, self.partial_ids[perm].contiguous())
-        return self._csc
+        """``(ccol_indices, row_indices, csc_partial_ids)``, rebuilt when a tensor was edited in place.
+        For a fixed-capacity layout the last two keep its number of slots (unused ones last)."""
+        if not self._fresh(self._csc):
+            ccol, row, perm = csr_transpose(self.crow_indices, self.col_slots, self.num_kv_blocks)
+            self._csc = (self.version_key(), (ccol, row, self.partial_id_slots[perm].contiguous()))
+        return self._csc[1]
 
     def row_counts(self) -> torch.Tensor:
         """Kept key blocks per query-block row, ``[L, num_q_blocks]`` (int64)."""
@@ -378,6 +502,33 @@ class BlockSparseLayout:
         stride_lb = self.layout_heads if self.layout_batch > 1 else 0
         return stride_lb, stride_lh
 
+    def for_query_heads(self, num_heads_q: int, num_heads_kv: int) -> "BlockSparseLayout":
+        """The layout serving ``num_heads_q`` query heads: ``self`` when it holds 1 or ``num_heads_q``
+        head masks; when it holds one mask per KV head (``layout_heads == num_heads_kv``, a selection
+        shared by the query heads of each GQA group), its masks repeated for the query heads of each
+        group (indices only, on the layout's device, no host synchronisation; cached until a tensor is
+        edited in place). Raises ``ValueError`` for any other head count."""
+        lh = self.layout_heads
+        if lh in (1, num_heads_q):
+            return self
+        if num_heads_kv < 1 or num_heads_q % num_heads_kv or lh != num_heads_kv:
+            raise ValueError(f"layout has {lh} head masks but q has {num_heads_q} heads and k/v {num_heads_kv}; "
+                             f"build it with 1 (shared), {num_heads_q} (one per query head) or "
+                             f"{num_heads_kv} (one per KV head) head masks")
+        key = f"query_heads:{num_heads_q}"
+        if not self._fresh(self._device_copies.get(key)):
+            group = num_heads_q // num_heads_kv
+            crow, (col, pid) = repeat_matrices(self.crow_indices, [self.col_slots, self.partial_id_slots], group,
+                                               fill=[0, -1])
+            copy = BlockSparseLayout(crow, col, block_size=self.block_size, seqlen=self.seqlen,
+                                     layout_batch=self.layout_batch, layout_heads=num_heads_q, name=self.name,
+                                     validate=False, partial_ids=pid, partial_masks=self.partial_masks,
+                                     fixed_capacity=self.fixed_capacity)
+            if self.checked:
+                copy._mark_checked()
+            self._device_copies[key] = (self.version_key(), copy)
+        return self._device_copies[key][1]
+
     def expand_dense_mask(self, batch: int, num_heads_q: int) -> torch.Tensor:
         """Element mask broadcast to ``[batch, num_heads_q, seqlen_q, seqlen_k]`` (a view)."""
         self.broadcast_strides(batch, num_heads_q)
@@ -393,16 +544,18 @@ class BlockSparseLayout:
         if device == self.device or (device.type == self.device.type and device.index is None):
             return self
         key = str(device)
-        if key not in self._device_copies:
+        if not self._fresh(self._device_copies.get(key)):
             ccol, row, csc_ids = (t.to(device) for t in self._transposed())
-            self._device_copies[key] = BlockSparseLayout(
-                self.crow_indices.to(device), self.col_indices.to(device), block_size=self.block_size,
+            copy = BlockSparseLayout(
+                self.crow_indices.to(device), self.col_slots.to(device), block_size=self.block_size,
                 seqlen=self.seqlen, layout_batch=self.layout_batch, layout_heads=self.layout_heads,
-                name=self.name, validate=False, partial_ids=self.partial_ids.to(device),
+                name=self.name, validate=False, partial_ids=self.partial_id_slots.to(device),
                 partial_masks=self.partial_masks.to(device), ccol_indices=ccol, row_indices=row,
-                csc_partial_ids=csc_ids)
-            self._device_copies[key]._checked = self._checked
-        return self._device_copies[key]
+                csc_partial_ids=csc_ids, fixed_capacity=self.fixed_capacity)
+            if self.checked:
+                copy._mark_checked()
+            self._device_copies[key] = (self.version_key(), copy)
+        return self._device_copies[key][1]
 
     def _combine(self, other: "BlockSparseLayout", union: bool, symbol: str) -> "BlockSparseLayout":
         """Element-level union / intersection; masks broadcast over batch and heads."""

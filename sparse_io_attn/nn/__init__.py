@@ -1,7 +1,9 @@
 """Training integration: :class:`SparseSelfAttention` and the ``torch.library`` custom ops
 (``torch.ops.sparse_io_attn.block_sparse_attn_fwd`` / ``_bwd``) it calls, which let
-``torch.compile(fullgraph=True)`` trace through block-sparse attention."""
+``torch.compile(fullgraph=True)`` trace through block-sparse attention; ``selectors``: layouts chosen
+from the activations at every forward (:func:`selectors.moba`)."""
+from sparse_io_attn.nn import selectors
 from sparse_io_attn.nn.module import SparseSelfAttention
 from sparse_io_attn.nn.ops import block_sparse_attention_op
 
-__all__ = ["SparseSelfAttention", "block_sparse_attention_op"]
+__all__ = ["SparseSelfAttention", "block_sparse_attention_op", "selectors"]

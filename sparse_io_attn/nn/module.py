@@ -7,11 +7,12 @@ import torch
 from torch import nn
 
 from sparse_io_attn.block_sparse.api import BACKENDS
-from sparse_io_attn.block_sparse.causal import causal_offset
+from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.nn.ops import block_sparse_attention_op
 
 LayoutOrPattern = Union[BlockSparseLayout, Callable[[int], BlockSparseLayout]]
+Selector = Callable[[torch.Tensor, torch.Tensor], BlockSparseLayout]
 
 
 def _positive_int(x, what: str) -> int:
@@ -34,7 +35,13 @@ class SparseSelfAttention(nn.Module):
             length ``seqlen == (N, N)``, or a callable ``seqlen -> BlockSparseLayout`` (for example
             ``functools.partial(patterns.sliding_window, ...)``) called lazily for each length the
             layer sees and cached per (length, device). Layouts may be shared by all heads or hold
-            one mask per query head (``layout_heads == num_heads``).
+            one mask per query head (``layout_heads == num_heads``) or per KV head. ``None`` when a
+            ``selector`` is given.
+        selector: instead of a fixed layout, a callable ``(q, k) -> BlockSparseLayout`` evaluated at
+            every forward on the projected ``q [B, Hq, N, D]`` and ``k [B, Hkv, N, D]``: a layout
+            chosen from the activations (e.g. :func:`sparse_io_attn.nn.selectors.moba`). Built on
+            the device without host synchronisation, it compiles with ``fullgraph=True`` and a new
+            selection of the same shapes does not recompile.
         num_kv_heads: key/value heads ``Hkv`` (GQA/MQA); default ``num_heads``. Query head ``h``
             reads kv head ``h // (num_heads // num_kv_heads)``.
         causal: intersect the layout with a causal mask: ``True``/``"top_left"`` (key ``j`` allowed for
@@ -52,8 +59,8 @@ class SparseSelfAttention(nn.Module):
     each length before compiling with ``fullgraph=True``. A fixed layout needs nothing.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, layout_or_pattern: LayoutOrPattern, *,
-                 num_kv_heads: int | None = None, causal=False, dropout: float = 0.0,
+    def __init__(self, embed_dim: int, num_heads: int, layout_or_pattern: LayoutOrPattern | None = None, *,
+                 selector: Selector | None = None, num_kv_heads: int | None = None, causal=False, dropout: float = 0.0,
                  bias: bool = True, backend: str = "auto", device=None, dtype=None):
         super().__init__()
         embed_dim = _positive_int(embed_dim, "embed_dim")
@@ -83,7 +90,19 @@ class SparseSelfAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self._layouts: dict[tuple[int, str], BlockSparseLayout] = {}
-        if isinstance(layout_or_pattern, BlockSparseLayout):
+        self.selector = selector
+        if selector is not None:
+            if layout_or_pattern is not None:
+                raise ValueError("pass either layout_or_pattern (a fixed layout or seqlen -> layout) or "
+                                 "selector ((q, k) -> layout, chosen at every forward), not both")
+            if not callable(selector):
+                raise TypeError(f"selector must be a callable (q, k) -> BlockSparseLayout, got "
+                                f"{type(selector).__name__}")
+            if getattr(selector, "causal", causal) not in (False, None) and causal in (False, None):
+                raise ValueError(f"the selector {selector!r} selects causally; build the layer with causal=True "
+                                 f"so that the attention masks the diagonal blocks' future elements")
+            self._fixed = self._pattern = None
+        elif isinstance(layout_or_pattern, BlockSparseLayout):
             self._check_layout(layout_or_pattern, layout_or_pattern.seqlen_q)
             self._fixed, self._pattern = layout_or_pattern, None
             self._build_layout(layout_or_pattern.seqlen_q, layout_or_pattern.device)
@@ -91,7 +110,7 @@ class SparseSelfAttention(nn.Module):
             self._fixed, self._pattern = None, layout_or_pattern
         else:
             raise TypeError(f"layout_or_pattern must be a BlockSparseLayout or a callable "
-                            f"seqlen -> BlockSparseLayout, got {type(layout_or_pattern).__name__}")
+                            f"seqlen -> BlockSparseLayout (or pass selector=), got {type(layout_or_pattern).__name__}")
 
     def _check_layout(self, layout, seqlen: int) -> None:
         if not isinstance(layout, BlockSparseLayout):
@@ -99,12 +118,16 @@ class SparseSelfAttention(nn.Module):
         if layout.seqlen != (seqlen, seqlen):
             raise ValueError(f"self-attention needs a square layout for seqlen {seqlen}, got a layout "
                              f"with seqlen {layout.seqlen}")
-        if layout.layout_heads not in (1, self.num_heads):
+        if layout.layout_heads not in (1, self.num_heads, self.num_kv_heads):
             raise ValueError(f"layout has {layout.layout_heads} head masks but the layer has "
-                             f"{self.num_heads} query heads; build it with 1 (shared) or {self.num_heads}")
+                             f"{self.num_heads} query heads and {self.num_kv_heads} KV heads; build it with "
+                             f"1 (shared), {self.num_heads} or {self.num_kv_heads}")
 
     def layout_for(self, seqlen: int, device=None) -> BlockSparseLayout:
         """The layout used for sequences of length ``seqlen`` on ``device`` (built once, cached)."""
+        if self.selector is not None:
+            raise ValueError(f"this layer chooses its layout at every forward with {self.selector!r}; "
+                             f"call layer.selector(q, k) for the layout of given activations")
         device = torch.device("cpu" if device is None else device)
         layout = self._layouts.get((int(seqlen), str(device)))
         if layout is None:
@@ -134,10 +157,14 @@ class SparseSelfAttention(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"expected x of shape [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
         B, N, _ = x.shape
-        layout = self.layout_for(N, x.device)
         q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.selector is not None:
+            layout = self.selector(q, k)
+            self._check_layout(layout, N)
+        else:
+            layout = self.layout_for(N, x.device)
         out = self._attend(q, k, v, layout)  # [B, Hq, N, D]
         return self.out_proj(out.transpose(1, 2).reshape(B, N, self.embed_dim))
 
@@ -147,7 +174,7 @@ class SparseSelfAttention(nn.Module):
         return block_sparse_attention_op(q, k, v, layout, causal=self.causal, backend=self.backend)
 
     def extra_repr(self) -> str:
-        what = self._fixed.name if self._fixed is not None else getattr(
-            self._pattern, "__name__", type(self._pattern).__name__)
+        what = self._fixed.name if self._fixed is not None else repr(self.selector) if self.selector is not None \
+            else getattr(self._pattern, "__name__", type(self._pattern).__name__)
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"causal={self.causal}, layout={what!r}, backend={self.backend!r}")

@@ -4,15 +4,17 @@ Two opaque ops, each a thin shell over a backend of :mod:`sparse_io_attn.block_s
 
 * ``sparse_io_attn::block_sparse_attn_fwd(q, k, v, crow_indices, col_indices, partial_ids,
   partial_masks, ccol_indices, row_indices, csc_partial_ids, block_size_q, block_size_kv,
-  layout_batch, layout_heads, causal_offset, sm_scale, backend) -> (out, lse, stats)``
+  layout_batch, layout_heads, indices_checked, causal_offset, sm_scale, backend) -> (out, lse, stats)``
 * ``sparse_io_attn::block_sparse_attn_bwd(do, q, k, v, out, stats, <same layout args>) -> (dq, dk, dv)``
 
 A :class:`~sparse_io_attn.BlockSparseLayout` is not a tensor, so it crosses the op boundary as its
-index and element-mask tensors (CSR, partial-block ids and masks, and the transposed CSC copy
-backward needs) plus ints; the op rebuilds the layout object inside with ``validate=False`` and checks
-its indices and its broadcast over q's ``[batch, heads]`` once per index tensors (a direct call may
-carry any). ``causal_offset`` is ``None`` or the
-``delta`` of ``j <= i + delta`` (:func:`sparse_io_attn.block_sparse.causal.causal_offset`). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
+index and element-mask tensors (CSR storage slots, partial-block ids and masks, and the transposed
+CSC copy) plus ints; the op rebuilds the layout object inside (as a fixed-capacity layout: entries
+past ``crow_indices[-1, -1]`` are unused slots) and checks its indices once per index tensors and
+version (a direct call may carry any), unless ``indices_checked`` says they come from a layout the
+library built or validated (:attr:`BlockSparseLayout.checked`: what :func:`block_sparse_attention_op`
+passes), and checks its broadcast over q's ``[batch, heads]`` per call. ``causal_offset`` is ``None`` or the
+``delta`` of ``j <= i + delta`` (:func:`sparse_io_attn.layout.causal.causal_offset`). ``register_fake`` gives the shapes to the compiler and ``register_autograd`` wires the
 backward op, so ``torch.compile(model, fullgraph=True)`` sees two nodes and no graph break.
 
 Shapes and units are those of :func:`sparse_io_attn.block_sparse_attention`: ``out`` has q's shape
@@ -37,11 +39,11 @@ _REBUILT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def _layout_from_indices(q: Tensor, k: Tensor, crow_indices: Tensor, col_indices: Tensor, partial_ids: Tensor,
                          partial_masks: Tensor, ccol_indices: Tensor, row_indices: Tensor, csc_partial_ids: Tensor,
-                         block_size_q: int, block_size_kv: int, layout_batch: int,
-                         layout_heads: int) -> tuple[BlockSparseLayout, tuple[int, int]]:
-    """``(layout, layout_strides)`` for the op's arguments: the layout rebuilt (and its indices
-    validated) once per index tensors; its broadcast over q's ``[batch, heads]`` checked per call
-    (the op's own arguments: a direct call may carry any)."""
+                         block_size_q: int, block_size_kv: int, layout_batch: int, layout_heads: int,
+                         indices_checked: bool) -> tuple[BlockSparseLayout, tuple[int, int]]:
+    """``(layout, layout_strides)`` for the op's arguments: the layout rebuilt once per index tensors,
+    its indices validated unless ``indices_checked`` (and again after an in-place edit); its
+    broadcast over q's ``[batch, heads]`` checked per call (a direct call may carry any)."""
     tensors = (col_indices, partial_ids, partial_masks, ccol_indices, row_indices, csc_partial_ids)
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     meta = (block_size_q, block_size_kv, layout_batch, layout_heads, seqlen_q, seqlen_k)
@@ -49,14 +51,16 @@ def _layout_from_indices(q: Tensor, k: Tensor, crow_indices: Tensor, col_indices
     if hit is not None:
         layout, hit_tensors, hit_meta = hit
         if all(a is b for a, b in zip(hit_tensors, tensors)) and hit_meta == meta:
-            return layout, layout.broadcast_strides(q.shape[0], q.shape[1])
+            return layout.check(), layout.broadcast_strides(q.shape[0], q.shape[1])
     layout = BlockSparseLayout(crow_indices, col_indices, block_size=(block_size_q, block_size_kv),
                                seqlen=(seqlen_q, seqlen_k), layout_batch=layout_batch,
                                layout_heads=layout_heads, name="custom_op", validate=False,
                                partial_ids=partial_ids, partial_masks=partial_masks,
                                ccol_indices=ccol_indices, row_indices=row_indices,
-                               csc_partial_ids=csc_partial_ids)
-    layout.check()  # a direct op call may carry any indices: validate once per rebuilt layout
+                               csc_partial_ids=csc_partial_ids, fixed_capacity=True)
+    if indices_checked:
+        layout._mark_checked()
+    layout.check()  # a direct op call may carry any indices: validated once per rebuilt layout and version
     _REBUILT[crow_indices] = (layout, tensors, meta)
     return layout, layout.broadcast_strides(q.shape[0], q.shape[1])
 
@@ -65,13 +69,13 @@ def _layout_from_indices(q: Tensor, k: Tensor, crow_indices: Tensor, col_indices
 def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, crow_indices: Tensor, col_indices: Tensor,
                           partial_ids: Tensor, partial_masks: Tensor, ccol_indices: Tensor, row_indices: Tensor,
                           csc_partial_ids: Tensor, block_size_q: int, block_size_kv: int, layout_batch: int,
-                          layout_heads: int, causal_offset: Optional[int], sm_scale: float,
+                          layout_heads: int, indices_checked: bool, causal_offset: Optional[int], sm_scale: float,
                           backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Forward of block-sparse attention: ``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq], stats fp32
     [2, B, Hq, Nq])`` (``stats``: the softmax statistics backward recomputes ``P`` from)."""
     layout, layout_strides = _layout_from_indices(q, k, crow_indices, col_indices, partial_ids, partial_masks,
                                                   ccol_indices, row_indices, csc_partial_ids, block_size_q,
-                                                  block_size_kv, layout_batch, layout_heads)
+                                                  block_size_kv, layout_batch, layout_heads, indices_checked)
     out, lse, stats = backend_module(backend).forward(q, k, v, layout, causal_offset=causal_offset,
                                                       sm_scale=sm_scale, layout_strides=layout_strides)
     return out.contiguous(), lse.contiguous(), stats.contiguous()
@@ -79,7 +83,8 @@ def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, crow_indices: Tensor,
 
 @block_sparse_attn_fwd.register_fake
 def _(q, k, v, crow_indices, col_indices, partial_ids, partial_masks, ccol_indices, row_indices,
-      csc_partial_ids, block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend):
+      csc_partial_ids, block_size_q, block_size_kv, layout_batch, layout_heads, indices_checked, causal_offset,
+      sm_scale, backend):
     B, Hq, Nq, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32),
             q.new_empty((2, B, Hq, Nq), dtype=torch.float32))
@@ -90,13 +95,13 @@ def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
                           crow_indices: Tensor, col_indices: Tensor, partial_ids: Tensor, partial_masks: Tensor,
                           ccol_indices: Tensor, row_indices: Tensor, csc_partial_ids: Tensor,
                           block_size_q: int, block_size_kv: int, layout_batch: int, layout_heads: int,
-                          causal_offset: Optional[int], sm_scale: float,
+                          indices_checked: bool, causal_offset: Optional[int], sm_scale: float,
                           backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Backward of block-sparse attention: ``(dq, dk, dv)`` shaped like q, k, v (dk/dv summed over
     the query heads of a GQA group)."""
     layout, layout_strides = _layout_from_indices(q, k, crow_indices, col_indices, partial_ids, partial_masks,
                                                   ccol_indices, row_indices, csc_partial_ids, block_size_q,
-                                                  block_size_kv, layout_batch, layout_heads)
+                                                  block_size_kv, layout_batch, layout_heads, indices_checked)
     dq, dk, dv = backend_module(backend).backward(do, q, k, v, out, stats, layout, causal_offset=causal_offset,
                                                   sm_scale=sm_scale, layout_strides=layout_strides)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -104,7 +109,8 @@ def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 
 @block_sparse_attn_bwd.register_fake
 def _(do, q, k, v, out, stats, crow_indices, col_indices, partial_ids, partial_masks, ccol_indices, row_indices,
-      csc_partial_ids, block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend):
+      csc_partial_ids, block_size_q, block_size_kv, layout_batch, layout_heads, indices_checked, causal_offset,
+      sm_scale, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -116,7 +122,7 @@ def _setup_context(ctx, inputs, output):
     layout_tensors = inputs[3:3 + _NUM_LAYOUT_TENSORS]
     out, lse, stats = output
     ctx.save_for_backward(q, k, v, out, stats, *layout_tensors)
-    # block_size_q, block_size_kv, layout_batch, layout_heads, causal_offset, sm_scale, backend
+    # block_size_q, block_size_kv, layout_batch, layout_heads, indices_checked, causal_offset, sm_scale, backend
     ctx.meta = inputs[3 + _NUM_LAYOUT_TENSORS:]
     ctx.mark_non_differentiable(lse, stats)
 
@@ -132,11 +138,12 @@ block_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def layout_op_args(layout: BlockSparseLayout) -> tuple:
-    """The layout as the op's arguments: ``(crow, col, partial_ids, partial_masks, ccol, row,
-    csc_partial_ids, bq, bkv, layout_batch, layout_heads)``."""
-    return (layout.crow_indices, layout.col_indices, layout.partial_ids, layout.partial_masks,
+    """The layout as the op's arguments: ``(crow, col_slots, partial_id_slots, partial_masks, ccol, row,
+    csc_partial_ids, bq, bkv, layout_batch, layout_heads, indices_checked)`` (storage slots: no read of
+    the data, so a layout chosen on the device crosses the op without synchronising)."""
+    return (layout.crow_indices, layout.col_slots, layout.partial_id_slots, layout.partial_masks,
             layout.ccol_indices, layout.row_indices, layout.csc_partial_ids,
-            layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV, layout.layout_batch, layout.layout_heads)
+            layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV, layout.layout_batch, layout.layout_heads, layout.checked)
 
 
 def block_sparse_attention_op(q: Tensor, k: Tensor, v: Tensor, layout: BlockSparseLayout, *,

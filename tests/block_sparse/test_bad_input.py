@@ -51,6 +51,7 @@ def _op_with_bad_indices():
     args = list(ops.layout_op_args(lo))
     args[1] = args[1].clone()
     args[1][0] = 99                                          # column 99 of 4 key blocks
+    args[-1] = False                                         # indices_checked: a direct call's own tensors
     return ops.block_sparse_attn_fwd(q, k, v, *args, None, 0.25, "triton")
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sparse_io_attn.block_sparse.causal import causal_offset
+from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.block_sparse.schedule import schedule
 from sparse_io_attn.block_sparse.torch_path.plan import _row_lists
 from sparse_io_attn.layout.causal import causal_blocks

@@ -10,8 +10,8 @@ from sparse_io_attn.block_sparse.schedule import BlockLists, Schedule, schedule
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 # transposed element masks ([num_masks, BLOCK_SIZE_KV, ceil(BLOCK_SIZE_Q / 32)], what dK/dV reads),
-# built once per layout (they do not depend on the causal offset)
-_MASKS_T: "weakref.WeakKeyDictionary[BlockSparseLayout, torch.Tensor]" = weakref.WeakKeyDictionary()
+# built once per layout version (they do not depend on the causal offset)
+_MASKS_T: "weakref.WeakKeyDictionary[BlockSparseLayout, tuple]" = weakref.WeakKeyDictionary()
 
 
 def _check_cpu(*tensors: torch.Tensor) -> None:
@@ -30,10 +30,12 @@ def _schedule(layout: BlockSparseLayout, causal_offset: int | None) -> Schedule:
 
 
 def _masks_t(ops, layout: BlockSparseLayout, sched: Schedule) -> torch.Tensor:
+    """The transposed element masks, cached per layout until its tensors are edited in place."""
+    key = (layout.version_key(), sched.masks.shape[0])
     hit = _MASKS_T.get(layout)
-    if hit is None or hit.shape[0] != sched.masks.shape[0]:
-        hit = _MASKS_T[layout] = ops.transpose_masks(sched.masks, layout.BLOCK_SIZE_KV)
-    return hit
+    if hit is None or hit[0] != key:
+        hit = _MASKS_T[layout] = (key, ops.transpose_masks(sched.masks, layout.BLOCK_SIZE_KV))
+    return hit[1]
 
 
 def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,

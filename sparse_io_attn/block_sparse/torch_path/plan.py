@@ -291,9 +291,10 @@ _PLANS: "weakref.WeakKeyDictionary[BlockSparseLayout, dict]" = weakref.WeakKeyDi
 def get_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal_offset: int | None,
              device: torch.device) -> _Plan:
     """The plan for these shapes, built on first use and cached per layout (weakly: the cache never
-    keeps a layout alive, and writes nothing into the layout object)."""
+    keeps a layout alive, and writes nothing into the layout object) until one of the layout's
+    tensors is edited in place."""
     cache = _PLANS.setdefault(layout, {})
-    key = (B, Hq, Hkv, causal_offset, str(device))
+    key = (B, Hq, Hkv, causal_offset, str(device), layout.version_key())
     if key not in cache:
         cache[key] = _build_plan(layout.to("cpu"), B, Hq, Hkv, causal_offset, device)
     return cache[key]

@@ -40,6 +40,10 @@ Parameters past the sequence (a window or stride longer than ``seqlen_q + seqlen
 longer than ``seqlen_k``) give the layout the definition gives (dense or causal, ...), and the
 layout's name states the value asked for; ``document`` refuses more documents than positions.
 
+Data-dependent: :func:`topk` keeps the ``k`` highest-scoring key blocks of each query-block row of a
+score tensor computed from the activations (with the diagonal, sink blocks and causality), on the
+scores' device and without host synchronisation, for a layout chosen at every step.
+
 Specs (``from_spec``, used by the CLI's ``--pattern``)::
 
     spec  := NAME [":" arg ("," arg)*]
@@ -56,8 +60,9 @@ Keys accept the full parameter names and the short aliases in ``ALIASES`` (``w``
 from sparse_io_attn.layout.patterns._grid import MAX_SEQLEN
 from sparse_io_attn.layout.patterns.builders import (bigbird, block_diagonal, causal, dense, document, fixed,
                                                      longformer, prefix_lm, random, sliding_window, strided)
+from sparse_io_attn.layout.patterns.selection import topk
 from sparse_io_attn.layout.patterns.spec import ALIASES, SPEC_PARAMS, available, from_spec, get, parse_spec
 
 __all__ = ["dense", "causal", "sliding_window", "strided", "fixed", "longformer", "bigbird", "random",
-           "document", "block_diagonal", "prefix_lm", "from_spec", "parse_spec", "get", "available",
+           "document", "block_diagonal", "prefix_lm", "topk", "from_spec", "parse_spec", "get", "available",
            "SPEC_PARAMS", "ALIASES", "MAX_SEQLEN"]

@@ -1,0 +1,91 @@
+"""Data-dependent patterns: the top-k key blocks of each query-block row by a score computed from
+the activations (MoBA, Native Sparse Attention and their kind), built on the scores' device with
+tensor operations only, so that a model can choose its layout at every step (and under
+``torch.compile(fullgraph=True)``) without synchronising with the host."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparse_io_attn.layout._args import as_pair
+from sparse_io_attn.layout.causal import causal_blocks, causal_offset
+from sparse_io_attn.layout.core import BlockSparseLayout
+
+
+def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False, include_diagonal: bool = True,
+         keep: torch.Tensor | None = None) -> BlockSparseLayout:
+    r"""Keep the ``k`` highest-scoring key blocks of each query-block row.
+
+    Args:
+        block_scores: float ``[Mq, Mk]``, ``[H, Mq, Mk]`` or ``[B, H, Mq, Mk]`` with
+            ``Mq = ceil(seqlen_q / BLOCK_SIZE_Q)``, ``Mk = ceil(seqlen_k / BLOCK_SIZE_KV)``: one score
+            per (query block, key block), e.g. mean-pooled queries times mean-pooled keys. ``H`` may
+            be the number of query heads or of KV heads (one selection per GQA group). NaN scores
+            rank lowest.
+        k: the blocks kept per row, a positive int (at most ``Mk`` are kept).
+        block_size, seqlen: an int or a ``(q, kv)`` pair each, as for every layout.
+        causal: ``False``, ``True``/``"top_left"`` or ``"bottom_right"`` (as the attention call's
+            ``causal=``): blocks wholly in the causal future are never selected. Pass the same
+            ``causal=`` to the attention, which masks the elements past the diagonal.
+        include_diagonal: always keep the key blocks the row's diagonal ``j = i + delta`` passes
+            through (``delta`` the causal offset, 0 without causality): a query block's own block.
+        keep: bool ``[Mk]`` or broadcastable to ``block_scores``: blocks always kept (attention
+            sinks, global blocks), unless wholly in the causal future.
+
+    Forced blocks (diagonal, ``keep``) count toward ``k`` and come first; the remaining slots go to
+    the highest scores, ties broken by the lower block index (deterministic on every device). A row
+    with more than ``k`` forced blocks keeps ``k`` of them: the diagonal ones, then the higher
+    scores. A row with fewer than ``k`` eligible blocks keeps all of them.
+
+    Returns a fixed-capacity :class:`BlockSparseLayout` (``min(k, Mk)`` slots per row, every kept
+    block full) on the scores' device, built without host synchronisation and valid by construction.
+    """
+    if not isinstance(block_scores, torch.Tensor) or not block_scores.is_floating_point():
+        got = block_scores.dtype if isinstance(block_scores, torch.Tensor) else type(block_scores).__name__
+        raise TypeError(f"block_scores must be a floating-point tensor, got {got}")
+    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
+        raise ValueError(f"k must be a positive int (blocks kept per query-block row), got {k!r}")
+    (bq, bk), (sq, sk) = as_pair(block_size, "block_size"), as_pair(seqlen, "seqlen")
+    Mq, Mk = math.ceil(sq / bq), math.ceil(sk / bk)
+    if block_scores.dim() not in (2, 3, 4) or tuple(block_scores.shape[-2:]) != (Mq, Mk):
+        raise ValueError(f"block_scores must have shape [..., {Mq}, {Mk}] ([Mq, Mk], [H, Mq, Mk] or "
+                         f"[B, H, Mq, Mk]: seqlen {(sq, sk)} in blocks of {(bq, bk)}), got "
+                         f"{tuple(block_scores.shape)}")
+    delta = causal_offset(causal, sq, sk)
+    dev = block_scores.device
+    r = torch.arange(Mq, device=dev)[:, None]
+    c = torch.arange(Mk, device=dev)[None, :]
+    eligible = causal_blocks(r, c, (bq, bk), (sq, sk), delta).alive                     # [Mq, Mk]
+    diagonal = torch.zeros(Mq, Mk, dtype=torch.bool, device=dev)
+    if include_diagonal:
+        shift = 0 if delta is None else delta
+        first = torch.clamp(r * bq + shift, min=0) // bk                  # diagonal of the row's first query
+        last = (torch.clamp((r + 1) * bq, max=sq) - 1 + shift) // bk       # ... and of its last
+        diagonal = (c >= first) & (c <= last)
+    forced = torch.zeros((), dtype=torch.bool, device=dev)
+    if keep is not None:
+        if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
+            got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
+            raise TypeError(f"keep must be a torch.bool tensor of key blocks to always keep, got {got}")
+        try:
+            torch.broadcast_shapes(keep.shape, block_scores.shape)
+        except RuntimeError:
+            raise ValueError(f"keep must have shape [{Mk}] or broadcast to block_scores' "
+                             f"{tuple(block_scores.shape)}, got {tuple(keep.shape)}") from None
+        if keep.dim() > block_scores.dim() or (keep.dim() and keep.shape[-1] != Mk):
+            raise ValueError(f"keep must have shape [{Mk}] or broadcast to block_scores' "
+                             f"{tuple(block_scores.shape)}, got {tuple(keep.shape)}")
+        forced = keep.to(dev)
+    # rank classes: 3 diagonal, 2 kept, 1 eligible, 0 causal future (never chosen); inside a class
+    # by score, ties by the lower index (two stable sorts)
+    klass = torch.where(diagonal, 3, torch.where(forced, 2, 1)).to(torch.int8) * eligible
+    klass = klass.expand(block_scores.shape)
+    scores = torch.nan_to_num(block_scores.float(), nan=-math.inf)
+    by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    klass_sorted = torch.gather(klass, -1, by_score)
+    by_class = torch.sort(klass_sorted, dim=-1, descending=True, stable=True).indices[..., :min(k, Mk)]
+    chosen = torch.gather(by_score, -1, by_class)
+    chosen = torch.where(torch.gather(klass_sorted, -1, by_class) > 0, chosen, -1)
+    name = f"topk(k={k}{',causal' if delta is not None else ''})"
+    return BlockSparseLayout.from_kv_indices(chosen, (bq, bk), (sq, sk), check=False, name=name)

@@ -1,0 +1,77 @@
+"""Selectors: callables ``(q, k) -> BlockSparseLayout`` that choose a layout from the activations at
+every forward (:class:`~sparse_io_attn.nn.SparseSelfAttention`'s ``selector=``, the Hugging Face
+integration's ``"moba:..."`` specs).
+
+A selector runs on the activations' device with tensor operations only (block pooling, a small
+matmul, :func:`~sparse_io_attn.layout.patterns.topk`), so it adds no host synchronisation and
+traces under ``torch.compile(fullgraph=True)``; a new selection with the same shapes does not
+recompile. The selection itself is not differentiable (as in MoBA, the gate is a hard top-k).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparse_io_attn.layout.causal import causal_offset
+from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.layout.patterns.selection import topk
+
+
+def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x [B, H, N, D]`` -> the mean of each block of ``block`` positions, ``[B, H, ceil(N / block), D]``
+    (the last, ragged block averages the positions it has), in float32."""
+    B, H, N, D = x.shape
+    M = math.ceil(N / block)
+    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, M * block - N))
+    sizes = torch.clamp(N - torch.arange(M, device=x.device) * block, max=block).to(torch.float32)
+    return padded.view(B, H, M, block, D).sum(3) / sizes[:, None]
+
+
+class MoBASelector:
+    """MoBA-style block selection (Mixture of Block Attention, Lu et al. 2025): each query block reads
+    its own key block and the ``top_k - 1`` other key blocks whose mean-pooled keys score highest
+    against its mean-pooled queries, never a block wholly in the causal future.
+
+    Scores are per KV head (the query heads of a GQA group pool their queries together, as Native
+    Sparse Attention shares one selection per group), so the layout holds ``Hkv`` head masks and
+    every backend applies each to its group. Use it with ``causal=True`` on the attention (the
+    diagonal block is then masked element-wise); ``causal=False`` selects over every key block.
+    """
+
+    def __init__(self, block_size: int, top_k: int, *, causal: bool = True):
+        for what, x in (("block_size", block_size), ("top_k", top_k)):
+            if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+                raise ValueError(f"{what} must be a positive int, got {x!r}")
+        causal_offset(causal, 1, 1)   # ValueError naming the accepted modes
+        self.block_size, self.top_k, self.causal = block_size, top_k, causal
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Block scores ``[B, Hkv, Mq, Mk]``: pooled queries (averaged over each GQA group) times
+        pooled keys."""
+        B, Hq, _, D = q.shape
+        Hkv = k.shape[1]
+        qb = block_means(q.detach(), self.block_size)
+        qb = qb.view(B, Hkv, Hq // Hkv, qb.shape[2], D).mean(2)
+        return qb @ block_means(k.detach(), self.block_size).transpose(-1, -2)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> BlockSparseLayout:
+        if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] \
+                or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+            raise ValueError(f"the selector takes q [B, Hq, Nq, D] and k [B, Hkv, Nk, D] with Hq a multiple "
+                             f"of Hkv, got {tuple(q.shape)} and {tuple(k.shape)}")
+        with torch.no_grad():
+            return topk(self.scores(q, k), self.top_k, self.block_size, (q.shape[2], k.shape[2]),
+                        causal=self.causal, include_diagonal=True)
+
+    def __repr__(self) -> str:
+        return f"moba(block_size={self.block_size}, top_k={self.top_k}, causal={self.causal!r})"
+
+
+def moba(block_size: int, top_k: int, *, causal: bool = True) -> MoBASelector:
+    """The MoBA-style selector: key blocks of ``block_size`` tokens, ``top_k`` kept per query block
+    (the own block included). See :class:`MoBASelector`."""
+    return MoBASelector(block_size, top_k, causal=causal)
+
+
+__all__ = ["MoBASelector", "block_means", "moba"]

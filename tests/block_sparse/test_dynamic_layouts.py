@@ -1,0 +1,94 @@
+"""Layouts chosen from data (``from_kv_indices``, ``patterns.topk``) through every backend against the
+float64 reference with the same element mask, and caches that follow in-place edits of a layout's
+tensors on every backend."""
+import math
+
+import pytest
+import torch
+
+from sparse_io_attn import BlockSparseLayout, patterns
+from sparse_io_attn.block_sparse.reference import attention_reference
+
+from helpers import BACKENDS, check_close, make_inputs, run
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernel_present(request):
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("backend") == "cpu":
+        from sparse_io_attn.block_sparse import cpu
+        if not cpu.is_available():
+            pytest.skip(f"the C++ kernel cannot be built here: {cpu.unavailable_reason()}")
+
+
+def _check(backend, layout, B, Hq, Hkv, D, causal):
+    Nq, Nk = layout.seqlen
+    q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D)
+    check_close(run(q, k, v, do, layout, causal, backend=backend),
+                attention_reference(q, k, v, layout, causal=causal, do=do))
+
+
+# (B, Hq, Hkv, Nq, Nk, block, lead of the selection, causal)
+CASES = [
+    pytest.param(2, 2, 2, 100, 100, 16, (2, 2), True, id="per-batch-head-causal-ragged"),
+    pytest.param(1, 4, 2, 96, 96, 16, (1, 2), True, id="per-kv-head-gqa-causal"),
+    pytest.param(2, 4, 1, 80, 120, 16, (2, 1), "bottom_right", id="per-kv-head-mqa-bottom-right"),
+    pytest.param(1, 2, 2, 120, 80, (16, 32), (2,), False, id="per-head-rect-blocks"),
+    pytest.param(1, 2, 2, 64, 64, 16, (), "top_left", id="shared"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("B, Hq, Hkv, Nq, Nk, block, lead, causal", CASES)
+def test_kv_indices_layouts(backend, B, Hq, Hkv, Nq, Nk, block, lead, causal):
+    torch.manual_seed(Nq + Nk + len(lead))
+    bq, bk = (block, block) if isinstance(block, int) else block
+    nqb, nkb = math.ceil(Nq / bq), math.ceil(Nk / bk)
+    idx = torch.randint(-2, nkb, (*lead, nqb, 4))     # repeated and padded slots
+    idx[..., 1, :] = -1                                 # an empty row
+    layout = BlockSparseLayout.from_kv_indices(idx, block, (Nq, Nk))
+    _check(backend, layout, B, Hq, Hkv, 32, causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [True, "bottom_right", False])
+def test_topk_layouts(backend, causal):
+    torch.manual_seed(3)
+    B, Hq, Hkv, Nq, Nk, block = 1, 4, 2, 112, 144, 16
+    scores = torch.randn(B, Hkv, math.ceil(Nq / block), math.ceil(Nk / block))
+    layout = patterns.topk(scores, 3, block, (Nq, Nk), causal=causal)
+    _check(backend, layout, B, Hq, Hkv, 16, causal)
+
+
+def _edit_cases():
+    """(layout, edit) pairs: an element-exact layout whose masks are edited, and a fixed-capacity one
+    whose buffers receive another selection (how a per-step selection or a CUDA graph reuses them)."""
+    torch.manual_seed(0)
+    dense = torch.rand(2, 96, 96) < 0.4
+    exact = BlockSparseLayout.from_dense_mask(dense, 32)
+
+    def flip_masks(layout):
+        layout.partial_masks.bitwise_not_()
+
+    nkb = 3
+    dynamic = BlockSparseLayout.from_kv_indices(torch.randint(-1, nkb, (2, 3, 2)), 32, 96)
+    other = BlockSparseLayout.from_kv_indices(torch.randint(-1, nkb, (2, 3, 2)), 32, 96)
+
+    def refill(layout):
+        layout.crow_indices.copy_(other.crow_indices)
+        layout.col_slots.copy_(other.col_slots)
+    return [(exact, flip_masks), (dynamic, refill)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", [0, 1], ids=["partial-masks-edited", "selection-buffers-refilled"])
+def test_in_place_edits_rebuild_every_cache(backend, which):
+    layout, edit = _edit_cases()[which]
+    q, k, v, do = make_inputs(1, 2, 2, 96, 96, 16)
+    check_close(run(q, k, v, do, layout, True, backend=backend),
+                attention_reference(q, k, v, layout, causal=True, do=do))
+    before = layout.to_dense_mask().clone()
+    edit(layout)
+    assert not torch.equal(before, layout.to_dense_mask())
+    check_close(run(q, k, v, do, layout, True, backend=backend),
+                attention_reference(q, k, v, layout, causal=True, do=do))

@@ -1,0 +1,174 @@
+"""Layouts chosen from data: ``BlockSparseLayout.from_kv_indices`` and ``patterns.topk`` against
+brute-force Python on fresh random inputs, their errors, and that building them (and the kernels'
+schedule) never synchronises with the host."""
+import math
+
+import pytest
+import torch
+
+from sparse_io_attn import BlockSparseLayout, patterns
+from sparse_io_attn.block_sparse.schedule import schedule
+from sparse_io_attn.layout.causal import causal_blocks, causal_offset
+
+from helpers import no_host_sync
+
+
+def _lists_mask(idx, counts, nkb):
+    """Brute force: the block mask ``kv_indices`` (and ``kv_counts``) describe."""
+    lead = idx.shape[:-2]
+    mask = torch.zeros(*lead, idx.shape[-2], nkb, dtype=torch.bool)
+    flat_idx, flat_mask = idx.reshape(-1, idx.shape[-1]), mask.view(-1, nkb)
+    flat_counts = None if counts is None else counts.reshape(-1)
+    for row in range(flat_idx.shape[0]):
+        n = idx.shape[-1] if flat_counts is None else int(flat_counts[row])
+        for c in flat_idx[row, :n].tolist():
+            if 0 <= c < nkb:
+                flat_mask[row, c] = True
+    return mask
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3)])
+@pytest.mark.parametrize("with_counts", [False, True])
+def test_from_kv_indices_matches_brute_force(lead, with_counts):
+    torch.manual_seed(len(lead) * 2 + with_counts)
+    block, seqlen = (16, 32), (150, 200)       # ragged: 10 query blocks, 7 key blocks
+    nqb, nkb = math.ceil(150 / 16), math.ceil(200 / 32)
+    idx = torch.randint(-3, nkb, (*lead, nqb, 5))          # repeats and empty slots
+    idx[..., 0, :] = -1                                     # an empty row
+    counts = torch.randint(0, 6, (*lead, nqb)) if with_counts else None
+    layout = BlockSparseLayout.from_kv_indices(idx, block, seqlen, kv_counts=counts)
+    want = _lists_mask(idx, counts, nkb)
+    full_lead = (1,) * (2 - len(lead)) + tuple(lead)
+    assert torch.equal(layout.to_block_mask(), want.view(*full_lead, nqb, nkb))
+    assert layout.fixed_capacity and layout.col_slots.numel() == idx.numel()
+    assert layout.nnz_blocks == int(want.sum()) and layout.num_partial_blocks == 0
+    assert layout.equal(BlockSparseLayout.from_block_mask(want.view(*full_lead, nqb, nkb), block, seqlen))
+    layout.check()   # valid by construction, and the validation agrees
+    ccol, row = layout.ccol_indices, layout.row_indices
+    ref = BlockSparseLayout.from_block_mask(want.view(*full_lead, nqb, nkb), block, seqlen)
+    assert torch.equal(ccol, ref.ccol_indices)
+    assert torch.equal(row[:layout.nnz_blocks], ref.row_indices)
+
+
+def test_from_kv_indices_int32_and_order_do_not_matter():
+    idx = torch.tensor([[2, 0, 2, -1], [1, 1, 1, 1], [-5, -1, -1, -1]])
+    a = BlockSparseLayout.from_kv_indices(idx, 8, 24)
+    b = BlockSparseLayout.from_kv_indices(idx.flip(-1).to(torch.int32), 8, 24)
+    assert a.equal(b)
+    assert a.to_block_mask()[0, 0].tolist() == [[True, False, True], [False, True, False], [False, False, False]]
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (lambda: BlockSparseLayout.from_kv_indices(torch.zeros(4, 2), 16, 64), TypeError, "int32 or int64"),
+    (lambda: BlockSparseLayout.from_kv_indices(torch.zeros(4, dtype=torch.long), 16, 64), ValueError, r"\[Mq, K\]"),
+    (lambda: BlockSparseLayout.from_kv_indices(torch.zeros(3, 2, dtype=torch.long), 16, 64), ValueError,
+     "3 query-block rows"),
+    (lambda: BlockSparseLayout.from_kv_indices(torch.full((4, 2), 4), 16, 64), ValueError, "key block 4"),
+    (lambda: BlockSparseLayout.from_kv_indices(torch.zeros(4, 2, dtype=torch.long), 16, 64,
+                                               kv_counts=torch.full((4,), 3)), ValueError, r"\[0, 2\]"),
+    (lambda: BlockSparseLayout.from_kv_indices(torch.zeros(4, 2, dtype=torch.long), 16, 64,
+                                               kv_counts=torch.zeros(2, dtype=torch.long)), ValueError, "shape"),
+    (lambda: BlockSparseLayout.from_kv_indices(torch.zeros(4, 2, dtype=torch.long), 16, 64,
+                                               kv_counts=torch.zeros(4)), TypeError, "kv_counts"),
+])
+def test_from_kv_indices_errors(bad, err, match):
+    with pytest.raises(err, match=match):
+        bad()
+
+
+def test_unchecked_out_of_range_entries_are_empty_slots():
+    idx = torch.tensor([[0, 7, 99], [1, 4, -2], [2, 2, 100], [3, 5, 6]])
+    layout = BlockSparseLayout.from_kv_indices(idx, 16, 64, check=False)
+    assert layout.to_block_mask()[0, 0].sum(1).tolist() == [1, 1, 1, 1]
+
+
+def _topk_brute(scores, k, block, seqlen, causal, include_diagonal, keep):
+    """Python over every row: classes diagonal > keep > eligible, then score, then lower index."""
+    (bq, bk), (sq, sk) = block, seqlen
+    nqb, nkb = scores.shape[-2:]
+    delta = causal_offset(causal, sq, sk)
+    shift = 0 if delta is None else delta
+    out = torch.zeros(scores.shape, dtype=torch.bool)
+    keep_b = None if keep is None else keep.expand(scores.shape)
+    for pos in torch.cartesian_prod(*[torch.arange(n) for n in scores.shape[:-1]]).view(-1, scores.dim() - 1).tolist():
+        r = pos[-1]
+        q_lo, q_hi = r * bq, min((r + 1) * bq, sq) - 1
+        ranked = []
+        for c in range(nkb):
+            alive = bool(causal_blocks(torch.tensor(r), torch.tensor(c), block, seqlen, delta).alive)
+            if not alive:
+                continue
+            diag = include_diagonal and max(q_lo + shift, 0) // bk <= c <= (q_hi + shift) // bk
+            kept = keep_b is not None and bool(keep_b[tuple(pos)][c])
+            s = float(scores[tuple(pos)][c])
+            s = -math.inf if math.isnan(s) else s
+            ranked.append((-(3 if diag else 2 if kept else 1), -s, c))
+        for _, _, c in sorted(ranked)[:k]:
+            out[tuple(pos)][c] = True
+    return out
+
+
+@pytest.mark.parametrize("lead", [(), (2,), (2, 2)])
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("seqlen, block", [((128, 128), 16), ((100, 170), (16, 32)), ((170, 100), 32)])
+def test_topk_matches_brute_force(lead, causal, seqlen, block):
+    torch.manual_seed(hash((lead, str(causal), seqlen)) % 1000)
+    bq, bk = (block, block) if isinstance(block, int) else block
+    nqb, nkb = math.ceil(seqlen[0] / bq), math.ceil(seqlen[1] / bk)
+    scores = torch.randn(*lead, nqb, nkb)
+    scores[..., 1, :] = 0.0                               # ties: the lower index wins
+    scores[..., 2, 0] = float("nan")
+    keep = torch.zeros(nkb, dtype=torch.bool)
+    keep[-1] = True
+    for k, inc, kp in ((1, True, None), (3, True, keep), (3, False, None), (nkb + 2, True, None), (2, True, keep)):
+        layout = patterns.topk(scores, k, block, seqlen, causal=causal, include_diagonal=inc, keep=kp)
+        want = _topk_brute(scores, k, (bq, bk), seqlen, causal, inc, kp)
+        got = layout.to_block_mask().reshape(want.shape)
+        assert torch.equal(got, want), (k, inc, kp is not None)
+
+
+def test_topk_per_row_keep_and_errors():
+    scores = torch.randn(4, 4)
+    keep = torch.eye(4, dtype=torch.bool).flip(0)          # row r always keeps block 3 - r
+    got = patterns.topk(scores, 2, 8, 32, keep=keep, include_diagonal=False).to_block_mask()[0, 0]
+    assert got[torch.arange(4), 3 - torch.arange(4)].all() and got.sum().item() == 8
+    with pytest.raises(ValueError, match="positive int"):
+        patterns.topk(scores, 0, 8, 32)
+    with pytest.raises(TypeError, match="floating-point"):
+        patterns.topk(scores.long(), 1, 8, 32)
+    with pytest.raises(ValueError, match=r"\[\.\.\., 4, 4\]"):
+        patterns.topk(torch.randn(4, 3), 1, 8, 32)
+    with pytest.raises(TypeError, match="keep"):
+        patterns.topk(scores, 1, 8, 32, keep=torch.ones(4))
+    with pytest.raises(ValueError, match="keep"):
+        patterns.topk(scores, 1, 8, 32, keep=torch.ones(5, dtype=torch.bool))
+
+
+def test_selection_and_schedule_never_synchronise():
+    scores = torch.randn(2, 3, 8, 8)
+    idx = torch.randint(-1, 8, (2, 3, 8, 4))
+    with no_host_sync():
+        for layout in (patterns.topk(scores, 3, 16, 128, causal=True),
+                       BlockSparseLayout.from_kv_indices(idx, 16, 128, check=False)):
+            for delta in (None, 0):
+                schedule(layout, delta)
+            layout.ccol_indices
+            layout.for_query_heads(6, 3)
+    with pytest.raises(AssertionError, match="host synchronisation"), no_host_sync():
+        BlockSparseLayout.from_kv_indices(idx, 16, 128)._used_slots()     # the guard can fail
+
+
+@pytest.mark.parametrize("delta", [None, 0, 37])
+def test_device_schedule_equals_the_layout(delta):
+    """The fixed-capacity schedule lists the same blocks as the exact layout's schedule."""
+    idx = torch.randint(-2, 7, (2, 2, 7, 3))
+    dyn = BlockSparseLayout.from_kv_indices(idx, 16, 100)
+    exact = BlockSparseLayout.from_block_mask(dyn.to_block_mask(), 16, 100)
+    a, b = schedule(dyn, delta), schedule(exact, delta)
+    for order in ("rows", "cols"):
+        la, lb = getattr(a, order), getattr(b, order)
+        assert torch.equal(la.full_ptr, lb.full_ptr) and torch.equal(la.part_ptr, lb.part_ptr)
+        nf, np_ = int(la.full_ptr[-1, -1]), int(la.part_ptr[-1, -1])
+        assert torch.equal(la.full_idx[:nf], lb.full_idx[:nf])
+        assert torch.equal(la.part_idx[:np_], lb.part_idx[:np_])
+        assert torch.equal(la.part_mask[:np_], lb.part_mask[:np_])

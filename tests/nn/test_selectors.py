@@ -1,0 +1,115 @@
+"""Layouts chosen from the activations: the MoBA-style selector against brute force, the layer with a
+selector on every backend against the float64 reference, and a compiled training step that selects
+anew at every call with ``fullgraph=True``, no graph break and no recompilation."""
+import math
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from sparse_io_attn import patterns
+from sparse_io_attn.block_sparse.api import prologue
+from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
+from sparse_io_attn.nn import SparseSelfAttention, block_sparse_attention_op, selectors
+from sparse_io_attn.nn.ops import layout_op_args
+
+from helpers import BACKENDS, no_host_sync
+
+
+def _pooled(x, block):
+    """Brute force: the mean of each block of positions (the last one ragged), float64."""
+    B, H, N, D = x.shape
+    return torch.stack([x[:, :, s:s + block].double().mean(2) for s in range(0, N, block)], dim=2)
+
+
+def test_block_means_and_moba_scores_match_brute_force():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 70, 8), torch.randn(2, 2, 70, 8)
+    sel = selectors.moba(16, 2)
+    assert rel_err(selectors.block_means(k, 16).double(), _pooled(k, 16)) < 1e-6
+    qg = _pooled(q, 16).view(2, 2, 2, 5, 8).mean(2)                         # the GQA group's queries
+    want = qg @ _pooled(k, 16).transpose(-1, -2)
+    assert rel_err(sel.scores(q, k).double(), want) < 1e-5
+    layout = sel(q, k)
+    assert (layout.layout_batch, layout.layout_heads) == (2, 2)
+    assert layout.equal(patterns.topk(sel.scores(q, k), 2, 16, 70, causal=True))
+    mask = layout.to_block_mask()
+    assert mask[..., torch.arange(5), torch.arange(5)].all()                 # the own block, always
+    assert not mask.triu(1).any()                                            # nothing in the future
+    assert (mask.sum(-1) == torch.tensor([1, 2, 2, 2, 2])).all()             # top_k, or what row 0 has
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_with_selector_matches_reference(backend):
+    torch.manual_seed(1)
+    layer = SparseSelfAttention(32, 4, selector=selectors.moba(16, 2), num_kv_heads=2, causal=True,
+                                backend=backend).double()
+    x = torch.randn(2, 75, 32, dtype=torch.float64)
+    B, N, _ = x.shape
+    q = layer.q_proj(x).view(B, N, 4, 8).transpose(1, 2)
+    k = layer.k_proj(x).view(B, N, 2, 8).transpose(1, 2)
+    v = layer.v_proj(x).view(B, N, 2, 8).transpose(1, 2)
+    layout = layer.selector(q, k)
+    ref = attention_reference(q, k, v, layout, causal=True)[0]
+    ref = layer.out_proj(ref.transpose(1, 2).reshape(B, N, 32))
+    fp32 = layer.float()
+    out = fp32(x.float())
+    assert rel_err(out, ref) < 1e-5
+    out.square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in fp32.parameters())
+
+
+def test_compiled_step_selects_every_call_without_recompiling():
+    torch.manual_seed(2)
+    layer = SparseSelfAttention(32, 4, selector=selectors.moba(16, 3), num_kv_heads=2, causal=True, backend="cpu")
+    counter = CompileCounterWithBackend("aot_eager")
+    loss_fn = torch.compile(lambda x: layer(x).square().mean(), fullgraph=True, backend=counter)
+    torch._dynamo.reset()
+    selections = []
+    for step in range(3):
+        x = torch.randn(2, 96, 32)
+        layer.zero_grad()
+        loss = loss_fn(x)
+        loss.backward()
+        got = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+        eager = layer(x).square().mean()
+        eager.backward()
+        assert rel_err(loss, eager) < 1e-6
+        assert all(rel_err(a, p.grad) < 1e-4 for a, p in zip(got, layer.parameters()))
+        q = layer.q_proj(x).view(2, 96, 4, 8).transpose(1, 2)
+        k = layer.k_proj(x).view(2, 96, 2, 8).transpose(1, 2)
+        selections.append(layer.selector(q, k).to_block_mask())
+    assert counter.frame_count == 1 and counter.op_count > 0     # one graph, traced once
+    assert not all(torch.equal(selections[0], s) for s in selections[1:])   # the selection did change
+
+
+def test_selector_pipeline_never_synchronises():
+    q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
+    sel = selectors.moba(16, 2)
+    out = block_sparse_attention_op(q, k, v, sel(q, k), causal=True, backend="cpu")   # builds the C++ kernel first
+    with no_host_sync():
+        layout = sel(q, k)
+        call = prologue(q, k, v, layout, causal=True, sm_scale=None, backend="cpu")
+        layout_op_args(call.layout)
+    assert torch.isfinite(out).all()
+
+
+def test_selector_errors():
+    with pytest.raises(ValueError, match="not both"):
+        SparseSelfAttention(16, 2, patterns.dense(8, 8), selector=selectors.moba(8, 1), causal=True)
+    with pytest.raises(ValueError, match="causal=True"):
+        SparseSelfAttention(16, 2, selector=selectors.moba(8, 1))
+    with pytest.raises(TypeError, match="callable"):
+        SparseSelfAttention(16, 2, selector=3)
+    with pytest.raises(ValueError, match="positive int"):
+        selectors.moba(0, 2)
+    with pytest.raises(ValueError, match="top_k"):
+        selectors.moba(16, -1)
+    layer = SparseSelfAttention(16, 2, selector=selectors.moba(8, 1), causal=True)
+    with pytest.raises(ValueError, match="selector"):
+        layer.layout_for(16)
+    with pytest.raises(ValueError, match="Hq a multiple"):
+        selectors.moba(8, 1)(torch.randn(1, 3, 16, 4), torch.randn(1, 2, 16, 4))
+    assert "moba(block_size=8, top_k=1" in repr(layer)
+    assert math.isfinite(float(layer(torch.randn(1, 16, 16)).detach().sum()))
