@@ -9,7 +9,6 @@ recompile. The selection itself is not differentiable (as in MoBA, the gate is a
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -22,10 +21,11 @@ def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     """``x [B, H, N, D]`` -> the mean of each block of ``block`` positions, ``[B, H, ceil(N / block), D]``
     (the last, ragged block averages the positions it has), in float32."""
     B, H, N, D = x.shape
-    M = math.ceil(N / block)
-    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, M * block - N))
-    sizes = torch.clamp(N - torch.arange(M, device=x.device) * block, max=block).to(torch.float32)
-    return padded.view(B, H, M, block, D).sum(3) / sizes[:, None]
+    whole = N // block
+    means = x[:, :, :whole * block].unflatten(2, (whole, block)).float().mean(3)   # no copy of x
+    if whole * block < N:                                                          # the ragged last block
+        means = torch.cat([means, x[:, :, whole * block:].float().mean(2, keepdim=True)], dim=2)
+    return means
 
 
 class MoBASelector:
@@ -74,4 +74,39 @@ def moba(block_size: int, top_k: int, *, causal: bool = True) -> MoBASelector:
     return MoBASelector(block_size, top_k, causal=causal)
 
 
-__all__ = ["MoBASelector", "block_means", "moba"]
+#: selector spec names -> (factory, parameter names in positional order, aliases)
+SPECS = {"moba": (moba, ("block_size", "top_k"), {"block": "block_size", "b": "block_size", "k": "top_k",
+                                                     "topk": "top_k"})}
+
+
+def is_spec(spec) -> bool:
+    """Whether ``spec`` is a selector spec string (``"moba:..."``) rather than a static pattern's."""
+    return isinstance(spec, str) and spec.strip().split(":", 1)[0].strip() in SPECS
+
+
+def from_spec(spec: str, *, causal=True) -> MoBASelector:
+    """A selector from a spec string: ``"moba:block=64,top_k=8"`` (or positionally ``"moba:64,8"``;
+    keys ``block``/``block_size``, ``top_k``/``k``). ``ValueError`` naming the accepted form otherwise."""
+    name, _, args = spec.strip().partition(":")
+    if name.strip() not in SPECS:
+        raise ValueError(f"unknown selector {name!r} in {spec!r}; available: {sorted(SPECS)}")
+    factory, params, aliases = SPECS[name.strip()]
+    form = f"{name}:" + ",".join(f"{p}=<int>" for p in params)
+    values: dict = {}
+    for i, arg in enumerate(a.strip() for a in args.split(",") if a.strip()):
+        key, eq, value = arg.partition("=")
+        key = aliases.get(key.strip(), key.strip()) if eq else (params[i] if i < len(params) else None)
+        value = value if eq else arg
+        if key not in params or key in values:
+            raise ValueError(f"selector spec {spec!r}: unexpected argument {arg!r}; expected {form}")
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise ValueError(f"selector spec {spec!r}: {key} must be an int, got {value!r}") from None
+    missing = [p for p in params if p not in values]
+    if missing:
+        raise ValueError(f"selector spec {spec!r} misses {missing}; expected {form}")
+    return factory(**values, causal=causal)
+
+
+__all__ = ["MoBASelector", "block_means", "from_spec", "is_spec", "moba"]

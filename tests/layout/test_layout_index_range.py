@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sparse_io_attn.layout._csr as csr_module
-from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout import _bits, patterns
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 
@@ -72,6 +72,8 @@ def test_every_constructor_refuses_too_many_blocks(index_limit):
         "from_scipy_bsr": lambda: BlockSparseLayout.from_scipy_bsr(
             __import__("scipy.sparse").sparse.csr_matrix(dense.numpy().astype("int8")).tobsr(blocksize=(4, 4))),
         "from_torch_bsr": lambda: BlockSparseLayout.from_torch_bsr(dense.to_sparse_bsr((4, 4))),
+        "from_kv_indices": lambda: BlockSparseLayout.from_kv_indices(torch.zeros(3, 2, dtype=torch.long), 4, 12),
+        "patterns.topk": lambda: patterns.topk(torch.randn(3, 3), 2, 4, 12),   # capacity: 3 rows x 2 slots
     }
     for what, build in builds.items():
         with pytest.raises(ValueError, match="at most 5 stored blocks"):

@@ -11,6 +11,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sparse_io_attn.integrations.transformers.config import CONFIG_ATTR, LayerPattern, layer_pattern, module_pattern
+from sparse_io_attn.nn import selectors
 from sparse_io_attn.layout import patterns
 from sparse_io_attn.layout.core import BlockSparseLayout
 
@@ -106,6 +107,30 @@ def _build_no_mask(module, q: int, kv: int, device: torch.device):
         setattr(module, _MODULE_CACHE_ATTR, cache)
     cache[(q, kv, str(device))] = entry
     return entry
+
+
+def module_selector(module, causal):
+    """The module's selector (``config.sparse_attention`` such as ``"moba:block=64,top_k=8"``) with the
+    model's causality, or ``None`` for a static pattern (cached on the module)."""
+    cache = getattr(module, _MODULE_CACHE_ATTR, None)
+    key = ("selector", causal)
+    if cache is not None and key in cache:
+        return cache[key]
+    return _build_selector(module, causal)
+
+
+@torch.compiler.disable(reason="sparse_io_attn: reading config.sparse_attention; run one eager forward before "
+                        "torch.compile(..., fullgraph=True)")
+def _build_selector(module, causal):
+    selector = module_pattern(module).selector
+    if selector is not None:
+        selector = selectors.moba(selector.block_size, selector.top_k, causal=causal)
+    cache = getattr(module, _MODULE_CACHE_ATTR, None)
+    if cache is None or len(cache) >= _MODULE_CACHE_SIZE:
+        cache = {}
+        setattr(module, _MODULE_CACHE_ATTR, cache)
+    cache[("selector", causal)] = selector
+    return selector
 
 
 # mask tensor -> (q_offset, kv_offset, maybe_packed) recorded by sparse_io_attn_mask when the offsets

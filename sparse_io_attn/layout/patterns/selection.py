@@ -21,8 +21,8 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
         block_scores: float ``[Mq, Mk]``, ``[H, Mq, Mk]`` or ``[B, H, Mq, Mk]`` with
             ``Mq = ceil(seqlen_q / BLOCK_SIZE_Q)``, ``Mk = ceil(seqlen_k / BLOCK_SIZE_KV)``: one score
             per (query block, key block), e.g. mean-pooled queries times mean-pooled keys. ``H`` may
-            be the number of query heads or of KV heads (one selection per GQA group). NaN scores
-            rank lowest.
+            be the number of query heads or of KV heads (one selection per GQA group). Compared in
+            float32; NaN scores rank lowest.
         k: the blocks kept per row, a positive int (at most ``Mk`` are kept).
         block_size, seqlen: an int or a ``(q, kv)`` pair each, as for every layout.
         causal: ``False``, ``True``/``"top_left"`` or ``"bottom_right"`` (as the attention call's
@@ -78,14 +78,21 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
                              f"{tuple(block_scores.shape)}, got {tuple(keep.shape)}")
         forced = keep.to(dev)
     # rank classes: 3 diagonal, 2 kept, 1 eligible, 0 causal future (never chosen); inside a class
-    # by score, ties by the lower index (two stable sorts)
-    klass = torch.where(diagonal, 3, torch.where(forced, 2, 1)).to(torch.int8) * eligible
-    klass = klass.expand(block_scores.shape)
-    scores = torch.nan_to_num(block_scores.float(), nan=-math.inf)
-    by_score = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    klass_sorted = torch.gather(klass, -1, by_score)
-    by_class = torch.sort(klass_sorted, dim=-1, descending=True, stable=True).indices[..., :min(k, Mk)]
-    chosen = torch.gather(by_score, -1, by_class)
-    chosen = torch.where(torch.gather(klass_sorted, -1, by_class) > 0, chosen, -1)
+    # by score, ties by the lower index: one unique int64 key per block, so topk's order is exact
+    klass = torch.where(diagonal, 3, torch.where(forced, 2, 1)).to(torch.int64) * eligible
+    index_bits = max(1, (Mk - 1).bit_length())
+    if index_bits > 28:
+        raise ValueError(f"topk ranks at most 2**28 key blocks per row, got {Mk}; use larger blocks")
+    scores = torch.nan_to_num(block_scores.float(), nan=-math.inf) + 0.0     # -0.0 ranks as 0.0
+    key = (klass << (32 + index_bits)) | (_ordered_bits(scores) << index_bits) | (Mk - 1 - c)
+    top = torch.topk(key, min(k, Mk), dim=-1, sorted=True).values
+    chosen = torch.where(top >> (32 + index_bits) > 0, Mk - 1 - (top & ((1 << index_bits) - 1)), -1)
     name = f"topk(k={k}{',causal' if delta is not None else ''})"
     return BlockSparseLayout.from_kv_indices(chosen, (bq, bk), (sq, sk), check=False, name=name)
+
+
+def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 in ``[0, 2**32)`` with the same order (``-inf`` lowest): the IEEE bits with the
+    sign flipped for positive numbers and all bits flipped for negative ones."""
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 1 << 31, 0xFFFFFFFF - bits, bits + (1 << 31))
