@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from sparse_io_attn.accounting.network import BACKWARD, FORWARD
+from sparse_io_attn.accounting.network import BACKWARD, BACKWARD_INPUTS, FORWARD, PARTIALS
 from sparse_io_attn.block_sparse.api import Prologue, backend_module, prologue
 from sparse_io_attn.block_sparse.causal import causal_offset
 from sparse_io_attn.distributed.plan import ContextParallelPlan, Exchange
@@ -64,83 +64,174 @@ class _Call(NamedTuple):
     causal: bool
 
 
-def _start(buf: torch.Tensor, out_rows: int, splits_out: list, splits_in: list, call: _Call, collective: str,
-           names: tuple[str, str]):
-    """Start ``all_to_all_single`` of ``buf`` (``[tokens, 2, B, H, D]``) asynchronously; count its bytes."""
-    recv = buf.new_empty((out_rows,) + tuple(buf.shape[1:]))
-    work = dist.all_to_all_single(recv, buf, output_split_sizes=splits_out, input_split_sizes=splits_in,
+class _Part(NamedTuple):
+    """One tensor of an exchange: ``rows`` ``[tokens, features]`` grouped by destination rank,
+    ``send``/``recv`` the tokens to/from each rank, ``names`` the tensors sharing its bytes equally."""
+    rows: torch.Tensor
+    send: list
+    recv: list
+    names: tuple
+
+
+def _start(parts: list, call: _Call, collective: str):
+    """Start one ``all_to_all_single`` moving every part (one flat buffer, per-rank element splits;
+    asynchronous) and count its bytes; returns ``finish()``, which waits and gives each part's
+    received rows ``[tokens, features]`` grouped by source rank."""
+    W = call.plan.world_size
+    feats = [p.rows.shape[1] for p in parts]
+    chunks, offsets = [], [0] * len(parts)
+    send_splits = [sum(p.send[dst] * f for p, f in zip(parts, feats)) for dst in range(W)]
+    recv_splits = [sum(p.recv[src] * f for p, f in zip(parts, feats)) for src in range(W)]
+    for dst in range(W):
+        for i, p in enumerate(parts):
+            chunks.append(p.rows[offsets[i]:offsets[i] + p.send[dst]].reshape(-1))
+            offsets[i] += p.send[dst]
+    buf = torch.cat(chunks)
+    out = buf.new_empty(sum(recv_splits))
+    work = dist.all_to_all_single(out, buf, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                                   group=call.group, async_op=True)
-    per_tensor = lambda t: t.numel() // 2 * t.element_size()  # noqa: E731  (the pair is stacked on dim 1)
-    count_network(collective, {n: per_tensor(buf) for n in names}, {n: per_tensor(recv) for n in names})
-    return recv, work
+    size = buf.element_size()
+    sent, received = {}, {}
+    for p, f in zip(parts, feats):
+        for name in p.names:
+            sent[name] = sum(p.send) * f * size // len(p.names)
+            received[name] = sum(p.recv) * f * size // len(p.names)
+    count_network(collective, sent, received)
+
+    def finish() -> list:
+        work.wait()
+        got, pos = [[] for _ in parts], 0
+        for src in range(W):
+            for i, (p, f) in enumerate(zip(parts, feats)):
+                got[i].append(out[pos:pos + p.recv[src] * f])
+                pos += p.recv[src] * f
+        return [torch.cat(g).view(-1, f) for g, f in zip(got, feats)]
+    return finish
 
 
-def _received_call(q, k_r, v_r, call: _Call) -> Prologue:
-    received = call.plan.rank_layouts(call.rank).received
-    return prologue(q, k_r, v_r, received, causal=False, sm_scale=call.local.sm_scale, backend=call.local.backend)
+def _part_call(q, k, v, layout, call: _Call) -> Prologue:
+    return prologue(q, k, v, layout, causal=False, sm_scale=call.local.sm_scale, backend=call.local.backend)
 
 
 def _kwargs(p: Prologue) -> dict:
     return dict(causal_offset=p.causal_offset, sm_scale=p.sm_scale, layout_strides=p.layout_strides)
 
 
+def _rows(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """Tokens ``index`` of ``x`` along ``dim`` as rows ``[tokens, features]``."""
+    features = x.numel() // x.shape[dim]
+    return x.index_select(dim, index.to(x.device)).movedim(dim, 0).reshape(index.numel(), features)
+
+
+def _tokens(rows: torch.Tensor, order: torch.Tensor, shape: tuple, dim: int) -> torch.Tensor:
+    """Rows back to a tensor with tokens (taken in ``order``) along ``dim``; ``shape`` per token."""
+    return rows.index_select(0, order.to(rows.device)).view(-1, *shape).movedim(0, dim).contiguous()
+
+
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
         mod = backend_module(call.local.backend)
-        ex = call.exchange
-        k_r = v_r = None
+        ex, lay = call.exchange, call.plan.rank_layouts(call.rank)
+        B, Hq, _, D = q.shape
+        Hkv = k.shape[1]
+        k_r = v_r = q_f = None
         if ex is not None:
-            send = torch.stack([k, v]).index_select(3, torch.cat(ex.send_index).to(k.device))
-            recv, work = _start(send.movedim(3, 0).contiguous(), sum(ex.recv_splits), ex.recv_splits,
-                                ex.send_splits, call, FORWARD, ("k", "v"))
-        out, lse, stats = mod.forward(q, k, v, call.local.layout, **_kwargs(call.local))
-        if ex is not None:
-            work.wait()
-            if recv.shape[0]:
-                kv = recv.index_select(0, ex.recv_order.to(recv.device)).movedim(0, 3)   # [2, B, Hkv, n_recv, D]
-                k_r, v_r = kv[0].contiguous(), kv[1].contiguous()
-                part = _received_call(q, k_r, v_r, call)
-                out2, _, stats2 = mod.forward(q, k_r, v_r, part.layout, **_kwargs(part))
-                out, lse, stats = merge_partials(out, stats, out2, stats2)
-        ctx.save_for_backward(q, k, v, k_r, v_r, out, stats)
+            finish = _start([_Part(_rows(torch.stack([k, v]), 3, torch.cat(ex.send_index)), ex.send_splits,
+                                   ex.recv_splits, ("k", "v")),
+                             _Part(_rows(q, 2, torch.cat(ex.q_send_index)), ex.q_send_splits, ex.q_recv_splits,
+                                   ("q",))], call, FORWARD)
+        out, _, stats = mod.forward(q, k, v, call.local.layout, **_kwargs(call.local))
+        if ex is None:
+            ctx.save_for_backward(q, k, v, k_r, v_r, q_f, out, stats)
+            ctx.call = call
+            return out
+        kv_got, q_got = finish()
+        if kv_got.shape[0]:
+            kv = _tokens(kv_got, ex.recv_order, (2, B, Hkv, D), 3)        # [2, B, Hkv, n_received, D]
+            k_r, v_r = kv[0], kv[1]
+            part = _part_call(q, k_r, v_r, lay.received, call)
+            out2, _, stats2 = mod.forward(q, k_r, v_r, part.layout, **_kwargs(part))
+            out, _, stats = merge_partials(out, stats, out2, stats2)
+        if call.plan.spreads:                                             # partial results of spread rows
+            n_f = q_got.shape[0]
+            o_rows, s_rows = q.new_empty((0, B * Hq * D), dtype=torch.float32), stats.new_empty((0, 2 * B * Hq))
+            if n_f:
+                q_f = _tokens(q_got, ex.q_recv_order, (B, Hq, D), 2)
+                part = _part_call(q_f, k, v, lay.foreign, call)
+                o_f, _, s_f = mod.forward(q_f, k, v, part.layout, **_kwargs(part))
+                o_rows, s_rows = _rows(o_f.float(), 2, ex.q_recv_inverse), _rows(s_f, 3, ex.q_recv_inverse)
+            o_got, s_got = _start([_Part(o_rows, ex.q_recv_splits, ex.q_send_splits, ("o",)),
+                                   _Part(s_rows, ex.q_recv_splits, ex.q_send_splits, ("stats",))],
+                                  call, PARTIALS)()
+            pos = 0
+            for index, n in zip(ex.q_send_index, ex.q_send_splits):       # rank order: deterministic
+                if n:
+                    index = index.to(q.device)
+                    o_j = o_got[pos:pos + n].view(n, B, Hq, D).movedim(0, 2)
+                    s_j = s_got[pos:pos + n].view(n, 2, B, Hq).movedim(0, 3)
+                    o_m, _, s_m = merge_partials(out.index_select(2, index), stats.index_select(3, index), o_j, s_j)
+                    out, stats = out.index_copy(2, index, o_m), stats.index_copy(3, index, s_m)
+                pos += n
+        ctx.save_for_backward(q, k, v, k_r, v_r, q_f, out, stats)
         ctx.call = call
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return out
 
     @staticmethod
-    def backward(ctx, do, _dlse):
+    def backward(ctx, do):
         if torch.is_grad_enabled():
             raise NotImplementedError("context_parallel_attention: double backward (create_graph=True) is "
                                       "not supported: the backward kernels are not differentiable")
-        q, k, v, k_r, v_r, out, stats = ctx.saved_tensors
+        q, k, v, k_r, v_r, q_f, out, stats = ctx.saved_tensors
         call = ctx.call
-        ex = call.exchange
+        ex, lay = call.exchange, call.plan.rank_layouts(call.rank)
         mod = backend_module(call.local.backend)
+        B, Hq, _, D = q.shape
+        Hkv = k.shape[1]
         do = do.contiguous()
-        dq_r = None
+        if ex is not None and call.plan.spreads:                          # spread rows' do, out, stats out
+            rows = torch.cat(ex.q_send_index)
+            finish_in = _start([_Part(_rows(t.float(), 2, rows), ex.q_send_splits, ex.q_recv_splits, (name,))
+                                for t, name in ((do, "do"), (out, "o"))]
+                               + [_Part(_rows(stats, 3, rows), ex.q_send_splits, ex.q_recv_splits, ("stats",))],
+                               call, BACKWARD_INPUTS)
+        dq_r = dkv_r = dq_f = dkv_f = None
+        if k_r is not None:
+            part = _part_call(q, k_r, v_r, lay.received, call)
+            dq_r, dk_r, dv_r = mod.backward(do, q, k_r, v_r, out, stats, part.layout, **_kwargs(part))
+            dkv_r = torch.stack([dk_r, dv_r])
+        if ex is not None and call.plan.spreads:
+            do_got, o_got, s_got = finish_in()
+            if q_f is not None:
+                do_f = _tokens(do_got, ex.q_recv_order, (B, Hq, D), 2).to(q.dtype)
+                out_f = _tokens(o_got, ex.q_recv_order, (B, Hq, D), 2).to(q.dtype)
+                s_f = _tokens(s_got, ex.q_recv_order, (2, B, Hq), 3)
+                part = _part_call(q_f, k, v, lay.foreign, call)
+                dq_f, dk_f, dv_f = mod.backward(do_f, q_f, k, v, out_f, s_f, part.layout, **_kwargs(part))
+                dkv_f = torch.stack([dk_f, dv_f])
         if ex is not None:
-            if k_r is not None:
-                part = _received_call(q, k_r, v_r, call)
-                dq_r, dk_r, dv_r = mod.backward(do, q, k_r, v_r, out, stats, part.layout, **_kwargs(part))
-                back = torch.stack([dk_r, dv_r]).movedim(3, 0).index_select(0, ex.recv_inverse.to(q.device))
-            else:
-                back = k.new_empty((0, 2) + (k.shape[0], k.shape[1], k.shape[3]))
-            grads, work = _start(back.contiguous(), sum(ex.send_splits), ex.send_splits, ex.recv_splits, call,
-                                 BACKWARD, ("dk", "dv"))
+            kv_rows = (_rows(dkv_r, 3, ex.recv_inverse) if dkv_r is not None
+                       else k.new_empty((0, 2 * B * Hkv * D)))
+            q_rows = _rows(dq_f, 2, ex.q_recv_inverse) if dq_f is not None else q.new_empty((0, B * Hq * D))
+            finish_grads = _start([_Part(kv_rows, ex.recv_splits, ex.send_splits, ("dk", "dv")),
+                                   _Part(q_rows, ex.q_recv_splits, ex.q_send_splits, ("dq",))], call, BACKWARD)
         dq, dk, dv = mod.backward(do, q, k, v, out, stats, call.local.layout, **_kwargs(call.local))
+        dq32, dkv = dq.float(), torch.stack([dk, dv]).float()
         if dq_r is not None:
-            dq = (dq.float() + dq_r.float()).to(dq.dtype)
+            dq32 += dq_r.float()
+        if dkv_f is not None:
+            dkv += dkv_f.float()
         if ex is not None:
-            work.wait()
-            dkv = torch.stack([dk, dv]).float()
-            start = 0
-            for index, rows in zip(ex.send_index, ex.send_splits):      # rank order: deterministic sums
-                if rows:
-                    dkv.index_add_(3, index.to(dkv.device), grads[start:start + rows].movedim(0, 3).float())
-                start += rows
-            dk, dv = dkv[0].to(dk.dtype), dkv[1].to(dv.dtype)
-        return dq, dk, dv, None
+            kv_got, q_got = finish_grads()
+            for got, dest, dim, index, splits, shape in (
+                    (kv_got, dkv, 3, ex.send_index, ex.send_splits, (2, B, Hkv, D)),
+                    (q_got, dq32, 2, ex.q_send_index, ex.q_send_splits, (B, Hq, D))):
+                pos = 0
+                for idx, n in zip(index, splits):                         # rank order: deterministic sums
+                    if n:
+                        dest.index_add_(dim, idx.to(dest.device), got[pos:pos + n].view(n, *shape).movedim(0, dim).float())
+                    pos += n
+        return dq32.to(dq.dtype), dkv[0].to(dk.dtype), dkv[1].to(dv.dtype), None
 
 
 def _group_rank(group, plan: ContextParallelPlan) -> tuple[int, int]:
@@ -229,8 +320,7 @@ def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_l
     exchange = plan.exchange(rank) if world > 1 and plan.exchanges else None
     call = _Call(local, plan, rank, exchange, group, plan.causal)
     q, k, v = (t.contiguous() for t in (q_local, k_local, v_local))
-    out, _ = _ContextParallelAttention.apply(q, k, v, call)
-    return out
+    return _ContextParallelAttention.apply(q, k, v, call)
 
 
 __all__ = ["BACKWARD", "FORWARD", "context_parallel_attention", "merge_partials"]

@@ -26,6 +26,8 @@ from sparse_io_attn.layout.core import BlockSparseLayout, assemble, inrange_word
 FULL_WORK, PARTIAL_WORK = 4, 5
 #: the assignments ``balance="work"`` chooses among, in no particular order
 STRATEGIES = ("contiguous", "zigzag", "lpt")
+#: a row is spread (computed where its keys live) when its work exceeds this fraction of a rank's mean
+SPREAD_FRACTION = 0.5
 BALANCES = ("work",) + STRATEGIES
 
 
@@ -54,23 +56,31 @@ def causal_layout(layout: BlockSparseLayout) -> BlockSparseLayout:
 
 class RankLayouts(NamedTuple):
     """One rank's share of the plan's layout. ``local``: its query rows x its own key blocks (both in
-    the rank's shard order, ``seqlen = (n_local, n_local)``). ``received``: its query rows x the
-    blocks it receives, in ascending global order (``seqlen = (n_local, n_received)``), ``None``
-    when it receives none."""
+    the rank's shard order, ``seqlen = (n_local, n_local)``). ``received``: its rows that are not
+    spread x the K/V blocks it receives, in ascending global order (``seqlen = (n_local,
+    n_received)``). ``foreign``: the spread query blocks it receives (ascending) x its own key blocks
+    (``seqlen = (n_foreign, n_local)``). ``None`` when the rank receives no such block."""
     local: BlockSparseLayout
     received: BlockSparseLayout | None
+    foreign: BlockSparseLayout | None
 
 
 class Exchange(NamedTuple):
     """What one rank's ``all_to_all_single`` moves, in tokens. ``send_index[dst]``: positions in the
     rank's shard of the tokens it sends ``dst`` (blocks ascending); ``send_splits``/``recv_splits``:
     tokens sent to / received from each rank; ``recv_order``: row of the receive buffer (grouped by
-    source rank) holding each received token in ascending global order; ``recv_inverse`` its inverse."""
+    source rank) holding each received token in ascending global order; ``recv_inverse`` its inverse.
+    The ``q_`` fields describe the query tokens of spread rows the same way."""
     send_index: tuple
     send_splits: list
     recv_splits: list
     recv_order: torch.Tensor
     recv_inverse: torch.Tensor
+    q_send_index: tuple
+    q_send_splits: list
+    q_recv_splits: list
+    q_recv_order: torch.Tensor
+    q_recv_inverse: torch.Tensor
 
 
 class ContextParallelPlan:
@@ -92,19 +102,27 @@ class ContextParallelPlan:
             chunks ``r`` and ``2 * world_size - 1 - r`` (balances causal work); ``"lpt"``: rows by
             decreasing work, each to the least loaded rank (longest processing time first).
         tolerance: the imbalance ``"work"`` accepts (max / mean work).
+        split_rows: spread the rows heavier than :data:`SPREAD_FRACTION` of a rank's mean work
+            (BigBird's and Longformer's global query rows, which read every key): such a row's
+            blocks are computed by the ranks owning their keys, which receive the row's queries and
+            send back partial results, instead of its owner receiving every K/V block. Without it,
+            the imbalance is at least the heaviest row's work over the mean.
 
     A kept block costs :data:`FULL_WORK` if full and :data:`PARTIAL_WORK` if partial, summed over
-    the layout's batch/head masks. Rank ``r`` owns the blocks :meth:`rows` ``(r)`` (ascending);
+    the layout's batch/head masks; a spread row's blocks count for the owners of their keys
+    (``block_work``). Rank ``r`` owns the blocks :meth:`rows` ``(r)`` (ascending);
     its shard of q, k, v (:meth:`shard`) is their tokens in that order, so the last, ragged block
     (if it owns it) comes last.
 
     Attributes: ``layout`` (the layout the ranks compute, causal already applied), ``world_size``,
     ``block_size``, ``seqlen``, ``num_blocks``, ``causal``, ``strategy``, ``owner`` (int64
-    ``[num_blocks]``: the rank of each block), ``work`` (int64 ``[world_size]``), ``imbalance``.
+    ``[num_blocks]``: the rank of each block), ``spread`` (bool ``[num_blocks]``: spread rows),
+    ``row_work`` (int64 ``[num_blocks]``: work of each query-block row), ``block_work`` (what the
+    balance assigns with each block), ``work`` (int64 ``[world_size]``), ``imbalance``.
     """
 
     def __init__(self, layout: BlockSparseLayout, world_size: int, *, causal=False, balance: str = "work",
-                 tolerance: float = 1.05):
+                 tolerance: float = 1.05, split_rows: bool = True):
         if not isinstance(layout, BlockSparseLayout):
             raise TypeError(f"layout must be a BlockSparseLayout, got {type(layout).__name__}")
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -137,15 +155,22 @@ class ContextParallelPlan:
         lid, r, c = self.layout.entries()
         cost = torch.where(self.layout.partial_ids >= 0, PARTIAL_WORK, FULL_WORK).to(torch.int64)
         self.row_work = torch.zeros(R, dtype=torch.int64).index_add_(0, r, cost)
-        self._entry_rows, self._entry_cols = r, c
+        self.spread = torch.zeros(R, dtype=torch.bool)
+        if split_rows and world_size > 1:
+            self.spread = self.row_work * world_size > SPREAD_FRACTION * int(self.row_work.sum())
+        on_spread = self.spread[r]
+        self.block_work = torch.where(self.spread, 0, self.row_work).index_add_(0, c[on_spread], cost[on_spread])
+        self._kv_entries = (r[~on_spread], c[~on_spread])                # K/V blocks go to the row's owner
+        self._q_entries = (c[on_spread], r[on_spread])                   # spread q blocks go to the keys' owners
         names = STRATEGIES if balance == "work" else (balance,)
         candidates = []
         for name in names:
-            owner = _ASSIGN[name](self.row_work, world_size)
+            owner = _ASSIGN[name](self.block_work, world_size)
             if owner is None:
                 continue
-            work = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner, self.row_work)
-            moved = int(self.block_sizes[_exchanged(r, c, owner, world_size)[1]].sum())
+            work = torch.zeros(world_size, dtype=torch.int64).index_add_(0, owner, self.block_work)
+            moved = sum(int(self.block_sizes[_exchanged(*e, owner, world_size)[1]].sum())
+                        for e in (self._kv_entries, self._q_entries))
             candidates.append((_imbalance(work), moved, name, owner, work))
         within = [cand for cand in candidates if cand[0] <= tolerance]
         best = (min(within, key=lambda cand: (cand[1], cand[0])) if within
@@ -170,11 +195,9 @@ class ContextParallelPlan:
         tok = torch.zeros(W + 1, dtype=torch.int64)
         tok[1:] = torch.cumsum(torch.zeros(W, dtype=torch.int64).index_add_(0, self.owner, self.block_sizes), 0)
         self._token_offsets = tok
-        pair, col = _exchanged(self._entry_rows, self._entry_cols, self.owner, W)
-        del self._entry_rows, self._entry_cols
-        self._send_cols = col                                           # sorted by (src, dst, col)
-        self._send_offsets = torch.zeros(W * W + 1, dtype=torch.int64)
-        self._send_offsets[1:] = torch.cumsum(torch.bincount(pair, minlength=W * W), 0)
+        self._send_cols, self._send_offsets = _pair_csr(*_exchanged(*self._kv_entries, self.owner, W), W)
+        self._q_cols, self._q_offsets = _pair_csr(*_exchanged(*self._q_entries, self.owner, W), W)
+        del self._kv_entries, self._q_entries
         self._rank_layouts: dict[int, RankLayouts] = {}
         self._token_index: dict[int, torch.Tensor] = {}
         self._exchange: dict[int, Exchange] = {}
@@ -200,8 +223,8 @@ class ContextParallelPlan:
         return int(self.block_sizes[blocks].sum())
 
     def send_blocks(self, src: int, dst: int) -> torch.Tensor:
-        """K/V blocks ``src`` sends ``dst``: blocks ``src`` owns that some row of ``dst`` reads in any of
-        the layout's batch/head masks; sorted, int64 (empty for ``src == dst``)."""
+        """K/V blocks ``src`` sends ``dst``: blocks ``src`` owns that some row of ``dst`` (not a spread
+        row) reads in any of the layout's batch/head masks; sorted, int64 (empty for ``src == dst``)."""
         self._check_rank(src, "src")
         self._check_rank(dst, "dst")
         p = src * self.world_size + dst
@@ -210,6 +233,18 @@ class ContextParallelPlan:
     def recv_blocks(self, dst: int) -> torch.Tensor:
         """Every block ``dst`` receives (the union of :meth:`send_blocks` ``(src, dst)``), ascending."""
         return torch.sort(torch.cat([self.send_blocks(s, dst) for s in range(self.world_size)])).values
+
+    def send_queries(self, src: int, dst: int) -> torch.Tensor:
+        """Spread query blocks ``src`` owns whose row reads some K/V block ``dst`` owns: ``src`` sends
+        ``dst`` their queries, ``dst`` sends back its partial results; sorted, int64."""
+        self._check_rank(src, "src")
+        self._check_rank(dst, "dst")
+        p = src * self.world_size + dst
+        return self._q_cols[self._q_offsets[p]:self._q_offsets[p + 1]]
+
+    def recv_queries(self, dst: int) -> torch.Tensor:
+        """Every spread query block ``dst`` computes a part of for another rank, ascending."""
+        return torch.sort(torch.cat([self.send_queries(s, dst) for s in range(self.world_size)])).values
 
     def token_index(self, rank: int) -> torch.Tensor:
         """Global token positions of the shard of ``rank``, in shard order (int64 ``[n_local]``)."""
@@ -266,45 +301,58 @@ class ContextParallelPlan:
     def _build_rank_layouts(self, rank: int) -> RankLayouts:
         lo = self.layout
         lid, r, c = lo.entries()
-        mine = self.owner[r] == rank
+        row_mine, col_mine = self.owner[r] == rank, self.owner[c] == rank
+        mine = row_mine | col_mine
         lid, r, c, ids = lid[mine], r[mine], c[mine], lo.partial_ids[mine].to(torch.int64)
-        local = self.owner[c] == rank
-        recv = self.recv_blocks(rank)
+        row_mine, col_mine, spread = row_mine[mine], col_mine[mine], self.spread[r]
+        recv, foreign = self.recv_blocks(rank), self.recv_queries(rank)
         n_local = self.num_tokens(rank)
         parts = []
-        for sel, cols, n_keys, what in ((local, self.local_index[c], n_local, "local"),
-                                        (~local, torch.searchsorted(recv, c), self.tokens(recv), "received")):
-            if n_keys == 0:
+        for sel, rows, cols, n_q, n_k, what in (
+                (row_mine & col_mine, self.local_index[r], self.local_index[c], n_local, n_local, "local"),
+                (row_mine & ~col_mine & ~spread, self.local_index[r], torch.searchsorted(recv, c), n_local,
+                 self.tokens(recv), "received"),
+                (~row_mine & col_mine & spread, torch.searchsorted(foreign, r), self.local_index[c],
+                 self.tokens(foreign), n_local, "foreign")):
+            if n_q == 0 or n_k == 0:
                 parts.append(None)
                 continue
             part = ids[sel] >= 0
-            parts.append(assemble(lid[sel], self.local_index[r[sel]], cols[sel], lo.partial_masks[ids[sel][part]],
-                                  partial=part, block_size=lo.block_size, seqlen=(n_local, n_keys),
+            parts.append(assemble(lid[sel], rows[sel], cols[sel], lo.partial_masks[ids[sel][part]],
+                                  partial=part, block_size=lo.block_size, seqlen=(n_q, n_k),
                                   layout_batch=lo.layout_batch, layout_heads=lo.layout_heads,
                                   name=f"{lo.name}@rank{rank}.{what}"))
         return RankLayouts(*parts)
 
     @property
     def exchanges(self) -> bool:
-        """Whether any rank sends any block (else the attention runs no collective)."""
-        return self._send_cols.numel() > 0
+        """Whether any rank sends any K/V or query block (else the attention runs no collective)."""
+        return self._send_cols.numel() > 0 or self.spreads
+
+    @property
+    def spreads(self) -> bool:
+        """Whether any spread row has blocks on another rank (then partial results travel back)."""
+        return self._q_cols.numel() > 0
 
     def exchange(self, rank: int) -> Exchange:
         """The token-level description of rank ``rank``'s exchange (:class:`Exchange`), cached."""
         self._check_rank(rank)
         if rank not in self._exchange:
-            W = self.world_size
-            send = tuple(self.local_positions(self.send_blocks(rank, dst)) for dst in range(W))
-            incoming = [self.send_blocks(src, rank) for src in range(W)]
-            blocks = torch.cat(incoming)
-            sizes = self.block_sizes[blocks]
-            starts = torch.cumsum(sizes, 0) - sizes                      # buffer row of each block
-            order = torch.argsort(blocks)
-            recv_order = _ranges(starts[order], sizes[order])
-            self._exchange[rank] = Exchange(send, [int(t.numel()) for t in send],
-                                            [self.tokens(b) for b in incoming], recv_order,
-                                            torch.argsort(recv_order))
+            self._exchange[rank] = Exchange(*self._tokens_moved(rank, self.send_blocks),
+                                            *self._tokens_moved(rank, self.send_queries))
         return self._exchange[rank]
+
+    def _tokens_moved(self, rank: int, sends) -> tuple:
+        W = self.world_size
+        send = tuple(self.local_positions(sends(rank, dst)) for dst in range(W))
+        incoming = [sends(src, rank) for src in range(W)]
+        blocks = torch.cat(incoming)
+        sizes = self.block_sizes[blocks]
+        starts = torch.cumsum(sizes, 0) - sizes                          # buffer row of each block
+        order = torch.argsort(blocks)
+        recv_order = _ranges(starts[order], sizes[order])
+        return send, [int(t.numel()) for t in send], [self.tokens(b) for b in incoming], recv_order, \
+            torch.argsort(recv_order)
 
     def __repr__(self) -> str:
         return (f"ContextParallelPlan(layout={self.source_layout.name!r}, seqlen={self.seqlen}, "
@@ -344,6 +392,13 @@ def _exchanged(rows: torch.Tensor, cols: torch.Tensor, owner: torch.Tensor, W: i
     dst, col = read.nonzero(as_tuple=True)
     key, _ = torch.sort((owner[col] * W + dst) * R + col)
     return key // R, key % R
+
+
+def _pair_csr(pair: torch.Tensor, col: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(col, offsets [W * W + 1])``: the blocks of pair ``src * W + dst`` at ``col[offsets[p]:offsets[p + 1]]``."""
+    offsets = torch.zeros(W * W + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.bincount(pair, minlength=W * W), 0)
+    return col, offsets
 
 
 def _imbalance(work: torch.Tensor) -> float:
@@ -415,5 +470,5 @@ def _lpt(row_work: torch.Tensor, W: int) -> torch.Tensor:
 
 _ASSIGN = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
 
-__all__ = ["BALANCES", "ContextParallelPlan", "Exchange", "FULL_WORK", "PARTIAL_WORK", "RankLayouts", "STRATEGIES",
+__all__ = ["BALANCES", "ContextParallelPlan", "Exchange", "SPREAD_FRACTION", "FULL_WORK", "PARTIAL_WORK", "RankLayouts", "STRATEGIES",
            "causal_layout"]

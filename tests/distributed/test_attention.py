@@ -1,5 +1,5 @@
 """`context_parallel_attention` on 2, 3 and 4 gloo CPU processes (one spawn per world size running
-every case): outputs and q/k/v gradients equal single-process `block_sparse_attention` on the
+every case; at 3 and 4 ranks some rows are spread: their queries travel instead of K/V): outputs and q/k/v gradients equal single-process `block_sparse_attention` on the
 unsharded tensors (and the float64 reference), the network bytes counted under `IOCounter` equal
 the model exactly, backward is deterministic, and bad input raises a clear ValueError on every rank."""
 import datetime
@@ -37,7 +37,8 @@ def _cases():
         ("documents", patterns.document(docs, b), True, 2, 2, 1, 8, torch.float32),
         ("bigbird-per-head", patterns.bigbird(n, b, num_heads=2, seed=1), False, 1, 2, 1, 16, torch.float32),
         ("per-head-gqa", per_head, False, 1, 4, 2, 8, torch.float32),
-        ("sliding_window-bf16", patterns.sliding_window(n, b, 20), True, 1, 2, 2, 16, torch.bfloat16),
+        ("longformer-global-gqa", patterns.longformer(n, b, 4, [0, 50]), False, 1, 4, 2, 8, torch.float32),
+        ("longformer-bf16", patterns.longformer(n, b, 20, [0, 50]), True, 1, 2, 2, 16, torch.bfloat16),
     ]
 
 
@@ -113,7 +114,7 @@ def _inputs(B, Hq, Hkv, n, D, dtype):
     return tuple(torch.randn(B, h, n, D).to(dtype) for h in (Hq, Hkv, Hkv, Hq))
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_context_parallel_matches_single_process(world, tmp_path):
     cases = _cases()
     inputs = [_inputs(B, Hq, Hkv, layout.seqlen_q, D, dtype) for _, layout, _, B, Hq, Hkv, D, dtype in cases]
@@ -134,7 +135,7 @@ def test_context_parallel_matches_single_process(world, tmp_path):
             assert g.dtype == dtype and torch.isfinite(g).all(), (name, what)
             assert rel_err(g, s) <= tol, (name, what, rel_err(g, s))
         assert rel_err(got[0], ref64) <= tol, (name, rel_err(got[0], ref64))
-        model = context_parallel(plan, batch=B, num_heads_kv=Hkv, head_dim=D, dtype=dtype)
+        model = context_parallel(plan, batch=B, num_heads_kv=Hkv, head_dim=D, dtype=dtype, num_heads_q=Hq)
         for r in range(world):
             assert _report(ranks[r][name][4]) == model.report(r), (name, r)          # counted == predicted, bytes
         assert model.recv == model.floor, name

@@ -38,33 +38,51 @@ def _layouts(n, b):
     }
 
 
-@pytest.mark.parametrize("world, balance", [(1, "work"), (2, "contiguous"), (3, "zigzag"), (5, "lpt"), (3, "work")])
-def test_send_blocks_and_rank_layouts_match_brute_force(world, balance):
+def _tokens_of(blocks: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    return torch.cat([torch.arange(int(c) * b, min(int(c) * b + b, n)) for c in blocks] + [torch.zeros(0, dtype=torch.long)])
+
+
+@pytest.mark.parametrize("world, balance", [(1, "work"), (2, "contiguous"), (3, "zigzag"), (5, "lpt"), (4, "work")])
+def test_send_sets_and_rank_layouts_match_brute_force(world, balance):
     n, b = 117, 8                                                        # ragged last block
     for name, (layout, causal) in _layouts(n, b).items():
         plan = ContextParallelPlan(layout, world, causal=causal, balance=balance)
         dense = _dense(plan)
         assert plan.layout.equal(BlockSparseLayout.from_dense_mask(
             dense.view(layout.layout_batch, layout.layout_heads, n, n), b)), name
+        total = int(plan.row_work.sum())
+        assert torch.equal(plan.spread, plan.row_work * world > 0.5 * total if world > 1 else plan.spread & False)
+        spread_tok = plan.spread[torch.arange(n) // b]                   # token of a spread row
         owned = [plan.token_index(r) for r in range(world)]
         assert torch.equal(torch.sort(torch.cat(owned)).values, torch.arange(n)), name
         for dst in range(world):
-            rows = plan.rows(dst)
-            assert torch.equal(rows, _blocks_of(owned[dst], b)), name
-            read = dense[:, owned[dst]].any(0).any(0).nonzero().squeeze(1)   # key tokens dst's rows read
+            assert torch.equal(plan.rows(dst), _blocks_of(owned[dst], b)), name
+            rows_kv = owned[dst][~spread_tok[owned[dst]]]                 # rows that receive K/V
+            read = dense[:, rows_kv].any(0).any(0).nonzero().squeeze(1)  # key tokens those rows read
             for src in range(world):
                 want = _blocks_of(read[torch.isin(read, owned[src])], b) if src != dst else torch.zeros(0)
                 assert torch.equal(plan.send_blocks(src, dst), want.long()), (name, src, dst)
+                mine = owned[src][spread_tok[owned[src]]]                # src's spread rows reading dst's keys
+                hit = dense[:, mine][:, :, owned[dst]].any(0).any(1)
+                want_q = _blocks_of(mine[hit], b) if src != dst else torch.zeros(0)
+                assert torch.equal(plan.send_queries(src, dst), want_q.long()), (name, src, dst)
             lay = plan.rank_layouts(dst)
-            assert torch.equal(lay.local.to_dense_mask().flatten(0, 1), dense[:, owned[dst]][:, :, owned[dst]]), name
-            recv = plan.recv_blocks(dst)
-            if recv.numel():
-                keys = torch.cat([torch.arange(int(c) * b, min(int(c) * b + b, n)) for c in recv])
-                assert torch.equal(lay.received.to_dense_mask().flatten(0, 1), dense[:, owned[dst]][:, :, keys]), name
+            rows = dense[:, owned[dst]]
+            assert torch.equal(lay.local.to_dense_mask().flatten(0, 1), rows[:, :, owned[dst]]), name
+            keys = _tokens_of(plan.recv_blocks(dst), b, n)
+            if keys.numel():
+                want = rows[:, :, keys] & ~spread_tok[owned[dst]][None, :, None]
+                assert torch.equal(lay.received.to_dense_mask().flatten(0, 1), want), name
             else:
                 assert lay.received is None
+            queries = _tokens_of(plan.recv_queries(dst), b, n)
+            if queries.numel():
+                assert torch.equal(lay.foreign.to_dense_mask().flatten(0, 1), dense[:, queries][:, :, owned[dst]]), name
+            else:
+                assert lay.foreign is None
         model = context_parallel(plan, batch=2, num_heads_kv=3, head_dim=16, dtype=torch.float32)
         assert model.recv == model.floor and sum(model.send) == sum(model.recv), name
+        assert sum(model.q_send) == sum(model.q_recv), name
 
 
 @pytest.mark.parametrize("world", [4, 8])
@@ -78,19 +96,30 @@ def test_balance_at_16_blocks_per_rank(world):
              "bigbird": (patterns.bigbird(n, b), False)}
     for name, (layout, causal) in cases.items():
         plan = ContextParallelPlan(layout, world, causal=causal)
-        work = torch.zeros(world, dtype=torch.int64).index_add_(0, plan.owner, plan.row_work)
+        _, r, c = plan.layout.entries()
+        cost = torch.where(plan.layout.partial_ids >= 0, 5, 4).long()
+        at = torch.where(plan.spread[r], c, r)                           # spread rows: work where the keys live
+        work = torch.zeros(world, dtype=torch.int64).index_add_(0, plan.owner[at], cost)
         assert torch.equal(plan.work, work)
         assert plan.imbalance == pytest.approx(float(work.max()) / float(work.float().mean()))
         assert plan.imbalance <= 1.05, (name, plan)
 
 
-def test_whole_rows_bound_the_balance():
-    """A row heavier than the mean rank (BigBird's global query rows at many ranks) sets the imbalance:
-    rows are not split, so max / mean >= that row's work / mean; the plan reaches that bound."""
-    b, world = 8, 32
-    plan = ContextParallelPlan(patterns.bigbird(16 * world * b, b), world)
-    bound = float(plan.row_work.max()) / float(plan.work.float().mean())
-    assert bound > 1.05 and plan.imbalance == pytest.approx(bound)
+@pytest.mark.parametrize("world", [16, 32])
+def test_global_rows_are_spread(world):
+    """BigBird's global query rows outweigh a rank's mean work at many ranks: kept whole
+    (``split_rows=False``) they set the imbalance (max / mean >= their work / mean); spread over the
+    owners of their keys the plan balances, and their owner receives no K/V for them."""
+    b = 8
+    layout = patterns.bigbird(16 * world * b, b)
+    whole = ContextParallelPlan(layout, world, split_rows=False)
+    bound = float(whole.row_work.max()) / float(whole.work.float().mean())
+    assert bound > 1.05 and whole.imbalance == pytest.approx(bound) and not whole.spread.any()
+    plan = ContextParallelPlan(layout, world)
+    assert plan.spread.sum() == 2 and plan.imbalance <= 1.05, plan
+    m_whole = context_parallel(whole, batch=1, num_heads_kv=1, head_dim=8)
+    m = context_parallel(plan, batch=1, num_heads_kv=1, head_dim=8)
+    assert max(m.recv) < max(m_whole.recv) / 4
 
 
 def test_shard_unshard_round_trip_and_views():
@@ -110,7 +139,7 @@ def test_shard_unshard_round_trip_and_views():
 
 def test_traffic_model_bytes():
     """Dense layout, 20 tokens in blocks of 8 (the last holds 4), 2 ranks, K/V [2, 3, 20, 16] fp32."""
-    plan = ContextParallelPlan(patterns.dense(20, 8), 2, balance="contiguous")
+    plan = ContextParallelPlan(patterns.dense(20, 8), 2, balance="contiguous", split_rows=False)
     token = 16 * 4 * 2 * 2 * 3                                           # head_dim, fp32, k and v, B, Hkv
     n = [plan.num_tokens(r) for r in range(2)]
     model = traffic.context_parallel(plan, batch=2, num_heads_kv=3, head_dim=16, dtype=torch.float32)
@@ -121,6 +150,16 @@ def test_traffic_model_bytes():
     rep = model.report(0)
     assert rep.per_tensor()["k"] == (model.recv[0] // 2, model.send[0] // 2)
     assert rep.per_tensor()["dv"] == (model.send[0] // 2, model.recv[0] // 2)
+    # every row is a third of the work (> half a rank's mean): all spread, queries move instead of K/V
+    plan = ContextParallelPlan(patterns.dense(20, 8), 2, balance="contiguous")
+    assert plan.spread.all() and plan.spreads
+    model = traffic.context_parallel(plan, batch=2, num_heads_kv=3, head_dim=16, dtype=torch.float32, num_heads_q=6)
+    q_token = 16 * 4 * 2 * 6
+    assert model.recv == (0, 0) and model.q_send == tuple(q_token * k for k in n)
+    rep = model.report(0).per_tensor()
+    assert rep["q"] == (q_token * n[1], q_token * n[0]) and rep["dq"] == (q_token * n[0], q_token * n[1])
+    assert rep["o"] == (n[0] * 16 * 4 * 12 + n[1] * 16 * 4 * 12,) * 2     # partials back, backward's out
+    assert rep["stats"] == ((n[0] + n[1]) * 2 * 4 * 12,) * 2
 
 
 def test_merge_partials_equals_attention_over_the_union():
