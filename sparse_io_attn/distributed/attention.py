@@ -4,15 +4,20 @@
 Each rank receives exactly the K/V blocks its query rows read and it does not own, with one
 ``torch.distributed.all_to_all_single`` (never an all-gather), and computes its rows through the
 block-sparse backends (:func:`sparse_io_attn.block_sparse.api.prologue` and the backends'
-``forward``/``backward``, the path of :func:`~sparse_io_attn.block_sparse_attention`).
+``forward``/``backward``, the path of :func:`~sparse_io_attn.block_sparse_attention`). Rows the plan
+spreads (far heavier than the mean, e.g. global query rows) move the other way: their queries ride
+in the same exchange to the ranks owning their keys (the ``foreign`` layout there), whose partial
+outputs and row statistics come back in a second ``all_to_all_single``.
 
 Overlap: the exchange starts with ``async_op=True``; while it runs the rank computes its rows
 against its own keys (the plan's ``local`` layout); then against the received keys (``received``
-layout); the two partial results merge through their row statistics (:func:`merge_partials`).
-Backward mirrors it: the received keys' dK/dV are computed first and sent back to their owners
-(the reverse ``all_to_all_single``, started asynchronously) while the local part's gradients are
-computed; the owner adds what comes back in rank order (deterministic). Both parts' backward use the
-merged statistics, so every gradient is the one of the whole softmax.
+layout) and the received queries; partial results merge through their row statistics
+(:func:`merge_partials`; spread rows' parts in rank order). The partials' return is not overlapped.
+Backward: spread rows' ``do``/``out``/statistics leave first (asynchronously, overlapping the
+received part's backward); the received keys' dK/dV and the foreign queries' dQ go back to their
+owners in one reverse ``all_to_all_single`` started before the local part's backward, which runs
+while it is in flight; the owner adds what comes back in rank order (deterministic). Every part's
+backward uses the merged statistics and output, so every gradient is the one of the whole softmax.
 """
 from __future__ import annotations
 
@@ -61,7 +66,6 @@ class _Call(NamedTuple):
     rank: int
     exchange: Exchange | None            # None: no collective (a single rank, or nothing to send)
     group: object
-    causal: bool
 
 
 class _Part(NamedTuple):
@@ -304,9 +308,11 @@ def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_l
 
     Collectives: one ``all_reduce`` of one int64 (every rank agrees its inputs were accepted, so bad
     input raises on every rank instead of hanging one), then one ``all_to_all_single`` of the K/V
-    blocks in forward and one of their dK/dV in backward, skipped when the plan sends nothing.
-    Their bytes are counted under :class:`~sparse_io_attn.tally.IOCounter` (``io.network``) and
-    predicted by :func:`sparse_io_attn.accounting.network.context_parallel`.
+    blocks (and spread rows' queries) in forward and one of their dK/dV (and dQ) in backward,
+    skipped when the plan sends nothing; with spread rows, one more each way (partial results in
+    forward, ``do``/``out``/statistics in backward). Their bytes (not the agreement's 8) are counted
+    under :class:`~sparse_io_attn.tally.IOCounter` (``io.network``) and predicted by
+    :func:`sparse_io_attn.accounting.network.context_parallel`.
     """
     if not isinstance(plan, ContextParallelPlan):
         raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
@@ -318,9 +324,9 @@ def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_l
         error = exc
     _agree(error, group, world, rank)
     exchange = plan.exchange(rank) if world > 1 and plan.exchanges else None
-    call = _Call(local, plan, rank, exchange, group, plan.causal)
+    call = _Call(local, plan, rank, exchange, group)
     q, k, v = (t.contiguous() for t in (q_local, k_local, v_local))
     return _ContextParallelAttention.apply(q, k, v, call)
 
 
-__all__ = ["BACKWARD", "FORWARD", "context_parallel_attention", "merge_partials"]
+__all__ = ["context_parallel_attention", "merge_partials"]
