@@ -1,10 +1,11 @@
 """Context parallelism's network traffic: the model at 1M tokens, and a measured gloo run.
 
-* ``model``: N = 2**20 tokens, blocks of 128, W = 8, 16, 32, 64 ranks, K/V of one sequence with 8
+* ``model``: N = 2**20 tokens, blocks of 128, W = 8, 16, 32, 64 ranks, one sequence with 32 query and 8
   KV heads of head dim 128 in bf16; sliding window (512), BigBird (defaults), causal, causal
   documents. Per rank: bytes received (max, mean) by this design (the K/V blocks its rows read and
-  it does not own) against an all-gather of K/V and a ring (W - 1 steps of the largest shard), and
-  the plan's work imbalance (max / mean) and strategy. Plans are built from the kept blocks.
+  it does not own, and the queries of spread rows) against an all-gather of K/V and a ring (W - 1
+  steps of the largest shard), and the plan's work imbalance (max / mean), strategy and spread rows.
+  Plans are built from the kept blocks.
 * ``measured``: ``context_parallel_attention`` forward + backward on W = 2 and 4 gloo CPU
   processes at a small N: counted network bytes (``IOCounter().network``) against the model, and
   wall time (median of warm repeats) next to one process running the whole sequence.
@@ -57,7 +58,7 @@ def _pattern(name: str, n: int, block: int):
     raise ValueError(name)
 
 
-def model_rows(n: int, block: int, worlds, heads_kv: int, head_dim: int) -> list[dict]:
+def model_rows(n: int, block: int, worlds, heads_q: int, heads_kv: int, head_dim: int) -> list[dict]:
     rows = []
     for name in ("sliding_window", "bigbird", "causal", "documents"):
         layout, causal = _pattern(name, n, block)
@@ -65,15 +66,20 @@ def model_rows(n: int, block: int, worlds, heads_kv: int, head_dim: int) -> list
             t0 = time.perf_counter()
             plan = ContextParallelPlan(layout, world, causal=causal)
             build_s = time.perf_counter() - t0
-            m = context_parallel(plan, batch=1, num_heads_kv=heads_kv, head_dim=head_dim, dtype=torch.bfloat16)
+            m = context_parallel(plan, batch=1, num_heads_kv=heads_kv, head_dim=head_dim, dtype=torch.bfloat16,
+                                 num_heads_q=heads_q)
             assert m.recv == m.floor
+            recv = [kv + q for kv, q in zip(m.recv, m.q_recv)]            # K/V and spread rows' queries
+            partials = [q // m.q_token_bytes * (m.o_token_bytes + m.stats_token_bytes) for q in m.q_send]
             rows.append({"pattern": name, "layout": layout.name, "world": world, "strategy": plan.strategy,
+                         "spread_rows": int(plan.spread.sum()),
                          "imbalance": plan.imbalance, "nnz_blocks": layout.nnz_blocks, "plan_s": build_s,
-                         "recv_max": max(m.recv), "recv_mean": sum(m.recv) / world,
+                         "recv_max": max(recv), "recv_mean": sum(recv) / world, "q_recv_max": max(m.q_recv),
+                         "partials_max": max(partials),
                          "all_gather_max": max(m.all_gather), "all_gather_mean": sum(m.all_gather) / world,
                          "ring": max(m.ring)})
             print(f"{name} W={world}: {plan.strategy}, imbalance {plan.imbalance:.4f}, recv max "
-                  f"{max(m.recv) / GiB:.3f} GiB, all-gather {max(m.all_gather) / GiB:.3f} GiB ({build_s:.1f} s)",
+                  f"{max(recv) / GiB:.3f} GiB, all-gather {max(m.all_gather) / GiB:.3f} GiB ({build_s:.1f} s)",
                   flush=True)
     return rows
 
@@ -110,7 +116,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, path: str):
                     times.append(time.perf_counter() - t0)
                 counted = io.network
             m = context_parallel(plan, batch=1, num_heads_kv=cfg["heads_kv"], head_dim=cfg["head_dim"],
-                                 dtype=torch.float32)
+                                 dtype=torch.float32, num_heads_q=cfg["heads"])
             out[name] = {"seconds": statistics.median(times), "counted_equals_model": counted == m.report(rank),
                          "recv": counted.bytes_read, "sent": counted.bytes_written, "imbalance": plan.imbalance,
                          "strategy": plan.strategy}
@@ -175,19 +181,23 @@ def write(model: list[dict], measured: list[dict], args, cfg: dict) -> None:
     lines = ["# Context parallelism: network traffic per rank", "",
              "Command: `python benchmarks/context_parallel_table.py`", ""]
     lines += ["    " + s for s in _machine()] + [""]
-    lines += [f"## Model: N = {args.n} tokens, blocks of {args.block}, 1 sequence, {args.heads_kv} KV heads, "
-              f"head dim {args.head_dim}, bf16", "",
-              "Bytes each rank receives in forward (K and V; backward sends the same sizes back as dK/dV). "
-              "*this design*: the K/V blocks the rank's rows read and it does not own (= the floor, "
-              "checked); *all-gather*: every token it does not own; *ring*: W - 1 steps of the largest "
-              "shard. GiB = 2^30 bytes.", "",
-              "| pattern | W | strategy | imbalance | this design max GiB | mean GiB | all-gather max GiB | "
-              "mean GiB | ring GiB | all-gather / this (mean) | plan s |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"## Model: N = {args.n} tokens, blocks of {args.block}, 1 sequence, {args.heads_q} query / "
+              f"{args.heads_kv} KV heads, head dim {args.head_dim}, bf16", "",
+              "Bytes each rank receives in the forward exchange (backward sends the same sizes back as "
+              "dK/dV and dQ). *this design*: the K/V blocks its rows read and it does not own (= the "
+              "floor, checked), plus the queries of spread rows it computes for their owners (*of which "
+              "queries*); *partials back*: the fp32 partial outputs and row statistics a rank receives "
+              "for its spread rows (a second forward exchange); *all-gather*: every K/V token it does "
+              "not own; *ring*: W - 1 steps of the largest shard. GiB = 2^30 bytes.", "",
+              "| pattern | W | strategy | spread rows | imbalance | this design max GiB | mean GiB | "
+              "of which queries, max GiB | partials back max GiB | all-gather max GiB | mean GiB | ring GiB | "
+              "all-gather / this (mean) | plan s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in model:
         ratio = r["all_gather_mean"] / r["recv_mean"] if r["recv_mean"] else float("inf")
-        lines.append(f"| {r['pattern']} | {r['world']} | {r['strategy']} | {r['imbalance']:.4f} | "
-                     f"{_gib(r['recv_max'])} | {_gib(r['recv_mean'])} | {_gib(r['all_gather_max'])} | "
+        lines.append(f"| {r['pattern']} | {r['world']} | {r['strategy']} | {r['spread_rows']} | {r['imbalance']:.4f} | "
+                     f"{_gib(r['recv_max'])} | {_gib(r['recv_mean'])} | {_gib(r['q_recv_max'])} | "
+                     f"{_gib(r['partials_max'])} | {_gib(r['all_gather_max'])} | "
                      f"{_gib(r['all_gather_mean'])} | {_gib(r['ring'])} | {ratio:.1f}x | {r['plan_s']:.1f} |")
     lines += ["", "Layouts: " + "; ".join(sorted({f"{r['pattern']}: `{r['layout']}` ({r['nnz_blocks']:,} kept blocks)"
                                                  for r in model})) + ".", ""]
@@ -215,13 +225,14 @@ def main():
     p.add_argument("--n", type=int, default=2**20)
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32, 64])
+    p.add_argument("--heads-q", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--measured-n", type=int, default=4096)
     args = p.parse_args()
     cfg = {"n": args.measured_n, "block": 64, "heads": 4, "heads_kv": 2, "head_dim": 64, "backend": "torch",
-           "repeats": 3, "patterns": ["sliding_window", "causal"]}
-    model = model_rows(args.n, args.block, args.worlds, args.heads_kv, args.head_dim)
+           "repeats": 3, "patterns": ["sliding_window", "causal", "bigbird"]}
+    model = model_rows(args.n, args.block, args.worlds, args.heads_q, args.heads_kv, args.head_dim)
     measured = measured_rows(cfg, [2, 4])
     write(model, measured, args, cfg)
 

@@ -82,6 +82,7 @@ def _start(parts: list, call: _Call, collective: str):
     asynchronous) and count its bytes; returns ``finish()``, which waits and gives each part's
     received rows ``[tokens, features]`` grouped by source rank."""
     W = call.plan.world_size
+    assert len({p.rows.dtype for p in parts}) == 1, "one exchange moves one dtype"
     feats = [p.rows.shape[1] for p in parts]
     chunks, offsets = [], [0] * len(parts)
     send_splits = [sum(p.send[dst] * f for p, f in zip(parts, feats)) for dst in range(W)]
@@ -214,9 +215,10 @@ class _ContextParallelAttention(torch.autograd.Function):
                 dq_f, dk_f, dv_f = mod.backward(do_f, q_f, k, v, out_f, s_f, part.layout, **_kwargs(part))
                 dkv_f = torch.stack([dk_f, dv_f])
         if ex is not None:
-            kv_rows = (_rows(dkv_r, 3, ex.recv_inverse) if dkv_r is not None
+            kv_rows = (_rows(dkv_r.to(k.dtype), 3, ex.recv_inverse) if dkv_r is not None
                        else k.new_empty((0, 2 * B * Hkv * D)))
-            q_rows = _rows(dq_f, 2, ex.q_recv_inverse) if dq_f is not None else q.new_empty((0, B * Hq * D))
+            q_rows = (_rows(dq_f.to(k.dtype), 2, ex.q_recv_inverse) if dq_f is not None
+                      else k.new_empty((0, B * Hq * D)))
             finish_grads = _start([_Part(kv_rows, ex.recv_splits, ex.send_splits, ("dk", "dv")),
                                    _Part(q_rows, ex.q_recv_splits, ex.q_send_splits, ("dq",))], call, BACKWARD)
         dq, dk, dv = mod.backward(do, q, k, v, out, stats, call.local.layout, **_kwargs(call.local))

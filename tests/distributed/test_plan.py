@@ -6,12 +6,13 @@ import torch
 from helpers import FP32_TOL, make_layout
 
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
-from sparse_io_attn.accounting import traffic
+from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn.block_sparse import torch_path
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.distributed import (ContextParallelPlan, causal_layout, context_parallel,
                                         context_parallel_attention, merge_partials)
 from sparse_io_attn.layout import stack_layouts
+from sparse_io_attn.tally import count_network
 
 
 def _dense(plan: ContextParallelPlan) -> torch.Tensor:
@@ -223,3 +224,19 @@ def test_causal_layout_is_the_intersection():
 def test_bad_input_names_the_fix(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()
+
+
+def test_count_network_adds_to_every_active_counter():
+    """The network level: collectives add to ``io.network`` of every active counter (nested too),
+    kernel counts stay empty, ``reset`` clears it, nothing is recorded outside a counter."""
+    count_network("outside", {"k": 1}, {"k": 2})
+    with IOCounter() as outer:
+        with IOCounter() as inner:
+            count_network("exchange", {"k": 10, "v": 10}, {"k": 3, "v": 3})
+        count_network("exchange", {"k": 1}, {"k": 0})
+    assert inner.network.per_tensor() == {"k": (3, 10), "v": (3, 10)}
+    assert outer.network.per_tensor() == {"k": (3, 11), "v": (3, 10)}
+    assert outer.network.kernels["exchange"].launches == 2 and "outside" not in outer.network.kernels
+    assert outer.report.total_bytes == 0
+    outer.reset()
+    assert outer.network.total_bytes == 0
