@@ -96,11 +96,12 @@ class ContextParallelPlan:
             decides which blocks are read, so which are sent; :func:`context_parallel_attention`
             takes the same value.
         balance: ``"work"`` (default): among the strategies below, the one moving the fewest K/V
-            tokens whose imbalance is at most ``tolerance`` (the most balanced if none is);
-            ``"contiguous"``: one contiguous range of block rows per rank, cut at the least
+            and query tokens whose imbalance is at most ``tolerance`` (the most balanced if none
+            is); ``"contiguous"``: one contiguous range of blocks per rank, cut at the least
             possible maximum work; ``"zigzag"``: ``2 * world_size`` equal chunks, rank ``r`` holding
-            chunks ``r`` and ``2 * world_size - 1 - r`` (balances causal work); ``"lpt"``: rows by
-            decreasing work, each to the least loaded rank (longest processing time first).
+            chunks ``r`` and ``2 * world_size - 1 - r`` (balances causal work; needs ``2 *
+            world_size`` blocks); ``"lpt"``: blocks by decreasing work, each to the least loaded
+            rank (longest processing time first).
         tolerance: the imbalance ``"work"`` accepts (max / mean work).
         split_rows: spread the rows heavier than :data:`SPREAD_FRACTION` of a rank's mean work
             (BigBird's and Longformer's global query rows, which read every key): such a row's
@@ -152,7 +153,7 @@ class ContextParallelPlan:
         self.layout = causal_layout(layout.to("cpu")) if self.causal else layout.to("cpu")
         self.block_sizes = torch.full((R,), bq, dtype=torch.int64)      # real tokens per block
         self.block_sizes[-1] = self.seqlen - (R - 1) * bq
-        lid, r, c = self.layout.entries()
+        _, r, c = self.layout.entries()
         cost = torch.where(self.layout.partial_ids >= 0, PARTIAL_WORK, FULL_WORK).to(torch.int64)
         self.row_work = torch.zeros(R, dtype=torch.int64).index_add_(0, r, cost)
         self.spread = torch.zeros(R, dtype=torch.bool)
@@ -172,6 +173,9 @@ class ContextParallelPlan:
             moved = sum(int(self.block_sizes[_exchanged(*e, owner, world_size)[1]].sum())
                         for e in (self._kv_entries, self._q_entries))
             candidates.append((_imbalance(work), moved, name, owner, work))
+        if not candidates:
+            raise ValueError(f"balance='zigzag' needs at least 2 * world_size = {2 * world_size} blocks, the "
+                             f"layout has {R}; use balance='work' or a smaller block size")
         within = [cand for cand in candidates if cand[0] <= tolerance]
         best = (min(within, key=lambda cand: (cand[1], cand[0])) if within
                 else min(candidates, key=lambda cand: (cand[0], cand[1])))

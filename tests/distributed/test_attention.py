@@ -38,7 +38,8 @@ def _cases():
         ("bigbird-per-head", patterns.bigbird(n, b, num_heads=2, seed=1), False, 1, 2, 1, 16, torch.float32),
         ("per-head-gqa", per_head, False, 1, 4, 2, 8, torch.float32),
         ("longformer-global-gqa", patterns.longformer(n, b, 4, [0, 50]), False, 1, 4, 2, 8, torch.float32),
-        ("longformer-bf16", patterns.longformer(n, b, 20, [0, 50]), True, 1, 2, 2, 16, torch.bfloat16),
+        ("longformer-bf16", patterns.longformer(n, b, 4, [0, 50]), False, 1, 2, 2, 16, torch.bfloat16),
+        ("sliding_window-causal-bf16", patterns.sliding_window(n, b, 20), True, 1, 2, 2, 16, torch.bfloat16),
     ]
 
 

@@ -211,6 +211,7 @@ def test_causal_layout_is_the_intersection():
     (lambda: ContextParallelPlan(patterns.dense((32, 48), 8), 2), "seqlen_q must equal seqlen_k"),
     (lambda: ContextParallelPlan(patterns.dense(32, 8), 5), "4 block rows for 5 ranks"),
     (lambda: ContextParallelPlan(patterns.dense(32, 8), 2, balance="even"), "balance must be one of"),
+    (lambda: ContextParallelPlan(patterns.dense(32, 8), 3, balance="zigzag"), "at least 2 \\* world_size = 6 blocks"),
     (lambda: ContextParallelPlan(patterns.dense(32, 8), 2).unshard([torch.zeros(16)], 0), "list of 2 shards"),
     (lambda: ContextParallelPlan(patterns.dense(32, 8), 2).shard(torch.zeros(30), 0, 0), "plan shards 32"),
     (lambda: ContextParallelPlan(patterns.dense(32, 8), 2).send_blocks(0, 2), r"dst must be an int in \[0, 2\)"),
