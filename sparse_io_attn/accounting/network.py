@@ -4,9 +4,10 @@ a ring would move, and the floor.
 
 The model reads the plan through its public methods only (duck-typed: ``world_size``, ``seqlen``,
 ``send_blocks(src, dst)``, ``send_queries(src, dst)``, ``tokens(blocks)``, ``num_tokens(rank)``,
-``exchanges``, ``spreads``, ``owner``, ``spread``, ``block_sizes``, ``layout``), so this floor-3 module needs nothing from :mod:`sparse_io_attn.distributed`
-(floor 4). A K/V token costs ``head_dim * element size * 2 (k and v) * batch * num_heads_kv`` bytes;
-blocks count their real tokens (the last block of the sequence may be ragged).
+``exchanges``, ``spreads``, ``owner``, ``spread``, ``block_sizes``, ``layout``), so this floor-3
+module needs nothing from :mod:`sparse_io_attn.distributed` (floor 4). A K/V token costs
+``head_dim * element size * 2 (k and v) * batch * num_heads_kv`` bytes; blocks count their real
+tokens (the last block of the sequence may be ragged).
 """
 from __future__ import annotations
 

@@ -235,7 +235,8 @@ class _ContextParallelAttention(torch.autograd.Function):
                 pos = 0
                 for idx, n in zip(index, splits):                         # rank order: deterministic sums
                     if n:
-                        dest.index_add_(dim, idx.to(dest.device), got[pos:pos + n].view(n, *shape).movedim(0, dim).float())
+                        chunk = got[pos:pos + n].view(n, *shape).movedim(0, dim).float()
+                        dest.index_add_(dim, idx.to(dest.device), chunk)
                     pos += n
         return dq32.to(dq.dtype), dkv[0].to(dk.dtype), dkv[1].to(dv.dtype), None
 

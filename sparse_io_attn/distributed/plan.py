@@ -385,7 +385,8 @@ def _block_tokens(blocks: torch.Tensor, block: int, seqlen: int) -> torch.Tensor
     return _ranges(starts, torch.clamp(seqlen - starts, max=block))
 
 
-def _exchanged(rows: torch.Tensor, cols: torch.Tensor, owner: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _exchanged(rows: torch.Tensor, cols: torch.Tensor, owner: torch.Tensor,
+               W: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(src * W + dst, col)`` of every K/V block sent (kept block ``(row, col)`` of any mask with
     ``owner[row] = dst != src = owner[col]``), unique, sorted by ``(src, dst, col)``: one ``[W, R]``
     flag grid, O(kept blocks + W R)."""
@@ -474,5 +475,5 @@ def _lpt(row_work: torch.Tensor, W: int) -> torch.Tensor:
 
 _ASSIGN = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
 
-__all__ = ["BALANCES", "ContextParallelPlan", "Exchange", "SPREAD_FRACTION", "FULL_WORK", "PARTIAL_WORK", "RankLayouts", "STRATEGIES",
-           "causal_layout"]
+__all__ = ["BALANCES", "ContextParallelPlan", "Exchange", "FULL_WORK", "PARTIAL_WORK", "RankLayouts", "SPREAD_FRACTION",
+           "STRATEGIES", "causal_layout"]

@@ -1,7 +1,8 @@
 """`context_parallel_attention` on 2, 3 and 4 gloo CPU processes (one spawn per world size running
-every case; at 3 and 4 ranks some rows are spread: their queries travel instead of K/V): outputs and q/k/v gradients equal single-process `block_sparse_attention` on the
-unsharded tensors (and the float64 reference), the network bytes counted under `IOCounter` equal
-the model exactly, backward is deterministic, and bad input raises a clear ValueError on every rank."""
+every case; at 3 and 4 ranks some rows are spread: their queries travel instead of K/V): outputs
+and q/k/v gradients equal single-process `block_sparse_attention` on the unsharded tensors (and the
+float64 reference), the network bytes counted under `IOCounter` equal the model exactly, backward
+is deterministic, and bad input raises a clear ValueError on every rank."""
 import datetime
 import socket
 import time
