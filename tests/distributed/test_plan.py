@@ -221,6 +221,9 @@ def test_causal_layout_is_the_intersection():
      "built for 2"),
     (lambda: context_parallel_attention(*(torch.zeros(1, 1, 32, 8),) * 3, ContextParallelPlan(patterns.dense(32, 8), 1),
                                         causal=True), "plan was built with causal=False"),
+    (lambda: context_parallel_attention(*(torch.zeros(1, 2, 32, 8),) * 3,
+                                        ContextParallelPlan(patterns.bigbird(32, 8, num_heads=3), 1)),
+     "layout has 3 head masks but q has 2 heads"),
 ])
 def test_bad_input_names_the_fix(bad, match):
     with pytest.raises(ValueError, match=match):
