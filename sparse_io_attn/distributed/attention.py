@@ -275,11 +275,11 @@ def _check_local(q, k, v, plan: ContextParallelPlan, rank: int, causal, sm_scale
     return prologue(q, k, v, local, causal=False, sm_scale=sm_scale, backend=backend)
 
 
-def _agree(error: Exception | None, group, world: int, rank: int) -> None:
-    """Every rank raises when any rank's inputs were refused (one small all-reduce before the
-    exchange, so no rank waits in a collective its peers never start)."""
+def _agree(error: Exception | None, group, world: int, rank: int, device: torch.device) -> None:
+    """Every rank raises when any rank's inputs were refused (one small all-reduce on the inputs'
+    device before the exchange, so no rank waits in a collective its peers never start)."""
     if world > 1:
-        flag = torch.tensor([0 if error is None else rank + 1], dtype=torch.int64)
+        flag = torch.tensor([0 if error is None else rank + 1], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if error is None and int(flag):
             raise ValueError(f"context_parallel_attention: rank {int(flag) - 1}'s inputs were refused "
@@ -325,7 +325,8 @@ def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_l
         local = _check_local(q_local, k_local, v_local, plan, rank, causal, sm_scale, backend)
     except (TypeError, ValueError) as exc:
         error = exc
-    _agree(error, group, world, rank)
+    device = q_local.device if isinstance(q_local, torch.Tensor) else torch.device("cpu")
+    _agree(error, group, world, rank, device)
     exchange = plan.exchange(rank) if world > 1 and plan.exchanges else None
     call = _Call(local, plan, rank, exchange, group)
     q, k, v = (t.contiguous() for t in (q_local, k_local, v_local))
