@@ -7,6 +7,8 @@
   and the forward).
 * ``traffic.sparse_operands`` (also ``traffic.paper``): block-sparse operands
   (:mod:`sparse_io_attn.sparse_operands.traffic`).
+* :func:`context_parallel`: the network bytes of context-parallel attention per rank
+  (:mod:`sparse_io_attn.accounting.network`; counted under ``IOCounter().network``).
 
 Every model returns a ``TrafficReport(source="predicted")`` equal, in bytes, to what
 :class:`~sparse_io_attn.accounting.IOCounter` records for the same launch.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from sparse_io_attn.block_sparse.traffic import (block_sparse, block_sparse_backward, block_sparse_flops,
                                                  block_sparse_forward, kept_elements)
+from sparse_io_attn.accounting.network import context_parallel
 from sparse_io_attn.sparse_operands import traffic as sparse_operands
 
 #: the sparse-operand model under the paper's name
@@ -36,5 +39,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["block_sparse", "block_sparse_forward", "block_sparse_backward", "block_sparse_flops",
+__all__ = ["context_parallel", "block_sparse", "block_sparse_forward", "block_sparse_backward", "block_sparse_flops",
            "kept_elements", "dense", "sparse_operands", "paper"]

@@ -11,6 +11,12 @@ launch the launcher calls ``io.commit()``, which adds the buffer to every active
 A byte is counted when a program moves it between global memory and the program (masked-off lanes
 are not counted; a tile re-read by the same program is counted again). This is the traffic of the
 paper's two-level model with fast memory = one program's registers/shared memory.
+
+Network level (collectives between ranks, e.g. context parallelism's K/V exchange): the code that
+starts a collective calls :func:`count_network` with the bytes this rank sends and receives per
+tensor; every active counter adds them to its ``network`` report (a :class:`TrafficReport` whose
+"kernels" are collectives, bytes received counted as read into this rank, bytes sent as written
+out of it). Kernel counts (``report``) are unchanged by it.
 """
 from __future__ import annotations
 
@@ -35,10 +41,13 @@ class IOCounter:
 
     ``io.report`` is a :class:`TrafficReport` (per kernel, per tensor bytes read and written).
     Counters nest: an inner block's launches are also added to the outer counters.
+    ``io.network`` is the network level: bytes this process's collectives received (read) and sent
+    (written), per collective and tensor (:func:`count_network`).
     """
 
     def __init__(self):
         self.report = TrafficReport(source="counted")
+        self.network = TrafficReport(source="counted")
 
     def __enter__(self) -> "IOCounter":
         _stack().append(self)
@@ -49,6 +58,7 @@ class IOCounter:
 
     def reset(self) -> None:
         self.report = TrafficReport(source="counted")
+        self.network = TrafficReport(source="counted")
 
 
 def counting() -> bool:
@@ -75,3 +85,10 @@ class KernelIO:
 def kernel_io(kernel: str, tensors: Sequence[str], device) -> KernelIO | None:
     """A fresh counter slot for one launch of ``kernel``, or ``None`` when nothing is counting."""
     return KernelIO(kernel, tensors, device) if counting() else None
+
+
+def count_network(collective: str, sent: dict, received: dict) -> None:
+    """Add one collective's bytes (``{tensor: bytes}`` this rank sent and received) to the ``network``
+    report of every active counter (nothing when none is active)."""
+    for counter in _stack():
+        counter.network.add(collective, received, sent)

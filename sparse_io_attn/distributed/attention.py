@@ -1,0 +1,336 @@
+"""`context_parallel_attention`: block-sparse attention over a sequence sharded across ranks by a
+:class:`~sparse_io_attn.distributed.plan.ContextParallelPlan`.
+
+Each rank receives exactly the K/V blocks its query rows read and it does not own, with one
+``torch.distributed.all_to_all_single`` (never an all-gather), and computes its rows through the
+block-sparse backends (:func:`sparse_io_attn.block_sparse.api.prologue` and the backends'
+``forward``/``backward``, the path of :func:`~sparse_io_attn.block_sparse_attention`). Rows the plan
+spreads (far heavier than the mean, e.g. global query rows) move the other way: their queries ride
+in the same exchange to the ranks owning their keys (the ``foreign`` layout there), whose partial
+outputs and row statistics come back in a second ``all_to_all_single``.
+
+Overlap: the exchange starts with ``async_op=True``; while it runs the rank computes its rows
+against its own keys (the plan's ``local`` layout); then against the received keys (``received``
+layout) and the received queries; partial results merge through their row statistics
+(:func:`merge_partials`; spread rows' parts in rank order). The partials' return is not overlapped.
+Backward: spread rows' ``do``/``out``/statistics leave first (asynchronously, overlapping the
+received part's backward); the received keys' dK/dV and the foreign queries' dQ go back to their
+owners in one reverse ``all_to_all_single`` started before the local part's backward, which runs
+while it is in flight; the owner adds what comes back in rank order (deterministic). Every part's
+backward uses the merged statistics and output, so every gradient is the one of the whole softmax.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from sparse_io_attn.accounting.network import BACKWARD, BACKWARD_INPUTS, FORWARD, PARTIALS
+from sparse_io_attn.block_sparse.api import Prologue, backend_module, prologue
+from sparse_io_attn.block_sparse.causal import causal_offset
+from sparse_io_attn.distributed.plan import ContextParallelPlan, Exchange
+from sparse_io_attn.tally.counter import count_network
+
+LN2 = math.log(2.0)
+
+
+def merge_partials(out1: torch.Tensor, stats1: torch.Tensor, out2: torch.Tensor, stats2: torch.Tensor):
+    """Two attention results over disjoint key sets -> the result over their union.
+
+    ``stats`` are the backends' fp32 ``[2, B, H, N]`` row statistics (base-2 maximum ``m``, ``log2``
+    of the row sum; ``+inf``/``0`` on a row without keys). Returns ``(out, lse, stats)``: ``out =
+    (out1 l1 2^(m1 - m) + out2 l2 2^(m2 - m)) / l`` with ``m = max(m1, m2)`` and ``l`` the merged sum
+    (computed in fp32, returned in ``out1``'s dtype), ``lse`` natural log (``-inf`` on rows empty in
+    both), ``stats`` the merged statistics backward recomputes the probabilities from."""
+    inf = torch.tensor(float("inf"), device=out1.device)
+    e1, e2 = stats1[0] == inf, stats2[0] == inf                          # rows without keys
+    m1, m2 = torch.where(e1, -inf, stats1[0]), torch.where(e2, -inf, stats2[0])
+    both = e1 & e2
+    m = torch.where(both, 0.0, torch.maximum(m1, m2))
+    a1 = torch.where(e1, 0.0, torch.exp2(m1 - m + stats1[1]))           # l1 * 2^(m1 - m)
+    a2 = torch.where(e2, 0.0, torch.exp2(m2 - m + stats2[1]))
+    total = a1 + a2
+    inv = torch.where(both, 0.0, 1.0 / torch.where(both, 1.0, total))
+    out = (out1.float() * (a1 * inv)[..., None] + out2.float() * (a2 * inv)[..., None]).to(out1.dtype)
+    log2_sum = torch.where(both, 0.0, torch.log2(torch.where(both, 1.0, total)))
+    lse = torch.where(both, -inf, (m + log2_sum) * LN2)
+    return out, lse, torch.stack([torch.where(both, inf, m), log2_sum])
+
+
+class _Call(NamedTuple):
+    """One rank's call, decided before any collective."""
+    local: Prologue                      # the local part (its rows x its own keys), validated
+    plan: ContextParallelPlan
+    rank: int
+    exchange: Exchange | None            # None: no collective (a single rank, or nothing to send)
+    group: object
+
+
+class _Part(NamedTuple):
+    """One tensor of an exchange: ``rows`` ``[tokens, features]`` grouped by destination rank,
+    ``send``/``recv`` the tokens to/from each rank, ``names`` the tensors sharing its bytes equally."""
+    rows: torch.Tensor
+    send: list
+    recv: list
+    names: tuple
+
+
+def _start(parts: list, call: _Call, collective: str):
+    """Start one ``all_to_all_single`` moving every part (one flat buffer, per-rank element splits;
+    asynchronous) and count its bytes; returns ``finish()``, which waits and gives each part's
+    received rows ``[tokens, features]`` grouped by source rank."""
+    W = call.plan.world_size
+    assert len({p.rows.dtype for p in parts}) == 1, "one exchange moves one dtype"
+    feats = [p.rows.shape[1] for p in parts]
+    chunks, offsets = [], [0] * len(parts)
+    send_splits = [sum(p.send[dst] * f for p, f in zip(parts, feats)) for dst in range(W)]
+    recv_splits = [sum(p.recv[src] * f for p, f in zip(parts, feats)) for src in range(W)]
+    for dst in range(W):
+        for i, p in enumerate(parts):
+            chunks.append(p.rows[offsets[i]:offsets[i] + p.send[dst]].reshape(-1))
+            offsets[i] += p.send[dst]
+    buf = torch.cat(chunks)
+    out = buf.new_empty(sum(recv_splits))
+    work = dist.all_to_all_single(out, buf, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                  group=call.group, async_op=True)
+    size = buf.element_size()
+    sent, received = {}, {}
+    for p, f in zip(parts, feats):
+        for name in p.names:
+            sent[name] = sum(p.send) * f * size // len(p.names)
+            received[name] = sum(p.recv) * f * size // len(p.names)
+    count_network(collective, sent, received)
+
+    def finish() -> list:
+        work.wait()
+        got, pos = [[] for _ in parts], 0
+        for src in range(W):
+            for i, (p, f) in enumerate(zip(parts, feats)):
+                got[i].append(out[pos:pos + p.recv[src] * f])
+                pos += p.recv[src] * f
+        return [torch.cat(g).view(-1, f) for g, f in zip(got, feats)]
+    return finish
+
+
+def _part_call(q, k, v, layout, call: _Call) -> Prologue:
+    return prologue(q, k, v, layout, causal=False, sm_scale=call.local.sm_scale, backend=call.local.backend)
+
+
+def _kwargs(p: Prologue) -> dict:
+    return dict(causal_offset=p.causal_offset, sm_scale=p.sm_scale, layout_strides=p.layout_strides)
+
+
+def _rows(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """Tokens ``index`` of ``x`` along ``dim`` as rows ``[tokens, features]``."""
+    features = x.numel() // x.shape[dim]
+    return x.index_select(dim, index.to(x.device)).movedim(dim, 0).reshape(index.numel(), features)
+
+
+def _tokens(rows: torch.Tensor, order: torch.Tensor, shape: tuple, dim: int) -> torch.Tensor:
+    """Rows back to a tensor with tokens (taken in ``order``) along ``dim``; ``shape`` per token."""
+    return rows.index_select(0, order.to(rows.device)).view(-1, *shape).movedim(0, dim).contiguous()
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call):
+        mod = backend_module(call.local.backend)
+        ex, lay = call.exchange, call.plan.rank_layouts(call.rank)
+        B, Hq, _, D = q.shape
+        Hkv = k.shape[1]
+        k_r = v_r = q_f = None
+        if ex is not None:
+            finish = _start([_Part(_rows(torch.stack([k, v]), 3, torch.cat(ex.send_index)), ex.send_splits,
+                                   ex.recv_splits, ("k", "v")),
+                             _Part(_rows(q, 2, torch.cat(ex.q_send_index)), ex.q_send_splits, ex.q_recv_splits,
+                                   ("q",))], call, FORWARD)
+        out, _, stats = mod.forward(q, k, v, call.local.layout, **_kwargs(call.local))
+        if ex is None:
+            ctx.save_for_backward(q, k, v, k_r, v_r, q_f, out, stats)
+            ctx.call = call
+            return out
+        kv_got, q_got = finish()
+        if kv_got.shape[0]:
+            kv = _tokens(kv_got, ex.recv_order, (2, B, Hkv, D), 3)        # [2, B, Hkv, n_received, D]
+            k_r, v_r = kv[0], kv[1]
+            part = _part_call(q, k_r, v_r, lay.received, call)
+            out2, _, stats2 = mod.forward(q, k_r, v_r, part.layout, **_kwargs(part))
+            out, _, stats = merge_partials(out, stats, out2, stats2)
+        if call.plan.spreads:                                             # partial results of spread rows
+            n_f = q_got.shape[0]
+            o_rows, s_rows = q.new_empty((0, B * Hq * D), dtype=torch.float32), stats.new_empty((0, 2 * B * Hq))
+            if n_f:
+                q_f = _tokens(q_got, ex.q_recv_order, (B, Hq, D), 2)
+                part = _part_call(q_f, k, v, lay.foreign, call)
+                o_f, _, s_f = mod.forward(q_f, k, v, part.layout, **_kwargs(part))
+                o_rows, s_rows = _rows(o_f.float(), 2, ex.q_recv_inverse), _rows(s_f, 3, ex.q_recv_inverse)
+            o_got, s_got = _start([_Part(o_rows, ex.q_recv_splits, ex.q_send_splits, ("o",)),
+                                   _Part(s_rows, ex.q_recv_splits, ex.q_send_splits, ("stats",))],
+                                  call, PARTIALS)()
+            pos = 0
+            for index, n in zip(ex.q_send_index, ex.q_send_splits):       # rank order: deterministic
+                if n:
+                    index = index.to(q.device)
+                    o_j = o_got[pos:pos + n].view(n, B, Hq, D).movedim(0, 2)
+                    s_j = s_got[pos:pos + n].view(n, 2, B, Hq).movedim(0, 3)
+                    o_m, _, s_m = merge_partials(out.index_select(2, index), stats.index_select(3, index), o_j, s_j)
+                    out, stats = out.index_copy(2, index, o_m), stats.index_copy(3, index, s_m)
+                pos += n
+        ctx.save_for_backward(q, k, v, k_r, v_r, q_f, out, stats)
+        ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        if torch.is_grad_enabled():
+            raise NotImplementedError("context_parallel_attention: double backward (create_graph=True) is "
+                                      "not supported: the backward kernels are not differentiable")
+        q, k, v, k_r, v_r, q_f, out, stats = ctx.saved_tensors
+        call = ctx.call
+        ex, lay = call.exchange, call.plan.rank_layouts(call.rank)
+        mod = backend_module(call.local.backend)
+        B, Hq, _, D = q.shape
+        Hkv = k.shape[1]
+        do = do.contiguous()
+        if ex is not None and call.plan.spreads:                          # spread rows' do, out, stats out
+            rows = torch.cat(ex.q_send_index)
+            finish_in = _start([_Part(_rows(t.float(), 2, rows), ex.q_send_splits, ex.q_recv_splits, (name,))
+                                for t, name in ((do, "do"), (out, "o"))]
+                               + [_Part(_rows(stats, 3, rows), ex.q_send_splits, ex.q_recv_splits, ("stats",))],
+                               call, BACKWARD_INPUTS)
+        dq_r = dkv_r = dq_f = dkv_f = None
+        if k_r is not None:
+            part = _part_call(q, k_r, v_r, lay.received, call)
+            dq_r, dk_r, dv_r = mod.backward(do, q, k_r, v_r, out, stats, part.layout, **_kwargs(part))
+            dkv_r = torch.stack([dk_r, dv_r])
+        if ex is not None and call.plan.spreads:
+            do_got, o_got, s_got = finish_in()
+            if q_f is not None:
+                do_f = _tokens(do_got, ex.q_recv_order, (B, Hq, D), 2).to(q.dtype)
+                out_f = _tokens(o_got, ex.q_recv_order, (B, Hq, D), 2).to(q.dtype)
+                s_f = _tokens(s_got, ex.q_recv_order, (2, B, Hq), 3)
+                part = _part_call(q_f, k, v, lay.foreign, call)
+                dq_f, dk_f, dv_f = mod.backward(do_f, q_f, k, v, out_f, s_f, part.layout, **_kwargs(part))
+                dkv_f = torch.stack([dk_f, dv_f])
+        if ex is not None:
+            kv_rows = (_rows(dkv_r.to(k.dtype), 3, ex.recv_inverse) if dkv_r is not None
+                       else k.new_empty((0, 2 * B * Hkv * D)))
+            q_rows = (_rows(dq_f.to(k.dtype), 2, ex.q_recv_inverse) if dq_f is not None
+                      else k.new_empty((0, B * Hq * D)))
+            finish_grads = _start([_Part(kv_rows, ex.recv_splits, ex.send_splits, ("dk", "dv")),
+                                   _Part(q_rows, ex.q_recv_splits, ex.q_send_splits, ("dq",))], call, BACKWARD)
+        dq, dk, dv = mod.backward(do, q, k, v, out, stats, call.local.layout, **_kwargs(call.local))
+        dq32, dkv = dq.float(), torch.stack([dk, dv]).float()
+        if dq_r is not None:
+            dq32 += dq_r.float()
+        if dkv_f is not None:
+            dkv += dkv_f.float()
+        if ex is not None:
+            kv_got, q_got = finish_grads()
+            for got, dest, dim, index, splits, shape in (
+                    (kv_got, dkv, 3, ex.send_index, ex.send_splits, (2, B, Hkv, D)),
+                    (q_got, dq32, 2, ex.q_send_index, ex.q_send_splits, (B, Hq, D))):
+                pos = 0
+                for idx, n in zip(index, splits):                         # rank order: deterministic sums
+                    if n:
+                        chunk = got[pos:pos + n].view(n, *shape).movedim(0, dim).float()
+                        dest.index_add_(dim, idx.to(dest.device), chunk)
+                    pos += n
+        return dq32.to(dq.dtype), dkv[0].to(dk.dtype), dkv[1].to(dv.dtype), None
+
+
+def _group_rank(group, plan: ContextParallelPlan) -> tuple[int, int]:
+    """``(world_size, rank)`` of ``group`` (the default group for ``None``; one process without
+    ``torch.distributed`` initialised counts as a group of one)."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError("a process group was passed but torch.distributed is not initialised; call "
+                             "torch.distributed.init_process_group first")
+        world, rank = 1, 0
+    else:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world != plan.world_size:
+        raise ValueError(f"the process group has {world} ranks but the plan was built for {plan.world_size}; "
+                         f"build ContextParallelPlan(layout, {world}) (or pass the matching group)")
+    return world, rank
+
+
+def _check_local(q, k, v, plan: ContextParallelPlan, rank: int, causal, sm_scale, backend) -> Prologue:
+    """This rank's inputs against the plan (shard lengths, then :func:`prologue` on the local part)."""
+    n = plan.num_tokens(rank)
+    for name, t in (("q_local", q), ("k_local", k), ("v_local", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [batch, heads, n_local, head_dim], got {tuple(t.shape)}")
+        if t.shape[2] != n:
+            raise ValueError(f"{name} has {t.shape[2]} tokens but the plan gives rank {rank} {n} "
+                             f"(of {plan.seqlen}); pass plan.shard(x, {rank}, dim=2) of the whole sequence")
+    if (causal_offset(causal, plan.seqlen, plan.seqlen) is not None) != plan.causal:
+        raise ValueError(f"causal={causal!r} but the plan was built with causal={plan.causal}: the plan "
+                         f"decides which blocks are sent; build it with the same causal")
+    local = plan.rank_layouts(rank).local
+    return prologue(q, k, v, local, causal=False, sm_scale=sm_scale, backend=backend)
+
+
+def _agree(error: Exception | None, group, world: int, rank: int, device: torch.device) -> None:
+    """Every rank raises when any rank's inputs were refused (one small all-reduce on the inputs'
+    device before the exchange, so no rank waits in a collective its peers never start)."""
+    if world > 1:
+        flag = torch.tensor([0 if error is None else rank + 1], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if error is None and int(flag):
+            raise ValueError(f"context_parallel_attention: rank {int(flag) - 1}'s inputs were refused "
+                             f"(its error names the fix); no rank started the exchange")
+    if error is not None:
+        raise error
+
+
+def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
+                               plan: ContextParallelPlan, *, group=None, causal=False,
+                               sm_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Block-sparse attention with the sequence sharded over the ranks of ``group``.
+
+    Args:
+        q_local, k_local, v_local: this rank's shards ``[B, H, n_local, D]`` as
+            ``plan.shard(x, rank, dim=2)`` gives them (``Hq % Hkv == 0``: GQA/MQA).
+        plan: a :class:`~sparse_io_attn.distributed.plan.ContextParallelPlan` built with
+            ``world_size`` = the group's size, the same on every rank.
+        group: the process group (default: the default group). Without ``torch.distributed``
+            initialised, a one-rank plan runs locally.
+        causal: must equal the plan's ``causal`` (``True``, ``"top_left"`` and ``"bottom_right"``
+            coincide for self-attention); the plan already applies it.
+        sm_scale, backend: as for :func:`~sparse_io_attn.block_sparse_attention`.
+
+    Returns this rank's output ``[B, Hq, n_local, D]`` in shard order (``plan.unshard`` puts the
+    ranks' outputs back in token order). Output and q/k/v gradients equal
+    ``block_sparse_attention`` of the unsharded tensors on ``plan.layout`` to fp32 rounding; dK/dV of
+    this rank's keys include the contributions of every rank that read them.
+
+    Collectives: one ``all_reduce`` of one int64 (every rank agrees its inputs were accepted, so bad
+    input raises on every rank instead of hanging one), then one ``all_to_all_single`` of the K/V
+    blocks (and spread rows' queries) in forward and one of their dK/dV (and dQ) in backward,
+    skipped when the plan sends nothing; with spread rows, one more each way (partial results in
+    forward, ``do``/``out``/statistics in backward). Their bytes (not the agreement's 8) are counted
+    under :class:`~sparse_io_attn.tally.IOCounter` (``io.network``) and predicted by
+    :func:`sparse_io_attn.accounting.network.context_parallel`.
+    """
+    if not isinstance(plan, ContextParallelPlan):
+        raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
+    world, rank = _group_rank(group, plan)
+    error, local = None, None
+    try:
+        local = _check_local(q_local, k_local, v_local, plan, rank, causal, sm_scale, backend)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    device = q_local.device if isinstance(q_local, torch.Tensor) else torch.device("cpu")
+    _agree(error, group, world, rank, device)
+    exchange = plan.exchange(rank) if world > 1 and plan.exchanges else None
+    call = _Call(local, plan, rank, exchange, group)
+    q, k, v = (t.contiguous() for t in (q_local, k_local, v_local))
+    return _ContextParallelAttention.apply(q, k, v, call)
+
+
+__all__ = ["context_parallel_attention", "merge_partials"]
