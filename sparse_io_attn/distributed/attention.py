@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from sparse_io_attn.accounting.network import BACKWARD, BACKWARD_INPUTS, FORWARD, PARTIALS
 from sparse_io_attn.block_sparse.api import Prologue, backend_module, prologue
-from sparse_io_attn.block_sparse.causal import causal_offset
+from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.distributed.plan import ContextParallelPlan, Exchange
 from sparse_io_attn.tally.counter import count_network
 

@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from sparse_io_attn.block_sparse.causal import causal_offset
+from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout.causal import causal_blocks
 from sparse_io_attn.layout.core import BlockSparseLayout, assemble, inrange_words
