@@ -8,7 +8,8 @@ from sparse_io_attn.block_sparse.api import resolve_backend
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands import torch_path
-from sparse_io_attn.sparse_operands.operands import check_operands, like
+from sparse_io_attn.sparse_operands.batch import squeeze
+from sparse_io_attn.sparse_operands.operands import check_batch, check_operands, like
 from sparse_io_attn.sparse_operands.problem import Problem, build_problem
 
 
@@ -52,32 +53,48 @@ class _PaperAttention(torch.autograd.Function):
 
 def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, scale: float = 1.0,
               backend: str = "auto", return_lse: bool = False):
-    """The paper's attention (Definition 3.1 / B.7): ``O = softmax(A1 X A2^T * scale) A3 Y``.
+    """The paper's attention (Definition 3.1 / B.7): ``O = softmax(A1 X A2^T * scale) A3 Y``, for one
+    head or batched over ``B`` batch elements and ``H`` heads.
 
     Args:
-        A1: ``[nq, d1]`` queries' inputs; X: ``[d1, d2]`` (e.g. a pruned ``W_Q W_K^T``);
-            A2: ``[nk, d2]`` keys' inputs. Each a dense tensor or a :class:`BlockSparseMatrix`
-            (block sizes must agree along shared axes).
-        A3: ``[nk, d3]`` dense, Y: ``[d3, dv]`` dense (``h = A3 Y``, Definition B.6).
-        qk_layout: optional :class:`BlockSparseLayout` (one mask, ``seqlen == (nq, nk)``, block
-            ``(A1 row block, A2 row block)``): the keys each query block attends to.
+        A1: queries' inputs, ``[nq, d1]`` or ``[B, nq, d1]``; A2: keys' inputs, ``[nk, d2]`` or
+            ``[B, nk, d2]``; A3: ``[nk, d3]`` or ``[B, nk, d3]`` dense (``h = A3 Y``, Definition B.6).
+            A1 and A2 may be a :class:`BlockSparseMatrix` (shared by every batch element).
+        X: ``[d1, d2]`` (e.g. a pruned ``W_Q W_K^T``) or ``[H, d1, d2]``; Y: ``[d3, dv]`` or
+            ``[H, d3, dv]``. Each may be a :class:`BlockSparseMatrix` (shared by every head) or a
+            list/tuple of ``H`` of them (a block pattern per head). Block sizes must agree along
+            shared axes.
+        qk_layout: optional :class:`BlockSparseLayout` (``seqlen == (nq, nk)``, block ``(A1 row
+            block, A2 row block)``, ``layout_batch`` 1 or ``B``, ``layout_heads`` 1 or ``H``): the
+            keys each query block attends to.
         scale: multiplies the scores (the paper uses 1).
-        backend: ``"auto"`` (triton on CUDA, torch elsewhere; this form has no C++ kernel), ``"torch"``, ``"triton"`` (on CPU:
-            Triton's interpreter, slow, counts I/O).
+        backend: ``"auto"`` (triton on CUDA, torch elsewhere; this form has no C++ kernel), ``"torch"``,
+            ``"triton"`` (on CPU: Triton's interpreter, slow, counts I/O).
         return_lse: also return the row log-sum-exp (fp32, natural log, not differentiable).
+
+    Returns ``O [nq, dv]`` (and ``lse [nq]``) when every operand is a single 2-D matrix and the
+    layout holds one mask (the paper's single-head form); otherwise ``O [B, H, nq, dv]`` (and
+    ``lse [B, H, nq]``), ``B``/``H`` being 1 along an axis nothing varies on
+    (:mod:`sparse_io_attn.sparse_operands.batch`).
 
     Semantics: softmax over the keys of the QK pattern (all keys if None). Inside it, a score whose
     product is structurally zero is exactly 0 and enters the softmax as ``exp(0 - m)`` (it is not
     masked); the Triton path computes score blocks only where the structural block product of
     ``A1 X`` and ``A2^T`` is nonzero and folds the zero blocks in through block sums of ``h``.
     A query row with no key gets output 0 and lse ``-inf``. Gradients: dense operands get dense
-    gradients; block-sparse ones get gradients on their own block pattern (``values.grad``).
+    gradients (summed over the axis they are shared along); block-sparse ones get gradients on their
+    own block pattern (``values.grad``).
     """
     blocks, dtype, device = check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend)
+    batch = check_batch(A1, A2, A3, X, Y, qk_layout)
     name = resolve_backend(backend, device, supported=("torch", "triton"))
     if name == "torch":
-        o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, float(scale))
+        o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, float(scale), batch)
+        o, lse = squeeze(o, batch), squeeze(lse, batch)
     else:
+        if batch.batched:
+            raise NotImplementedError("backend='triton' takes the single-head 2-D form only; use backend='torch' "
+                                      "for the batched form")
         A1, A2, A3, X, Y = (_contiguous(t) for t in (A1, A2, A3, X, Y))
         prob = build_problem(A1, A2, A3, X, Y, None if qk_layout is None else qk_layout.to(device), blocks)
         data = [t.values if isinstance(t, BlockSparseMatrix) else t for t in (A1, X, A2, A3, Y)]

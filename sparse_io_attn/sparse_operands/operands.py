@@ -28,6 +28,8 @@ from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.layout._csr import INDEX_DTYPE
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
+from sparse_io_attn.sparse_operands.batch import (BATCH_OPERANDS, HEAD_OPERANDS, Batch, first, is_per_head, leading,
+                                                  matrix_shape)
 
 DEFAULT_BLOCK = 64
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -110,50 +112,93 @@ def _shape(x) -> tuple:
 
 
 BACKENDS = ("auto", "torch", "triton")
+#: operands that may be a BlockSparseMatrix (X and Y also a per-head list of them)
+SPARSE_OK = ("A1", "A2", "X", "Y")
+
+
+def _check_one(name: str, t) -> None:
+    """Type and rank of one operand (see :mod:`sparse_io_attn.sparse_operands.batch` for the forms)."""
+    per_head_ok = name in HEAD_OPERANDS
+    if is_per_head(t):
+        if not per_head_ok:
+            raise TypeError(f"{name} must be a torch.Tensor or a BlockSparseMatrix, got {type(t).__name__} "
+                            f"(only X and Y take a per-head list of BlockSparseMatrix)")
+        if not t or not all(isinstance(m, BlockSparseMatrix) for m in t):
+            raise TypeError(f"{name} as a list must hold one BlockSparseMatrix per head (at least one), got "
+                            f"{[type(m).__name__ for m in t]}")
+        if len({(tuple(m.shape), tuple(m.block_size), m.dtype, m.device) for m in t}) != 1:
+            raise ValueError(f"the per-head matrices of {name} must share shape, block size, dtype and device, "
+                             f"got {[(tuple(m.shape), tuple(m.block_size)) for m in t]}")
+        t = t[0]
+    if isinstance(t, BlockSparseMatrix):
+        if name not in SPARSE_OK:
+            raise TypeError(f"{name} must be a dense torch.Tensor (only A1, X, A2 may be "
+                            f"BlockSparseMatrix, besides Y), got BlockSparseMatrix; use {name}.to_dense()")
+    elif not isinstance(t, torch.Tensor):
+        kinds = "a torch.Tensor or a BlockSparseMatrix" if name in SPARSE_OK else "a torch.Tensor"
+        raise TypeError(f"{name} must be {kinds}, got {type(t).__name__}")
+    elif t.dim() not in (2, 3):
+        axis = "B (batch)" if name in BATCH_OPERANDS else "H (heads)"
+        raise ValueError(f"{name} must be 2-D (shared) or 3-D with a leading {axis} axis, got shape "
+                         f"{tuple(t.shape)}")
+    if t.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+
+
+def check_batch(A1, A2, A3, X, Y, qk_layout) -> Batch:
+    """The batch structure of validated operands (:mod:`sparse_io_attn.sparse_operands.batch`): ``B``
+    from A1, A2, A3 and ``layout_batch``, ``H`` from X, Y and ``layout_heads``; each must be 1 or
+    agree."""
+    def size(axis: str, claims) -> int:
+        given = {(who, n) for who, n in claims if n is not None and n != 1}
+        sizes = {n for _, n in given}
+        if len(sizes) > 1:
+            raise ValueError(f"inconsistent {axis} sizes: " + ", ".join(f"{who}={n}" for who, n in sorted(given))
+                             + f"; give every operand that varies along the {axis} axis the same leading size "
+                             f"(or a 2-D operand to share one matrix)")
+        return sizes.pop() if sizes else 1
+
+    lb = qk_layout.layout_batch if qk_layout is not None else None
+    lh = qk_layout.layout_heads if qk_layout is not None else None
+    B = size("batch", [("A1", leading(A1)), ("A2", leading(A2)), ("A3", leading(A3)), ("qk_layout.layout_batch", lb)])
+    H = size("head", [("X", leading(X)), ("Y", leading(Y)), ("qk_layout.layout_heads", lh)])
+    batched = any(leading(t) is not None for t in (A1, A2, A3, X, Y)) or (
+        qk_layout is not None and qk_layout.num_layouts > 1)
+    return Batch(B, H, batched)
 
 
 def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
-    """Validate the operands; return ``(Blocks, dtype, device)``. Errors name expected vs got."""
+    """Validate the operands (single-head 2-D form or the batched form of
+    :mod:`sparse_io_attn.sparse_operands.batch`); return ``(Blocks, dtype, device)``. Errors name
+    expected vs got."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     named = (("A1", A1), ("A2", A2), ("A3", A3), ("X", X), ("Y", Y))
     for name, t in named:
-        sparse_ok = name in ("A1", "A2", "X")
-        if isinstance(t, BlockSparseMatrix):
-            if not sparse_ok:
-                raise TypeError(f"{name} must be a dense torch.Tensor (only A1, X, A2 may be "
-                                f"BlockSparseMatrix), got BlockSparseMatrix; use {name}.to_dense()")
-        elif not isinstance(t, torch.Tensor):
-            kinds = "a torch.Tensor or a BlockSparseMatrix" if sparse_ok else "a torch.Tensor"
-            raise TypeError(f"{name} must be {kinds}, got {type(t).__name__}")
-        elif t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D (the paper's single-head form), got shape {tuple(t.shape)}")
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
-    dtypes = {t.dtype for _, t in named}
+        _check_one(name, t)
+    dtypes = {first(t).dtype for _, t in named}
     if len(dtypes) != 1:
-        raise TypeError(f"A1, A2, A3, X, Y must share a dtype, got {[str(t.dtype) for _, t in named]}")
-    devices = {t.device for _, t in named}
+        raise TypeError(f"A1, A2, A3, X, Y must share a dtype, got {[str(first(t).dtype) for _, t in named]}")
+    devices = {first(t).device for _, t in named}
     if len(devices) != 1:
-        raise ValueError(f"A1, A2, A3, X, Y must be on one device, got {[str(t.device) for _, t in named]}")
-    (nq, d1), (nk, d2), (nv, d3) = _shape(A1), _shape(A2), _shape(A3)
-    if _shape(X) != (d1, d2):
-        raise ValueError(f"X must have shape [A1 columns, A2 columns] = {(d1, d2)}, got {_shape(X)}")
+        raise ValueError(f"A1, A2, A3, X, Y must be on one device, got {[str(first(t).device) for _, t in named]}")
+    (nq, d1), (nk, d2), (nv, d3) = matrix_shape(A1), matrix_shape(A2), matrix_shape(A3)
+    if matrix_shape(X) != (d1, d2):
+        raise ValueError(f"X must have shape [A1 columns, A2 columns] = {(d1, d2)} (per head), got "
+                         f"{matrix_shape(X)}")
     if nv != nk:
         raise ValueError(f"A3 must have as many rows as A2 (keys): {nk}, got {nv}")
-    if _shape(Y)[0] != d3:
-        raise ValueError(f"Y must have {d3} rows (A3's columns), got shape {_shape(Y)}")
+    if matrix_shape(Y)[0] != d3:
+        raise ValueError(f"Y must have {d3} rows (A3's columns) per head, got shape {matrix_shape(Y)}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     if qk_layout is not None:
         if not isinstance(qk_layout, BlockSparseLayout):
             raise TypeError(f"qk_layout must be a BlockSparseLayout or None, got {type(qk_layout).__name__}")
-        if qk_layout.num_layouts != 1:
-            raise ValueError(f"qk_layout must hold one mask (the paper's single head), got "
-                             f"{qk_layout.layout_batch} x {qk_layout.layout_heads}")
         if qk_layout.seqlen != (nq, nk):
             raise ValueError(f"qk_layout was built for seqlen {qk_layout.seqlen} but A1/A2 have "
                              f"{(nq, nk)} rows; build it with seqlen=({nq}, {nk})")
+    check_batch(A1, A2, A3, X, Y, qk_layout)
 
     def pick(axis: str, *claims):
         given = {(who, b) for who, b in claims if b is not None}
@@ -165,6 +210,7 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
         return sizes.pop() if sizes else None
 
     def blk(t, k):
+        t = first(t)
         return t.block_size[k] if isinstance(t, BlockSparseMatrix) else None
 
     qb = qk_layout.block_size if qk_layout is not None else (None, None)
@@ -172,12 +218,12 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
     bn = pick("key (A2 rows)", ("A2", blk(A2, 0)), ("qk_layout", qb[1]))
     bd1 = pick("A1 column / X row", ("A1", blk(A1, 1)), ("X", blk(X, 0)))
     bd2 = pick("X column / A2 column", ("X", blk(X, 1)), ("A2", blk(A2, 1)))
-    dv = _shape(Y)[1]
+    dv = matrix_shape(Y)[1]
     blocks = Blocks(
         m=bm or DEFAULT_BLOCK, n=bn or DEFAULT_BLOCK,
         d1=bd1 or min(DEFAULT_BLOCK, padded_dim(d1)),
         d2=bd2 or min(DEFAULT_BLOCK, padded_dim(d2)),
-        d3=min(DEFAULT_BLOCK, padded_dim(d3)), dv=min(DEFAULT_BLOCK, padded_dim(dv)))
+        d3=blk(Y, 0) or min(DEFAULT_BLOCK, padded_dim(d3)), dv=blk(Y, 1) or min(DEFAULT_BLOCK, padded_dim(dv)))
     if backend == "triton":
         for name, b in vars(blocks).items():
             if b < 16 or b & (b - 1):
