@@ -3,5 +3,6 @@
 ``torch.compile(fullgraph=True)`` trace through block-sparse attention."""
 from sparse_io_attn.nn.module import SparseSelfAttention
 from sparse_io_attn.nn.ops import block_sparse_attention_op
+from sparse_io_attn.nn.paper import PaperAttention
 
 __all__ = ["SparseSelfAttention", "block_sparse_attention_op"]

@@ -95,6 +95,10 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
         if batch.batched:
             raise NotImplementedError("backend='triton' takes the single-head 2-D form only; use backend='torch' "
                                       "for the batched form")
+        if qk_layout is not None and qk_layout.num_partial_blocks:
+            raise ValueError(f"backend='triton' keeps whole QK blocks, but qk_layout has "
+                             f"{qk_layout.num_partial_blocks} partial blocks (element masks, e.g. causal "
+                             f"diagonals); use backend='torch' or a layout of full blocks")
         A1, A2, A3, X, Y = (_contiguous(t) for t in (A1, A2, A3, X, Y))
         prob = build_problem(A1, A2, A3, X, Y, None if qk_layout is None else qk_layout.to(device), blocks)
         data = [t.values if isinstance(t, BlockSparseMatrix) else t for t in (A1, X, A2, A3, Y)]
