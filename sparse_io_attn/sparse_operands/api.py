@@ -8,32 +8,32 @@ from sparse_io_attn.block_sparse.api import resolve_backend
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands import torch_path
-from sparse_io_attn.sparse_operands.batch import squeeze
-from sparse_io_attn.sparse_operands.operands import check_batch, check_operands, like
+from sparse_io_attn.sparse_operands.batch import is_per_head, squeeze
+from sparse_io_attn.sparse_operands.operands import check_batch, check_operands
 from sparse_io_attn.sparse_operands.problem import Problem, build_problem
 
 
-def _contiguous(t):
-    return t if isinstance(t, BlockSparseMatrix) or t.is_contiguous() else t.contiguous()
-
-
-def _bind(prob: Problem, a1, x, a2, a3, y) -> list:
-    """The problem's operand templates over the tensors autograd hands in (dense data or BSR ``values``)."""
-    return [like(t, t.name, d) for t, d in ((prob.A1, a1), (prob.X, x), (prob.A2, a2), (prob.A3, a3), (prob.Y, y))]
+def _data(t) -> torch.Tensor:
+    """The tensor autograd sees for an operand: dense data (contiguous), BSR ``values``, or the
+    per-head ``values`` concatenated (differentiably, so each head's matrix gets its share)."""
+    if is_per_head(t):
+        return torch.cat([m.values for m in t]).contiguous()
+    if isinstance(t, BlockSparseMatrix):
+        return t.values.contiguous()
+    return t.contiguous()
 
 
 class _PaperAttention(torch.autograd.Function):
     """Backend ``"triton"``: forward and backward through the launchers of :mod:`.triton.launch`;
     inputs are the operands' data tensors (gradients land on them: BSR ``values`` get masked
-    gradients), ``prob`` their structure."""
+    gradients), ``prob`` their structure (addressing those same tensors)."""
 
     @staticmethod
     def forward(ctx, a1, x, a2, a3, y, prob: Problem, scale: float):
         from sparse_io_attn.sparse_operands.triton import launch
 
-        ops = _bind(prob, a1, x, a2, a3, y)
-        o, lse, Q, H = launch.forward(*ops, prob.q_map, prob.nnz_q, prob.plan, scale)
-        ctx.save_for_backward(a1, x, a2, a3, y, o, lse, Q.data, H.data)
+        o, lse, Q, H = launch.forward(prob, scale)
+        ctx.save_for_backward(o, lse)
         ctx.prob, ctx.scale, ctx.Q, ctx.H = prob, scale, Q, H
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -42,13 +42,9 @@ class _PaperAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         from sparse_io_attn.sparse_operands.triton import launch
 
-        a1, x, a2, a3, y, o, lse, qd, hd = ctx.saved_tensors
-        p = ctx.prob
-        ops = _bind(p, a1, x, a2, a3, y)
-        Q, H = like(ctx.Q, "q", qd), like(ctx.H, "h", hd)
-        dA1, dX, dA2, dA3, dY = launch.backward(do, o, lse, *ops, Q, H, p.plan, ctx.scale,
-                                                needs=ctx.needs_input_grad[:5])
-        return dA1, dX, dA2, dA3, dY, None, None
+        o, lse = ctx.saved_tensors
+        grads = launch.backward(do, o, lse, ctx.prob, ctx.Q, ctx.H, ctx.scale, needs=ctx.needs_input_grad[:5])
+        return (*grads, None, None)
 
 
 def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, scale: float = 1.0,
@@ -92,15 +88,13 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
         o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, float(scale), batch)
         o, lse = squeeze(o, batch), squeeze(lse, batch)
     else:
-        if batch.batched:
-            raise NotImplementedError("backend='triton' takes the single-head 2-D form only; use backend='torch' "
-                                      "for the batched form")
         if qk_layout is not None and qk_layout.num_partial_blocks:
             raise ValueError(f"backend='triton' keeps whole QK blocks, but qk_layout has "
                              f"{qk_layout.num_partial_blocks} partial blocks (element masks, e.g. causal "
                              f"diagonals); use backend='torch' or a layout of full blocks")
-        A1, A2, A3, X, Y = (_contiguous(t) for t in (A1, A2, A3, X, Y))
-        prob = build_problem(A1, A2, A3, X, Y, None if qk_layout is None else qk_layout.to(device), blocks)
-        data = [t.values if isinstance(t, BlockSparseMatrix) else t for t in (A1, X, A2, A3, Y)]
+        data = [_data(t) for t in (A1, X, A2, A3, Y)]
+        prob = build_problem(A1, A2, A3, X, Y, None if qk_layout is None else qk_layout.to(device), blocks, batch,
+                             data)
         o, lse = _PaperAttention.apply(*data, prob, float(scale))
+        o, lse = squeeze(o, batch), squeeze(lse, batch)
     return (o, lse) if return_lse else o

@@ -38,61 +38,128 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class Operand:
     """One operand (or output buffer) as the kernels see it. ``data`` is the dense tensor or the BSR
-    ``values``; ``shape``/``block`` are logical (after any transpose)."""
+    ``values``; ``shape``/``block`` are logical (after any transpose) and per ``(batch element,
+    head)`` group. ``block_map [Bm, Hm, R, C]``: ``Bm``/``Hm`` are 1 where every batch element/head
+    shares the pattern (its strides along them are then 0). Group ``(b, h)``'s matrix starts at
+    ``data + b * s_gb + h * s_gh``; ``lead`` names the axis the operand's own data varies along
+    (``"batch"``, ``"head"`` or None: one matrix), what its gradient is summed back to."""
     name: str
     data: torch.Tensor
     shape: tuple
     block: tuple
-    block_map: torch.Tensor  # int32 [row_blocks, col_blocks], tile id or -1
+    block_map: torch.Tensor  # int32 [Bm, Hm, row_blocks, col_blocks], tile id or -1
     nb: int
     s_a: int
     s_b: int
     s_r: int
     s_c: int
     sparse: bool
+    s_gb: int = 0
+    s_gh: int = 0
+    lead: str | None = None
 
     @property
     def pattern(self) -> torch.Tensor:
+        """``bool [Bm, Hm, R, C]``: stored tiles."""
         return self.block_map >= 0
+
+    @property
+    def grid(self) -> tuple:
+        """``(row_blocks, col_blocks)``."""
+        return tuple(self.block_map.shape[-2:])
 
     @property
     def element_size(self) -> int:
         return self.data.element_size()
 
+    def map_index(self, b: int, h: int) -> tuple:
+        """Index into ``block_map``'s leading axes of group ``(b, h)``."""
+        return (b if self.block_map.shape[0] > 1 else 0, h if self.block_map.shape[1] > 1 else 0)
+
+    def map_of(self, b: int, h: int) -> torch.Tensor:
+        """The ``[R, C]`` block map of group ``(b, h)``."""
+        return self.block_map[self.map_index(b, h)]
+
+    def matrix_shape(self) -> tuple:
+        """Shape of one group's data: ``values``' for a BSR operand, ``[rows, cols]`` for a dense one."""
+        return tuple(self.data.shape[-3:] if self.sparse else self.data.shape[-2:])
+
     def t(self) -> "Operand":
         return replace(self, shape=self.shape[::-1], block=self.block[::-1],
-                       block_map=self.block_map.t().contiguous(), s_r=self.s_c, s_c=self.s_r)
+                       block_map=self.block_map.transpose(-1, -2).contiguous(), s_r=self.s_c, s_c=self.s_r)
 
     def strides(self, prefix: str) -> dict:
-        """Kernel keyword arguments ``{prefix}_nb, stride_{prefix}_blk0, ...``."""
+        """Kernel keyword arguments ``{prefix}_nb, stride_{prefix}_ta, ...``, the group offsets
+        ``stride_{prefix}_gb/_gh`` and the block map's ``stride_{prefix}map_gb/_gh``."""
+        m = self.block_map
         return {f"{prefix}_nb": self.nb, f"stride_{prefix}_ta": self.s_a, f"stride_{prefix}_tb": self.s_b,
-                f"stride_{prefix}_r": self.s_r, f"stride_{prefix}_c": self.s_c}
+                f"stride_{prefix}_r": self.s_r, f"stride_{prefix}_c": self.s_c,
+                f"stride_{prefix}_gb": self.s_gb, f"stride_{prefix}_gh": self.s_gh,
+                f"stride_{prefix}map_gb": m.stride(0) if m.shape[0] > 1 else 0,
+                f"stride_{prefix}map_gh": m.stride(1) if m.shape[1] > 1 else 0}
 
 
 def dense_map(rows: int, cols: int, device) -> torch.Tensor:
-    return torch.arange(rows * cols, dtype=INDEX_DTYPE, device=device).view(rows, cols)
+    """``int32 [1, 1, rows, cols]``: every tile stored, ids row-major."""
+    return torch.arange(rows * cols, dtype=INDEX_DTYPE, device=device).view(1, 1, rows, cols)
 
 
-def dense_operand(name: str, t: torch.Tensor, block) -> Operand:
+def dense_operand(name: str, t: torch.Tensor, block, lead: str | None = None) -> Operand:
+    """A dense ``[rows, cols]`` tensor, or ``[L, rows, cols]`` varying along ``lead``."""
     br, bc = block
-    R, C = math.ceil(t.shape[0] / br), math.ceil(t.shape[1] / bc)
-    return Operand(name, t, tuple(t.shape), (br, bc), dense_map(R, C, t.device), C,
-                   br * t.stride(0), bc * t.stride(1), t.stride(0), t.stride(1), False)
+    R, C = math.ceil(t.shape[-2] / br), math.ceil(t.shape[-1] / bc)
+    g = t.stride(0) if t.dim() == 3 else 0
+    return Operand(name, t, tuple(t.shape[-2:]), (br, bc), dense_map(R, C, t.device), C,
+                   br * t.stride(-2), bc * t.stride(-1), t.stride(-2), t.stride(-1), False,
+                   s_gb=g if lead == "batch" else 0, s_gh=g if lead == "head" else 0,
+                   lead=lead if t.dim() == 3 else None)
 
 
-def bsr_operand(name: str, m: BlockSparseMatrix, values: torch.Tensor | None = None) -> Operand:
+def bsr_operand(name: str, m, values: torch.Tensor | None = None) -> Operand:
+    """One :class:`BlockSparseMatrix` (shared by every group), or a list of per-head ones whose
+    ``values`` are concatenated in ``values`` (tile ids of head ``h`` offset by the blocks of the
+    heads before it)."""
+    if isinstance(m, (list, tuple)):
+        v = torch.cat([x.values for x in m]) if values is None else values
+        offsets = [0]
+        for x in m[:-1]:
+            offsets.append(offsets[-1] + x.nnz_blocks)
+        maps = torch.stack([torch.where(x.block_index_map() >= 0, x.block_index_map() + o, -1)
+                            for x, o in zip(m, offsets)]).to(device=v.device, dtype=INDEX_DTYPE)
+        m0 = m[0]
+        return Operand(name, v, m0.shape, m0.block_size, maps[None].contiguous(), 1, v.stride(0), 0, v.stride(1),
+                       v.stride(2), True, lead="head")
     v = m.values if values is None else values
-    return Operand(name, v, m.shape, m.block_size, m.block_index_map().to(v.device), 1,
+    return Operand(name, v, m.shape, m.block_size, m.block_index_map().to(v.device)[None, None], 1,
                    v.stride(0), 0, v.stride(1), v.stride(2), True)
 
 
-def like(op: Operand, name: str, data: torch.Tensor) -> Operand:
-    """An operand with ``op``'s structure over another buffer of the same shape (e.g. its gradient)."""
+def like(op: Operand, name: str, data: torch.Tensor, grouped: bool = False) -> Operand:
+    """An operand with ``op``'s structure over another buffer (e.g. its gradient): of the same shape,
+    or with ``grouped`` of shape ``[B, H, *op.matrix_shape()]`` (one matrix per group)."""
+    g = dict(s_gb=data.stride(0), s_gh=data.stride(1)) if grouped else {}
     if op.sparse:
-        return replace(op, name=name, data=data, s_a=data.stride(0), s_r=data.stride(1), s_c=data.stride(2))
+        return replace(op, name=name, data=data, s_a=data.stride(-3), s_r=data.stride(-2), s_c=data.stride(-1), **g)
     br, bc = op.block
-    return replace(op, name=name, data=data, s_a=br * data.stride(0), s_b=bc * data.stride(1),
-                   s_r=data.stride(0), s_c=data.stride(1))
+    return replace(op, name=name, data=data, s_a=br * data.stride(-2), s_b=bc * data.stride(-1),
+                   s_r=data.stride(-2), s_c=data.stride(-1), **g)
+
+
+def grouped_buffer(op: Operand, batch, zero: bool) -> Operand:
+    """A ``[B, H, *op.matrix_shape()]`` buffer with ``op``'s addressing, one matrix per group."""
+    alloc = torch.zeros if zero else torch.empty
+    data = alloc(batch.B, batch.H, *op.matrix_shape(), dtype=op.data.dtype, device=op.data.device)
+    return like(op, op.name, data, grouped=True)
+
+
+def reduce_groups(op: Operand, grad: torch.Tensor) -> torch.Tensor:
+    """A ``[B, H, ...]`` per-group gradient summed back to the shape of ``op.data``: over the heads
+    for a batch-varying operand, over the batch for a head-varying dense one, over both otherwise."""
+    if op.lead == "batch":
+        return grad.sum(dim=1)
+    if op.lead == "head" and not op.sparse:
+        return grad.sum(dim=0)
+    return grad.sum(dim=(0, 1))
 
 
 @dataclass(frozen=True)
@@ -238,7 +305,10 @@ def dense_tensor(t) -> torch.Tensor:
     return t.to_dense() if isinstance(t, BlockSparseMatrix) else t
 
 
-def as_operand(name: str, t, block) -> Operand:
-    if isinstance(t, BlockSparseMatrix):
-        return bsr_operand(name, t)
-    return dense_operand(name, t, block)
+def as_operand(name: str, t, block, lead: str | None = None, data: torch.Tensor | None = None) -> Operand:
+    """The :class:`Operand` of a dense tensor, a :class:`BlockSparseMatrix` or a per-head list of
+    them; ``lead``: the axis a 3-D dense tensor varies along; ``data``: the tensor to address
+    instead of ``t``'s own (the one autograd hands in)."""
+    if isinstance(t, BlockSparseMatrix) or is_per_head(t):
+        return bsr_operand(name, t, data)
+    return dense_operand(name, t if data is None else data, block, lead)

@@ -14,7 +14,7 @@ from sparse_io_attn.sparse_operands.triton import kernels
 #: pointer arguments of the kernels that are not operand data: int32 index lists and block maps, fp32 statistics
 INT_PTRS = ("qmap_ptr", "a2map_ptr", "kept_crow_ptr", "kept_col_ptr", "zero_crow_ptr", "zero_col_ptr",
             "kept_ccol_ptr", "kept_row_ptr", "zero_ccol_ptr", "zero_row_ptr", "bmap_ptr", "cmap_ptr",
-            "pair_ptr_ptr", "pair_a_ptr", "pair_k_ptr")
+            "pair_ptr_ptr", "pair_a_ptr", "pair_k_ptr", "plan_ids_ptr")
 FP32_PTRS = ("lse_ptr", "delta_ptr", "w_ptr", "hsum_ptr", "colsum_ptr")
 
 
