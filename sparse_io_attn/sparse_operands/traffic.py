@@ -17,6 +17,11 @@ blocks of ``Q = A1 X`` and ``A2``; ``es``: element size; indices are 4-byte int3
 * products ``C = A B`` (one program per row block ``i`` of C): per pair ``(i, k)`` the A tile and
   B's row ``k`` on the column tiles stored in both ``B[k, :]`` and ``C[i, :]``; one C row panel.
 
+Batched calls: every term is per ``(batch element, head)`` group (its own Q pattern, A2 pattern and
+score plan) and summed over the groups; each program of the attention kernels and the products also
+reads its group's plan id (4 bytes, in ``layout`` / ``plan``). The per-group gradients the launcher
+sums over a shared axis with torch are outside the kernels and not counted.
+
 Block maps are read as whole rows (``4 * num_d_tiles`` bytes, one int32 tile id per d-tile) even
 though only the d-tiles stored in both operands are then read and multiplied
 (:mod:`sparse_io_attn.sparse_operands.flops` is the matching model of the multiply-adds).

@@ -247,3 +247,23 @@ def test_triton_batched_plans_built_once_per_distinct_pattern(monkeypatch):
     A = torch.randn(2, 48, 32, generator=g)
     predict_traffic(A, A, A, X, torch.randn(4, 32, 16, generator=g))
     assert sum(1 for k in cache.entries if k[0] == "attention") == 2
+
+
+def test_batched_models_are_sums_of_single_head_models():
+    """predict_dot_macs and predict_traffic of a batched call equal the sums over its (b, h) groups
+    of the single-head models; the per-program fast memory is the single head's."""
+    ops, qk, _ = make_batched(2, 3, 45, 38, 32, 16, 16, x="list", y="list", qk="per-batch-head", seed=11)
+    A1, A2, A3, X, Y = ops
+    macs = paper.predict_dot_macs(*ops, qk_layout=qk)
+    per = paper.predict_traffic_per_head(*ops, qk_layout=qk)
+    assert paper.predict_traffic(*ops, qk_layout=qk).total_bytes == sum(r.total_bytes for r in per.values())
+    mask = qk.to_block_mask()
+    want: dict = {}
+    for b in range(2):
+        for h in range(3):
+            lay = BlockSparseLayout.from_block_mask(mask[b, h], 16, (45, 38))
+            for k, v in paper.predict_dot_macs(A1[b], A2[b], A3[b], X[h], Y[h], qk_layout=lay).items():
+                want[k] = want.get(k, 0) + v
+    assert macs == want
+    assert paper.kernel_fast_memory_words(*ops, qk_layout=qk) == paper.kernel_fast_memory_words(
+        A1[0], A2[0], A3[0], X[0], Y[0], qk_layout=BlockSparseLayout.from_block_mask(mask[0, 0], 16, (45, 38)))
