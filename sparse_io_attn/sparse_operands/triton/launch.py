@@ -25,6 +25,7 @@ from sparse_io_attn._triton.shapes import padded_dim
 import torch
 
 from sparse_io_attn.sparse_operands.triton import kernels
+from sparse_io_attn.sparse_operands.triton.configs import launch_options
 from sparse_io_attn.sparse_operands.operands import Operand, grouped_buffer, like, reduce_groups
 from sparse_io_attn.sparse_operands.plan import GroupPlans
 from sparse_io_attn.sparse_operands.problem import Problem, gradient_products, h_operand, product_plans, q_operand
@@ -57,7 +58,7 @@ def matmul(kernel: str, A: Operand, B: Operand, C: Operand, plans: GroupPlans, n
            stride_colsum_g=colsum.stride(0) if colsum is not None else 0,
            size_m=A.shape[0], size_k=A.shape[1], size_n=B.shape[1], num_rows=rows, num_heads=num_heads,
            BLOCK_M=A.block[0], BLOCK_K=A.block[1], BLOCK_N=B.block[1], NUM_N_TILES=C.grid[1],
-           WRITE_COLSUM=colsum is not None, DOT_DTYPE=dot_dtype(A.data.dtype))
+           WRITE_COLSUM=colsum is not None, DOT_DTYPE=dot_dtype(A.data.dtype), **launch_options("matmul"))
 
 
 def _attn_meta(Q: Operand, A2: Operand, dv: int) -> dict:
@@ -100,7 +101,7 @@ def forward(p: Problem, scale: float):
            stride_hsum_blk=hsum.stride(1) if hsum is not None else 0,
            stride_og=o.stride(1), stride_om=o.stride(2), stride_od=o.stride(3), stride_lse_g=lse.stride(1),
            seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv, sm_scale=scale, num_heads=nh,
-           HAS_ZERO=plan.has_zero, **_attn_meta(Q, A2, dv))
+           HAS_ZERO=plan.has_zero, **_attn_meta(Q, A2, dv), **launch_options("paper_attn_fwd"))
     return o, lse, Q, H
 
 
@@ -126,7 +127,7 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, p: Problem, Q
            stride_og=o.stride(1), stride_om=o.stride(2), stride_od=o.stride(3),
            stride_dog=do.stride(1), stride_dom=do.stride(2), stride_dod=do.stride(3), stride_lse_g=lse.stride(1),
            **w_strides, seqlen_q=nq, head_dim_v=dv, num_heads=nh, BLOCK_M=meta["BLOCK_M"], DV_PAD=meta["DV_PAD"],
-           HAS_ZERO=plan.has_zero)
+           HAS_ZERO=plan.has_zero, **launch_options("paper_attn_bwd_preprocess"))
     h = H.data
     dH = like(H, "dh", torch.empty_like(h), grouped=True)
     dA2 = grouped_buffer(A2, batch, zero=A2.sparse)
@@ -140,11 +141,12 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, p: Problem, Q
            **_operands(Q, A2), **common, h_ptr=h, w_ptr=w, da2_ptr=dA2.data, dh_ptr=dH.data,
            kept_ccol_ptr=plan.kept_ccol, kept_row_ptr=plan.kept_row, zero_ccol_ptr=plan.zero_ccol,
            zero_row_ptr=plan.zero_row, stride_da2_gb=dA2.s_gb, stride_da2_gh=dA2.s_gh, **w_strides,
-           stride_dhn=dH.data.stride(2), stride_dhd=dH.data.stride(3), HAS_ZERO=plan.has_zero)
+           stride_dhn=dH.data.stride(2), stride_dhd=dH.data.stride(3), HAS_ZERO=plan.has_zero,
+           **launch_options("paper_attn_bwd_dkv"))
     dQ = like(Q, "dq", torch.empty_like(Q.data))
     launch(kernels._paper_attn_bwd_dq_kernel, (nqb, G), "paper_attn_bwd_dq", DQ_TENSORS, device,
            **_operands(Q, A2), **common, h_ptr=h, dq_ptr=dQ.data, kept_crow_ptr=plan.kept_crow,
-           kept_col_ptr=plan.kept_col)
+           kept_col_ptr=plan.kept_col, **launch_options("paper_attn_bwd_dq"))
     grads = {}
     for name, out, a, b in gradient_products(A1, X, A3, Y, dQ, dH, needs):
         C = replace(grouped_buffer(out, batch, zero=out.sparse), name=name)
