@@ -58,12 +58,11 @@ def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks:
                A3=as_operand("a3", A3, (blocks.n, blocks.d3), "batch", data[3]),
                Y=as_operand("y", Y, (blocks.d3, blocks.dv), "head", data[4]))
     a1p, xp = ops["A1"].pattern, ops["X"].pattern  # A1: one pattern (dense or shared BSR)
-    q_pattern = torch.stack([structural_product(a1p[0, 0], xp[0, h]) for h in range(xp.shape[1])])[None]
-    q_map = torch.full(q_pattern.shape, -1, dtype=torch.int32, device=q_pattern.device)
-    counts = q_pattern.flatten(2).sum(-1)[0]
-    for h in range(q_pattern.shape[1]):
-        q_map[0, h][q_pattern[0, h]] = torch.arange(int(counts[h]), dtype=torch.int32, device=q_pattern.device)
-    nnz_q = int(counts.max()) if counts.numel() else 0
+    q_pattern = structural_product(a1p[0, 0], xp[0])[None]  # [1, Hx, nqb, nd], one per X pattern
+    flat = q_pattern.flatten(2)
+    ids = flat.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1  # row-major tile ids per X pattern
+    q_map = torch.where(flat, ids, -1).view(q_pattern.shape).to(torch.int32)
+    nnz_q = int(flat.sum(-1).max()) if flat.numel() else 0
     masks = None if qk_layout is None else qk_layout.to_block_mask()
     A2op = ops["A2"]
 
