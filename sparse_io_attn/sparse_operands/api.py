@@ -33,7 +33,7 @@ class _PaperAttention(torch.autograd.Function):
         from sparse_io_attn.sparse_operands.triton import launch
 
         o, lse, Q, H = launch.forward(prob, scale)
-        ctx.save_for_backward(o, lse)
+        ctx.save_for_backward(a1, x, a2, a3, y, o, lse)  # the inputs too: autograd's in-place checks
         ctx.prob, ctx.scale, ctx.Q, ctx.H = prob, scale, Q, H
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -42,7 +42,7 @@ class _PaperAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         from sparse_io_attn.sparse_operands.triton import launch
 
-        o, lse = ctx.saved_tensors
+        *_, o, lse = ctx.saved_tensors  # prob addresses the same input tensors
         grads = launch.backward(do, o, lse, ctx.prob, ctx.Q, ctx.H, ctx.scale, needs=ctx.needs_input_grad[:5])
         return (*grads, None, None)
 

@@ -40,8 +40,7 @@ import torch
 
 from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.tally.report import TrafficReport
-from sparse_io_attn.layout.core import BlockSparseLayout
-from sparse_io_attn.sparse_operands.batch import leading, matrix_shape
+from sparse_io_attn.sparse_operands.batch import matrix_shape
 from sparse_io_attn.sparse_operands.problem import (Problem, build_problem, gradient_products, h_operand, product_plans,
                                                     q_operand)
 from sparse_io_attn.sparse_operands.operands import Operand, check_batch, check_operands
@@ -76,8 +75,16 @@ class _Tally:
             rep.add(kernel, r, w)
 
 
+def _parts(plans: GroupPlans, group: int | None):
+    """``(plan, groups using it, key)`` of every distinct plan, or of group ``group``'s alone."""
+    if group is None:
+        return list(zip(plans.parts, plans.counts, plans.keys))
+    i = int(plans.ids[group])
+    return [(plans.parts[i], 1, plans.keys[i])]
+
+
 def _matmul(tally: _Tally, kernel: str, A: Operand, B: Operand, C: Operand, plans: GroupPlans,
-            colsum: bool = False) -> None:
+            colsum: bool = False, group: int | None = None) -> None:
     """Row-panel product ``C = A B``, per group: per pair ``(i, k)`` one A tile and B's row ``k`` on
     the column tiles stored in both ``B[k, :]`` and ``C[i, :]``; per row block ``i`` one C panel on
     its stored tiles. Index bytes ("plan"): per row block the group's plan id, 2 pointers and C's
@@ -89,7 +96,7 @@ def _matmul(tally: _Tally, kernel: str, A: Operand, B: Operand, C: Operand, plan
     kw = _extent(A.shape[1], A.block[1], A.grid[1])
     nct = C.grid[1]
     cw = _extent(C.shape[1], C.block[1], nct)
-    for plan, count, (_, ib, ic) in zip(plans.parts, plans.counts, plans.keys):
+    for plan, count, (_, ib, ic) in _parts(plans, group):
         cpres = (C.block_map[ic] >= 0).cpu().long()
         bpres = (B.block_map[ib] >= 0).cpu().long()
         pi, pk = plan.pairs()
@@ -104,7 +111,7 @@ def _matmul(tally: _Tally, kernel: str, A: Operand, B: Operand, C: Operand, plan
         tally.add(kernel, reads, writes, count)
 
 
-def _attention_terms(tally: _Tally, p: Problem, dv: int, es: int, backward: bool) -> None:
+def _attention_terms(tally: _Tally, p: Problem, dv: int, es: int, backward: bool, group: int | None = None) -> None:
     nq, nk, d2 = p.A1.shape[0], p.A2.shape[0], p.X.shape[1]
     bm, bn, bd = p.blocks.m, p.blocks.n, p.blocks.d2
     nqb, nd = p.q_map.shape[-2:]
@@ -113,12 +120,12 @@ def _attention_terms(tally: _Tally, p: Problem, dv: int, es: int, backward: bool
     hz = p.plan.has_zero
     n_rows, n_keys = int(rows.sum()), int(keys.sum())
     map_row = 4 * nd
-    G = p.batch.groups
+    G = p.batch.groups if group is None else 1
 
     def tot(x) -> int:
         return int(x.sum()) if isinstance(x, torch.Tensor) else int(x)
 
-    for part, count, (iq, ia2, _) in zip(p.plans.parts, p.plans.counts, p.plans.keys):
+    for part, count, (iq, ia2, _) in _parts(p.plans, group):
         pq = (p.q_map[0, iq] >= 0).cpu().long()
         pa2 = p.A2.pattern[ia2].cpu().long()
         q_cols = pq @ wd  # [nqb]
@@ -184,16 +191,17 @@ def products(p: Problem, dv: int, *, backward: bool = True, needs=(True, True, T
     return out
 
 
-def predict(p: Problem, dv: int, *, backward: bool = True, needs=(True, True, True, True, True)) -> TrafficReport:
+def predict(p: Problem, dv: int, *, backward: bool = True, needs=(True, True, True, True, True),
+            group: int | None = None) -> TrafficReport:
     """The traffic of one forward (and backward) call on problem ``p`` (see the module docstring),
-    summed over its groups."""
+    summed over its groups, or the share of group ``group`` (``b * H + h``) alone."""
     tally = _Tally()
     prods = products(p, dv, backward=backward, needs=needs)
     for kernel, A, B, C, plans, colsum in prods[:2]:
-        _matmul(tally, kernel, A, B, C, plans, colsum=colsum)
-    _attention_terms(tally, p, dv, p.A1.element_size, backward)
+        _matmul(tally, kernel, A, B, C, plans, colsum=colsum, group=group)
+    _attention_terms(tally, p, dv, p.A1.element_size, backward, group)
     for kernel, A, B, C, plans, colsum in prods[2:]:
-        _matmul(tally, kernel, A, B, C, plans, colsum=colsum)
+        _matmul(tally, kernel, A, B, C, plans, colsum=colsum, group=group)
     rep = TrafficReport(source="predicted")
     tally.into(rep)
     return rep
@@ -215,26 +223,15 @@ def predict_traffic(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) 
 
 
 def predict_traffic_per_head(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) -> dict:
-    """``{(b, h): TrafficReport}``: :func:`predict_traffic` of each ``(batch element, head)`` group
-    of a batched call on its own (the single-head call on that group's operands and mask); their
-    sum is the batched call's traffic."""
+    """``{(b, h): TrafficReport}``: the share of each ``(batch element, head)`` group in
+    :func:`predict_traffic` of the batched call (its programs' bytes); the shares sum to the call's
+    traffic. A group's share equals the single-head call on its operands when the groups agree on
+    whether some score block is structurally zero (the kernels' ``HAS_ZERO`` is one flag per call)."""
+    blocks, _, _ = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")
     batch = check_batch(A1, A2, A3, X, Y, qk_layout)
-    masks = None if qk_layout is None else qk_layout.to_block_mask()
-
-    def pick(t, i):
-        return t[i] if leading(t) is not None else t
-
-    out = {}
-    for b in range(batch.B):
-        for h in range(batch.H):
-            lay = None
-            if masks is not None:
-                lay = BlockSparseLayout.from_block_mask(masks[b % masks.shape[0], h % masks.shape[1]],
-                                                        qk_layout.block_size, qk_layout.seqlen)
-            out[(b, h)] = predict_traffic(pick(A1, b), pick(A2, b), pick(A3, b), pick(X, h), pick(Y, h),
-                                          qk_layout=lay, backward=backward)
-    return out
-
+    p = build_problem(A1, A2, A3, X, Y, qk_layout, blocks, batch)
+    dv = matrix_shape(Y)[1]
+    return {divmod(g, batch.H): predict(p, dv, backward=backward, group=g) for g in range(batch.groups)}
 
 def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     """Fast memory (words) the counted algorithm uses: the largest per-program working set of the

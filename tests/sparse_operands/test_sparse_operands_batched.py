@@ -98,7 +98,9 @@ CASES = [
     pytest.param(3, 2, 33, 29, 16, 16, 8, dict(x="dense", y="shared", qk="per-batch-head", empty_rows=1),
                  id="ragged-qk-per-batch-head-empty-rows"),
     pytest.param(2, 2, 24, 24, 16, 8, 8, dict(x="list", y="2d", qk=None, a="sparse"), id="A-sparse-shared"),
-    pytest.param(2, 3, 16, 16, 16, 16, 8, dict(x="2d", y="dense", qk=None, density=0.0), id="X-shared-dense"),
+    pytest.param(2, 3, 16, 16, 16, 16, 8, dict(x="2d", y="dense", qk=None), id="X-shared-dense"),
+    pytest.param(1, 3, 20, 20, 16, 16, 8, dict(x="list", y="list", qk="shared", density=0.0),
+                 id="head0-all-zero-X-and-Y"),
 ]
 
 
@@ -204,6 +206,8 @@ TRITON_CASES = [
     pytest.param(2, 2, 33, 20, 32, 16, 16, dict(x="dense", y="shared", qk=None, a="sparse"), id="A-sparse-Y-shared",
                  marks=pytest.mark.slow),
     pytest.param(3, 1, 32, 32, 16, 16, 16, dict(x="2d", y="2d", qk="shared"), id="shared-weights-batch-only"),
+    pytest.param(1, 2, 20, 20, 32, 16, 16, dict(x="list", y="dense", qk=None, density=0.0),
+                 id="head0-all-zero-X"),
 ]
 
 
@@ -259,11 +263,14 @@ def test_batched_models_are_sums_of_single_head_models():
     assert paper.predict_traffic(*ops, qk_layout=qk).total_bytes == sum(r.total_bytes for r in per.values())
     mask = qk.to_block_mask()
     want: dict = {}
+    single = {}
     for b in range(2):
         for h in range(3):
             lay = BlockSparseLayout.from_block_mask(mask[b, h], 16, (45, 38))
             for k, v in paper.predict_dot_macs(A1[b], A2[b], A3[b], X[h], Y[h], qk_layout=lay).items():
                 want[k] = want.get(k, 0) + v
+            single[(b, h)] = paper.predict_traffic(A1[b], A2[b], A3[b], X[h], Y[h], qk_layout=lay)
     assert macs == want
+    assert per == single  # every group has a structurally zero score block here: its share is its own call
     assert paper.kernel_fast_memory_words(*ops, qk_layout=qk) == paper.kernel_fast_memory_words(
         A1[0], A2[0], A3[0], X[0], Y[0], qk_layout=BlockSparseLayout.from_block_mask(mask[0, 0], 16, (45, 38)))
