@@ -5,6 +5,14 @@ Tiles are addressed as described in :mod:`sparse_io_attn.sparse_operands.operand
 map, element ``(r, c)`` at ``base + (t // nb) * stride_ta + (t % nb) * stride_tb + r * stride_r +
 c * stride_c``.
 
+Batch and heads: every kernel runs all ``(batch element, head)`` groups of a call in one launch,
+grid axis 1 being ``g = b * H + h`` (:func:`_group`). A group's operand starts at
+``base + b * stride_*_gb + h * stride_*_gh`` and its block map likewise (``stride_*map_gb/_gh``;
+strides are 0 along an axis the operand or pattern is shared on); buffers allocated per group
+(``h``, ``o``, ``lse``, ``delta``, ``w``, ``hsum``) are offset by ``g`` times their group stride.
+The plans of all distinct patterns are concatenated; a group reads ``plan_ids[g]`` and starts its
+row (column) pointers at ``plan_ids[g] * (blocks + 1)``.
+
 Head dimension (attention kernels): the head dimension is cut into ``NUM_D_TILES`` d-tiles of
 ``BLOCK_D`` columns (a compile-time count). A program holds its own operand as a tuple of per-d-tile
 register tensors (built in ``tl.static_range``, indexed by the static tile index) and, for each
