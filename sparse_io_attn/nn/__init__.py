@@ -5,5 +5,6 @@ from the activations at every forward (:func:`selectors.moba`)."""
 from sparse_io_attn.nn import selectors
 from sparse_io_attn.nn.module import SparseSelfAttention
 from sparse_io_attn.nn.ops import block_sparse_attention_op
+from sparse_io_attn.nn.paper import PaperAttention
 
 __all__ = ["SparseSelfAttention", "block_sparse_attention_op", "selectors"]

@@ -25,40 +25,48 @@ Tests compare these numbers with the multiply-adds the interpreter actually exec
 from __future__ import annotations
 
 from sparse_io_attn._triton.shapes import padded_dim
+from sparse_io_attn.sparse_operands.batch import matrix_shape
 from sparse_io_attn.sparse_operands.problem import build_problem
-from sparse_io_attn.sparse_operands.operands import check_operands
-from sparse_io_attn.sparse_operands.plan import ProductPlan
+from sparse_io_attn.sparse_operands.operands import check_batch, check_operands
 from sparse_io_attn.sparse_operands.traffic import products
 
 ATTENTION_KERNELS = ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq")
 PRODUCT_KERNELS = ("paper_q", "paper_h", "paper_da1", "paper_dx", "paper_da3", "paper_dy")
 
 
-def _product_macs(A, B, C, plan: ProductPlan) -> int:
-    """``BM_A BK BN`` per (pair, column tile stored in both ``B[k, :]`` and ``C[i, :]``)."""
-    pi, pk = plan.pairs()
-    shared = int(((C.block_map >= 0).cpu().long()[pi] * (B.block_map >= 0).cpu().long()[pk]).sum())
-    return shared * A.block[0] * A.block[1] * B.block[1]
+def _product_macs(A, B, C, plans) -> int:
+    """``BM_A BK BN`` per (pair, column tile stored in both ``B[k, :]`` and ``C[i, :]``), summed over
+    the groups."""
+    total = 0
+    for plan, count, (_, ib, ic) in zip(plans.parts, plans.counts, plans.keys):
+        pi, pk = plan.pairs()
+        shared = int(((C.block_map[ic] >= 0).cpu().long()[pi] * (B.block_map[ib] >= 0).cpu().long()[pk]).sum())
+        total += count * shared
+    return total * A.block[0] * A.block[1] * B.block[1]
 
 
 def predict_dot_macs(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) -> dict:
     """``{kernel: multiply-adds issued by tl.dot}`` for the kernels of one
     ``paper.attention(..., backend="triton")`` call (and its backward when ``backward``, all five
-    gradients): the three attention kernels and the products, by report name."""
+    gradients), summed over its ``(batch element, head)`` groups: the three attention kernels and
+    the products, by report name."""
     blocks, _, _ = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")
-    p = build_problem(A1, A2, A3, X, Y, qk_layout, blocks)
+    p = build_problem(A1, A2, A3, X, Y, qk_layout, blocks, check_batch(A1, A2, A3, X, Y, qk_layout))
     bm, bn, bd = blocks.m, blocks.n, blocks.d2
-    dv = padded_dim(Y.shape[1])
-    pq = (p.q_map >= 0).cpu().long()
-    pa2 = p.A2.pattern.cpu().long()
-    kept = p.plan.kept_mask.cpu().long()
-    shared = int((kept * (pq @ pa2.t())).sum())  # sum over kept (i, j) of |Pq[i] & Pa2[j]|
-    n_kept = int(kept.sum())
+    dv_cols = matrix_shape(Y)[1]
+    dv = padded_dim(dv_cols)
+    shared = n_kept = 0
+    for part, count, (iq, ia2, _) in zip(p.plans.parts, p.plans.counts, p.plans.keys):
+        pq = (p.q_map[0, iq] >= 0).cpu().long()
+        pa2 = p.A2.pattern[ia2].cpu().long()
+        kept = part.kept_mask.cpu().long()
+        shared += count * int((kept * (pq @ pa2.t())).sum())  # sum over kept (i, j) of |Pq[i] & Pa2[j]|
+        n_kept += count * int(kept.sum())
     tile = bm * bn * bd
     out = {"paper_attn_fwd": shared * tile + n_kept * bm * bn * dv}
     if backward:
         out["paper_attn_bwd_dkv"] = 2 * shared * tile + 2 * n_kept * bm * bn * dv
         out["paper_attn_bwd_dq"] = 2 * shared * tile + n_kept * bm * bn * dv
-    for kernel, A, B, C, plan, _ in products(p, Y.shape[1], backward=backward):
-        out[kernel] = _product_macs(A, B, C, plan)
+    for kernel, A, B, C, plans, _ in products(p, dv_cols, backward=backward):
+        out[kernel] = _product_macs(A, B, C, plans)
     return out

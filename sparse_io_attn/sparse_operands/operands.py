@@ -28,6 +28,8 @@ from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.layout._csr import INDEX_DTYPE
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
+from sparse_io_attn.sparse_operands.batch import (BATCH_OPERANDS, HEAD_OPERANDS, Batch, first, is_per_head, leading,
+                                                  matrix_shape)
 
 DEFAULT_BLOCK = 64
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -36,61 +38,128 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class Operand:
     """One operand (or output buffer) as the kernels see it. ``data`` is the dense tensor or the BSR
-    ``values``; ``shape``/``block`` are logical (after any transpose)."""
+    ``values``; ``shape``/``block`` are logical (after any transpose) and per ``(batch element,
+    head)`` group. ``block_map [Bm, Hm, R, C]``: ``Bm``/``Hm`` are 1 where every batch element/head
+    shares the pattern (its strides along them are then 0). Group ``(b, h)``'s matrix starts at
+    ``data + b * s_gb + h * s_gh``; ``lead`` names the axis the operand's own data varies along
+    (``"batch"``, ``"head"`` or None: one matrix), what its gradient is summed back to."""
     name: str
     data: torch.Tensor
     shape: tuple
     block: tuple
-    block_map: torch.Tensor  # int32 [row_blocks, col_blocks], tile id or -1
+    block_map: torch.Tensor  # int32 [Bm, Hm, row_blocks, col_blocks], tile id or -1
     nb: int
     s_a: int
     s_b: int
     s_r: int
     s_c: int
     sparse: bool
+    s_gb: int = 0
+    s_gh: int = 0
+    lead: str | None = None
 
     @property
     def pattern(self) -> torch.Tensor:
+        """``bool [Bm, Hm, R, C]``: stored tiles."""
         return self.block_map >= 0
+
+    @property
+    def grid(self) -> tuple:
+        """``(row_blocks, col_blocks)``."""
+        return tuple(self.block_map.shape[-2:])
 
     @property
     def element_size(self) -> int:
         return self.data.element_size()
 
+    def map_index(self, b: int, h: int) -> tuple:
+        """Index into ``block_map``'s leading axes of group ``(b, h)``."""
+        return (b if self.block_map.shape[0] > 1 else 0, h if self.block_map.shape[1] > 1 else 0)
+
+    def map_of(self, b: int, h: int) -> torch.Tensor:
+        """The ``[R, C]`` block map of group ``(b, h)``."""
+        return self.block_map[self.map_index(b, h)]
+
+    def matrix_shape(self) -> tuple:
+        """Shape of one group's data: ``values``' for a BSR operand, ``[rows, cols]`` for a dense one."""
+        return tuple(self.data.shape[-3:] if self.sparse else self.data.shape[-2:])
+
     def t(self) -> "Operand":
         return replace(self, shape=self.shape[::-1], block=self.block[::-1],
-                       block_map=self.block_map.t().contiguous(), s_r=self.s_c, s_c=self.s_r)
+                       block_map=self.block_map.transpose(-1, -2).contiguous(), s_r=self.s_c, s_c=self.s_r)
 
     def strides(self, prefix: str) -> dict:
-        """Kernel keyword arguments ``{prefix}_nb, stride_{prefix}_blk0, ...``."""
+        """Kernel keyword arguments ``{prefix}_nb, stride_{prefix}_ta, ...``, the group offsets
+        ``stride_{prefix}_gb/_gh`` and the block map's ``stride_{prefix}map_gb/_gh``."""
+        m = self.block_map
         return {f"{prefix}_nb": self.nb, f"stride_{prefix}_ta": self.s_a, f"stride_{prefix}_tb": self.s_b,
-                f"stride_{prefix}_r": self.s_r, f"stride_{prefix}_c": self.s_c}
+                f"stride_{prefix}_r": self.s_r, f"stride_{prefix}_c": self.s_c,
+                f"stride_{prefix}_gb": self.s_gb, f"stride_{prefix}_gh": self.s_gh,
+                f"stride_{prefix}map_gb": m.stride(0) if m.shape[0] > 1 else 0,
+                f"stride_{prefix}map_gh": m.stride(1) if m.shape[1] > 1 else 0}
 
 
 def dense_map(rows: int, cols: int, device) -> torch.Tensor:
-    return torch.arange(rows * cols, dtype=INDEX_DTYPE, device=device).view(rows, cols)
+    """``int32 [1, 1, rows, cols]``: every tile stored, ids row-major."""
+    return torch.arange(rows * cols, dtype=INDEX_DTYPE, device=device).view(1, 1, rows, cols)
 
 
-def dense_operand(name: str, t: torch.Tensor, block) -> Operand:
+def dense_operand(name: str, t: torch.Tensor, block, lead: str | None = None) -> Operand:
+    """A dense ``[rows, cols]`` tensor, or ``[L, rows, cols]`` varying along ``lead``."""
     br, bc = block
-    R, C = math.ceil(t.shape[0] / br), math.ceil(t.shape[1] / bc)
-    return Operand(name, t, tuple(t.shape), (br, bc), dense_map(R, C, t.device), C,
-                   br * t.stride(0), bc * t.stride(1), t.stride(0), t.stride(1), False)
+    R, C = math.ceil(t.shape[-2] / br), math.ceil(t.shape[-1] / bc)
+    g = t.stride(0) if t.dim() == 3 else 0
+    return Operand(name, t, tuple(t.shape[-2:]), (br, bc), dense_map(R, C, t.device), C,
+                   br * t.stride(-2), bc * t.stride(-1), t.stride(-2), t.stride(-1), False,
+                   s_gb=g if lead == "batch" else 0, s_gh=g if lead == "head" else 0,
+                   lead=lead if t.dim() == 3 else None)
 
 
-def bsr_operand(name: str, m: BlockSparseMatrix, values: torch.Tensor | None = None) -> Operand:
+def bsr_operand(name: str, m, values: torch.Tensor | None = None) -> Operand:
+    """One :class:`BlockSparseMatrix` (shared by every group), or a list of per-head ones whose
+    ``values`` are concatenated in ``values`` (tile ids of head ``h`` offset by the blocks of the
+    heads before it)."""
+    if isinstance(m, (list, tuple)):
+        v = torch.cat([x.values for x in m]) if values is None else values
+        offsets = [0]
+        for x in m[:-1]:
+            offsets.append(offsets[-1] + x.nnz_blocks)
+        maps = torch.stack([torch.where(x.block_index_map() >= 0, x.block_index_map() + o, -1)
+                            for x, o in zip(m, offsets)]).to(device=v.device, dtype=INDEX_DTYPE)
+        m0 = m[0]
+        return Operand(name, v, m0.shape, m0.block_size, maps[None].contiguous(), 1, v.stride(0), 0, v.stride(1),
+                       v.stride(2), True, lead="head")
     v = m.values if values is None else values
-    return Operand(name, v, m.shape, m.block_size, m.block_index_map().to(v.device), 1,
+    return Operand(name, v, m.shape, m.block_size, m.block_index_map().to(v.device)[None, None], 1,
                    v.stride(0), 0, v.stride(1), v.stride(2), True)
 
 
-def like(op: Operand, name: str, data: torch.Tensor) -> Operand:
-    """An operand with ``op``'s structure over another buffer of the same shape (e.g. its gradient)."""
+def like(op: Operand, name: str, data: torch.Tensor, grouped: bool = False) -> Operand:
+    """An operand with ``op``'s structure over another buffer (e.g. its gradient): of the same shape,
+    or with ``grouped`` of shape ``[B, H, *op.matrix_shape()]`` (one matrix per group)."""
+    g = dict(s_gb=data.stride(0), s_gh=data.stride(1)) if grouped else {}
     if op.sparse:
-        return replace(op, name=name, data=data, s_a=data.stride(0), s_r=data.stride(1), s_c=data.stride(2))
+        return replace(op, name=name, data=data, s_a=data.stride(-3), s_r=data.stride(-2), s_c=data.stride(-1), **g)
     br, bc = op.block
-    return replace(op, name=name, data=data, s_a=br * data.stride(0), s_b=bc * data.stride(1),
-                   s_r=data.stride(0), s_c=data.stride(1))
+    return replace(op, name=name, data=data, s_a=br * data.stride(-2), s_b=bc * data.stride(-1),
+                   s_r=data.stride(-2), s_c=data.stride(-1), **g)
+
+
+def grouped_buffer(op: Operand, batch, zero: bool) -> Operand:
+    """A ``[B, H, *op.matrix_shape()]`` buffer with ``op``'s addressing, one matrix per group."""
+    alloc = torch.zeros if zero else torch.empty
+    data = alloc(batch.B, batch.H, *op.matrix_shape(), dtype=op.data.dtype, device=op.data.device)
+    return like(op, op.name, data, grouped=True)
+
+
+def reduce_groups(op: Operand, grad: torch.Tensor) -> torch.Tensor:
+    """A ``[B, H, ...]`` per-group gradient summed back to the shape of ``op.data``: over the heads
+    for a batch-varying operand, over the batch for a head-varying dense one, over both otherwise."""
+    if op.lead == "batch":
+        return grad.sum(dim=1)
+    if op.lead == "head" and not op.sparse:
+        return grad.sum(dim=0)
+    return grad.sum(dim=(0, 1))
 
 
 @dataclass(frozen=True)
@@ -110,50 +179,93 @@ def _shape(x) -> tuple:
 
 
 BACKENDS = ("auto", "torch", "triton")
+#: operands that may be a BlockSparseMatrix (X and Y also a per-head list of them)
+SPARSE_OK = ("A1", "A2", "X", "Y")
+
+
+def _check_one(name: str, t) -> None:
+    """Type and rank of one operand (see :mod:`sparse_io_attn.sparse_operands.batch` for the forms)."""
+    per_head_ok = name in HEAD_OPERANDS
+    if is_per_head(t):
+        if not per_head_ok:
+            raise TypeError(f"{name} must be a torch.Tensor or a BlockSparseMatrix, got {type(t).__name__} "
+                            f"(only X and Y take a per-head list of BlockSparseMatrix)")
+        if not t or not all(isinstance(m, BlockSparseMatrix) for m in t):
+            raise TypeError(f"{name} as a list must hold one BlockSparseMatrix per head (at least one), got "
+                            f"{[type(m).__name__ for m in t]}")
+        if len({(tuple(m.shape), tuple(m.block_size), m.dtype, m.device) for m in t}) != 1:
+            raise ValueError(f"the per-head matrices of {name} must share shape, block size, dtype and device, "
+                             f"got {[(tuple(m.shape), tuple(m.block_size)) for m in t]}")
+        t = t[0]
+    if isinstance(t, BlockSparseMatrix):
+        if name not in SPARSE_OK:
+            raise TypeError(f"{name} must be a dense torch.Tensor (only A1, X, A2 may be "
+                            f"BlockSparseMatrix, besides Y), got BlockSparseMatrix; use {name}.to_dense()")
+    elif not isinstance(t, torch.Tensor):
+        kinds = "a torch.Tensor or a BlockSparseMatrix" if name in SPARSE_OK else "a torch.Tensor"
+        raise TypeError(f"{name} must be {kinds}, got {type(t).__name__}")
+    elif t.dim() not in (2, 3):
+        axis = "B (batch)" if name in BATCH_OPERANDS else "H (heads)"
+        raise ValueError(f"{name} must be 2-D (shared) or 3-D with a leading {axis} axis, got shape "
+                         f"{tuple(t.shape)}")
+    if t.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+
+
+def check_batch(A1, A2, A3, X, Y, qk_layout) -> Batch:
+    """The batch structure of validated operands (:mod:`sparse_io_attn.sparse_operands.batch`): ``B``
+    from A1, A2, A3 and ``layout_batch``, ``H`` from X, Y and ``layout_heads``; each must be 1 or
+    agree."""
+    def size(axis: str, claims) -> int:
+        given = {(who, n) for who, n in claims if n is not None and n != 1}
+        sizes = {n for _, n in given}
+        if len(sizes) > 1:
+            raise ValueError(f"inconsistent {axis} sizes: " + ", ".join(f"{who}={n}" for who, n in sorted(given))
+                             + f"; give every operand that varies along the {axis} axis the same leading size "
+                             f"(or a 2-D operand to share one matrix)")
+        return sizes.pop() if sizes else 1
+
+    lb = qk_layout.layout_batch if qk_layout is not None else None
+    lh = qk_layout.layout_heads if qk_layout is not None else None
+    B = size("batch", [("A1", leading(A1)), ("A2", leading(A2)), ("A3", leading(A3)), ("qk_layout.layout_batch", lb)])
+    H = size("head", [("X", leading(X)), ("Y", leading(Y)), ("qk_layout.layout_heads", lh)])
+    batched = any(leading(t) is not None for t in (A1, A2, A3, X, Y)) or (
+        qk_layout is not None and qk_layout.num_layouts > 1)
+    return Batch(B, H, batched)
 
 
 def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
-    """Validate the operands; return ``(Blocks, dtype, device)``. Errors name expected vs got."""
+    """Validate the operands (single-head 2-D form or the batched form of
+    :mod:`sparse_io_attn.sparse_operands.batch`); return ``(Blocks, dtype, device)``. Errors name
+    expected vs got."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     named = (("A1", A1), ("A2", A2), ("A3", A3), ("X", X), ("Y", Y))
     for name, t in named:
-        sparse_ok = name in ("A1", "A2", "X")
-        if isinstance(t, BlockSparseMatrix):
-            if not sparse_ok:
-                raise TypeError(f"{name} must be a dense torch.Tensor (only A1, X, A2 may be "
-                                f"BlockSparseMatrix), got BlockSparseMatrix; use {name}.to_dense()")
-        elif not isinstance(t, torch.Tensor):
-            kinds = "a torch.Tensor or a BlockSparseMatrix" if sparse_ok else "a torch.Tensor"
-            raise TypeError(f"{name} must be {kinds}, got {type(t).__name__}")
-        elif t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D (the paper's single-head form), got shape {tuple(t.shape)}")
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
-    dtypes = {t.dtype for _, t in named}
+        _check_one(name, t)
+    dtypes = {first(t).dtype for _, t in named}
     if len(dtypes) != 1:
-        raise TypeError(f"A1, A2, A3, X, Y must share a dtype, got {[str(t.dtype) for _, t in named]}")
-    devices = {t.device for _, t in named}
+        raise TypeError(f"A1, A2, A3, X, Y must share a dtype, got {[str(first(t).dtype) for _, t in named]}")
+    devices = {first(t).device for _, t in named}
     if len(devices) != 1:
-        raise ValueError(f"A1, A2, A3, X, Y must be on one device, got {[str(t.device) for _, t in named]}")
-    (nq, d1), (nk, d2), (nv, d3) = _shape(A1), _shape(A2), _shape(A3)
-    if _shape(X) != (d1, d2):
-        raise ValueError(f"X must have shape [A1 columns, A2 columns] = {(d1, d2)}, got {_shape(X)}")
+        raise ValueError(f"A1, A2, A3, X, Y must be on one device, got {[str(first(t).device) for _, t in named]}")
+    (nq, d1), (nk, d2), (nv, d3) = matrix_shape(A1), matrix_shape(A2), matrix_shape(A3)
+    if matrix_shape(X) != (d1, d2):
+        raise ValueError(f"X must have shape [A1 columns, A2 columns] = {(d1, d2)} (per head), got "
+                         f"{matrix_shape(X)}")
     if nv != nk:
         raise ValueError(f"A3 must have as many rows as A2 (keys): {nk}, got {nv}")
-    if _shape(Y)[0] != d3:
-        raise ValueError(f"Y must have {d3} rows (A3's columns), got shape {_shape(Y)}")
+    if matrix_shape(Y)[0] != d3:
+        raise ValueError(f"Y must have {d3} rows (A3's columns) per head, got shape {matrix_shape(Y)}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     if qk_layout is not None:
         if not isinstance(qk_layout, BlockSparseLayout):
             raise TypeError(f"qk_layout must be a BlockSparseLayout or None, got {type(qk_layout).__name__}")
-        if qk_layout.num_layouts != 1:
-            raise ValueError(f"qk_layout must hold one mask (the paper's single head), got "
-                             f"{qk_layout.layout_batch} x {qk_layout.layout_heads}")
         if qk_layout.seqlen != (nq, nk):
             raise ValueError(f"qk_layout was built for seqlen {qk_layout.seqlen} but A1/A2 have "
                              f"{(nq, nk)} rows; build it with seqlen=({nq}, {nk})")
+    check_batch(A1, A2, A3, X, Y, qk_layout)
 
     def pick(axis: str, *claims):
         given = {(who, b) for who, b in claims if b is not None}
@@ -165,6 +277,7 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
         return sizes.pop() if sizes else None
 
     def blk(t, k):
+        t = first(t)
         return t.block_size[k] if isinstance(t, BlockSparseMatrix) else None
 
     qb = qk_layout.block_size if qk_layout is not None else (None, None)
@@ -172,12 +285,12 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
     bn = pick("key (A2 rows)", ("A2", blk(A2, 0)), ("qk_layout", qb[1]))
     bd1 = pick("A1 column / X row", ("A1", blk(A1, 1)), ("X", blk(X, 0)))
     bd2 = pick("X column / A2 column", ("X", blk(X, 1)), ("A2", blk(A2, 1)))
-    dv = _shape(Y)[1]
+    dv = matrix_shape(Y)[1]
     blocks = Blocks(
         m=bm or DEFAULT_BLOCK, n=bn or DEFAULT_BLOCK,
         d1=bd1 or min(DEFAULT_BLOCK, padded_dim(d1)),
         d2=bd2 or min(DEFAULT_BLOCK, padded_dim(d2)),
-        d3=min(DEFAULT_BLOCK, padded_dim(d3)), dv=min(DEFAULT_BLOCK, padded_dim(dv)))
+        d3=blk(Y, 0) or min(DEFAULT_BLOCK, padded_dim(d3)), dv=blk(Y, 1) or min(DEFAULT_BLOCK, padded_dim(dv)))
     if backend == "triton":
         for name, b in vars(blocks).items():
             if b < 16 or b & (b - 1):
@@ -192,7 +305,10 @@ def dense_tensor(t) -> torch.Tensor:
     return t.to_dense() if isinstance(t, BlockSparseMatrix) else t
 
 
-def as_operand(name: str, t, block) -> Operand:
-    if isinstance(t, BlockSparseMatrix):
-        return bsr_operand(name, t)
-    return dense_operand(name, t, block)
+def as_operand(name: str, t, block, lead: str | None = None, data: torch.Tensor | None = None) -> Operand:
+    """The :class:`Operand` of a dense tensor, a :class:`BlockSparseMatrix` or a per-head list of
+    them; ``lead``: the axis a 3-D dense tensor varies along; ``data``: the tensor to address
+    instead of ``t``'s own (the one autograd hands in)."""
+    if isinstance(t, BlockSparseMatrix) or is_per_head(t):
+        return bsr_operand(name, t, data)
+    return dense_operand(name, t if data is None else data, block, lead)

@@ -163,3 +163,51 @@ def attention_plan(q_pattern: torch.Tensor, a2_pattern: torch.Tensor, qk_mask: t
     dev = q_pattern.device
     key = (_key(q_pattern, a2_pattern, qk_mask), str(dev))
     return _cached("attention", key, lambda: build().to(dev))
+
+
+@dataclass(frozen=True)
+class GroupPlans:
+    """The plans of a batched call: ``parts`` the distinct plans (built once each, in first-use
+    order), ``counts`` how many ``(b, h)`` groups use each, ``ids [B * H]`` (int32, on the plans'
+    device) the part of every group, and ``plan`` the parts concatenated into one plan the kernels
+    index with ``ids`` (row pointers shifted to absolute offsets into the concatenated lists; part
+    ``p``'s row pointers start at ``p * (rows + 1)``); ``keys`` what each part was built from."""
+    parts: tuple
+    counts: tuple
+    ids: torch.Tensor
+    plan: object
+    keys: tuple = ()
+
+
+def _shifted(ptrs: list, lists: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate CSR row pointers (shifted by the entries before each part) and their lists."""
+    out, start = [], 0
+    for ptr, lst in zip(ptrs, lists):
+        out.append(ptr.to(torch.int64) + start)
+        start += int(lst.numel())
+    return torch.cat(out).to(INDEX_DTYPE), torch.cat(lists)
+
+
+def stack_product_plans(parts: list) -> ProductPlan:
+    ptr, pair_a = _shifted([p.pair_ptr for p in parts], [p.pair_a for p in parts])
+    return ProductPlan(ptr, pair_a, torch.cat([p.pair_k for p in parts]))
+
+
+def stack_attention_plans(parts: list) -> AttentionPlan:
+    kc, kcol = _shifted([p.kept_crow for p in parts], [p.kept_col for p in parts])
+    kcc, krow = _shifted([p.kept_ccol for p in parts], [p.kept_row for p in parts])
+    zc, zcol = _shifted([p.zero_crow for p in parts], [p.zero_col for p in parts])
+    zcc, zrow = _shifted([p.zero_ccol for p in parts], [p.zero_row for p in parts])
+    return AttentionPlan(torch.stack([p.kept_mask for p in parts]), torch.stack([p.zero_mask for p in parts]),
+                         kc, kcol, kcc, krow, zc, zcol, zcc, zrow)
+
+
+def group_plans(keys: list, build, stack, device) -> GroupPlans:
+    """``keys[g]``: a hashable naming group ``g``'s plan; ``build(key)`` builds (or fetches from
+    :data:`CACHE`) a plan; ``stack`` concatenates the distinct ones."""
+    order: dict = {}
+    ids = [order.setdefault(k, len(order)) for k in keys]
+    parts = [build(k) for k in order]
+    counts = [ids.count(i) for i in range(len(parts))]
+    return GroupPlans(tuple(parts), tuple(counts), torch.tensor(ids, dtype=INDEX_DTYPE, device=device),
+                      parts[0] if len(parts) == 1 else stack(parts), tuple(order))

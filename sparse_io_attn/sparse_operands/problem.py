@@ -1,7 +1,9 @@
 """The structure of one call of :func:`sparse_io_attn.sparse_operands.attention`, shared by the
 launchers, the traffic model and the multiply-add model: operand templates (addressing and block
-maps), the block pattern of ``Q = A1 X`` and the score plan. Built on the host from block patterns
-only (no operand values are read)."""
+maps, per ``(batch element, head)`` group), the block patterns of ``Q = A1 X`` and the score plans.
+Built on the host from block patterns only (no operand values are read). Plans are built once per
+distinct pattern (groups sharing a pattern share a plan) and concatenated for the kernels, which
+run every group of a call in one launch (grid axis 1 = ``b * H + h``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,15 +11,18 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn.layout.core import BlockSparseLayout
-from sparse_io_attn.sparse_operands.operands import Blocks, Operand, as_operand
-from sparse_io_attn.sparse_operands.plan import AttentionPlan, attention_plan, structural_product
+from sparse_io_attn.sparse_operands.batch import Batch
+from sparse_io_attn.sparse_operands.operands import Blocks, Operand, as_operand, dense_map
+from sparse_io_attn.sparse_operands.plan import (GroupPlans, attention_plan, group_plans, product_plan,
+                                                 stack_attention_plans, stack_product_plans, structural_product)
 
 
 @dataclass
 class Problem:
-    """Structure of one call: the five operands as the kernels address them, ``q_map`` (tile id of
-    each stored block of ``Q = A1 X``, -1 where the block product is structurally zero), ``nnz_q``
-    (stored blocks of Q), the score plan and the block sizes."""
+    """Structure of one call: the five operands as the kernels address them, ``q_map`` (``int32
+    [1, Hq, nqb, nd]``: tile id of each stored block of ``Q = A1 X`` per distinct X pattern, -1
+    where the block product is structurally zero), ``nnz_q`` (the most stored blocks of one group's
+    Q), the score plans of the groups, the block sizes and the batch."""
     A1: Operand
     X: Operand
     A2: Operand
@@ -25,24 +30,90 @@ class Problem:
     Y: Operand
     q_map: torch.Tensor
     nnz_q: int
-    plan: AttentionPlan
+    plans: GroupPlans
     blocks: Blocks
+    batch: Batch
+
+    @property
+    def plan(self):
+        """The concatenated score plan the kernels read."""
+        return self.plans.plan
+
+    def groups(self):
+        """``(b, h)`` of every group, in grid order."""
+        return [divmod(g, self.batch.H) for g in range(self.batch.groups)]
 
 
-def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks: Blocks) -> Problem:
+def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks: Blocks, batch: Batch,
+                  data=None) -> Problem:
     """The :class:`Problem` of validated operands (``blocks`` from
-    :func:`~sparse_io_attn.sparse_operands.operands.check_operands`); ``qk_layout`` on the operands'
-    device or None (all keys)."""
-    ops = dict(A1=as_operand("a1", A1, (blocks.m, blocks.d1)), X=as_operand("x", X, (blocks.d1, blocks.d2)),
-               A2=as_operand("a2", A2, (blocks.n, blocks.d2)), A3=as_operand("a3", A3, (blocks.n, blocks.d3)),
-               Y=as_operand("y", Y, (blocks.d3, blocks.dv)))
-    q_pattern = structural_product(ops["A1"].pattern, ops["X"].pattern)
-    q_map = torch.full(q_pattern.shape, -1, dtype=torch.int32, device=q_pattern.device)
-    nnz_q = int(q_pattern.sum())
-    q_map[q_pattern] = torch.arange(nnz_q, dtype=torch.int32, device=q_pattern.device)
-    qk_mask = None if qk_layout is None else qk_layout.to_block_mask()[0, 0]
-    plan = attention_plan(q_pattern, ops["A2"].pattern, qk_mask)
-    return Problem(q_map=q_map, nnz_q=nnz_q, plan=plan, blocks=blocks, **ops)
+    :func:`~sparse_io_attn.sparse_operands.operands.check_operands`, ``batch`` from ``check_batch``);
+    ``qk_layout`` on the operands' device or None (all keys); ``data``: the tensors (dense data or
+    BSR ``values``, per-head values concatenated) of A1, X, A2, A3, Y to address instead of the
+    operands' own."""
+    data = data or (None,) * 5
+    ops = dict(A1=as_operand("a1", A1, (blocks.m, blocks.d1), "batch", data[0]),
+               X=as_operand("x", X, (blocks.d1, blocks.d2), "head", data[1]),
+               A2=as_operand("a2", A2, (blocks.n, blocks.d2), "batch", data[2]),
+               A3=as_operand("a3", A3, (blocks.n, blocks.d3), "batch", data[3]),
+               Y=as_operand("y", Y, (blocks.d3, blocks.dv), "head", data[4]))
+    a1p, xp = ops["A1"].pattern, ops["X"].pattern  # A1: one pattern (dense or shared BSR)
+    q_pattern = structural_product(a1p[0, 0], xp[0])[None]  # [1, Hx, nqb, nd], one per X pattern
+    flat = q_pattern.flatten(2)
+    ids = flat.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1  # row-major tile ids per X pattern
+    q_map = torch.where(flat, ids, -1).view(q_pattern.shape).to(torch.int32)
+    nnz_q = int(flat.sum(-1).max()) if flat.numel() else 0
+    masks = None if qk_layout is None else qk_layout.to_block_mask()
+    A2op = ops["A2"]
+
+    def key(b, h):
+        iq = h if q_map.shape[1] > 1 else 0
+        iqk = None if masks is None else (b if masks.shape[0] > 1 else 0, h if masks.shape[1] > 1 else 0)
+        return iq, A2op.map_index(b, h), iqk
+
+    def build(k):
+        iq, ia2, iqk = k
+        return attention_plan(q_pattern[0, iq], A2op.pattern[ia2], None if iqk is None else masks[iqk])
+
+    keys = [key(*divmod(g, batch.H)) for g in range(batch.groups)]
+    plans = group_plans(keys, build, stack_attention_plans, q_pattern.device)
+    return Problem(q_map=q_map, nnz_q=nnz_q, plans=plans, blocks=blocks, batch=batch, **ops)
+
+
+def product_plans(A: Operand, B: Operand, C: Operand, batch: Batch) -> GroupPlans:
+    """The row-panel plans of ``C = A B`` for every group: one :func:`product_plan` per distinct
+    triple of block maps."""
+    def key(b, h):
+        return A.map_index(b, h), B.map_index(b, h), C.map_index(b, h)
+
+    def build(k):
+        ia, ib, ic = k
+        return product_plan(A.block_map[ia], B.block_map[ib], C.block_map[ic])
+
+    keys = [key(*divmod(g, batch.H)) for g in range(batch.groups)]
+    return group_plans(keys, build, stack_product_plans, A.block_map.device)
+
+
+def q_operand(p: Problem, data: torch.Tensor | None = None) -> Operand:
+    """``Q = A1 X`` of every group as a BSR operand over ``data`` (``[B, H, nnz_q, BM, BD]``;
+    allocated uninitialised when None) on ``p.q_map``."""
+    bm, bd = p.blocks.m, p.blocks.d2
+    if data is None:
+        data = torch.empty(p.batch.B, p.batch.H, p.nnz_q, bm, bd, dtype=p.A1.data.dtype, device=p.A1.data.device)
+    return Operand("q", data, (p.A1.shape[0], p.X.shape[1]), (bm, bd), p.q_map, 1, data.stride(2), 0,
+                   data.stride(3), data.stride(4), True, s_gb=data.stride(0), s_gh=data.stride(1))
+
+
+def h_operand(p: Problem, data: torch.Tensor | None = None) -> Operand:
+    """``H = A3 Y`` of every group, dense ``[B, H, nk, dv]`` (allocated uninitialised when None)."""
+    nk, dv = p.A3.shape[0], p.Y.shape[1]
+    if data is None:
+        data = torch.empty(p.batch.B, p.batch.H, nk, dv, dtype=p.A3.data.dtype, device=p.A3.data.device)
+    bn, bv = p.blocks.n, p.blocks.dv
+    R, C = -(-nk // bn), -(-dv // bv)
+    return Operand("h", data, (nk, dv), (bn, bv), dense_map(R, C, data.device), C, bn * data.stride(2),
+                   bv * data.stride(3), data.stride(2), data.stride(3), False, s_gb=data.stride(0),
+                   s_gh=data.stride(1))
 
 
 def gradient_products(A1: Operand, X: Operand, A3: Operand, Y: Operand, dQ: Operand, dH: Operand,

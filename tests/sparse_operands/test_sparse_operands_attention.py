@@ -303,7 +303,7 @@ def _ops(**over):
     pytest.param(dict(X=torch.randn(16, 8)), {}, ValueError, r"X must have shape", id="X-shape"),
     pytest.param(dict(A3=torch.randn(30, 16)), {}, ValueError, "A3 must have as many rows", id="A3-rows"),
     pytest.param(dict(Y=torch.randn(8, 16)), {}, ValueError, "Y must have 16 rows", id="Y-rows"),
-    pytest.param(dict(A1=torch.randn(2, 32, 16)), {}, ValueError, "must be 2-D", id="3d"),
+    pytest.param(dict(A1=torch.randn(1, 2, 32, 16)), {}, ValueError, "must be 2-D", id="4d"),
     pytest.param(dict(A1=[[1.0]]), {}, TypeError, "A1 must be a torch.Tensor or a BlockSparseMatrix", id="list"),
     pytest.param(dict(A1=torch.randn(32, 16).double()), {}, TypeError, "dtype", id="float64"),
     pytest.param(dict(A2=torch.randn(32, 16).half()), {}, TypeError, "share a dtype", id="mixed-dtype"),

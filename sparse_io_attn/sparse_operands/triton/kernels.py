@@ -5,6 +5,14 @@ Tiles are addressed as described in :mod:`sparse_io_attn.sparse_operands.operand
 map, element ``(r, c)`` at ``base + (t // nb) * stride_ta + (t % nb) * stride_tb + r * stride_r +
 c * stride_c``.
 
+Batch and heads: every kernel runs all ``(batch element, head)`` groups of a call in one launch,
+grid axis 1 being ``g = b * H + h`` (:func:`_group`). A group's operand starts at
+``base + b * stride_*_gb + h * stride_*_gh`` and its block map likewise (``stride_*map_gb/_gh``;
+strides are 0 along an axis the operand or pattern is shared on); buffers allocated per group
+(``h``, ``o``, ``lse``, ``delta``, ``w``, ``hsum``) are offset by ``g`` times their group stride.
+The plans of all distinct patterns are concatenated; a group reads ``plan_ids[g]`` and starts its
+row (column) pointers at ``plan_ids[g] * (blocks + 1)``.
+
 Head dimension (attention kernels): the head dimension is cut into ``NUM_D_TILES`` d-tiles of
 ``BLOCK_D`` columns (a compile-time count). A program holds its own operand as a tuple of per-d-tile
 register tensors (built in ``tl.static_range``, indexed by the static tile index) and, for each
@@ -50,6 +58,14 @@ def _tile_ptrs(base, t, offs_r, offs_c, nb, stride_ta, stride_tb, stride_r, stri
     """Pointers ``[len(offs_r), len(offs_c)]`` of tile ``t`` (scalar)."""
     t = t.to(tl.int64)
     return base + (t // nb) * stride_ta + (t % nb) * stride_tb + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c
+
+
+@triton.jit
+def _group(num_heads):
+    """``(b, h, g)`` of this program's ``(batch element, head)`` group (grid axis 1, ``g = b * H + h``),
+    ``b`` and ``h`` as int64 for the offsets."""
+    g = tl.program_id(1)
+    return (g // num_heads).to(tl.int64), (g % num_heads).to(tl.int64), g
 
 
 @triton.jit
@@ -136,13 +152,27 @@ def _zero_d_tiles(ROWS: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.con
 
 
 @triton.jit
+def _attention_group(q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, plan_ids_ptr, zb, zh, g, stride_q_gb, stride_q_gh,
+                     stride_qmap_gb, stride_qmap_gh, stride_a2_gb, stride_a2_gh, stride_a2map_gb, stride_a2map_gh,
+                     stride_hg):
+    """Group ``(b, h)``'s Q, A2 and their block maps, its ``h = A3 Y`` rows, and the part of the
+    concatenated score plan it reads (``plan_ids[g]``: 4 bytes of the "layout" tally)."""
+    q_ptr += zb * stride_q_gb + zh * stride_q_gh
+    qmap_ptr += zb * stride_qmap_gb + zh * stride_qmap_gh
+    a2_ptr += zb * stride_a2_gb + zh * stride_a2_gh
+    a2map_ptr += zb * stride_a2map_gb + zh * stride_a2map_gh
+    h_ptr += g.to(tl.int64) * stride_hg
+    return q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, tl.load(plan_ids_ptr + g)
+
+
+@triton.jit
 def _bsr_matmul_kernel(
-    a_ptr, b_ptr, c_ptr, colsum_ptr, bmap_ptr, cmap_ptr, pair_ptr_ptr, pair_a_ptr, pair_k_ptr,
-    a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c,
-    b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c,
-    c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c,
-    stride_colsum_blk,
-    size_m, size_k, size_n,
+    a_ptr, b_ptr, c_ptr, colsum_ptr, bmap_ptr, cmap_ptr, pair_ptr_ptr, pair_a_ptr, pair_k_ptr, plan_ids_ptr,
+    a_nb, stride_a_ta, stride_a_tb, stride_a_r, stride_a_c, stride_a_gb, stride_a_gh,
+    b_nb, stride_b_ta, stride_b_tb, stride_b_r, stride_b_c, stride_b_gb, stride_b_gh, stride_bmap_gb, stride_bmap_gh,
+    c_nb, stride_c_ta, stride_c_tb, stride_c_r, stride_c_c, stride_c_gb, stride_c_gh, stride_cmap_gb, stride_cmap_gh,
+    stride_colsum_blk, stride_colsum_g,
+    size_m, size_k, size_n, num_rows, num_heads,
     io_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, NUM_N_TILES: tl.constexpr,
     WRITE_COLSUM: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
@@ -153,8 +183,18 @@ def _bsr_matmul_kernel(
     both ``B[k, :]`` and ``C[i, :]``, and multiplies only those (absent column tiles: no load, no
     FLOPs). The panel is stored on ``C[i, :]``'s stored tiles. With ``WRITE_COLSUM`` it also writes
     the panel's column sums (fp32) to ``colsum[i, :]``. Counter slots: ``MATMUL_TENSORS`` (a, b, c,
-    colsum, plan: pair lists and block-map rows)."""
+    colsum, plan: pair lists, block-map rows and the group's plan id). Grid ``(row blocks, B * H)``:
+    group ``(b, h)`` offsets every operand by its group strides (0 along an axis it is shared on) and
+    reads its plan, part ``plan_ids[g]`` of the concatenated pair lists."""
     i = tl.program_id(0)
+    zb, zh, g = _group(num_heads)
+    a_ptr += zb * stride_a_gb + zh * stride_a_gh
+    b_ptr += zb * stride_b_gb + zh * stride_b_gh
+    c_ptr += zb * stride_c_gb + zh * stride_c_gh
+    bmap_ptr += zb * stride_bmap_gb + zh * stride_bmap_gh
+    cmap_ptr += zb * stride_cmap_gb + zh * stride_cmap_gh
+    colsum_ptr += g.to(tl.int64) * stride_colsum_g
+    pair_ptr_ptr += tl.load(plan_ids_ptr + g) * (num_rows + 1)
     start = tl.load(pair_ptr_ptr + i)
     end = tl.load(pair_ptr_ptr + i + 1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -196,17 +236,18 @@ def _bsr_matmul_kernel(
         io_add(io_ptr, MATMUL_C, 0, c_bytes)
         if WRITE_COLSUM:
             io_add(io_ptr, MATMUL_COLSUM, 0, colsum_bytes)
-        io_add(io_ptr, MATMUL_PLAN, (1 + n_pairs) * 4 * NUM_N_TILES + (2 + 2 * n_pairs) * 4, 0)
+        io_add(io_ptr, MATMUL_PLAN, (1 + n_pairs) * 4 * NUM_N_TILES + (3 + 2 * n_pairs) * 4, 0)
 
 
 @triton.jit
 def _paper_attn_fwd_kernel(
     q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, hsum_ptr, o_ptr, lse_ptr,
-    kept_crow_ptr, kept_col_ptr, zero_crow_ptr, zero_col_ptr,
-    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
-    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
-    stride_hn, stride_hd, stride_hsum_blk, stride_om, stride_od,
-    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
+    kept_crow_ptr, kept_col_ptr, zero_crow_ptr, zero_col_ptr, plan_ids_ptr,
+    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c, stride_q_gb, stride_q_gh, stride_qmap_gb, stride_qmap_gh,
+    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c, stride_a2_gb, stride_a2_gh, stride_a2map_gb,
+    stride_a2map_gh,
+    stride_hg, stride_hn, stride_hd, stride_hsum_g, stride_hsum_blk, stride_og, stride_om, stride_od, stride_lse_g,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale, num_heads,
     io_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
     DV_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
@@ -215,9 +256,20 @@ def _paper_attn_fwd_kernel(
     ``i`` plus the structurally zero blocks (score 0, counted ``cnt`` times, values summed in
     ``hsum``). Q's stored d-tiles are held for the whole program; per kept block only the d-tiles of
     A2 stored in both rows are read and multiplied. Writes ``o`` and ``lse`` (fp32, natural log,
-    ``-inf`` on rows with no key). Counter slots: ``FWD_TENSORS`` (q, a2, h, hsum, o, lse, q_map,
-    a2_map, layout)."""
+    ``-inf`` on rows with no key). Grid ``(query blocks, B * H)``: see :func:`_attention_group`.
+    Counter slots: ``FWD_TENSORS`` (q, a2, h, hsum, o, lse, q_map, a2_map, layout)."""
     i = tl.program_id(0)
+    zb, zh, g = _group(num_heads)
+    q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, part = _attention_group(
+        q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, plan_ids_ptr, zb, zh, g, stride_q_gb, stride_q_gh,
+        stride_qmap_gb, stride_qmap_gh, stride_a2_gb, stride_a2_gh, stride_a2map_gb, stride_a2map_gh, stride_hg)
+    gl = g.to(tl.int64)
+    hsum_ptr += gl * stride_hsum_g
+    o_ptr += gl * stride_og
+    lse_ptr += gl * stride_lse_g
+    rows_ptr = part * (tl.cdiv(seqlen_q, BLOCK_M) + 1)  # this group's row pointers in the concatenated plan
+    kept_crow_ptr += rows_ptr
+    zero_crow_ptr += rows_ptr
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_bd = tl.arange(0, BLOCK_D)
@@ -233,7 +285,7 @@ def _paper_attn_fwd_kernel(
     a2_bytes = tl.zeros([], dtype=tl.int64)
     h_bytes = tl.zeros([], dtype=tl.int64)
     n_kept = tl.zeros([], dtype=tl.int64)
-    layout_bytes = tl.full([], 8, dtype=tl.int64)  # kept_crow[i], kept_crow[i + 1]
+    layout_bytes = tl.full([], 12, dtype=tl.int64)  # plan id, kept_crow[i], kept_crow[i + 1]
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -301,16 +353,22 @@ def _paper_attn_fwd_kernel(
 @triton.jit
 def _paper_attn_bwd_preprocess_kernel(
     o_ptr, do_ptr, lse_ptr, delta_ptr, w_ptr,
-    stride_om, stride_od, stride_dom, stride_dod, stride_w_blk,
-    seqlen_q, head_dim_v,
+    stride_og, stride_om, stride_od, stride_dog, stride_dom, stride_dod, stride_lse_g, stride_w_g, stride_w_blk,
+    seqlen_q, head_dim_v, num_heads,
     io_ptr,
     BLOCK_M: tl.constexpr, DV_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """``delta = rowsum(dO * O)`` (fp32 ``[seqlen_q]``); with ``HAS_ZERO`` also
     ``w[i] = sum_rows exp(-lse) dO`` (fp32 ``[nqb, DV]``), the weight a structurally zero score block
-    of query block ``i`` sends to the value gradient. Counter slots: ``PREPROCESS_TENSORS`` (o, do,
-    lse, delta, w)."""
+    of query block ``i`` sends to the value gradient. Grid ``(query blocks, B * H)``; ``lse`` and
+    ``delta`` share their group stride. Counter slots: ``PREPROCESS_TENSORS`` (o, do, lse, delta, w)."""
     i = tl.program_id(0)
+    gl = tl.program_id(1).to(tl.int64)
+    o_ptr += gl * stride_og
+    do_ptr += gl * stride_dog
+    lse_ptr += gl * stride_lse_g
+    delta_ptr += gl * stride_lse_g
+    w_ptr += gl * stride_w_g
     offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, DV_PAD)
     rows = i * BLOCK_M + offs_m
@@ -339,11 +397,13 @@ def _paper_attn_bwd_preprocess_kernel(
 @triton.jit
 def _paper_attn_bwd_dkv_kernel(
     q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, do_ptr, lse_ptr, delta_ptr, w_ptr, da2_ptr, dh_ptr,
-    kept_ccol_ptr, kept_row_ptr, zero_ccol_ptr, zero_row_ptr,
-    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
-    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
-    stride_hn, stride_hd, stride_dom, stride_dod, stride_w_blk, stride_dhn, stride_dhd,
-    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
+    kept_ccol_ptr, kept_row_ptr, zero_ccol_ptr, zero_row_ptr, plan_ids_ptr,
+    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c, stride_q_gb, stride_q_gh, stride_qmap_gb, stride_qmap_gh,
+    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c, stride_a2_gb, stride_a2_gh, stride_a2map_gb,
+    stride_a2map_gh, stride_da2_gb, stride_da2_gh,
+    stride_hg, stride_hn, stride_hd, stride_dog, stride_dom, stride_dod, stride_lse_g, stride_w_g, stride_w_blk,
+    stride_dhn, stride_dhd,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale, num_heads,
     io_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
     DV_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
@@ -353,8 +413,24 @@ def _paper_attn_bwd_dkv_kernel(
     stored d-tiles and their dA2 accumulators are held per d-tile; per kept block only the Q d-tiles
     stored in both rows are read, and only they enter ``S`` and ``dA2``. Probabilities are
     recomputed in base 2 from ``lse`` (natural log, converted with ``LOG2E``).
-    Counter slots: ``DKV_TENSORS`` (q, a2, h, do, lse, delta, w, da2, dh, q_map, a2_map, layout)."""
+    Grid ``(key blocks, B * H)``: see :func:`_attention_group`; ``dh`` shares h's addressing, ``da2``
+    A2's apart from its group strides. Counter slots: ``DKV_TENSORS`` (q, a2, h, do, lse, delta, w,
+    da2, dh, q_map, a2_map, layout)."""
     j = tl.program_id(0)
+    zb, zh, g = _group(num_heads)
+    da2_ptr += zb * stride_da2_gb + zh * stride_da2_gh
+    q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, part = _attention_group(
+        q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, plan_ids_ptr, zb, zh, g, stride_q_gb, stride_q_gh,
+        stride_qmap_gb, stride_qmap_gh, stride_a2_gb, stride_a2_gh, stride_a2map_gb, stride_a2map_gh, stride_hg)
+    gl = g.to(tl.int64)
+    dh_ptr += gl * stride_hg
+    do_ptr += gl * stride_dog
+    lse_ptr += gl * stride_lse_g
+    delta_ptr += gl * stride_lse_g
+    w_ptr += gl * stride_w_g
+    cols_ptr = part * (tl.cdiv(seqlen_k, BLOCK_N) + 1)  # this group's column pointers in the concatenated plan
+    kept_ccol_ptr += cols_ptr
+    zero_ccol_ptr += cols_ptr
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_bd = tl.arange(0, BLOCK_D)
@@ -377,7 +453,7 @@ def _paper_attn_bwd_dkv_kernel(
     lse_bytes = tl.zeros([], dtype=tl.int64)
     delta_bytes = tl.zeros([], dtype=tl.int64)
     n_kept = tl.zeros([], dtype=tl.int64)
-    layout_bytes = tl.full([], 8, dtype=tl.int64)  # kept_ccol[j], kept_ccol[j + 1]
+    layout_bytes = tl.full([], 12, dtype=tl.int64)  # plan id, kept_ccol[j], kept_ccol[j + 1]
     ks = tl.load(kept_ccol_ptr + j)
     ke = tl.load(kept_ccol_ptr + j + 1)
     for p in range(ks, ke):
@@ -439,11 +515,12 @@ def _paper_attn_bwd_dkv_kernel(
 @triton.jit
 def _paper_attn_bwd_dq_kernel(
     q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    kept_crow_ptr, kept_col_ptr,
-    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c,
-    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c,
-    stride_hn, stride_hd, stride_dom, stride_dod,
-    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
+    kept_crow_ptr, kept_col_ptr, plan_ids_ptr,
+    q_nb, stride_q_ta, stride_q_tb, stride_q_r, stride_q_c, stride_q_gb, stride_q_gh, stride_qmap_gb, stride_qmap_gh,
+    a2_nb, stride_a2_ta, stride_a2_tb, stride_a2_r, stride_a2_c, stride_a2_gb, stride_a2_gh, stride_a2map_gb,
+    stride_a2map_gh,
+    stride_hg, stride_hn, stride_hd, stride_dog, stride_dom, stride_dod, stride_lse_g,
+    seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale, num_heads,
     io_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
     DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
@@ -453,8 +530,19 @@ def _paper_attn_bwd_dq_kernel(
     d-tiles and their dQ accumulators are held per d-tile; per kept block only the A2 d-tiles stored
     in both rows are read, and only they enter ``S`` and ``dQ``. Probabilities are recomputed in
     base 2 from ``lse`` (natural log, converted with ``LOG2E``).
+    Grid ``(query blocks, B * H)``: see :func:`_attention_group`; ``dq`` has Q's group strides.
     Counter slots: ``DQ_TENSORS`` (q, a2, h, do, lse, delta, dq, q_map, a2_map, layout)."""
     i = tl.program_id(0)
+    zb, zh, g = _group(num_heads)
+    dq_ptr += zb * stride_q_gb + zh * stride_q_gh
+    q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, part = _attention_group(
+        q_ptr, qmap_ptr, a2_ptr, a2map_ptr, h_ptr, plan_ids_ptr, zb, zh, g, stride_q_gb, stride_q_gh,
+        stride_qmap_gb, stride_qmap_gh, stride_a2_gb, stride_a2_gh, stride_a2map_gb, stride_a2map_gh, stride_hg)
+    gl = g.to(tl.int64)
+    do_ptr += gl * stride_dog
+    lse_ptr += gl * stride_lse_g
+    delta_ptr += gl * stride_lse_g
+    kept_crow_ptr += part * (tl.cdiv(seqlen_q, BLOCK_M) + 1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_bd = tl.arange(0, BLOCK_D)
@@ -512,4 +600,4 @@ def _paper_attn_bwd_dq_kernel(
         io_add(io_ptr, DQ_DQ, 0, dq_bytes)
         io_add(io_ptr, DQ_Q_MAP, tl.full([], 4 * NUM_D_TILES, dtype=tl.int64), 0)
         io_add(io_ptr, DQ_A2_MAP, n_kept * 4 * NUM_D_TILES, 0)
-        io_add(io_ptr, DQ_LAYOUT, 8 + 4 * (ke - ks).to(tl.int64), 0)
+        io_add(io_ptr, DQ_LAYOUT, 12 + 4 * (ke - ks).to(tl.int64), 0)

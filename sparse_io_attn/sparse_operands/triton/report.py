@@ -10,11 +10,12 @@ from sparse_io_attn._triton.aot import compile_for_cuda
 from sparse_io_attn._triton.runtime import dot_dtype
 from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.sparse_operands.triton import kernels
+from sparse_io_attn.sparse_operands.triton.configs import LAUNCH
 
 #: pointer arguments of the kernels that are not operand data: int32 index lists and block maps, fp32 statistics
 INT_PTRS = ("qmap_ptr", "a2map_ptr", "kept_crow_ptr", "kept_col_ptr", "zero_crow_ptr", "zero_col_ptr",
             "kept_ccol_ptr", "kept_row_ptr", "zero_ccol_ptr", "zero_row_ptr", "bmap_ptr", "cmap_ptr",
-            "pair_ptr_ptr", "pair_a_ptr", "pair_k_ptr")
+            "pair_ptr_ptr", "pair_a_ptr", "pair_k_ptr", "plan_ids_ptr")
 FP32_PTRS = ("lse_ptr", "delta_ptr", "w_ptr", "hsum_ptr", "colsum_ptr")
 
 
@@ -47,16 +48,19 @@ def compile_kernel(kernel, constexprs: dict, dtype: torch.dtype, *, arch: int = 
 
 def aot_compile(dtype: torch.dtype, head_dim: int, dv: int, *, block_m: int = 64, block_n: int = 64,
                 block_d: int = 32, has_zero: bool = True, count_io: bool = True, arch: int = 90,
-                num_warps: int = 4, num_stages: int = 2) -> dict:
+                num_warps: int | None = None, num_stages: int | None = None) -> dict:
     """Compile every job of :func:`kernel_jobs` for ``sm_<arch>``; returns ``{kernel: {"shared":
     shared memory bytes, "scf_if": runtime branches in the TTGIR, "mma": (w)gmma instructions in the
     PTX}}``. Each per-tile product over the head dimension sits behind one runtime branch
-    (``scf.if``) on the tile-presence flags."""
+    (``scf.if``) on the tile-presence flags. ``num_warps``/``num_stages``: None compiles each kernel
+    with the launcher's configuration (:data:`~.configs.LAUNCH`)."""
     jobs = kernel_jobs(dtype, head_dim, dv, block_m=block_m, block_n=block_n, block_d=block_d,
                        has_zero=has_zero, count_io=count_io)
     out = {}
     for name, (kernel, constexprs) in jobs.items():
-        compiled = compile_kernel(kernel, constexprs, dtype, arch=arch, num_warps=num_warps, num_stages=num_stages)
+        warps, stages = LAUNCH[name]
+        compiled = compile_kernel(kernel, constexprs, dtype, arch=arch, num_warps=num_warps or warps,
+                                  num_stages=num_stages or stages)
         ptx = compiled.asm["ptx"]
         out[name] = dict(shared=compiled.metadata.shared, scf_if=compiled.asm["ttgir"].count("scf.if "),
                          mma=ptx.count("mma.sync") + ptx.count("wgmma.mma_async"))
