@@ -85,6 +85,8 @@ def test_three_methods_same_init_same_start_and_learn():
         vals = [v for _, _, v, _ in r["rows"]]
         assert all(math.isfinite(v) for v in vals + r["train"]), m
         assert vals[-1] < vals[0] - 0.2, (m, vals)
+        seconds = [t for *_, t in r["rows"]]
+        assert 0 == seconds[0] < seconds[1] < seconds[2] <= r["train_seconds"], (m, seconds)
         assert r["tokens_per_s"] > 0
     # untrained models are close to uniform whatever they attend to
     starts = [r["rows"][0][2] for r in runs.values()]
