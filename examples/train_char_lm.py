@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -55,13 +56,18 @@ class DenseMaskedSelfAttention(SparseSelfAttention):
         return masked_attention(q, k, v, mask, D ** -0.5)[0]
 
 
+def strided_attention(cfg: Config, attention_cls=SparseSelfAttention) -> nn.Module:
+    """The example's attention layer: causal Sparse Transformer "strided" pattern."""
+    pattern = functools.partial(patterns.strided, block_size=cfg.block_size, stride=cfg.stride,
+                                causal=True)
+    return attention_cls(cfg.d_model, cfg.num_heads, pattern, causal=True)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: Config, attention_cls):
+    def __init__(self, cfg: Config, make_attention: Callable[[Config], nn.Module]):
         super().__init__()
-        pattern = functools.partial(patterns.strided, block_size=cfg.block_size, stride=cfg.stride,
-                                    causal=True)
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = attention_cls(cfg.d_model, cfg.num_heads, pattern, causal=True)
+        self.attn = make_attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
                                  nn.Linear(4 * cfg.d_model, cfg.d_model))
@@ -72,16 +78,25 @@ class Block(nn.Module):
 
 
 class CharLM(nn.Module):
-    """Pre-norm decoder-only transformer over characters: ``[B, N]`` ids -> ``[B, N, vocab]`` logits."""
+    """Pre-norm decoder-only transformer over characters: ``[B, N]`` ids -> ``[B, N, vocab]`` logits.
 
-    def __init__(self, vocab_size: int, cfg: Config, attention: str = "sparse"):
+    ``attention``: ``"sparse"`` (the strided layout), ``"dense"`` (dense softmax over the same
+    element mask), or a callable ``cfg -> layer`` building each block's causal self-attention
+    ``[B, N, d_model] -> [B, N, d_model]`` (``examples/train_dynamic_sparsity.py`` passes others)."""
+
+    def __init__(self, vocab_size: int, cfg: Config, attention: str | Callable[[Config], nn.Module] = "sparse"):
         super().__init__()
-        if attention not in ("sparse", "dense"):
-            raise ValueError(f"attention must be 'sparse' or 'dense', got {attention!r}")
-        attention_cls = SparseSelfAttention if attention == "sparse" else DenseMaskedSelfAttention
+        if callable(attention):
+            make_attention = attention
+        elif attention in ("sparse", "dense"):
+            make_attention = strided_attention if attention == "sparse" else functools.partial(
+                strided_attention, attention_cls=DenseMaskedSelfAttention)
+        else:
+            raise ValueError(f"attention must be 'sparse', 'dense' or a callable cfg -> attention layer, "
+                             f"got {attention!r}")
         self.tok = nn.Embedding(vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, attention_cls) for _ in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, make_attention) for _ in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, vocab_size)
 
@@ -126,13 +141,16 @@ def loss_fn(model: nn.Module, x, y) -> torch.Tensor:
 def train(model: nn.Module, corpus: Corpus, cfg: Config, *, eval_every: int = 0, eval_batches: int = 4,
           progress: bool = False) -> dict:
     """AdamW with linear warm-up and cosine decay. Returns ``{"train": [loss per step],
-    "val": [(step, loss)], "seconds": float}`` (losses in nats per character)."""
+    "val": [(step, loss)], "val_seconds": [training seconds at each evaluation], "seconds": float,
+    "train_seconds": float}`` (losses in nats per character; ``seconds`` is the wall clock, the
+    training seconds leave out the time spent evaluating)."""
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, cfg.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (
         1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)) * 0.9 + 0.1)
-    history = {"train": [], "val": []}
+    history = {"train": [], "val": [], "val_seconds": []}
+    eval_seconds = 0.0
     bar = _progress(cfg.steps) if progress else None
     t0 = time.perf_counter()
     for step in range(1, cfg.steps + 1):
@@ -146,8 +164,11 @@ def train(model: nn.Module, corpus: Corpus, cfg: Config, *, eval_every: int = 0,
         sched.step()
         history["train"].append(loss.item())
         if eval_every and (step % eval_every == 0 or step == cfg.steps):
+            t_eval = time.perf_counter()
             val = evaluate(model, corpus, cfg, eval_batches)
             history["val"].append((step, val))
+            history["val_seconds"].append(t_eval - t0 - eval_seconds)
+            eval_seconds += time.perf_counter() - t_eval
             msg = f"step {step:5d}  train {loss.item():.3f}  val {val:.3f}  ({time.perf_counter() - t0:.0f} s)"
             bar.write(msg) if bar is not None else print(msg, flush=True)
         if bar is not None:
@@ -156,6 +177,7 @@ def train(model: nn.Module, corpus: Corpus, cfg: Config, *, eval_every: int = 0,
     if bar is not None:
         bar.close()
     history["seconds"] = time.perf_counter() - t0
+    history["train_seconds"] = history["seconds"] - eval_seconds
     return history
 
 
