@@ -80,3 +80,30 @@ def no_host_sync() -> _NoHostSync:
     """``with no_host_sync(): ...`` fails the test on any operation that would synchronise a CUDA
     device with the host (checked on CPU tensors by the operation's name)."""
     return _NoHostSync()
+
+
+#: seconds a spawned group of processes may run: a hung rank fails its test instead of blocking the suite
+SPAWN_TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    """A free TCP port on localhost (for ``init_method=f"tcp://127.0.0.1:{port}"``)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(worker, args: tuple, nprocs: int, what: str, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
+    """``torch.multiprocessing.spawn(worker, args, nprocs)``, killing every process and failing with
+    an ``AssertionError`` naming ``what`` if they do not all finish within ``timeout_s`` (a worker's
+    exception is re-raised)."""
+    import time
+    import torch.multiprocessing as mp
+    ctx = mp.spawn(worker, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"{what} did not finish within {timeout_s} s")

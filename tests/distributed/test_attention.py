@@ -4,14 +4,11 @@ and q/k/v gradients equal single-process `block_sparse_attention` on the unshard
 float64 reference), the network bytes counted under `IOCounter` equal the model exactly, backward
 is deterministic, and bad input raises a clear ValueError on every rank."""
 import datetime
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import FP32_TOL
+from helpers import FP32_TOL, free_port, spawn
 
 from sparse_io_attn import block_sparse_attention, patterns
 from sparse_io_attn.accounting import IOCounter, TrafficReport
@@ -96,20 +93,9 @@ def _worker(rank: int, world: int, port: int, path: str):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _spawn(world: int, path: str):
-    ctx = mp.spawn(_worker, args=(world, _free_port(), path), nprocs=world, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise AssertionError(f"context-parallel workers did not finish within {TIMEOUT_S} s")
+    spawn(_worker, (world, free_port(), path), world, "context-parallel workers", TIMEOUT_S)
     return [torch.load(f"{path}.rank{r}") for r in range(world)]
 
 

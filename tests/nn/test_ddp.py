@@ -3,13 +3,10 @@ processes: one step of data-parallel training gives the gradients (and, for DDP,
 after an SGD step) of single-process training on the combined batch."""
 import datetime
 import functools
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -17,6 +14,8 @@ from torch.nn.parallel import DistributedDataParallel
 from sparse_io_attn import patterns
 from sparse_io_attn.nn import SparseSelfAttention
 from sparse_io_attn.block_sparse.reference import rel_err
+
+from helpers import free_port, spawn
 
 WORLD = 2
 LR = 0.1
@@ -64,11 +63,6 @@ def _worker(rank: int, port: int, path: str):
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 def test_ddp_and_fsdp_gloo_two_processes_match_single_process(tmp_path):
@@ -77,13 +71,7 @@ def test_ddp_and_fsdp_gloo_two_processes_match_single_process(tmp_path):
     path = str(tmp_path / "ddp")
     torch.save({"state": model.state_dict(), "x": x, "y": y}, path + ".in")
 
-    ctx = mp.spawn(_worker, args=(_free_port(), path), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise AssertionError(f"DDP workers did not finish within {TIMEOUT_S} s")
+    spawn(_worker, (free_port(), path), WORLD, "DDP workers", TIMEOUT_S)
 
     _, grads, params = _step(model, model, x, y)  # single process, combined batch
     ranks = [torch.load(f"{path}.rank{r}") for r in range(WORLD)]
