@@ -87,7 +87,7 @@ class BlockSparseLayout:
         bq, bk = self.block_size
         self.num_q_blocks = math.ceil(self.seqlen[0] / bq)
         self.num_kv_blocks = math.ceil(self.seqlen[1] / bk)
-        if validate:
+        if validate and not fixed_capacity:      # a fixed-capacity layout is checked once built (below)
             validate_csr(crow_indices, col_indices, self.num_q_blocks, self.num_kv_blocks)
         check_index_capacity(col_indices.numel())
         for what, t in (("crow_indices", crow_indices), ("col_indices", col_indices),
@@ -113,7 +113,7 @@ class BlockSparseLayout:
         if partial_ids is None:
             partial_ids = torch.full((self.col_slots.numel(),), -1, dtype=INDEX_DTYPE, device=dev)
             partial_masks = torch.zeros(0, bq, _bits.num_words(bk), dtype=torch.int32, device=dev)
-        elif validate:
+        elif validate and not fixed_capacity:
             _validate_partial(partial_ids, partial_masks, self.col_slots.numel(), (bq, bk))
         self.partial_id_slots = partial_ids.to(INDEX_DTYPE)
         self.partial_masks = partial_masks.to(torch.int32)
@@ -131,6 +131,9 @@ class BlockSparseLayout:
             self._csc = (self.version_key(), (ccol_indices.to(INDEX_DTYPE), row_indices.to(INDEX_DTYPE),
                                               csc_partial_ids.to(INDEX_DTYPE)))
         self._device_copies: dict = {}
+        if validate and fixed_capacity:
+            self._checked_at = None
+            self.check()
 
     def version_key(self) -> tuple | None:
         """The version counters of the tensors everything cached is derived from: any in-place edit

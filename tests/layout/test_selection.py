@@ -172,3 +172,18 @@ def test_device_schedule_equals_the_layout(delta):
         assert torch.equal(la.full_idx[:nf], lb.full_idx[:nf])
         assert torch.equal(la.part_idx[:np_], lb.part_idx[:np_])
         assert torch.equal(la.part_mask[:np_], lb.part_mask[:np_])
+
+
+def test_user_built_fixed_capacity_layout_is_validated():
+    layout = BlockSparseLayout.from_kv_indices(torch.tensor([[0, -1], [1, 0]]), 8, 16)
+    again = BlockSparseLayout(layout.crow_indices, layout.col_slots, block_size=8, seqlen=16, fixed_capacity=True)
+    assert again.equal(layout) and again.checked
+    bad = layout.col_slots.clone()
+    bad[0] = 5
+    with pytest.raises(ValueError, match=r"col_indices must lie in \[0, 2\)"):
+        BlockSparseLayout(layout.crow_indices, bad, block_size=8, seqlen=16, fixed_capacity=True)
+    unchecked = BlockSparseLayout(layout.crow_indices, bad, block_size=8, seqlen=16, fixed_capacity=True,
+                                  validate=False)
+    assert not unchecked.checked
+    with pytest.raises(ValueError, match="col_indices"):
+        unchecked.check()
