@@ -10,7 +10,7 @@ import torch
 
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.patterns._grid import (MAX_SEQLEN, _Grid, _bool, _build, _check_size, _default_window,
-                                                  _expand, _generator, _heads, _int, _reach, _span_lengths, _tag,
+                                                  _expand, _generator, _heads, _int, _member, _reach, _span_lengths, _tag,
                                                   _zeros)
 
 def dense(seqlen, block_size, *, causal: bool = False) -> BlockSparseLayout:
@@ -231,7 +231,7 @@ def _random_blocks(g: _Grid, num: int, fixed_keys: torch.Tensor, width: torch.Te
     cand = torch.minimum((u * width[:, None]).long(), (width - 1).clamp(min=0)[:, None])  # [R, draws]
     rr = g.rows()[:, None].expand_as(cand)
     key = rr * g.C + cand
-    ok = (width[:, None] > 0) & ~torch.isin(key, fixed_keys)
+    ok = (width[:, None] > 0) & ~_member(key, fixed_keys)
     # keep the first draw of each column of a row
     order = torch.argsort(key.flatten(), stable=True)
     sorted_key = key.flatten()[order]
@@ -247,11 +247,11 @@ def _random_blocks(g: _Grid, num: int, fixed_keys: torch.Tensor, width: torch.Te
     short = (got < torch.clamp(free, max=num)).nonzero().squeeze(1)
     r_out, c_out = rr[pick], cand[pick]
     if short.numel():
-        keep = ~torch.isin(r_out, short)
+        keep = ~_member(r_out, short)
         extra_r, extra_c = [r_out[keep]], [c_out[keep]]
         for row in short.tolist():
             cols = torch.arange(int(width[row]))
-            cols = cols[~torch.isin(row * g.C + cols, fixed_keys)]
+            cols = cols[~_member(row * g.C + cols, fixed_keys)]
             sel = cols[torch.randperm(cols.numel(), generator=gen)[:num]]
             extra_r.append(torch.full_like(sel, row))
             extra_c.append(sel)
@@ -308,12 +308,12 @@ def bigbird(seqlen, block_size, *, window: int | None = None, num_global: int = 
     def elem(lid_, q, k):
         block = ((lid_ * g.R + torch.div(q, g.bq, rounding_mode="floor")) * g.C
                  + torch.div(k, g.bk, rounding_mode="floor"))
-        e = (((q - k) >= lo) & ((q - k) <= window)) | (q < gq) | (k < gk) | torch.isin(block, rand)
+        e = (((q - k) >= lo) & ((q - k) <= window)) | (q < gq) | (k < gk) | _member(block, rand)
         return e & (k <= q) if causal else e
 
     def full(lid_, r_, c_):
         whole = (r_ < ng_r) | (c_ < ng_c) | g.inside_band(r_, c_, lo, window) \
-            | torch.isin((lid_ * g.R + r_) * g.C + c_, rand)
+            | _member((lid_ * g.R + r_) * g.C + c_, rand)
         return whole & ((g.k_hi(c_) <= g.q_lo(r_)) if causal else True)
 
     def key(lid_, r_, c_):  # remaining blocks are band blocks, partial by their offset alone
