@@ -4,10 +4,14 @@ Z_A = min(nnz A1, nnz A2), Z_X = nnz X, Z_AX = min(nnz A1·X, nnz X·A2ᵀ), Z_A
 Counts are *structural*: an entry of a product is nonzero when some term of its sum pairs two
 stored entries (no cancellation), as in the paper's sparse semiring model.
 
-Everything goes through ``scipy.sparse`` boolean patterns. The n x n product A1·X·A2ᵀ is never
-materialized: rows of A1·X with the same pattern are counted once, and the distinct rows are
-multiplied by A2ᵀ in chunks whose results are reduced to counts per key block and dropped, so
-``n = 131072`` works when the product is sparse enough (or has few distinct row patterns).
+Everything goes through ``scipy.sparse`` boolean patterns (SciPy is imported on the first call, not
+with the package). The n x n_k product A1·X·A2ᵀ is never materialized: entry ``(i, j)`` is nonzero
+iff row pattern ``u(i)`` of A1·X meets row pattern ``v(j)`` of A2, so only the table of distinct
+patterns ``T[u, v]`` is multiplied (rows grouped by a verified hash of their columns). Unrestricted,
+Z_AXA is ``Σ T[u, v]`` weighted by how many rows carry each pattern; restricted to a QK layout, the
+kept blocks are grouped by (patterns of their rows, patterns of their columns, element mask) and
+each group is evaluated once. Dense operands (one pattern) thus cost O(kept blocks + stored masks)
+beyond reading the operands, at any ``n``.
 """
 from __future__ import annotations
 
@@ -16,7 +20,6 @@ import numbers
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 
 from sparse_io_attn.bounds import calculator
@@ -90,6 +93,8 @@ def _pattern(op, what: str, level: str, block_size):
     Element level: BSR-like operands count every element of every stored block; dense inputs count
     nonzeros; scipy matrices count stored entries. Block level: the block pattern (blocksize from a
     BSR operand, else ``block_size``)."""
+    import scipy.sparse as sp
+
     bsr = None
     if hasattr(op, "to_scipy_bsr"):
         bsr = op.to_scipy_bsr()
@@ -112,17 +117,14 @@ def _pattern(op, what: str, level: str, block_size):
         arr = op.detach().cpu()
         if arr.dim() != 2:
             raise ValueError(f"{what} must be 2-D, got shape {tuple(arr.shape)}")
-        rows, cols = (arr != 0).nonzero(as_tuple=True)
-        pat = sp.csr_matrix((np.ones(rows.numel(), dtype=bool), (rows.numpy(), cols.numpy())),
-                            shape=tuple(arr.shape))
+        pat = _dense_pattern((arr != 0).numpy())
     elif sp.issparse(op):
         coo = sp.coo_matrix(op)
         pat = sp.csr_matrix((np.ones(coo.nnz, dtype=bool), (coo.row, coo.col)), shape=coo.shape)
     elif isinstance(op, np.ndarray):
         if op.ndim != 2:
             raise ValueError(f"{what} must be 2-D, got shape {op.shape}")
-        rows, cols = np.nonzero(op)
-        pat = sp.csr_matrix((np.ones(len(rows), dtype=bool), (rows, cols)), shape=op.shape)
+        pat = _dense_pattern(op != 0)
     else:
         raise TypeError(f"{what} must be a torch.Tensor, numpy array, scipy.sparse matrix or an "
                         f"object with to_scipy_bsr(), got {type(op).__name__}")
@@ -140,7 +142,27 @@ def _pattern(op, what: str, level: str, block_size):
     return blocks.astype(bool), (br, bc), pat.shape
 
 
+def _dense_pattern(nonzero: np.ndarray) -> sp.csr_matrix:
+    """The csr pattern of a dense boolean matrix, its column indices found ``_CHUNK_ENTRIES``
+    elements at a time (int32 where they fit: no pair of int64 coordinates per nonzero)."""
+    import scipy.sparse as sp
+
+    n, m = nonzero.shape
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nonzero.sum(1), out=indptr[1:])
+    small = max(indptr[-1], m) < 2 ** 31
+    indices = np.empty(int(indptr[-1]), dtype=np.int32 if small else np.int64)
+    step = max(1, _CHUNK_ENTRIES // max(1, m))
+    for s in range(0, n, step):
+        indices[indptr[s]:indptr[min(s + step, n)]] = np.nonzero(nonzero[s:s + step])[1]
+    if small:
+        indptr = indptr.astype(np.int32)
+    return sp.csr_matrix((np.ones(len(indices), dtype=bool), indices, indptr), shape=(n, m))
+
+
 def _bool(m) -> sp.csr_matrix:
+    import scipy.sparse as sp
+
     m = sp.csr_matrix(m)
     m.eliminate_zeros()
     return sp.csr_matrix((np.ones(m.nnz, dtype=bool), m.indices, m.indptr), shape=m.shape)
@@ -206,6 +228,8 @@ def _unique_rows_exact(m: sp.csr_matrix):
 def _table(W: sp.csr_matrix, U2: sp.csr_matrix) -> sp.csr_matrix:
     """Structural ``W @ U2^T`` (boolean csr ``[rows of W, rows of U2]``), ``_CHUNK_ENTRIES`` at a time:
     entry ``(u, v)`` says whether row pattern ``u`` of A1·X meets row pattern ``v`` of A2."""
+    import scipy.sparse as sp
+
     U2T = U2.T.tocsr().astype(np.int64)
     chunk = max(1, _CHUNK_ENTRIES // max(1, U2.shape[0]))
     parts = [_bool(W[s:s + chunk].astype(np.int64) @ U2T) for s in range(0, W.shape[0], chunk)]
@@ -230,6 +254,8 @@ def _count_kept(T: sp.csr_matrix, row_of: np.ndarray, col_of: np.ndarray, r: np.
     P is never formed: blocks are grouped by (pattern of their rows, pattern of their columns,
     mask) and each group is evaluated once, so a dense operand (one row pattern) costs
     O(kept blocks + distinct masks) whatever ``n``."""
+    import scipy.sparse as sp
+
     uq, uk = unit
     if len(r) == 0 or T.nnz == 0:
         return 0
