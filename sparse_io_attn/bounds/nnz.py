@@ -173,40 +173,46 @@ def _product(a: sp.csr_matrix, b: sp.csr_matrix) -> sp.csr_matrix:
     return _bool(a.astype(np.int64) @ b.astype(np.int64))
 
 
-def _unique_rows(m: sp.csr_matrix):
-    """``(unique-row csr, inverse index)``: rows with identical patterns collapse to one.
+def _row_hashes(m: sp.csr_matrix) -> np.ndarray:
+    """A 64-bit hash of each row's (sorted) column indices, ``int64 [rows]``, in O(nnz)."""
+    lengths = np.diff(m.indptr).astype(np.int64)
+    salt = np.random.default_rng(0x5EED).integers(0, 2 ** 63 - 1, size=m.shape[1] + 1, dtype=np.int64)
+    h = np.zeros(m.shape[0], dtype=np.int64)
+    if m.nnz:
+        with np.errstate(over="ignore"):
+            position = np.arange(m.nnz, dtype=np.int64) - np.repeat(m.indptr[:-1].astype(np.int64), lengths)
+            terms = salt[m.indices] * (position + 1)
+            nonempty = lengths > 0
+            h[nonempty] = np.add.reduceat(terms, m.indptr[:-1][nonempty].astype(np.int64))
+    return h
 
-    Rows are grouped by a 64-bit hash of their column sets (vectorised, O(nnz)); every row is then
+
+def _unique_rows(m: sp.csr_matrix):
+    """``(unique-row csr, inverse index)``: rows with identical patterns collapse to one, numbered
+    by first appearance.
+
+    Rows are grouped by :func:`_row_hashes` and their lengths (vectorised); every row is then
     compared with its group's first row, so a hash collision cannot merge different rows (the
     exact per-row comparison runs instead)."""
     m = m.sorted_indices() if not m.has_sorted_indices else m
-    n = m.shape[0]
-    if n == 0:
+    if m.shape[0] == 0:
         return m, np.zeros(0, dtype=np.int64)
     lengths = np.diff(m.indptr).astype(np.int64)
-    salt = np.random.default_rng(0x5EED).integers(0, 2 ** 63 - 1, size=m.shape[1] + 1, dtype=np.int64)
-    with np.errstate(over="ignore"):
-        terms = salt[m.indices] * (np.arange(m.nnz, dtype=np.int64)
-                                   - np.repeat(m.indptr[:-1].astype(np.int64), lengths) + 1)
-        h = np.zeros(n, dtype=np.int64)
-        nonempty = lengths > 0
-        h[nonempty] = np.add.reduceat(terms, m.indptr[:-1][nonempty].astype(np.int64)) if m.nnz else 0
-    _, first, inverse = np.unique(np.stack([h, lengths], 1), axis=0, return_index=True, return_inverse=True)
+    _, first, inverse = np.unique(np.stack([_row_hashes(m), lengths], 1), axis=0, return_index=True,
+                                  return_inverse=True)
     inverse = inverse.reshape(-1)
     rep = first[inverse]
-    same = lengths == lengths[rep]
-    if same.all() and m.nnz:
-        pos = np.arange(m.nnz, dtype=np.int64) - np.repeat(m.indptr[:-1].astype(np.int64), lengths)
-        rep_pos = np.repeat(m.indptr[rep].astype(np.int64), lengths) + pos
-        same = bool((m.indices == m.indices[rep_pos]).all())
-    else:
-        same = bool(same.all())
+    same = bool((lengths == lengths[rep]).all())
+    if same and m.nnz:
+        position = np.arange(m.nnz, dtype=np.int64) - np.repeat(m.indptr[:-1].astype(np.int64), lengths)
+        rep_position = np.repeat(m.indptr[rep].astype(np.int64), lengths) + position
+        same = bool((m.indices == m.indices[rep_position]).all())
     if not same:
         return _unique_rows_exact(m)
     order = np.argsort(first, kind="stable")     # number the groups by first appearance
     rank = np.empty_like(order)
     rank[order] = np.arange(len(order))
-    return m[np.sort(first)], rank[inverse].astype(np.int64)
+    return m[first[order]], rank[inverse].astype(np.int64)
 
 
 def _unique_rows_exact(m: sp.csr_matrix):

@@ -67,8 +67,9 @@ def block_counts(r: torch.Tensor, c: torch.Tensor, ids: torch.Tensor, masks: tor
     """Allowed elements of each kept block, ``int64 [E]``, without one value per element.
 
     Blocks ``(r, c)`` (block row and column, ``[E]``) with ``ids`` (``-1``: full, every in-range
-    element allowed; ``p >= 0``: the element mask ``masks[p]``, ``int32 [U, bq, W]``) of a score
-    matrix of ``seqlen = (sq, sk)`` elements cut into ``block_size = (bq, bk)`` blocks. A full block
+    element allowed; ``p >= 0``: the element mask ``masks[p]``, ``int32 [U, bq, W]``, canonical as a
+    layout stores them: no bit past the sequence ends) of a score matrix of ``seqlen = (sq, sk)``
+    elements cut into ``block_size = (bq, bk)`` blocks. A full block
     counts its in-range rectangle; a partial one the set bits of its mask, counted once per stored
     mask. With ``delta`` only elements ``(i, j)`` with ``j <= i + delta`` count: blocks wholly on one
     side of that diagonal are decided from their corners, and the blocks it crosses are evaluated

@@ -372,6 +372,19 @@ def _cu_seqlens(cu_seqlens) -> torch.Tensor:
     return cu
 
 
+def _boundary_ids(doc, crossed: torch.Tensor, size: int) -> torch.Tensor:
+    """Per block of ``size`` positions, an id of where documents change inside it (0: none, the
+    blocks not ``crossed``); blocks with equal ids see the same document boundaries at the same
+    offsets (``doc``: position -> document id)."""
+    ids = torch.zeros(crossed.numel(), dtype=torch.int64)
+    blocks = crossed.nonzero().squeeze(1)
+    if blocks.numel():
+        docs = doc((blocks * size)[:, None] + torch.arange(size)[None, :])       # [blocks, size]
+        _, inverse = torch.unique(docs - docs[:, :1], dim=0, return_inverse=True)
+        ids[blocks] = inverse + 1
+    return ids
+
+
 def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayout:
     """Packed variable-length sequences: document ``i`` holds positions ``[cu_seqlens[i],
     cu_seqlens[i+1])`` and attends only to itself (``causal``: ``k <= q`` within each document).
@@ -407,8 +420,12 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
     # a row (column) block's document when one document holds all of it, else -1 (-2 for columns)
     first_doc, last_doc = doc(g.q_lo(g.rows())), doc(g.q_hi(g.rows()))
     row_doc = torch.where(first_doc == last_doc, first_doc, -1)
+    row_pat = _boundary_ids(doc, row_doc < 0, g.bq)
+    row_first = first_doc
     first_doc, last_doc = doc(g.k_lo(g.cols())), doc(g.k_hi(g.cols()))
     col_doc = torch.where(first_doc == last_doc, first_doc, -2)
+    col_pat = _boundary_ids(doc, col_doc < 0, g.bk)
+    col_first = first_doc
 
     def one_doc(r_, c_):
         return row_doc[r_] == col_doc[c_]
@@ -417,10 +434,14 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
         one = one_doc(r_, c_)
         return one & ((g.k_hi(c_) <= g.q_lo(r_)) if causal else True)
 
-    def key(lid, r_, c_):  # inside one document only the diagonal offset matters; else each block
-        one = one_doc(r_, c_)
-        own = torch.where(one, -1, r_ * g.C + c_)
-        return torch.stack([own, torch.where(one, g.d0(r_, c_), 0)], 1)
+    def key(lid, r_, c_):
+        # (q, k) allowed iff doc(q) == doc(k): fixed by where the documents change inside the row
+        # block and inside the column block and by how their first documents differ (plus the
+        # diagonal offset under causal, clipped where it no longer changes the block)
+        parts = [row_pat[r_], col_pat[c_], col_first[c_] - row_first[r_]]
+        if causal:
+            parts.append(g.d0(r_, c_).clamp(-g.bq, g.bk))
+        return torch.stack(parts, 1)
 
     return _build(g, _zeros(r.numel()), r, c, elem, full=full, key=key,
                   name=_tag("document", f"n={int((cu[1:] > cu[:-1]).sum())}", causal))
