@@ -198,8 +198,9 @@ def _unique_rows(m: sp.csr_matrix):
     if m.shape[0] == 0:
         return m, np.zeros(0, dtype=np.int64)
     lengths = np.diff(m.indptr).astype(np.int64)
-    _, first, inverse = np.unique(np.stack([_row_hashes(m), lengths], 1), axis=0, return_index=True,
-                                  return_inverse=True)
+    with np.errstate(over="ignore"):
+        key = _row_hashes(m) * np.int64(0x9E3779B97F4A7C15 - 2 ** 64) + lengths
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
     rep = first[inverse]
     same = bool((lengths == lengths[rep]).all())
@@ -242,14 +243,27 @@ def _table(W: sp.csr_matrix, U2: sp.csr_matrix) -> sp.csr_matrix:
     return sp.vstack(parts, format="csr") if parts else sp.csr_matrix((0, U2.shape[0]), dtype=bool)
 
 
+def _block_hashes(blocks: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of the int64 matrix ``blocks``, ``int64 [rows]``."""
+    salt = np.random.default_rng(0x5EED).integers(0, 2 ** 63 - 1, size=blocks.shape[1], dtype=np.int64)
+    with np.errstate(over="ignore"):
+        return (blocks + 1) @ salt
+
+
 def _signatures(ids: np.ndarray, unit: int):
     """Blocks of ``unit`` consecutive ``ids`` (the last padded with ``-1``): ``(distinct blocks
     int64 [S, unit], block -> distinct index [ceil(len / unit)])``."""
     nb = -(-len(ids) // unit)
-    padded = np.full(nb * unit, -1, dtype=np.int64)
-    padded[:len(ids)] = ids
-    uniq, inverse = np.unique(padded.reshape(nb, unit), axis=0, return_inverse=True)
-    return uniq, inverse.reshape(-1)
+    blocks = np.full(nb * unit, -1, dtype=np.int64)
+    blocks[:len(ids)] = ids
+    blocks = blocks.reshape(nb, unit)
+    # grouped by hash, then verified element by element
+    _, first, inverse = np.unique(_block_hashes(blocks), return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if not (blocks == blocks[first[inverse]]).all():
+        uniq, inverse = np.unique(blocks, axis=0, return_inverse=True)
+        return uniq, inverse.reshape(-1)
+    return blocks[first], inverse
 
 
 def _count_kept(T: sp.csr_matrix, row_of: np.ndarray, col_of: np.ndarray, r: np.ndarray, c: np.ndarray,
