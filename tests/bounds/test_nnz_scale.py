@@ -104,3 +104,18 @@ def test_nnz_stats_unchanged(spec, n, block, expect):
     layout = from_spec(spec, n, block)
     st = nnz_stats(*_before_operands(n), layout, layout_index=layout.num_layouts - 1)
     assert (st.Z_A, st.Z_X, st.Z_AX, st.Z_AXA, st.Z_AXA_unrestricted) == expect
+
+
+def test_sparse_pattern_table_and_small_chunks_count_the_same(monkeypatch):
+    """The pattern table looked up through SciPy (past the dense-table size) and evaluated a few
+    blocks at a time gives the same counts as the dense lookup and the brute force."""
+    rng = np.random.default_rng(int(torch.randint(0, 2 ** 31, ()).item()))
+    a1, x, a2 = ((rng.random(s) < 0.3) * 1.0 for s in ((150, 7), (7, 7), (130, 7)))
+    layout = from_spec("bigbird:30,1,2", (150, 130), (16, 8))
+    dense_lookup = nnz_stats(a1, x, a2, layout)
+    monkeypatch.setattr(nnz, "_DENSE_TABLE", 0)
+    monkeypatch.setattr(nnz, "_CHUNK_ENTRIES", 300)
+    assert nnz_stats(a1, x, a2, layout) == dense_lookup
+    s = ((a1 @ x != 0).astype(int) @ (a2 != 0).T.astype(int)) > 0
+    assert dense_lookup.Z_AXA == int((s & layout.to_dense_mask()[0, 0].numpy()).sum())
+    assert dense_lookup.Z_AXA_unrestricted == int(s.sum())
