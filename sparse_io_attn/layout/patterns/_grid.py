@@ -216,8 +216,8 @@ def _build(g: _Grid, lid, r, c, elem: Callable, *, full=None, key=None, layout_h
 
 
 def _member(x: torch.Tensor, sorted_keys: torch.Tensor) -> torch.Tensor:
-    """``torch.isin(x, sorted_keys)`` for an ascending ``sorted_keys``, by binary search: O(|x| log
-    |keys|) with no sort of ``x`` (``isin`` sorts both sides)."""
+    """``torch.isin(x, sorted_keys)`` for an ascending ``sorted_keys``, by binary search into the
+    keys: O(|x| log |keys|), ``x`` is never sorted."""
     if sorted_keys.numel() == 0:
         return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
     at = torch.searchsorted(sorted_keys, x).clamp(max=sorted_keys.numel() - 1)
