@@ -190,26 +190,13 @@ def block_sparse(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_he
 def kept_elements(layout: BlockSparseLayout, batch: int, num_heads_q: int, *, causal=False) -> int:
     """Score elements ``(i, j)`` attention computes: the layout's allowed elements (full blocks
     clipped to the lengths, partial blocks' mask bits), with ``causal`` only ``j <= i + delta``;
-    summed over batch and query heads."""
+    summed over batch and query heads. Counted per kept block by :func:`~sparse_io_attn.layout._bits.block_counts`
+    (stored masks popcounted once each, no element mask built): O(kept blocks + stored masks)."""
     mult = _layout_multiplicity(layout, batch, num_heads_q)
     lo = layout.to("cpu")
     lid, r, c = lo.entries()
-    (bq, bk), (sq, sk) = lo.block_size, lo.seqlen
-    words = lo.entry_words()
-    delta = causal_offset(causal, sq, sk)
-    if delta is None:
-        per_entry = _bits.popcount(words)
-    else:
-        q_lo, q_hi = r * bq, torch.clamp((r + 1) * bq, max=sq) - 1
-        k_lo, k_hi = c * bk, torch.clamp((c + 1) * bk, max=sk) - 1
-        below = k_hi <= q_lo + delta
-        cross = ~below & (k_lo <= q_hi + delta)
-        per_entry = torch.where(below, _bits.popcount(words), 0)
-        if cross.any():
-            iq = torch.arange(bq)[None, :, None] + q_lo[cross][:, None, None]
-            ik = torch.arange(bk)[None, None, :] + k_lo[cross][:, None, None]
-            elems = _bits.unpack(words[cross], bk) & (ik <= iq + delta)
-            per_entry[cross] = elems.sum((1, 2))
+    delta = causal_offset(causal, *lo.seqlen)
+    per_entry = _bits.block_counts(r, c, lo.partial_ids, lo.partial_masks, lo.block_size, lo.seqlen, delta)
     per_layout = torch.zeros(lo.num_layouts, dtype=torch.int64).index_add_(0, lid, per_entry)
     return int((mult * per_layout).sum())
 

@@ -4,10 +4,14 @@ Z_A = min(nnz A1, nnz A2), Z_X = nnz X, Z_AX = min(nnz A1·X, nnz X·A2ᵀ), Z_A
 Counts are *structural*: an entry of a product is nonzero when some term of its sum pairs two
 stored entries (no cancellation), as in the paper's sparse semiring model.
 
-Everything goes through ``scipy.sparse`` boolean patterns. The n x n product A1·X·A2ᵀ is never
-materialized: rows of A1·X with the same pattern are counted once, and the distinct rows are
-multiplied by A2ᵀ in chunks whose results are reduced to counts per key block and dropped, so
-``n = 131072`` works when the product is sparse enough (or has few distinct row patterns).
+Everything goes through ``scipy.sparse`` boolean patterns (SciPy is imported on the first call, not
+with the package). The n x n_k product A1·X·A2ᵀ is never materialized: entry ``(i, j)`` is nonzero
+iff row pattern ``u(i)`` of A1·X meets row pattern ``v(j)`` of A2, so only the table of distinct
+patterns ``T[u, v]`` is multiplied (rows grouped by a verified hash of their columns). Unrestricted,
+Z_AXA is ``Σ T[u, v]`` weighted by how many rows carry each pattern; restricted to a QK layout, the
+kept blocks are grouped by (patterns of their rows, patterns of their columns, element mask) and
+each group is evaluated once. Dense operands (one pattern) thus cost O(kept blocks + stored masks)
+beyond reading the operands, at any ``n``.
 """
 from __future__ import annotations
 
@@ -16,14 +20,13 @@ import numbers
 from dataclasses import asdict, dataclass
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 
 from sparse_io_attn.bounds import calculator
 from sparse_io_attn.layout import _bits
 
-_CHUNK_ROWS = 4096  # product rows per chunk when counting inside partial blocks
-_CHUNK_ENTRIES = 1 << 23   # rows per chunk = max(1, _CHUNK_ENTRIES // n_k)
+_CHUNK_ENTRIES = 1 << 23   # entries per chunk of the pattern table and of the block evaluation
+_DENSE_TABLE = 1 << 26     # pattern tables up to this many entries are looked up densely
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ def _pattern(op, what: str, level: str, block_size):
     Element level: BSR-like operands count every element of every stored block; dense inputs count
     nonzeros; scipy matrices count stored entries. Block level: the block pattern (blocksize from a
     BSR operand, else ``block_size``)."""
+    import scipy.sparse as sp
+
     bsr = None
     if hasattr(op, "to_scipy_bsr"):
         bsr = op.to_scipy_bsr()
@@ -112,17 +117,14 @@ def _pattern(op, what: str, level: str, block_size):
         arr = op.detach().cpu()
         if arr.dim() != 2:
             raise ValueError(f"{what} must be 2-D, got shape {tuple(arr.shape)}")
-        rows, cols = (arr != 0).nonzero(as_tuple=True)
-        pat = sp.csr_matrix((np.ones(rows.numel(), dtype=bool), (rows.numpy(), cols.numpy())),
-                            shape=tuple(arr.shape))
+        pat = _dense_pattern((arr != 0).numpy())
     elif sp.issparse(op):
         coo = sp.coo_matrix(op)
         pat = sp.csr_matrix((np.ones(coo.nnz, dtype=bool), (coo.row, coo.col)), shape=coo.shape)
     elif isinstance(op, np.ndarray):
         if op.ndim != 2:
             raise ValueError(f"{what} must be 2-D, got shape {op.shape}")
-        rows, cols = np.nonzero(op)
-        pat = sp.csr_matrix((np.ones(len(rows), dtype=bool), (rows, cols)), shape=op.shape)
+        pat = _dense_pattern(op != 0)
     else:
         raise TypeError(f"{what} must be a torch.Tensor, numpy array, scipy.sparse matrix or an "
                         f"object with to_scipy_bsr(), got {type(op).__name__}")
@@ -140,7 +142,27 @@ def _pattern(op, what: str, level: str, block_size):
     return blocks.astype(bool), (br, bc), pat.shape
 
 
+def _dense_pattern(nonzero: np.ndarray) -> sp.csr_matrix:
+    """The csr pattern of a dense boolean matrix, its column indices found ``_CHUNK_ENTRIES``
+    elements at a time (int32 where they fit: no pair of int64 coordinates per nonzero)."""
+    import scipy.sparse as sp
+
+    n, m = nonzero.shape
+    indptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nonzero.sum(1), out=indptr[1:])
+    small = max(indptr[-1], m) < 2 ** 31
+    indices = np.empty(int(indptr[-1]), dtype=np.int32 if small else np.int64)
+    step = max(1, _CHUNK_ENTRIES // max(1, m))
+    for s in range(0, n, step):
+        indices[indptr[s]:indptr[min(s + step, n)]] = np.nonzero(nonzero[s:s + step])[1]
+    if small:
+        indptr = indptr.astype(np.int32)
+    return sp.csr_matrix((np.ones(len(indices), dtype=bool), indices, indptr), shape=(n, m))
+
+
 def _bool(m) -> sp.csr_matrix:
+    import scipy.sparse as sp
+
     m = sp.csr_matrix(m)
     m.eliminate_zeros()
     return sp.csr_matrix((np.ones(m.nnz, dtype=bool), m.indices, m.indptr), shape=m.shape)
@@ -151,9 +173,51 @@ def _product(a: sp.csr_matrix, b: sp.csr_matrix) -> sp.csr_matrix:
     return _bool(a.astype(np.int64) @ b.astype(np.int64))
 
 
+def _row_hashes(m: sp.csr_matrix) -> np.ndarray:
+    """A 64-bit hash of each row's (sorted) column indices, ``int64 [rows]``, in O(nnz)."""
+    lengths = np.diff(m.indptr).astype(np.int64)
+    salt = np.random.default_rng(0x5EED).integers(0, 2 ** 63 - 1, size=m.shape[1] + 1, dtype=np.int64)
+    h = np.zeros(m.shape[0], dtype=np.int64)
+    if m.nnz:
+        with np.errstate(over="ignore"):
+            position = np.arange(m.nnz, dtype=np.int64) - np.repeat(m.indptr[:-1].astype(np.int64), lengths)
+            terms = salt[m.indices] * (position + 1)
+            nonempty = lengths > 0
+            h[nonempty] = np.add.reduceat(terms, m.indptr[:-1][nonempty].astype(np.int64))
+    return h
+
+
 def _unique_rows(m: sp.csr_matrix):
-    """``(unique-row csr, inverse index)``: rows with identical patterns collapse to one."""
+    """``(unique-row csr, inverse index)``: rows with identical patterns collapse to one, numbered
+    by first appearance.
+
+    Rows are grouped by :func:`_row_hashes` and their lengths (vectorised); every row is then
+    compared with its group's first row, so a hash collision cannot merge different rows (the
+    exact per-row comparison runs instead)."""
     m = m.sorted_indices() if not m.has_sorted_indices else m
+    if m.shape[0] == 0:
+        return m, np.zeros(0, dtype=np.int64)
+    lengths = np.diff(m.indptr).astype(np.int64)
+    with np.errstate(over="ignore"):
+        key = _row_hashes(m) * np.int64(0x9E3779B97F4A7C15 - 2 ** 64) + lengths
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    rep = first[inverse]
+    same = bool((lengths == lengths[rep]).all())
+    if same and m.nnz:
+        position = np.arange(m.nnz, dtype=np.int64) - np.repeat(m.indptr[:-1].astype(np.int64), lengths)
+        rep_position = np.repeat(m.indptr[rep].astype(np.int64), lengths) + position
+        same = bool((m.indices == m.indices[rep_position]).all())
+    if not same:
+        return _unique_rows_exact(m)
+    order = np.argsort(first, kind="stable")     # number the groups by first appearance
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    return m[first[order]], rank[inverse].astype(np.int64)
+
+
+def _unique_rows_exact(m: sp.csr_matrix):
+    """:func:`_unique_rows` by comparing each row's column bytes (the fallback on a hash collision)."""
     seen: dict = {}
     inverse = np.empty(m.shape[0], dtype=np.int64)
     keep = []
@@ -168,60 +232,91 @@ def _unique_rows(m: sp.csr_matrix):
     return m[np.asarray(keep, dtype=np.int64)], inverse
 
 
-def _count_product(W: sp.csr_matrix, row_of: np.ndarray, A2T: sp.csr_matrix, row_block: int,
-                   col_block: int, keep: sp.csr_matrix | None):
-    """``(nnz of P, nnz of P restricted to keep)`` for the product ``P = W[row_of] @ A2T`` without
-    materializing it: row ``i`` of P has the pattern of ``W[row_of[i]] @ A2T``.
+def _table(W: sp.csr_matrix, U2: sp.csr_matrix) -> sp.csr_matrix:
+    """Structural ``W @ U2^T`` (boolean csr ``[rows of W, rows of U2]``), ``_CHUNK_ENTRIES`` at a time:
+    entry ``(u, v)`` says whether row pattern ``u`` of A1·X meets row pattern ``v`` of A2."""
+    import scipy.sparse as sp
 
-    ``keep`` is a boolean (num_row_blocks x num_col_blocks) pattern in units of
-    ``row_block``/``col_block`` rows/columns of ``P``, or ``None``."""
-    n_q, n_k = len(row_of), A2T.shape[1]
-    A2T = A2T.astype(np.int64)
-    chunk = max(1, _CHUNK_ENTRIES // max(1, n_k))
-    if keep is None:
-        counts = np.concatenate([_bool(W[s:s + chunk].astype(np.int64) @ A2T).getnnz(axis=1)
-                                 for s in range(0, W.shape[0], chunk)] or [np.zeros(0, np.int64)])
-        total = int(counts.astype(np.int64)[row_of].sum())
-        return total, total
-    ncb = math.ceil(n_k / col_block)
-    to_block = sp.csr_matrix((np.ones(n_k, dtype=np.int64), (np.arange(n_k), np.arange(n_k) // col_block)),
-                             shape=(n_k, ncb))
-    parts = [sp.csr_matrix(_bool(W[s:s + chunk].astype(np.int64) @ A2T).astype(np.int64) @ to_block)
-             for s in range(0, W.shape[0], chunk)]
-    per_block = sp.vstack(parts, format="csr") if parts else sp.csr_matrix((0, ncb), dtype=np.int64)
-    total = int(np.asarray(per_block.sum(axis=1)).ravel()[row_of].sum())
-    # group rows of P by (pattern, row block) and sum their counts over the kept column blocks
-    rb = np.arange(n_q) // row_block
-    pairs, mult = np.unique(np.stack([row_of, rb], axis=1), axis=0, return_counts=True)
-    kept = per_block[pairs[:, 0]].multiply(sp.csr_matrix(keep, dtype=np.int64)[pairs[:, 1]])
-    restricted = int((np.asarray(kept.sum(axis=1)).ravel() * mult).sum())
-    return total, restricted
+    U2T = U2.T.tocsr().astype(np.int64)
+    chunk = max(1, _CHUNK_ENTRIES // max(1, U2.shape[0]))
+    parts = [_bool(W[s:s + chunk].astype(np.int64) @ U2T) for s in range(0, W.shape[0], chunk)]
+    return sp.vstack(parts, format="csr") if parts else sp.csr_matrix((0, U2.shape[0]), dtype=bool)
 
 
-def _count_inside(W: sp.csr_matrix, row_of: np.ndarray, A2T: sp.csr_matrix, inside: sp.csr_matrix) -> int:
-    """Structural nonzeros of ``P = W[row_of] @ A2T`` at the entries of ``inside`` (only the rows
-    ``inside`` touches are multiplied)."""
-    rows = np.unique(inside.tocoo().row)
+def _block_hashes(blocks: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of the int64 matrix ``blocks``, ``int64 [rows]``."""
+    salt = np.random.default_rng(0x5EED).integers(0, 2 ** 63 - 1, size=blocks.shape[1], dtype=np.int64)
+    with np.errstate(over="ignore"):
+        return (blocks + 1) @ salt
+
+
+def _signatures(ids: np.ndarray, unit: int):
+    """Blocks of ``unit`` consecutive ``ids`` (the last padded with ``-1``): ``(distinct blocks
+    int64 [S, unit], block -> distinct index [ceil(len / unit)])``."""
+    nb = -(-len(ids) // unit)
+    blocks = np.full(nb * unit, -1, dtype=np.int64)
+    blocks[:len(ids)] = ids
+    blocks = blocks.reshape(nb, unit)
+    # grouped by hash, then verified element by element
+    _, first, inverse = np.unique(_block_hashes(blocks), return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    if not (blocks == blocks[first[inverse]]).all():
+        uniq, inverse = np.unique(blocks, axis=0, return_inverse=True)
+        return uniq, inverse.reshape(-1)
+    return blocks[first], inverse
+
+
+def _count_kept(T: sp.csr_matrix, row_of: np.ndarray, col_of: np.ndarray, r: np.ndarray, c: np.ndarray,
+                ids: np.ndarray, masks: torch.Tensor, unit) -> int:
+    """Nonzeros of ``P[i, j] = T[row_of[i], col_of[j]]`` at the allowed elements of the kept blocks
+    ``(r, c)`` of ``unit = (rows, cols)`` (``ids``: ``-1`` full, else the element mask ``masks[id]``).
+
+    P is never formed: blocks are grouped by (pattern of their rows, pattern of their columns,
+    mask) and each group is evaluated once, so a dense operand (one row pattern) costs
+    O(kept blocks + distinct masks) whatever ``n``."""
+    import scipy.sparse as sp
+
+    uq, uk = unit
+    if len(r) == 0 or T.nnz == 0:
+        return 0
+    rsig, sig_r = _signatures(row_of, uq)
+    csig, sig_c = _signatures(col_of, uk)
+    cols = [sig_r[r], sig_c[c], ids.astype(np.int64) + 1]
+    spans = [len(rsig), len(csig), masks.shape[0] + 1]
+    if math.prod(spans) < 2 ** 62:
+        packed = (cols[0] * spans[1] + cols[1]) * spans[2] + cols[2]
+        uniq, counts = np.unique(packed, return_counts=True)
+        keys = np.stack([uniq // (spans[1] * spans[2]), uniq // spans[2] % spans[1], uniq % spans[2] - 1], 1)
+    else:
+        keys, counts = np.unique(np.stack(cols, 1), axis=0, return_counts=True)
+        keys[:, 2] -= 1
+    nu, nv = T.shape
+    dense = (nu + 1) * (nv + 1) <= _DENSE_TABLE
+    if dense:  # a zero last row and column: padding ids (-1) read 0
+        table = np.zeros((nu + 1, nv + 1), dtype=bool)
+        table[:nu, :nv] = T.toarray()
+    else:
+        table = sp.csr_matrix((T.data, T.indices, np.append(T.indptr, T.indptr[-1])), shape=(nu + 1, nv + 1))
     total = 0
-    for s0 in range(0, len(rows), _CHUNK_ROWS):
-        r = rows[s0:s0 + _CHUNK_ROWS]
-        prod = _bool(W[row_of[r]].astype(np.int64) @ A2T.astype(np.int64))
-        total += int(prod.multiply(inside[r]).sum())
+    step = max(1, _CHUNK_ENTRIES // (uq * uk))
+    for s in range(0, len(keys), step):
+        k = keys[s:s + step]
+        ri = np.where(rsig[k[:, 0]] < 0, nu, rsig[k[:, 0]])[:, :, None]          # [K, uq, 1]
+        ci = np.where(csig[k[:, 1]] < 0, nv, csig[k[:, 1]])[:, None, :]          # [K, 1, uk]
+        if dense:
+            vals = table[ri, ci]                                                # [K, uq, uk]
+        else:
+            ri, ci = np.broadcast_arrays(ri, ci)
+            vals = np.asarray(table[ri.ravel(), ci.ravel()]).reshape(len(k), uq, uk) != 0
+        part = k[:, 2] >= 0
+        if part.any():
+            vals[part] &= _bits.unpack(masks[torch.from_numpy(k[part, 2])], uk).numpy()[:, :uq, :uk]
+        total += int((vals.sum((1, 2)).astype(np.int64) * counts[s:s + step]).sum())
     return total
 
 
-def _block_pattern(elements: sp.csr_matrix, bq: int, bk: int):
-    """Blocks holding an element of ``elements``, boolean ``[ceil(n/bq), ceil(m/bk)]``."""
-    coo = elements.tocoo()
-    shape = (math.ceil(elements.shape[0] / bq), math.ceil(elements.shape[1] / bk))
-    m = sp.csr_matrix((np.ones(coo.nnz, dtype=bool), (coo.row // bq, coo.col // bk)), shape=shape)
-    m.sum_duplicates()
-    return m.astype(bool)
-
-
-def _layout_keep(layout, layout_index):
-    """One mask of ``layout``: ``(full-block pattern csr [num_q_blocks, num_kv_blocks], partial
-    elements csr [seqlen_q, seqlen_k])`` (the allowed elements of its partial blocks)."""
+def _layout_entries(layout, layout_index):
+    """One mask of ``layout``: ``(r, c, partial_ids)`` (int64 numpy) of its kept blocks."""
     L = layout.num_layouts
     if layout_index is None:
         if L != 1:
@@ -233,18 +328,8 @@ def _layout_keep(layout, layout_index):
     lo = layout.to("cpu")
     crow = lo.crow_indices[layout_index].numpy().astype(np.int64)
     a, b = int(crow[0]), int(crow[-1])
-    col = lo.col_indices.numpy().astype(np.int64)[a:b]
-    pid = lo.partial_ids.numpy()[a:b]
-    full = pid < 0
-    row = np.repeat(np.arange(lo.num_q_blocks), np.diff(crow))
-    keep = sp.csr_matrix((np.ones(int(full.sum()), dtype=bool), (row[full], col[full])),
-                         shape=(lo.num_q_blocks, lo.num_kv_blocks))
-    (bq, bk), (sq, sk) = lo.block_size, lo.seqlen
-    elems = _bits.unpack(lo.partial_masks[torch.from_numpy(pid[~full]).long()], bk).numpy()  # [P, bq, bk]
-    e, i, j = np.nonzero(elems)
-    qi, kj = row[~full][e] * bq + i, col[~full][e] * bk + j
-    partial = sp.csr_matrix((np.ones(len(qi), dtype=bool), (qi, kj)), shape=(sq, sk))
-    return keep, partial
+    r = np.repeat(np.arange(lo.num_q_blocks, dtype=np.int64), np.diff(crow))
+    return r, lo.col_indices[a:b].numpy().astype(np.int64), lo.partial_ids[a:b].numpy().astype(np.int64)
 
 
 def _check_block_size(block_size):
@@ -304,24 +389,28 @@ def nnz_stats(A1, X, A2, qk_layout=None, *, level: str = "element", block_size=N
     xu2t = _product(x, u2.T.tocsr())
     nnz_xa2t = int(xu2t.getnnz(axis=0).astype(np.int64)[inv2].sum())
     w, inv_w = _unique_rows(u1x)
-    keep = None
-    row_unit, col_unit = 1, 1
+    row_of = inv_w[inv1]                     # query row -> its pattern of A1 X
+    T = _table(w, u2)                        # pattern of A1 X meets pattern of A2
+    m1 = np.bincount(row_of, minlength=T.shape[0]).astype(np.int64)
+    m2 = np.bincount(inv2, minlength=T.shape[1]).astype(np.int64)
+    total = int(m1 @ (T.astype(np.int64) @ m2)) if T.nnz else 0
+    restricted = total
     if qk_layout is not None:
         if tuple(qk_layout.seqlen) != (n, n_k):
             raise ValueError(f"qk_layout covers seqlen {tuple(qk_layout.seqlen)} but A1 X A2^T is "
                              f"{n} x {n_k}; build the layout for ({n}, {n_k})")
-        keep, partial = _layout_keep(qk_layout, layout_index)
         bq, bk = qk_layout.block_size
-        if level == "element":
-            row_unit, col_unit = bq, bk
-        else:  # a partial block counts as a kept block
-            keep = (keep + _block_pattern(partial, bq, bk)).astype(bool)
         if level == "block" and (b1[0], b2[0]) != (bq, bk):
             raise ValueError(f"at level='block' the layout's block size {(bq, bk)} must equal the "
                              f"row blocks of A1 and A2 {(b1[0], b2[0])}")
-    total, restricted = _count_product(w, inv_w[inv1], a2.T.tocsr(), row_unit, col_unit, keep)
-    if qk_layout is not None and level == "element" and partial.nnz:
-        restricted += _count_inside(w, inv_w[inv1], a2.T.tocsr(), partial)
+        r, c, ids = _layout_entries(qk_layout, layout_index)
+        masks = qk_layout.partial_masks.cpu()
+        if level == "block":  # a kept block, partial or not, is one entry of the block product
+            ok = (r < len(row_of)) & (c < len(inv2))
+            r, c, ids, unit = r[ok], c[ok], np.full(int(ok.sum()), -1, dtype=np.int64), (1, 1)
+        else:
+            unit = (bq, bk)
+        restricted = _count_kept(T, row_of, inv2, r, c, ids, masks, unit)
     return NnzStats(
         Z_A=min(a1.nnz, a2.nnz), Z_X=x.nnz, Z_AX=min(nnz_a1x, nnz_xa2t), Z_AXA=restricted,
         level=level, restricted_to_qk_pattern=qk_layout is not None, n=n, n_k=n_k, d=d,

@@ -14,9 +14,12 @@ dtype size.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import resource
 
 import torch
 
+from sparse_io_attn._memory import available_memory_bytes
 from sparse_io_attn.accounting import traffic
 from sparse_io_attn.bounds import (DEFAULT_CPU_FAST_MEMORY_BYTES, dense_backward, dense_forward,
                                    device_fast_memory_words, get_device, parse_memory, sparse, sparse_informal)
@@ -116,6 +119,61 @@ def attention_bound(n: int, d: int, cache_words: int, dtype, *, layout=None, cau
             "note": "" if layout is None or z_axa == n * n else PATTERN_NOTE}
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """Run the block counting on one torch thread: its passes are O(kept blocks) and memory-bound,
+    and on a shared machine a thread pool that waits for busy cores costs more than it saves."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+_OOM_TEXT = ("can't allocate memory", "cannot allocate memory", "not enough memory", "failed to map segment")
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: Python's ``MemoryError``, torch's allocator ``RuntimeError``, or a
+    shared library (Triton's) that could not be mapped."""
+    return isinstance(exc, MemoryError) or (isinstance(exc, (RuntimeError, OSError, ImportError)) and any(
+        s in str(exc).lower() for s in _OOM_TEXT))
+
+
+def _memory_limits() -> str:
+    """The limits an allocation failure ran into, in words: ``ulimit -v`` and ``MemAvailable``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    free, source = available_memory_bytes("cpu")
+    parts = [] if soft == resource.RLIM_INFINITY else [f"address-space limit (ulimit -v) {soft / 2**30:.2f} GiB"]
+    if free is not None:
+        parts.append(f"{free / 2**30:.1f} GiB available ({source})")
+    return "; ".join(parts) or "memory limits unknown"
+
+
+@contextlib.contextmanager
+def _memory_for(what: str, fix: str):
+    """Turn running out of memory inside the block into a ``ValueError`` (one line from the CLI)
+    naming ``what`` was being done, the limits met and ``fix``."""
+    try:
+        yield
+    except (MemoryError, RuntimeError, OSError, ImportError) as e:
+        if not _out_of_memory(e):
+            raise
+        raise ValueError(f"out of memory {what} ({_memory_limits()}); {fix}") from None
+
+
+def pattern_counts(spec: str, n: int, block: int, causal: bool):
+    """``(layout, Z_AXA)`` for ``--pattern``: the layout built from ``spec`` and its kept score
+    elements per stored mask (:func:`qk_nnz`), in O(kept blocks + stored masks) memory, on one
+    torch thread. Running out of memory raises ``ValueError`` naming the problem, the limits met
+    and what to change."""
+    with _memory_for(f"counting --pattern {spec} at --seq-len {n:,}, --block {block}",
+                     "use a larger --block or a shorter --seq-len, or allow the process more memory"), _one_thread():
+        layout = common.build_layout(spec, n, block)
+        return layout, qk_nnz(layout, causal)
+
+
 # ------------------------------------------------------------------------------------ main
 def run(args) -> int:
     dtype = common.parse_dtype(args.dtype)
@@ -140,9 +198,10 @@ def run(args) -> int:
         get_device(args.device)  # ValueError listing the known names
     M = default_cache_words(args.cache, dtype, args.device)
 
-    from sparse_io_attn.dense import regime  # the dense Triton kernels (and Triton): only when asked
+    with _memory_for("loading the dense kernels' regime (Triton)", "allow the process more memory"):
+        from sparse_io_attn.dense import regime  # the dense Triton kernels (and Triton): only when asked
 
-    choice = regime.kernel_choice(n, d, M, dtype)
+        choice = regime.kernel_choice(n, d, M, dtype)
     out = {"n": n, "d": d, "dtype": args.dtype, "M_words": M, "M_bytes": M * itemsize(dtype),
            "d_squared": d * d, "M_over_d2": M / (d * d),
            "regime": "small cache (M < d^2)" if M < d * d else "large cache (M >= d^2)",
@@ -156,8 +215,8 @@ def run(args) -> int:
             "dense_forward": dense_forward(n, d, M, dtype=dtype)}
     if args.pattern or given:
         if args.pattern:
-            layout = common.build_layout(args.pattern, n, args.block)
-            z = {"Z_A": n * d, "Z_X": d * d, "Z_AX": n * d, "Z_AXA": qk_nnz(layout, args.causal)}
+            layout, z_axa = pattern_counts(args.pattern, n, args.block, args.causal)
+            z = {"Z_A": n * d, "Z_X": d * d, "Z_AX": n * d, "Z_AXA": z_axa}
             out["pattern"] = {"name": layout.name, "density": layout.density, "block": args.block,
                               "note": "dense Q/K operands (Z_A = n d, Z_X = d^2, Z_AX = n d), Z_AXA = kept score "
                                       "elements of the pattern" + (" with causal masking" if args.causal else "")}

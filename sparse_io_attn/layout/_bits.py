@@ -57,3 +57,52 @@ def dedup(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     flat = words.reshape(words.shape[0], -1)
     uniq, inverse = torch.unique(flat, dim=0, return_inverse=True)
     return uniq.view(-1, *words.shape[1:]).contiguous(), inverse
+
+
+_EVAL_ELEMENTS = 1 << 22  # element slots evaluated per chunk by :func:`block_counts` (bool bytes)
+
+
+def block_counts(r: torch.Tensor, c: torch.Tensor, ids: torch.Tensor, masks: torch.Tensor, block_size,
+                 seqlen, delta: int | None = None) -> torch.Tensor:
+    """Allowed elements of each kept block, ``int64 [E]``, without one value per element.
+
+    Blocks ``(r, c)`` (block row and column, ``[E]``) with ``ids`` (``-1``: full, every in-range
+    element allowed; ``p >= 0``: the element mask ``masks[p]``, ``int32 [U, bq, W]``, canonical as a
+    layout stores them: no bit past the sequence ends) of a score matrix of ``seqlen = (sq, sk)``
+    elements cut into ``block_size = (bq, bk)`` blocks. A full block
+    counts its in-range rectangle; a partial one the set bits of its mask, counted once per stored
+    mask. With ``delta`` only elements ``(i, j)`` with ``j <= i + delta`` count: blocks wholly on one
+    side of that diagonal are decided from their corners, and the blocks it crosses are evaluated
+    once per distinct (mask, diagonal shift, in-range extent), so memory stays O(E + U) words.
+    """
+    (bq, bk), (sq, sk) = block_size, seqlen
+    r, c = r.to(torch.int64), c.to(torch.int64)
+    ids = ids.to(torch.int64)
+    rows_in = torch.clamp(sq - r * bq, 0, bq)
+    cols_in = torch.clamp(sk - c * bk, 0, bk)
+    set_bits = popcount(masks) if masks.shape[0] else torch.zeros(1, dtype=torch.int64, device=masks.device)
+    counts = torch.where(ids < 0, rows_in * cols_in, set_bits[ids.clamp(min=0)])
+    if delta is None:
+        return counts
+    shift = r * bq + delta - c * bk          # (a, b) inside the block is allowed iff b - a <= shift
+    below = cols_in - 1 <= shift             # the block's last key column against its first query row
+    above = shift < -(rows_in - 1)           # its first key column after its last query row
+    counts = torch.where(above, 0, counts)
+    cross = ~below & ~above
+    if bool(cross.any()):
+        keys = torch.stack([ids[cross], shift[cross], rows_in[cross], cols_in[cross]], dim=1)
+        uniq, inverse = torch.unique(keys, dim=0, return_inverse=True)
+        per_key = torch.empty(uniq.shape[0], dtype=torch.int64, device=uniq.device)
+        a = torch.arange(bq, device=uniq.device)[None, :, None]
+        b = torch.arange(bk, device=uniq.device)[None, None, :]
+        step = max(1, _EVAL_ELEMENTS // (bq * bk))
+        for s in range(0, uniq.shape[0], step):
+            u = uniq[s:s + step]
+            sh, ri, ci = (u[:, k, None, None] for k in (1, 2, 3))
+            allowed = (a < ri) & (b < ci) & (b - a <= sh)
+            part = u[:, 0] >= 0
+            if bool(part.any()):
+                allowed[part] &= unpack(masks[u[part, 0]], bk)
+            per_key[s:s + step] = allowed.sum((1, 2))
+        counts[cross] = per_key[inverse]
+    return counts

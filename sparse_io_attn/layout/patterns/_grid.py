@@ -215,6 +215,15 @@ def _build(g: _Grid, lid, r, c, elem: Callable, *, full=None, key=None, layout_h
                         layout_batch=1, layout_heads=layout_heads, name=name)
 
 
+def _member(x: torch.Tensor, sorted_keys: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(x, sorted_keys)`` for an ascending ``sorted_keys``, by binary search into the
+    keys: O(|x| log |keys|), ``x`` is never sorted."""
+    if sorted_keys.numel() == 0:
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    at = torch.searchsorted(sorted_keys, x).clamp(max=sorted_keys.numel() - 1)
+    return sorted_keys[at] == x
+
+
 def _first_of_each(keys: torch.Tensor):
     """Distinct rows of ``keys [E, K]`` (small non-negative ranges per column are packed into one
     int64): ``(index of the first occurrence of each distinct row, inverse [E])``."""

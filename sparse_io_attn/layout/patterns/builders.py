@@ -10,7 +10,7 @@ import torch
 
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.patterns._grid import (MAX_SEQLEN, _Grid, _bool, _build, _check_size, _default_window,
-                                                  _expand, _generator, _heads, _int, _reach, _span_lengths, _tag,
+                                                  _expand, _generator, _heads, _int, _member, _reach, _span_lengths, _tag,
                                                   _zeros)
 
 def dense(seqlen, block_size, *, causal: bool = False) -> BlockSparseLayout:
@@ -231,7 +231,7 @@ def _random_blocks(g: _Grid, num: int, fixed_keys: torch.Tensor, width: torch.Te
     cand = torch.minimum((u * width[:, None]).long(), (width - 1).clamp(min=0)[:, None])  # [R, draws]
     rr = g.rows()[:, None].expand_as(cand)
     key = rr * g.C + cand
-    ok = (width[:, None] > 0) & ~torch.isin(key, fixed_keys)
+    ok = (width[:, None] > 0) & ~_member(key, fixed_keys)
     # keep the first draw of each column of a row
     order = torch.argsort(key.flatten(), stable=True)
     sorted_key = key.flatten()[order]
@@ -247,11 +247,11 @@ def _random_blocks(g: _Grid, num: int, fixed_keys: torch.Tensor, width: torch.Te
     short = (got < torch.clamp(free, max=num)).nonzero().squeeze(1)
     r_out, c_out = rr[pick], cand[pick]
     if short.numel():
-        keep = ~torch.isin(r_out, short)
+        keep = ~_member(r_out, short)
         extra_r, extra_c = [r_out[keep]], [c_out[keep]]
         for row in short.tolist():
             cols = torch.arange(int(width[row]))
-            cols = cols[~torch.isin(row * g.C + cols, fixed_keys)]
+            cols = cols[~_member(row * g.C + cols, fixed_keys)]
             sel = cols[torch.randperm(cols.numel(), generator=gen)[:num]]
             extra_r.append(torch.full_like(sel, row))
             extra_c.append(sel)
@@ -308,12 +308,12 @@ def bigbird(seqlen, block_size, *, window: int | None = None, num_global: int = 
     def elem(lid_, q, k):
         block = ((lid_ * g.R + torch.div(q, g.bq, rounding_mode="floor")) * g.C
                  + torch.div(k, g.bk, rounding_mode="floor"))
-        e = (((q - k) >= lo) & ((q - k) <= window)) | (q < gq) | (k < gk) | torch.isin(block, rand)
+        e = (((q - k) >= lo) & ((q - k) <= window)) | (q < gq) | (k < gk) | _member(block, rand)
         return e & (k <= q) if causal else e
 
     def full(lid_, r_, c_):
         whole = (r_ < ng_r) | (c_ < ng_c) | g.inside_band(r_, c_, lo, window) \
-            | torch.isin((lid_ * g.R + r_) * g.C + c_, rand)
+            | _member((lid_ * g.R + r_) * g.C + c_, rand)
         return whole & ((g.k_hi(c_) <= g.q_lo(r_)) if causal else True)
 
     def key(lid_, r_, c_):  # remaining blocks are band blocks, partial by their offset alone
@@ -372,6 +372,19 @@ def _cu_seqlens(cu_seqlens) -> torch.Tensor:
     return cu
 
 
+def _boundary_ids(doc, crossed: torch.Tensor, size: int) -> torch.Tensor:
+    """Per block of ``size`` positions, an id of where documents change inside it (0: none, the
+    blocks not ``crossed``); blocks with equal ids see the same document boundaries at the same
+    offsets (``doc``: position -> document id)."""
+    ids = torch.zeros(crossed.numel(), dtype=torch.int64)
+    blocks = crossed.nonzero().squeeze(1)
+    if blocks.numel():
+        docs = doc((blocks * size)[:, None] + torch.arange(size)[None, :])       # [blocks, size]
+        _, inverse = torch.unique(docs - docs[:, :1], dim=0, return_inverse=True)
+        ids[blocks] = inverse + 1
+    return ids
+
+
 def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayout:
     """Packed variable-length sequences: document ``i`` holds positions ``[cu_seqlens[i],
     cu_seqlens[i+1])`` and attends only to itself (``causal``: ``k <= q`` within each document).
@@ -407,8 +420,12 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
     # a row (column) block's document when one document holds all of it, else -1 (-2 for columns)
     first_doc, last_doc = doc(g.q_lo(g.rows())), doc(g.q_hi(g.rows()))
     row_doc = torch.where(first_doc == last_doc, first_doc, -1)
+    row_pat = _boundary_ids(doc, row_doc < 0, g.bq)
+    row_first = first_doc
     first_doc, last_doc = doc(g.k_lo(g.cols())), doc(g.k_hi(g.cols()))
     col_doc = torch.where(first_doc == last_doc, first_doc, -2)
+    col_pat = _boundary_ids(doc, col_doc < 0, g.bk)
+    col_first = first_doc
 
     def one_doc(r_, c_):
         return row_doc[r_] == col_doc[c_]
@@ -417,10 +434,14 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
         one = one_doc(r_, c_)
         return one & ((g.k_hi(c_) <= g.q_lo(r_)) if causal else True)
 
-    def key(lid, r_, c_):  # inside one document only the diagonal offset matters; else each block
-        one = one_doc(r_, c_)
-        own = torch.where(one, -1, r_ * g.C + c_)
-        return torch.stack([own, torch.where(one, g.d0(r_, c_), 0)], 1)
+    def key(lid, r_, c_):
+        # (q, k) allowed iff doc(q) == doc(k): fixed by where the documents change inside the row
+        # block and inside the column block and by how their first documents differ (plus the
+        # diagonal offset under causal, clipped where it no longer changes the block)
+        parts = [row_pat[r_], col_pat[c_], col_first[c_] - row_first[r_]]
+        if causal:
+            parts.append(g.d0(r_, c_).clamp(-g.bq, g.bk))
+        return torch.stack(parts, 1)
 
     return _build(g, _zeros(r.numel()), r, c, elem, full=full, key=key,
                   name=_tag("document", f"n={int((cu[1:] > cu[:-1]).sum())}", causal))

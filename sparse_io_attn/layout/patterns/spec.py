@@ -56,7 +56,8 @@ _REGISTRY: dict[str, tuple[Callable[..., BlockSparseLayout], tuple[str, ...]]] =
     "prefix_lm": (lambda seqlen, block_size, prefix=None: prefix_lm(
         seqlen, block_size, as_pair(seqlen, "seqlen")[1] // 4 if prefix is None else prefix), ("prefix",)),
 }
-_NAME_ALIASES = {"block_diagonal": "document", "local": "sliding_window", "window": "sliding_window"}
+_NAME_ALIASES = {"block_diagonal": "document", "documents": "document", "local": "sliding_window",
+                 "window": "sliding_window"}
 #: positional parameters of each pattern in a spec, in order
 SPEC_PARAMS = {name: params for name, (_, params) in _REGISTRY.items()}
 #: short keys accepted in specs (pattern-specific ones first)
