@@ -28,15 +28,17 @@ one warm-up round, with 2 torch threads:
   and causal. It evaluates ``mask_mod`` on all ``B*H*N*N`` elements, so it runs only where that
   is at most ``--flex-create-max`` elements.
 
-* ``selection_1t`` / ``schedule_1t``: the same two with one torch thread (a diagnostic: on a
-  host busier than its cores, every small operation that opens a two-thread parallel region waits
-  for the second thread to be scheduled, which can dominate the metadata time).
+* ``selection_1t`` / ``schedule_1t`` (and ``from_kv_indices_1t``, ``flex_kv_1t``): the same with
+  one torch thread (a diagnostic: on a host busier than its cores, every small operation that opens
+  a two-thread parallel region waits for the second thread to be scheduled, which can dominate the
+  metadata time).
 
-Metadata = selection + schedule (two threads). The target: metadata <= 5% of forward+backward attention time at
-N >= 8192 (the ``target`` column says, per row, whether it is met; ``target_1t`` says the same for the
-one-thread metadata against the same two-thread attention). The Flex columns compare the
-construction from given indices: ours = ``from_kv_indices`` + ``schedule`` against ``flex_kv`` and
-``flex_create`` (the scoring and ranking before it would be the same for both).
+Metadata = selection + schedule (two threads). The target: metadata <= 5% of forward+backward
+attention time at N >= 8192 (the ``target`` column says, per row, whether it is met; ``target_1t``
+says the same for the one-thread metadata against the same two-thread attention). The Flex columns
+compare the construction from given indices: ours = ``from_kv_indices`` + ``schedule`` against
+``flex_kv`` and ``flex_create`` (the scoring and ranking before it would be the same for both),
+with two threads and with one.
 
 Correctness guard (not timed): at every point where a FlexAttention mask is built, the layout's block
 mask (:meth:`~BlockSparseLayout.to_block_mask`) must equal each BlockMask's ``to_dense()``.
@@ -221,8 +223,10 @@ def bench_point(N: int, B: int, H: int, k: int, *, repeats: int, meta_calls: int
                "from_kv_indices": (timed(lambda: BlockSparseLayout.from_kv_indices(idx, BLOCK, N, check=False)), m),
                "fwd": (timed(lambda: ours(q, kk, v)), 1), "fwdbwd": (timed(fb), 1)}
     create = flex and B * H * N * N <= flex_create_max
+    methods["from_kv_indices_1t"] = (one_thread(methods["from_kv_indices"][0]), m)
     if flex:
         methods["flex_kv"] = (timed(lambda: flex_from_kv_blocks(idx, N)), m)
+        methods["flex_kv_1t"] = (one_thread(methods["flex_kv"][0]), m)
     if create:
         methods["flex_create"] = (timed(lambda: flex_create_block_mask(idx, N)), 1)
     # correctness guard (untimed): both FlexAttention masks select exactly the layout's blocks
@@ -247,6 +251,8 @@ def bench_point(N: int, B: int, H: int, k: int, *, repeats: int, meta_calls: int
     row["target_1t"] = target_note(N, row["meta_1t_pct_fwdbwd"])
     row["ours_kv_sched_ms"] = ms["from_kv_indices"] + ms["schedule"]
     row["flex_kv_ms"] = ms.get("flex_kv")
+    row["ours_kv_sched_1t_ms"] = ms["from_kv_indices_1t"] + ms["schedule_1t"]
+    row["flex_kv_1t_ms"] = ms.get("flex_kv_1t")
     row["flex_create_ms"] = ms.get("flex_create")
     row["flex_checked"] = flex
     row["rounds"] = rounds
@@ -258,16 +264,27 @@ def bench_point(N: int, B: int, H: int, k: int, *, repeats: int, meta_calls: int
 
 def bench(points, *, repeats: int = 3, meta_calls: int = 3, slow_s: float = 2.5, flex: bool = True,
           flex_create_max: float = 2 ** 27, threads: int = 2, log=print) -> tuple[dict, list]:
-    """Run the grid ``points`` (``(N, B, H, k)`` tuples): ``(header, rows)``."""
+    """Run the grid ``points`` (``(N, B, H, k)`` tuples) with ``threads`` torch threads (the caller's
+    count restored after): ``(header, rows)``."""
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _bench(points, repeats=repeats, meta_calls=meta_calls, slow_s=slow_s, flex=flex,
+                      flex_create_max=flex_create_max, threads=threads, log=log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bench(points, *, repeats, meta_calls, slow_s, flex, flex_create_max, threads, log) -> tuple[dict, list]:
     cpu_backend.load()   # build (or load) the kernel before anything is timed
     header = machine_header(torch.float32, "cpu")
-    header.update(grid=" ".join(f"{N}:{B}:{H}:{k}" for N, B, H, k in points),nproc=len(os.sched_getaffinity(0)), threads=threads,
+    header.update(grid=" ".join(f"{N}:{B}:{H}:{k}" for N, B, H, k in points),
+                  nproc=len(os.sched_getaffinity(0)), threads=threads,
                   shape=f"D={HEAD_DIM} block={BLOCK} fp32 causal Hkv=H",
                   load_avg_at_start=" ".join(f"{x:.2f}" for x in os.getloadavg()),
                   repeats=f"one warm-up round, then the median of {repeats} rounds (1 round where the first "
-                          f"forward took >= {slow_s:g} s); selection, schedule (both also with 1 thread), "
-                          f"from_kv_indices and from_kv_blocks {meta_calls} calls per round")
+                          f"forward took >= {slow_s:g} s); selection, schedule, from_kv_indices and "
+                          f"from_kv_blocks (each with 2 threads and with 1) {meta_calls} calls per round")
     rows = []
     for N, B, H, k in points:
         row = bench_point(N, B, H, k, repeats=repeats, meta_calls=meta_calls, slow_s=slow_s, flex=flex,
@@ -284,6 +301,7 @@ COLUMNS = [("N", "N"), ("BH", "B*H"), ("k", "k"), ("selection_ms", "selection ms
            ("metadata_1t_ms", "metadata ms 1 thread"), ("meta_1t_pct_fwdbwd", "meta 1t % f+b"),
            ("target_1t", "<=5% (1t meta)"),
            ("ours_kv_sched_ms", "ours from_kv_indices+schedule ms"), ("flex_kv_ms", "Flex from_kv_blocks ms"),
+           ("ours_kv_sched_1t_ms", "ours 1 thread ms"), ("flex_kv_1t_ms", "Flex from_kv_blocks 1 thread ms"),
            ("flex_create_ms", "Flex create_block_mask ms"), ("rounds", "rounds")]
 
 
@@ -307,7 +325,8 @@ def write_outputs(stem: Path, header: dict, rows: list) -> None:
           "The last three timing columns compare building from the selection's indices: ours "
           "(`from_kv_indices` + `schedule`) against FlexAttention's `BlockMask.from_kv_blocks` "
           "(with its transposed lists) and `create_block_mask(_compile=False)` with a block-table "
-          "`mask_mod` (run only where B*H*N*N is small; `-` elsewhere). Both FlexAttention masks were "
+          "`mask_mod` (run only where B*H*N*N is small; `-` elsewhere); \"1 thread\": the same two "
+          "constructions (ours: `from_kv_indices` + `schedule`) with one torch thread. Both FlexAttention masks were "
           "checked to select exactly the layout's blocks (`to_dense()` equals `layout.to_block_mask()`). "
           "\"metadata ms 1 thread\": selection + schedule timed with `torch.set_num_threads(1)` in the same "
           "rounds, against the same two-thread attention (a diagnostic of the load: see the notes).",

@@ -22,21 +22,24 @@ def dm(monkeypatch):
 
 
 def test_rows_at_a_tiny_size(dm):
-    header, rows = dm.bench([(256, 1, 2, 2)], repeats=1, meta_calls=1, log=lambda s: None)
-    assert header["threads"] == 2 and header["nproc"] >= 1
+    threads = torch.get_num_threads()
+    header, rows = dm.bench([(256, 1, 2, 2)], repeats=1, meta_calls=1, threads=1, log=lambda s: None)
+    assert torch.get_num_threads() == threads                  # restored
+    assert header["threads"] == 1 and header["nproc"] >= 1
     assert header["load_avg_at_start"] and header["load_avg_at_end"]
     (row,) = rows
     assert (row["N"], row["B"], row["H"], row["BH"], row["k"]) == (256, 1, 2, 2, 2)
     # 4 query blocks, causal: row 0 has one eligible block, rows 1..3 keep k = 2 each
     assert row["kept_blocks"] == 2 * (1 + 3 * 2)
     times = ["selection_ms", "schedule_ms", "metadata_ms", "fwd_ms", "fwdbwd_ms", "ours_kv_sched_ms",
-             "flex_kv_ms", "flex_create_ms"]
+             "flex_kv_ms", "flex_create_ms", "metadata_1t_ms", "ours_kv_sched_1t_ms", "flex_kv_1t_ms"]
     for key in times:
         assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
     assert row["metadata_ms"] == pytest.approx(row["selection_ms"] + row["schedule_ms"])
     assert row["meta_pct_fwd"] == pytest.approx(100 * row["metadata_ms"] / row["fwd_ms"])
     assert row["meta_pct_fwdbwd"] == pytest.approx(100 * row["metadata_ms"] / row["fwdbwd_ms"])
-    assert row["target"] == "-"          # the target applies from N = 8192 on
+    assert row["metadata_1t_ms"] == pytest.approx(row["selection_1t_ms"] + row["schedule_1t_ms"])
+    assert row["target"] == row["target_1t"] == "-"          # the target applies from N = 8192 on
     assert row["flex_checked"] is True and row["rounds"] == 1 and row["meta_samples"] == 1
 
 
@@ -57,11 +60,17 @@ def test_flex_masks_select_the_layouts_blocks(dm, B, H, N, k):
 
 def test_main_writes_the_results_where_out_says(dm, tmp_path):
     stem = tmp_path / "dm"
-    assert dm.main(["--grid", "256:1:2:2", "--repeats", "1", "--meta-calls", "1", "--no-flex", "--out", str(stem)]) == 0
+    assert dm.main(["--grid", "256:1:2:2", "--repeats", "1", "--meta-calls", "1", "--no-flex", "--threads", "1",
+                    "--out", str(stem)]) == 0
     md, csv = stem.with_suffix(".md").read_text(), stem.with_suffix(".csv").read_text()
     assert "load average" in md and "metadata ms" in md and "nproc" in md
     columns = next(ln for ln in csv.splitlines() if not ln.startswith("#")).split(",")
     assert "# load_avg_at_end:" in csv and {"selection_ms", "schedule_ms", "fwdbwd_ms"} <= set(columns)
+
+
+def test_target_note(dm):
+    assert dm.target_note(4096, 50.0) == "-"
+    assert dm.target_note(8192, 5.0) == "met" and dm.target_note(8192, 5.01) == "NOT met"
 
 
 def test_bad_grid_point(dm):
