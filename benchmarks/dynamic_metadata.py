@@ -322,7 +322,7 @@ def write_outputs(stem: Path, header: dict, rows: list) -> None:
           "with `from_kv_indices`) + schedule (`schedule(layout, 0)` on a fresh layout: CSR and CSC "
           "lists, built once per step and shared by forward and backward). fwd / fwd+bwd: "
           "`block_sparse_attention(..., causal=True, backend=\"cpu\")` with the schedule already built. "
-          "The last three timing columns compare building from the selection's indices: ours "
+          "The last five timing columns compare building from the selection's indices: ours "
           "(`from_kv_indices` + `schedule`) against FlexAttention's `BlockMask.from_kv_blocks` "
           "(with its transposed lists) and `create_block_mask(_compile=False)` with a block-table "
           "`mask_mod` (run only where B*H*N*N is small; `-` elsewhere); \"1 thread\": the same two "
