@@ -15,5 +15,5 @@ from sparse_io_attn.distributed.module import ContextParallelSelfAttention
 from sparse_io_attn.distributed.plan import ContextParallelPlan, RankLayouts, causal_layout
 from sparse_io_attn.distributed.traffic import ContextParallelTraffic, context_parallel
 
-__all__ = ["ContextParallelPlan", "ContextParallelSelfAttention", "ContextParallelTraffic", "RankLayouts", "causal_layout", "context_parallel",
-           "context_parallel_attention", "merge_partials"]
+__all__ = ["ContextParallelPlan", "ContextParallelSelfAttention", "ContextParallelTraffic", "RankLayouts",
+           "causal_layout", "context_parallel", "context_parallel_attention", "merge_partials"]

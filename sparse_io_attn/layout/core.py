@@ -12,9 +12,9 @@ import torch
 
 from sparse_io_attn.layout import _bits, convert
 from sparse_io_attn.layout._args import as_pair
-from sparse_io_attn.layout._kv_indices import csr_from_kv_lists, repeat_matrices
 from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_fits_int32, check_index_capacity, coo_to_csr, csr_row_ids,
                                         csr_to_mask, csr_transpose, mask_to_csr, validate_csr)
+from sparse_io_attn.layout._kv_indices import csr_from_kv_lists, repeat_matrices
 
 _DRAW_LIMIT = 64  # rows/cols drawn by __str__ before truncating
 
