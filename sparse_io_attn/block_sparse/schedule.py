@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_io_attn.layout._csr import INDEX_DTYPE, group_offsets, slot_rows, stable_partition
+from sparse_io_attn.layout._csr import INDEX_DTYPE, csc_order, group_offsets, slot_entries, stable_partition
 from sparse_io_attn.layout.causal import causal_blocks
 from sparse_io_attn.layout.core import BlockSparseLayout
 
@@ -93,16 +93,12 @@ def _build(layout: BlockSparseLayout, causal_offset: int | None) -> Schedule:
     scheduled without synchronising."""
     L, R, C = layout.num_layouts, layout.num_q_blocks, layout.num_kv_blocks
     col = layout.col_slots.to(torch.int64)
-    flat_row = slot_rows(layout.crow_indices, col.numel())
-    used = flat_row < L * R                      # unused capacity of a fixed-capacity layout: False
-    lid = flat_row // R
-    r = torch.where(used, flat_row - lid * R, 0)
+    used, lid, r = slot_entries(layout.crow_indices, col.numel())   # unused capacity: used False
     pid = layout.partial_id_slots.to(torch.int64)
     alive, full = classify(layout, causal_offset, lid, r, col, pid)
     alive, full = alive & used, full & used
     rows = _lists(L, R, lid * R + r, col, pid, alive, full)
-    # CSC order: sort by (lid, c, r); unused slots last
-    order = torch.sort(torch.where(used, (lid * C + col) * R + r, L * C * R), stable=True).indices
+    order = csc_order(used, lid, r, col, R, C)
     cols = _lists(L, C, (lid * C + col)[order], r[order], pid[order], alive[order], full[order])
     masks = layout.partial_masks if layout.partial_masks.shape[0] else torch.zeros(
         1, *layout.partial_masks.shape[1:], dtype=torch.int32, device=layout.device)

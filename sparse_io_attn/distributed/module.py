@@ -62,10 +62,6 @@ class ContextParallelSelfAttention(nn.Module):
         if x_local.dim() != 3 or x_local.shape[1:] != (n, layer.embed_dim):
             raise ValueError(f"expected this rank's tokens x_local of shape [batch, {n}, {layer.embed_dim}] "
                              f"(plan.shard(x, rank, dim=1)), got {tuple(x_local.shape)}")
-        B = x_local.shape[0]
-        q = layer.q_proj(x_local).view(B, n, layer.num_heads, layer.head_dim).transpose(1, 2)
-        k = layer.k_proj(x_local).view(B, n, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
-        v = layer.v_proj(x_local).view(B, n, layer.num_kv_heads, layer.head_dim).transpose(1, 2)
-        out = context_parallel_attention(q, k, v, self.plan, group=self.group, causal=layer.causal,
-                                         backend=layer.backend)
-        return layer.out_proj(out.transpose(1, 2).reshape(B, n, layer.embed_dim))
+        q, k, v = layer.project(x_local)
+        return layer.project_out(context_parallel_attention(q, k, v, self.plan, group=self.group,
+                                                            causal=layer.causal, backend=layer.backend))

@@ -18,3 +18,10 @@ def as_pair(x, what: str) -> tuple[int, int]:
     if a <= 0 or b <= 0:
         raise ValueError(f"{what} must be positive, got {(a, b)}")
     return int(a), int(b)
+
+
+def positive_int(x, what: str) -> int:
+    """``x`` if it is a positive int (not a bool); ``ValueError`` naming ``what`` otherwise."""
+    if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+        raise ValueError(f"{what} must be a positive int, got {x!r}")
+    return x

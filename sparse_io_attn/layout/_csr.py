@@ -77,6 +77,23 @@ def slot_rows(crow: torch.Tensor, num_slots: int) -> torch.Tensor:
     return torch.searchsorted(ends, torch.arange(num_slots, device=crow.device), right=True)
 
 
+def slot_entries(crow: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(used, lid, r)`` of each of ``num_slots`` storage slots: whether it holds an entry, and the
+    matrix and row owning it (``lid = L``, ``r = 0`` on unused slots). Fixed size, no synchronisation."""
+    L, R = crow.shape[0], crow.shape[1] - 1
+    flat_row = slot_rows(crow, num_slots)
+    used = flat_row < L * R
+    lid = flat_row // R
+    return used, lid, torch.where(used, flat_row - lid * R, 0)
+
+
+def csc_order(used, lid, r, c, R: int, C: int) -> torch.Tensor:
+    """The permutation sorting slots by ``(lid, c, r)`` (the CSC order), unused slots last in slot
+    order: one stable sort of a key unique among used slots (``R`` rows, ``C`` columns per matrix)."""
+    key = torch.where(used, (lid * C + c) * R + r, torch.iinfo(torch.int64).max)
+    return torch.sort(key, stable=True).indices
+
+
 def stable_partition(keep: torch.Tensor) -> torch.Tensor:
     """The permutation ``order`` (int64) that moves the entries where ``keep`` (bool ``[n]``) to the
     front, each group in its original order: ``x[order]`` is ``x[keep]`` followed by ``x[~keep]``.
@@ -118,18 +135,10 @@ def csr_transpose(crow: torch.Tensor, col: torch.Tensor, num_cols: int):
     ``col`` may hold unused capacity past ``crow[-1, -1]``: those slots sort to the end of the CSC
     order (``row`` 0 there) and no column counts them. Fixed size, no host synchronisation.
     """
-    L, R1 = crow.shape
-    R = R1 - 1
-    C = num_cols
-    n = col.numel()
-    flat_row = slot_rows(crow, n)
-    used = flat_row < L * R
-    lid = flat_row // R
-    r = torch.where(used, flat_row - lid * R, 0)
+    L, C = crow.shape[0], num_cols
+    used, lid, r = slot_entries(crow, col.numel())
     c = col.to(torch.int64)
-    # sort by (l, c, r); keys are unique among used slots, unused ones go last in slot order
-    key = torch.where(used, (lid * C + c) * R + r, L * C * R)
-    perm = torch.sort(key, stable=True).indices
+    perm = csc_order(used, lid, r, c, crow.shape[1] - 1, C)
     return group_offsets(lid * C + c, used, L * C, L), r[perm].to(INDEX_DTYPE), perm
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.layout._csr import INDEX_DTYPE, check_index_capacity, slot_rows, stable_partition
+from sparse_io_attn.layout._csr import (INDEX_DTYPE, _absolute_crow, check_index_capacity, slot_rows,
+                                        stable_partition)
 
 
 def csr_from_kv_lists(kv_indices: torch.Tensor, num_kv_blocks: int, L: int,
@@ -32,8 +33,7 @@ def csr_from_kv_lists(kv_indices: torch.Tensor, num_kv_blocks: int, L: int,
     keep = (ordered < num_kv_blocks) & ~repeated                                   # [rows, K]
     flat = torch.zeros(rows + 1, dtype=torch.int64, device=dev)
     torch.cumsum(keep.sum(1), 0, out=flat[1:])
-    R = rows // L
-    crow = torch.cat([flat[:-1].view(L, R), flat[R::R].view(L, 1)], dim=1)
+    crow = _absolute_crow(flat, L, rows // L)
     keep = keep.reshape(-1)
     col = torch.where(keep, ordered.reshape(-1), 0)[stable_partition(keep)]
     return crow.to(INDEX_DTYPE), col.to(INDEX_DTYPE)

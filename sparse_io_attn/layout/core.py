@@ -518,15 +518,20 @@ class BlockSparseLayout:
             raise ValueError(f"layout has {lh} head masks but q has {num_heads_q} heads and k/v {num_heads_kv}; "
                              f"build it with 1 (shared), {num_heads_q} (one per query head) or "
                              f"{num_heads_kv} (one per KV head) head masks")
-        key = f"query_heads:{num_heads_q}"
-        if not self._fresh(self._device_copies.get(key)):
-            group = num_heads_q // num_heads_kv
-            crow, (col, pid) = repeat_matrices(self.crow_indices, [self.col_slots, self.partial_id_slots], group,
-                                               fill=[0, -1])
-            copy = BlockSparseLayout(crow, col, block_size=self.block_size, seqlen=self.seqlen,
+        def build():
+            crow, (col, pid) = repeat_matrices(self.crow_indices, [self.col_slots, self.partial_id_slots],
+                                               num_heads_q // num_heads_kv, fill=[0, -1])
+            return BlockSparseLayout(crow, col, block_size=self.block_size, seqlen=self.seqlen,
                                      layout_batch=self.layout_batch, layout_heads=num_heads_q, name=self.name,
                                      validate=False, partial_ids=pid, partial_masks=self.partial_masks,
                                      fixed_capacity=self.fixed_capacity)
+        return self._derived_copy(f"query_heads:{num_heads_q}", build)
+
+    def _derived_copy(self, key: str, build) -> "BlockSparseLayout":
+        """The layout ``build()`` derives from this one, cached under ``key`` until a tensor is edited in
+        place; it inherits this layout's validation."""
+        if not self._fresh(self._device_copies.get(key)):
+            copy = build()
             if self.checked:
                 copy._mark_checked()
             self._device_copies[key] = (self.version_key(), copy)
@@ -546,19 +551,16 @@ class BlockSparseLayout:
                              "device. Keep it on CPU or CUDA (torch.compile traces through the real layout)")
         if device == self.device or (device.type == self.device.type and device.index is None):
             return self
-        key = str(device)
-        if not self._fresh(self._device_copies.get(key)):
+
+        def build():
             ccol, row, csc_ids = (t.to(device) for t in self._transposed())
-            copy = BlockSparseLayout(
+            return BlockSparseLayout(
                 self.crow_indices.to(device), self.col_slots.to(device), block_size=self.block_size,
                 seqlen=self.seqlen, layout_batch=self.layout_batch, layout_heads=self.layout_heads,
                 name=self.name, validate=False, partial_ids=self.partial_id_slots.to(device),
                 partial_masks=self.partial_masks.to(device), ccol_indices=ccol, row_indices=row,
                 csc_partial_ids=csc_ids, fixed_capacity=self.fixed_capacity)
-            if self.checked:
-                copy._mark_checked()
-            self._device_copies[key] = (self.version_key(), copy)
-        return self._device_copies[key][1]
+        return self._derived_copy(str(device), build)
 
     def _combine(self, other: "BlockSparseLayout", union: bool, symbol: str) -> "BlockSparseLayout":
         """Element-level union / intersection; masks broadcast over batch and heads."""

@@ -7,18 +7,13 @@ import torch
 from torch import nn
 
 from sparse_io_attn.block_sparse.api import BACKENDS
+from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.nn.ops import block_sparse_attention_op
 
 LayoutOrPattern = Union[BlockSparseLayout, Callable[[int], BlockSparseLayout]]
 Selector = Callable[[torch.Tensor, torch.Tensor], BlockSparseLayout]
-
-
-def _positive_int(x, what: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
-        raise ValueError(f"{what} must be a positive int, got {x!r}")
-    return x
 
 
 class SparseSelfAttention(nn.Module):
@@ -63,9 +58,9 @@ class SparseSelfAttention(nn.Module):
                  selector: Selector | None = None, num_kv_heads: int | None = None, causal=False, dropout: float = 0.0,
                  bias: bool = True, backend: str = "auto", device=None, dtype=None):
         super().__init__()
-        embed_dim = _positive_int(embed_dim, "embed_dim")
-        num_heads = _positive_int(num_heads, "num_heads")
-        num_kv_heads = num_heads if num_kv_heads is None else _positive_int(num_kv_heads, "num_kv_heads")
+        embed_dim = positive_int(embed_dim, "embed_dim")
+        num_heads = positive_int(num_heads, "num_heads")
+        num_kv_heads = num_heads if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} must be a multiple of num_heads {num_heads}")
         if num_heads % num_kv_heads:
@@ -156,16 +151,26 @@ class SparseSelfAttention(nn.Module):
         """``x [B, N, E]`` -> ``[B, N, E]``."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"expected x of shape [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
-        B, N, _ = x.shape
-        q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        N = x.shape[1]
+        q, k, v = self.project(x)
         if self.selector is not None:
             layout = self.selector(q, k)
             self._check_layout(layout, N)
         else:
             layout = self.layout_for(N, x.device)
-        out = self._attend(q, k, v, layout)  # [B, Hq, N, D]
+        return self.project_out(self._attend(q, k, v, layout))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [B, N, E]`` -> ``q [B, Hq, N, D]``, ``k, v [B, Hkv, N, D]``: the input projections."""
+        B, N, _ = x.shape
+        q = self.q_proj(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[B, Hq, N, D]`` -> ``[B, N, E]``: heads merged, the output projection."""
+        B, _, N, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(B, N, self.embed_dim))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

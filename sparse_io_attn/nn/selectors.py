@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.patterns.selection import topk
@@ -40,11 +41,9 @@ class MoBASelector:
     """
 
     def __init__(self, block_size: int, top_k: int, *, causal: bool = True):
-        for what, x in (("block_size", block_size), ("top_k", top_k)):
-            if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
-                raise ValueError(f"{what} must be a positive int, got {x!r}")
+        self.block_size, self.top_k = positive_int(block_size, "block_size"), positive_int(top_k, "top_k")
         causal_offset(causal, 1, 1)   # ValueError naming the accepted modes
-        self.block_size, self.top_k, self.causal = block_size, top_k, causal
+        self.causal = causal
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Block scores ``[B, Hkv, Mq, Mk]``: pooled queries (averaged over each GQA group) times

@@ -100,13 +100,17 @@ def _build_no_mask(module, q: int, kv: int, device: torch.device):
     layout = _window_layout(pat, kv - q, 0, q, kv)   # queries are the last q positions (bottom-right)
     if layout is None:
         layout = patterns.dense((q, kv), pat.block_size)
-    entry = (_finish(layout, device), pat.backend)
+    return _remember(module, (q, kv, str(device)), (_finish(layout, device), pat.backend))
+
+
+def _remember(module, key, value):
+    """Store ``value`` in the module's cache (started afresh when full); returns ``value``."""
     cache = getattr(module, _MODULE_CACHE_ATTR, None)
     if cache is None or len(cache) >= _MODULE_CACHE_SIZE:
         cache = {}
         setattr(module, _MODULE_CACHE_ATTR, cache)
-    cache[(q, kv, str(device))] = entry
-    return entry
+    cache[key] = value
+    return value
 
 
 def module_selector(module, causal):
@@ -125,12 +129,7 @@ def _build_selector(module, causal):
     selector = module_pattern(module).selector
     if selector is not None:
         selector = selectors.moba(selector.block_size, selector.top_k, causal=causal)
-    cache = getattr(module, _MODULE_CACHE_ATTR, None)
-    if cache is None or len(cache) >= _MODULE_CACHE_SIZE:
-        cache = {}
-        setattr(module, _MODULE_CACHE_ATTR, cache)
-    cache[("selector", causal)] = selector
-    return selector
+    return _remember(module, ("selector", causal), selector)
 
 
 # mask tensor -> (q_offset, kv_offset, maybe_packed) recorded by sparse_io_attn_mask when the offsets

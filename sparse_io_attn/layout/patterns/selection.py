@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from sparse_io_attn.layout._args import as_pair
+from sparse_io_attn.layout._args import as_pair, positive_int
 from sparse_io_attn.layout.causal import causal_blocks, causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 
@@ -44,8 +44,7 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
     if not isinstance(block_scores, torch.Tensor) or not block_scores.is_floating_point():
         got = block_scores.dtype if isinstance(block_scores, torch.Tensor) else type(block_scores).__name__
         raise TypeError(f"block_scores must be a floating-point tensor, got {got}")
-    if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-        raise ValueError(f"k must be a positive int (blocks kept per query-block row), got {k!r}")
+    positive_int(k, "k (blocks kept per query-block row)")
     (bq, bk), (sq, sk) = as_pair(block_size, "block_size"), as_pair(seqlen, "seqlen")
     Mq, Mk = math.ceil(sq / bq), math.ceil(sk / bk)
     if block_scores.dim() not in (2, 3, 4) or tuple(block_scores.shape[-2:]) != (Mq, Mk):
@@ -68,12 +67,10 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
             got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
             raise TypeError(f"keep must be a torch.bool tensor of key blocks to always keep, got {got}")
-        try:
-            torch.broadcast_shapes(keep.shape, block_scores.shape)
-        except RuntimeError:
-            raise ValueError(f"keep must have shape [{Mk}] or broadcast to block_scores' "
-                             f"{tuple(block_scores.shape)}, got {tuple(keep.shape)}") from None
-        if keep.dim() > block_scores.dim() or (keep.dim() and keep.shape[-1] != Mk):
+        fits = keep.dim() <= block_scores.dim() and all(
+            a in (1, b) for a, b in zip(reversed(keep.shape), reversed(block_scores.shape))) and \
+            (keep.dim() == 0 or keep.shape[-1] == Mk)
+        if not fits:
             raise ValueError(f"keep must have shape [{Mk}] or broadcast to block_scores' "
                              f"{tuple(block_scores.shape)}, got {tuple(keep.shape)}")
         forced = keep.to(dev)
