@@ -7,8 +7,9 @@ Triton's sm_90 compile and its bundled ptxas.
   fp32 at head dim 64.
 * The paper's dense form (Algorithms 6 and 9): the kernels with the tiles their launchers derive
   from M = 227 KiB (an H100's shared memory per block) in bf16 words, head dim 128.
-* Block-sparse operands: the attention and row-panel product kernels at 64 x 64 tiles, 32-wide
-  head-dim tiles, head dim 128, bf16.
+* Block-sparse operands: every launch of one batched forward + backward of ``paper.attention``
+  (`sparse-io-attn compile-report --op sparse-operands`), 64-row blocks, 32-wide head-dim tiles,
+  head dims 64 and 128, bf16 and fp16.
 
     TRITON_INTERPRET=0 python benchmarks/compile_report.py     # writes benchmarks/results/compile_report_sm90.{md,json}
 """
@@ -73,18 +74,14 @@ def dense_rows(d: int = 128) -> list[dict]:
     return rows
 
 
-def sparse_operand_rows() -> list[dict]:
-    from sparse_io_attn.sparse_operands.triton.report import compile_kernel, kernel_jobs
+SPARSE_OPERANDS = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float16, 64), (torch.float16, 128)]
 
-    names = {"paper_attn_fwd": "attn fwd", "paper_attn_bwd_dkv": "attn bwd dK/dV", "paper_attn_bwd_dq": "attn bwd dQ",
-             "matmul": "row-panel product"}
-    jobs = kernel_jobs(torch.bfloat16, 128, 128, block_m=64, block_n=64, block_d=32, count_io=False)
-    rows = []
-    for kernel_name, (kernel, constexprs) in jobs.items():
-        for w, s in ((4, 2), (8, 3)):
-            c = compile_kernel(kernel, constexprs, torch.bfloat16, num_warps=w, num_stages=s)
-            rows.append({"kernel": names[kernel_name], "num_warps": w, "num_stages": s, **ptx_report(c)})
-    return rows
+
+def sparse_operand_rows(dtype: torch.dtype, d: int) -> list[dict]:
+    """Every launch of one batched forward + backward, as launched (``compile-report --op sparse-operands``)."""
+    from sparse_io_attn.sparse_operands.triton.report import compile_report as operand_report
+
+    return operand_report(dtype, d)
 
 
 def main() -> int:
@@ -104,11 +101,16 @@ def main() -> int:
                  "8 warps, 3 stages\n\n```\n" + format_table(data["dense"], [(c, c) for c in ["kernel", "tiles"] + cols])
                  + "\n```")
     print(parts[-1], flush=True)
-    data["sparse_operands"] = sparse_operand_rows()
-    parts.append("## block-sparse operands, bf16, head dim 128, 64 x 64 tiles, 32-wide head-dim tiles\n\n```\n"
-                 + format_table(data["sparse_operands"], [(c, c) for c in ["kernel", "num_warps", "num_stages"] + cols])
-                 + "\n```")
-    print(parts[-1], flush=True)
+    from sparse_io_attn.sparse_operands.triton.report import COLUMNS as OPERAND_COLUMNS
+
+    for dtype, d in SPARSE_OPERANDS:
+        name = str(dtype).split(".")[-1]
+        rows = sparse_operand_rows(dtype, d)
+        data[f"sparse_operands_{name}_d{d}"] = rows
+        parts.append(f"## block-sparse operands (paper.attention, batched), {name}, head dim {d}, 64-row blocks, "
+                     f"32-wide head-dim tiles, as launched\n\n```\n"
+                     + format_table(rows, [(c, c) for c in OPERAND_COLUMNS]) + "\n```")
+        print(parts[-1], flush=True)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".md").write_text("\n\n".join(parts) + "\n")
     write_json(OUT.with_suffix(".json"), data)

@@ -46,6 +46,8 @@ LAZY: dict[tuple[str, str], str] = {
         "Triton and its interpreter switch: only for sweep sparsity --count",
     ("sparse_io_attn.cli.compile_report", "sparse_io_attn.block_sparse.triton.report"):
         "imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
+    ("sparse_io_attn.cli.compile_report", "sparse_io_attn.sparse_operands.triton.report"):
+        "imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
     ("sparse_io_attn.cli.bounds", "sparse_io_attn.dense.regime"):
         "the dense Triton kernels: only for the kernel-choice report",
     ("sparse_io_attn.cli.sweep", "sparse_io_attn.experiments.sweeps"):

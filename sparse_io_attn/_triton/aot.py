@@ -27,6 +27,8 @@ from sparse_io_attn._triton.runtime import INTERPRET
 
 _TL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _FLOAT_ARGS = ("sm_scale", "alpha", "scale")
+#: an asynchronous global->shared copy of a 2-D tile in the TTGIR (not a scalar index prefetch)
+_TILE_COPY = re.compile(r"async_copy_global_to_local [^\n]*: tensor<\d+x\d+x!tt\.ptr")
 
 
 def _require_compiler() -> None:
@@ -119,8 +121,10 @@ def ptx_report(compiled, *, arch: int = 90, ptx_file: str | Path | None = None) 
     stores = [int(x) for x in re.findall(r"(\d+) bytes spill stores", res.stderr)]
     loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", res.stderr)]
     tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
+    ttgir = compiled.asm.get("ttgir", "")
     return {"registers": max(regs, default=0), "spill_stores": sum(stores), "spill_loads": sum(loads),
             "shared_bytes": int(compiled.metadata.shared),
             "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)\.shared", ptx)), "tma": tma,
             "wgmma": ptx.count("wgmma.mma_async"),
-            "async_copy_ops": compiled.asm.get("ttgir", "").count("async_copy_global_to_local")}
+            "async_copy_ops": ttgir.count("async_copy_global_to_local"),
+            "tile_async": len(_TILE_COPY.findall(ttgir))}

@@ -8,8 +8,10 @@ on first use of a Triton backend, never at ``import sparse_io_attn``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -28,10 +30,39 @@ from sparse_io_attn.tally.counter import kernel_io  # noqa: E402
 
 _DUMMY_IO: dict = {}   # device -> int64 buffer launched as io_ptr when nothing counts
 _TUNED: dict = {}      # (kernel, key, configs) -> triton.autotune wrapper
+_RECORDING: list = []  # stack of lists receiving the launches made under recording()
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A launch :func:`launch` recorded instead of running: kernel, report name, grid and the exact
+    keyword arguments (``io_ptr``/``COUNT_IO`` included, ``num_warps``/``num_stages`` among them)."""
+    name: str
+    kernel: object
+    grid: object
+    kwargs: dict
+
+
+@contextlib.contextmanager
+def recording():
+    """Within the block, :func:`launch` records each launch (a :class:`Recorded`) into the yielded
+    list instead of running it, and :func:`check_device` accepts tensors on any device: a launcher
+    can then be driven on CPU tensors, without a GPU or the interpreter, to obtain the launches it
+    would make (the compile report compiles them as a real launch would). Output buffers stay
+    uninitialised."""
+    calls: list = []
+    _RECORDING.append(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDING.pop()
 
 
 def check_device(t: torch.Tensor, what: str = "Triton kernels") -> None:
-    """Raise a clear error when a tensor cannot reach the kernels on this machine."""
+    """Raise a clear error when a tensor cannot reach the kernels on this machine (nothing while
+    :func:`recording`)."""
+    if _RECORDING:
+        return
     if t.device.type == "cuda" and INTERPRET:
         raise RuntimeError(f"{what}: TRITON_INTERPRET=1 is set but the tensors are on CUDA; unset it")
     if t.device.type != "cuda" and not INTERPRET:
@@ -84,6 +115,10 @@ def launch(kernel, grid, name: str, tensors: Sequence[str], device, *, configs=N
     interpreter, while counting and with ``SPARSE_IO_ATTN_NO_AUTOTUNE=1``; on CUDA the kernel is
     autotuned over all of them, keyed on ``key``.
     """
+    if _RECORDING:
+        kwargs.update(io_ptr=_dummy_io(device), COUNT_IO=False)
+        _RECORDING[-1].append(Recorded(name, kernel, grid, kwargs))
+        return configs[0] if configs else None
     io = kernel_io(name, tensors, device)
     kwargs.update(io_ptr=io.buffer if io is not None else _dummy_io(device), COUNT_IO=io is not None)
     used = None

@@ -12,7 +12,9 @@ blocks of ``Q = A1 X`` and ``A2``; ``es``: element size; indices are 4-byte int3
 * forward, query block ``i``: q ``rows(i) w(Pq[i])``; per kept ``(i, j)``: a2 ``keys(j) w(Pq[i] & Pa2[j])``,
   h ``keys(j) dv``, one block-map row; per structurally zero ``(i, j)``: one fp32 ``hsum`` row.
 * backward dkv, key block ``j``: a2 and h once; per kept ``(i, j)``: q ``rows(i) w(Pq[i] & Pa2[j])``,
-  dO, lse, delta; per zero ``(i, j)``: one fp32 ``w`` row. dq, query block ``i``: q, dO, lse, delta
+  dO, lse, delta, and per slice of the query block (``BLOCK_M / BLOCK_M_SUB`` of them,
+  :func:`~sparse_io_attn.sparse_operands.triton.configs.dkv_query_slice`) its row id and Q
+  block-map row; per zero ``(i, j)``: one fp32 ``w`` row. dq, query block ``i``: q, dO, lse, delta
   once; per kept ``(i, j)``: a2 ``keys(j) w(Pq[i] & Pa2[j])`` and h.
 * products ``C = A B`` (one program per row block ``i`` of C): per pair ``(i, k)`` the A tile and
   B's row ``k`` on the column tiles stored in both ``B[k, :]`` and ``C[i, :]``; one C row panel.
@@ -45,6 +47,7 @@ from sparse_io_attn.sparse_operands.problem import (Problem, build_problem, grad
                                                     q_operand)
 from sparse_io_attn.sparse_operands.operands import Operand, check_batch, check_operands
 from sparse_io_attn.sparse_operands.plan import GroupPlans
+from sparse_io_attn.sparse_operands.triton.configs import dkv_query_slice
 
 MATMUL_TENSORS = ("a", "b", "c", "colsum", "plan")
 FWD_TENSORS = ("q", "a2", "h", "hsum", "o", "lse", "q_map", "a2_map", "layout")
@@ -121,6 +124,7 @@ def _attention_terms(tally: _Tally, p: Problem, dv: int, es: int, backward: bool
     n_rows, n_keys = int(rows.sum()), int(keys.sum())
     map_row = 4 * nd
     G = p.batch.groups if group is None else 1
+    dkv_slices = bm // dkv_query_slice(bm, nd * bd)
 
     def tot(x) -> int:
         return int(x.sum()) if isinstance(x, torch.Tensor) else int(x)
@@ -147,15 +151,16 @@ def _attention_terms(tally: _Tally, p: Problem, dv: int, es: int, backward: bool
         if not backward:
             continue
         kept_rows = tot(kept * rows[:, None])  # query rows streamed, summed over kept blocks
+        slices = tot(kept_c) * dkv_slices  # dkv loop iterations: each reads a row id and a Q block-map row
         tally.add("paper_attn_bwd_dkv", {
             "q": tot(kept * both * rows[:, None]) * es,
             "a2": tot(keys * a2_cols) * es,
             "h": n_keys * dv * es,
             "do": kept_rows * dv * es, "lse": kept_rows * 4, "delta": kept_rows * 4,
             "w": tot(zero_c) * dv * 4 if hz else 0,
-            "q_map": map_row * tot(kept_c),
+            "q_map": map_row * slices,
             "a2_map": map_row * nkb,
-            "layout": 12 * nkb + 4 * tot(kept_c) + ((8 * nkb + 4 * tot(zero_c)) if hz else 0),
+            "layout": 12 * nkb + 4 * slices + ((8 * nkb + 4 * tot(zero_c)) if hz else 0),
         }, {"da2": tot(keys * a2_cols) * es, "dh": n_keys * dv * es}, count)
         tally.add("paper_attn_bwd_dq", {
             "q": tot(rows * q_cols) * es,
@@ -239,8 +244,9 @@ def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     dimension rounded up to whole d-tiles, ``NUM_D_TILES * BLOCK_D``, held as per-d-tile tiles):
 
     * forward: ``q, acc [BM, D|DV] + a2, h [BN, D|DV] + s [BM, BN] + m, l [BM] + hsum row [DV]``;
-    * backward dkv: ``a2, da2 [BN, D] + h, dh [BN, DV] + q [BM, D] + dO [BM, DV] + s/p, dp, ds
-      [BM, BN] + lse, delta [BM]`` (the largest);
+    * backward dkv: ``a2, da2 [BN, D] + h, dh [BN, DV] + q [SM, D] + dO [SM, DV] + s/p, dp, ds
+      [BN, SM] + lse, delta [SM]`` (``SM``: the query slice of
+      :func:`~sparse_io_attn.sparse_operands.triton.configs.dkv_query_slice`);
     * backward dq: ``q, dq [BM, D] + dO [BM, DV] + a2 [BN, D] + h [BN, DV] + 3 [BM, BN] + 2 [BM]``;
     * products (row panels): ``A [BM, BK] + B [BK, N] + C [BM, N]`` (``N``: C's width rounded up
       to whole column tiles).
@@ -252,7 +258,8 @@ def kernel_fast_memory_words(A1, A2, A3, X, Y, *, qk_layout=None) -> int:
     bm, bn = blocks.m, blocks.n
     D, DV = -(-matrix_shape(X)[1] // blocks.d2) * blocks.d2, padded_dim(matrix_shape(Y)[1])
     fwd = bm * D + bm * DV + bn * D + bn * DV + bm * bn + 2 * bm + DV
-    dkv = 2 * bn * D + 2 * bn * DV + bm * D + bm * DV + 3 * bm * bn + 2 * bm
+    sm = dkv_query_slice(bm, D)
+    dkv = 2 * bn * D + 2 * bn * DV + sm * D + sm * DV + 3 * sm * bn + 2 * sm
     dq = 2 * bm * D + bm * DV + bn * D + bn * DV + 3 * bm * bn + 2 * bm
 
     def panel(bi, bk, ncols, bc):  # A tile, one B tile per column tile, one C accumulator per column tile

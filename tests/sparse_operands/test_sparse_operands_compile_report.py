@@ -1,5 +1,8 @@
-"""The paper kernels compile for sm_90 (Hopper) without a GPU, with the per-tile products behind
-runtime branches (absent head-dim / column tiles: no FLOPs on the compiled path either)."""
+"""The sparse-operand kernels compiled for sm_90 (Hopper) without a GPU, as the launchers launch them
+(``compile-report --op sparse-operands``): no register spills, every main loop's operand tiles
+copied asynchronously (software-pipelined), tensor-core products, shared memory within an H100
+block, and each per-tile product behind its own runtime branch (absent tiles: no FLOPs on the
+compiled path either). Compiled in a fresh process: this one imported Triton in interpreter mode."""
 import ast
 import os
 import subprocess
@@ -7,46 +10,63 @@ import sys
 
 import pytest
 
+LOOPED = ("paper_q", "paper_h", "paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "paper_da1",
+          "paper_dx", "paper_da3", "paper_dy")
 
-def test_paper_attention_kernels_compile_for_sm90(tmp_path):
-    """Run in a fresh process: this one imported Triton in interpreter mode. head_dim 80 with 32-wide
-    d-tiles: 3 tiles, the last one partly out of bounds."""
-    code = ("import torch\nfrom sparse_io_attn.sparse_operands.triton.report import aot_compile\n"
-            "print(aot_compile(torch.bfloat16, 80, 48, block_m=64, block_n=64, block_d=32))\n")
+
+def _report(tmp_path, cases) -> dict:
+    """``{(dtype, head_dim): rows}`` of :func:`compile_report` for ``cases`` (dtype name, head dim)."""
+    code = ("import torch\nfrom sparse_io_attn.sparse_operands.triton.report import compile_report\n"
+            f"out = {{c: compile_report(getattr(torch, c[0]), c[1]) for c in {cases!r}}}\nprint(out)\n")
     env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=500)
     assert res.returncode == 0, res.stderr[-3000:]
-    out = ast.literal_eval(res.stdout.strip().splitlines()[-1])
-    assert set(out) == {"paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "matmul"}
-    assert all(0 < r["shared"] <= 227 * 1024 for r in out.values()), out  # fits an H100 block
-    assert all(r["mma"] > 0 for r in out.values()), out  # tensor-core products
-    # one runtime branch per d-tile per product over the head dimension: S (all three kernels),
-    # dA2 += dS^T Q (dkv) and dQ += dS A2 (dq); one per column tile in the row-panel product
-    n_tiles = 3
-    assert out["paper_attn_fwd"]["scf_if"] == n_tiles, out
-    assert out["paper_attn_bwd_dkv"]["scf_if"] == 2 * n_tiles, out
-    assert out["paper_attn_bwd_dq"]["scf_if"] == 2 * n_tiles, out
-    assert out["matmul"]["scf_if"] == n_tiles, out
+    return ast.literal_eval(res.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_launch_configurations_do_not_spill_at_head_dim_64(tmp_path):
-    """Compiled for sm_90 with the launcher's (num_warps, num_stages) (configs.LAUNCH), bf16, 64 x 64
-    tiles, 32-wide d-tiles, head dim 64: no kernel spills registers (with 4 warps dK/dV does)."""
-    code = ("import torch\nfrom sparse_io_attn._triton.aot import ptx_report\n"
-            "from sparse_io_attn.sparse_operands.triton.configs import LAUNCH\n"
-            "from sparse_io_attn.sparse_operands.triton.report import compile_kernel, kernel_jobs\n"
-            "jobs = kernel_jobs(torch.bfloat16, 64, 64, count_io=False)\n"
-            "out = {}\nfor name, (k, cx) in jobs.items():\n"
-            "    for w, s in {LAUNCH[name], (4, 2)}:\n"
-            "        r = ptx_report(compile_kernel(k, cx, torch.bfloat16, num_warps=w, num_stages=s))\n"
-            "        out[(name, w, s)] = r['spill_stores'] + r['spill_loads']\n"
-            "print(out)\n")
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=500)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = ast.literal_eval(res.stdout.strip().splitlines()[-1])
+def test_kernels_pipelined_without_spills_at_head_dims_64_and_128(tmp_path):
+    out = _report(tmp_path, [("bfloat16", 64), ("bfloat16", 128), ("float16", 128)])
+    for (dtype, head_dim), rows in out.items():
+        by_name = {r["kernel"]: r for r in rows}
+        assert set(by_name) == set(LOOPED) | {"paper_attn_bwd_preprocess"}, by_name
+        for r in rows:
+            where = (dtype, head_dim, r["kernel"])
+            assert r["spill_stores"] == r["spill_loads"] == 0, (where, r)
+            assert 0 < r["shared_bytes"] <= 227 * 1024, (where, r)  # fits an H100 block
+            if r["kernel"] in LOOPED:
+                assert r["pipelined"] and r["tile_async"] > 0, (where, r)
+        n_tiles = head_dim // 32
+        for name in ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "paper_q", "paper_da1"):
+            assert by_name[name]["wgmma"] > 0, (dtype, head_dim, by_name[name])  # Hopper tensor-core MMAs
+        # one runtime branch per d-tile per product over the head dimension: S (all three attention
+        # kernels), dA2 += dS^T Q (dkv) and dQ += dS A2 (dq); one per column tile of C in a product
+        assert by_name["paper_attn_fwd"]["scf_if"] == n_tiles, by_name
+        assert by_name["paper_attn_bwd_dkv"]["scf_if"] == 2 * n_tiles, by_name
+        assert by_name["paper_attn_bwd_dq"]["scf_if"] == 2 * n_tiles, by_name
+        assert by_name["paper_q"]["scf_if"] == n_tiles, by_name
+        # the dK/dV kernel takes the query block in 32-row slices above head dim 64
+        assert by_name["paper_attn_bwd_dkv"]["BLOCK_M"] == 64
+
+
+def test_recorded_launches_cover_one_forward_and_backward():
+    """The report compiles what the launchers launch: driving them under ``recording()`` on CPU
+    tensors records every kernel of a forward + backward once, with the launch configuration and
+    nothing run (the interpreter is not entered)."""
     from sparse_io_attn.sparse_operands.triton.configs import LAUNCH
-    for name in ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "matmul"):
-        assert out[(name, *LAUNCH[name])] == 0, out
-    assert out[("paper_attn_bwd_dkv", 4, 2)] > 0, out  # what the configuration avoids
+    from sparse_io_attn.sparse_operands.triton.report import KERNELS, example_calls
+
+    import torch
+
+    calls = example_calls(torch.bfloat16, 96)
+    assert [c.name for c in calls] == ["paper_q", "paper_h", "paper_attn_fwd", "paper_attn_bwd_preprocess",
+                                      "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "paper_da1", "paper_dx",
+                                      "paper_da3", "paper_dy"]
+    assert set(c.name for c in calls) == set(KERNELS)
+    for c in calls:
+        key = c.name if c.name in LAUNCH else "matmul"
+        assert (c.kwargs["num_warps"], c.kwargs["num_stages"]) == LAUNCH[key], c.name
+        assert c.kwargs["COUNT_IO"] is False
+    dkv = next(c for c in calls if c.name == "paper_attn_bwd_dkv")
+    assert dkv.kwargs["BLOCK_M"] == 64 and dkv.kwargs["BLOCK_M_SUB"] == 32  # head dim 96: 32-row slices
+    assert dkv.kwargs["NUM_D_TILES"] == 3 and dkv.kwargs["LOOP_STAGES"] == LAUNCH["paper_attn_bwd_dkv"][1]

@@ -22,7 +22,23 @@ LAUNCH = {
 }
 
 
+#: kernels whose main loop is a ``tl.range(..., num_stages=LOOP_STAGES)``
+LOOPED = ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "matmul")
+
+
 def launch_options(kernel: str) -> dict:
-    """``{"num_warps": ..., "num_stages": ...}`` of a kernel for ``kernel[grid](..., **options)``."""
+    """``{"num_warps": ..., "num_stages": ...}`` of a kernel for ``kernel[grid](..., **options)``,
+    and for a kernel with a main loop its ``LOOP_STAGES`` constexpr (the same stage count)."""
     warps, stages = LAUNCH[kernel]
-    return {"num_warps": warps, "num_stages": stages}
+    return {"num_warps": warps, "num_stages": stages, **({"LOOP_STAGES": stages} if kernel in LOOPED else {})}
+
+
+
+def dkv_query_slice(block_m: int, head_dim: int) -> int:
+    """Rows of a query block the dK/dV kernel processes per loop iteration (its ``BLOCK_M_SUB``,
+    dividing ``block_m``; ``head_dim`` rounded up to whole d-tiles): the whole block up to head dim
+    64, 32-row slices above, where the ``[BLOCK_N, 128]`` fp32 ``dA2`` and ``dH`` accumulators held
+    for the whole program leave no room for a 64-row slice's tiles (sm_90 compile report: spills at
+    64 rows, none at 32). Every product keeps the key block's rows as its ``M`` (tensor-core
+    ``wgmma`` needs 64)."""
+    return min(block_m, 64 if head_dim <= 64 else 32)

@@ -175,7 +175,7 @@ def _bsr_matmul_kernel(
     size_m, size_k, size_n, num_rows, num_heads,
     io_ptr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, NUM_N_TILES: tl.constexpr,
-    WRITE_COLSUM: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+    WRITE_COLSUM: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """One program per row block ``i`` of ``C = A B``, computing the whole row panel ``C[i, :]``
     (``NUM_N_TILES`` column tiles, one fp32 accumulator each): for each listed pair ``(A tile of
@@ -205,7 +205,7 @@ def _bsr_matmul_kernel(
     acc = _zero_d_tiles(BLOCK_M, BLOCK_N, NUM_N_TILES)  # tuple of [BLOCK_M, BLOCK_N]
     a_bytes = tl.zeros([], dtype=tl.int64)
     b_bytes = tl.zeros([], dtype=tl.int64)
-    for p in range(start, end):
+    for p in tl.range(start, end, num_stages=LOOP_STAGES):
         ta = tl.load(pair_a_ptr + p)
         k = tl.load(pair_k_ptr + p)
         mask_k = k * BLOCK_K + offs_k < size_k
@@ -251,6 +251,7 @@ def _paper_attn_fwd_kernel(
     io_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
     DV_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,
 ):
     """One program per query block ``i``: online softmax (base 2) over the kept score blocks of row
     ``i`` plus the structurally zero blocks (score 0, counted ``cnt`` times, values summed in
@@ -306,7 +307,7 @@ def _paper_attn_fwd_kernel(
         layout_bytes += 8 + 4 * (ze - zs).to(tl.int64)
     ks = tl.load(kept_crow_ptr + i)
     ke = tl.load(kept_crow_ptr + i + 1)
-    for p in range(ks, ke):
+    for p in tl.range(ks, ke, num_stages=LOOP_STAGES):
         j = tl.load(kept_col_ptr + p)
         keys = j * BLOCK_N + offs_n
         mask_n = keys < seqlen_k
@@ -407,12 +408,18 @@ def _paper_attn_bwd_dkv_kernel(
     io_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
     DV_PAD: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+    LOOP_STAGES: tl.constexpr, BLOCK_M_SUB: tl.constexpr,
 ):
     """One program per key block ``j``: ``dH[j] = sum_i P_ij^T dO_i`` (+ the structurally zero blocks'
     ``w``) and ``dA2[j] = sum_i dS_ij^T Q_i`` on A2's stored tiles (``da2`` has A2's addressing). A2's
     stored d-tiles and their dA2 accumulators are held per d-tile; per kept block only the Q d-tiles
     stored in both rows are read, and only they enter ``S`` and ``dA2``. Probabilities are
     recomputed in base 2 from ``lse`` (natural log, converted with ``LOG2E``).
+    A kept query block is processed in ``BLOCK_M // BLOCK_M_SUB`` slices of ``BLOCK_M_SUB`` rows, one
+    loop iteration each (the loop runs over (kept block, slice) pairs; each slice reads its block's
+    row id and Q block-map row), in the transposed form ``S^T = A2 Q^T``, ``dP^T = h dO^T``, so the
+    key block's rows are every product's ``M``: the working set shrinks with the slice, not the data
+    read (each Q, dO, lse, delta row still read once per kept block).
     Grid ``(key blocks, B * H)``: see :func:`_attention_group`; ``dh`` shares h's addressing, ``da2``
     A2's apart from its group strides. Counter slots: ``DKV_TENSORS`` (q, a2, h, do, lse, delta, w,
     da2, dh, q_map, a2_map, layout)."""
@@ -431,7 +438,7 @@ def _paper_attn_bwd_dkv_kernel(
     cols_ptr = part * (tl.cdiv(seqlen_k, BLOCK_N) + 1)  # this group's column pointers in the concatenated plan
     kept_ccol_ptr += cols_ptr
     zero_ccol_ptr += cols_ptr
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_sub = tl.arange(0, BLOCK_M_SUB)
     offs_n = tl.arange(0, BLOCK_N)
     offs_bd = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, DV_PAD)
@@ -452,37 +459,40 @@ def _paper_attn_bwd_dkv_kernel(
     do_bytes = tl.zeros([], dtype=tl.int64)
     lse_bytes = tl.zeros([], dtype=tl.int64)
     delta_bytes = tl.zeros([], dtype=tl.int64)
-    n_kept = tl.zeros([], dtype=tl.int64)
     layout_bytes = tl.full([], 12, dtype=tl.int64)  # plan id, kept_ccol[j], kept_ccol[j + 1]
     ks = tl.load(kept_ccol_ptr + j)
     ke = tl.load(kept_ccol_ptr + j + 1)
-    for p in range(ks, ke):
+    SLICES: tl.constexpr = BLOCK_M // BLOCK_M_SUB
+    for it in tl.range(ks * SLICES, ke * SLICES, num_stages=LOOP_STAGES):  # (kept block, slice of its rows)
+        p = it // SLICES
         i = tl.load(kept_row_ptr + p)
-        rows = i * BLOCK_M + offs_m
-        mask_m = rows < seqlen_q
-        mask_mdv = mask_m[:, None] & mask_dv[None, :]  # [BLOCK_M, DV_PAD]
         q_ids = _d_ids(qmap_ptr, i, NUM_D_TILES)
         both = _shared(q_ids, a2_ids, NUM_D_TILES)
-        q_tiles, q_read = _load_d_tiles(q_ptr, q_ids, both, offs_m, mask_m, offs_bd, q_nb, stride_q_ta, stride_q_tb,
-                                        stride_q_r, stride_q_c, head_dim, BLOCK_D,
-                                        NUM_D_TILES)  # tuple of [BLOCK_M, BLOCK_D]
+        offs_r = (it % SLICES) * BLOCK_M_SUB + offs_sub  # rows within the query block
+        rows = i * BLOCK_M + offs_r
+        mask_m = rows < seqlen_q
+        mask_mdv = mask_m[:, None] & mask_dv[None, :]  # [BLOCK_M_SUB, DV_PAD]
+        q_tiles, q_read = _load_d_tiles(q_ptr, q_ids, both, offs_r, mask_m, offs_bd, q_nb, stride_q_ta,
+                                        stride_q_tb, stride_q_r, stride_q_c, head_dim, BLOCK_D,
+                                        NUM_D_TILES)  # tuple of [BLOCK_M_SUB, BLOCK_D]
         do = tl.load(do_ptr + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                     mask=mask_mdv, other=0.0)  # [BLOCK_M, DV_PAD]
-        lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=float("inf")) * LOG2E  # [BLOCK_M], base 2
-        delta = tl.load(delta_ptr + rows, mask=mask_m, other=0.0)  # [BLOCK_M]
-        s = _scores(q_tiles, a2_tiles, both, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_DTYPE, NUM_D_TILES)
-        s = s * qk_scale  # [BLOCK_M, BLOCK_N]
-        pr = tl.where(mask_m[:, None] & mask_n[None, :], tl.math.exp2(s - lse2[:, None]), 0.0)  # [BLOCK_M, BLOCK_N]
-        dh = dot(tl.trans(pr.to(do.dtype)), do, dh, DOT_DTYPE)  # [BLOCK_N, DV_PAD]
-        dp = dot(do, tl.trans(h), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
-        ds = pr * (dp - delta[:, None]) * sm_scale  # [BLOCK_M, BLOCK_N]
-        da2 = _acc_d_tiles(da2, tl.trans(ds.to(q_ptr.dtype.element_ty)), q_tiles, both, DOT_DTYPE, NUM_D_TILES)
+                     mask=mask_mdv, other=0.0)  # [BLOCK_M_SUB, DV_PAD]
+        lse2 = tl.load(lse_ptr + rows, mask=mask_m, other=float("inf")) * LOG2E  # [BLOCK_M_SUB], base 2
+        delta = tl.load(delta_ptr + rows, mask=mask_m, other=0.0)  # [BLOCK_M_SUB]
+        # transposed scores S^T = A2 Q^T: every product has the key block's rows as its M
+        st = _scores(a2_tiles, q_tiles, both, tl.zeros([BLOCK_N, BLOCK_M_SUB], dtype=tl.float32), DOT_DTYPE,
+                     NUM_D_TILES)
+        st = st * qk_scale  # [BLOCK_N, BLOCK_M_SUB]
+        pt = tl.where(mask_n[:, None] & mask_m[None, :], tl.math.exp2(st - lse2[None, :]), 0.0)
+        dh = dot(pt.to(do.dtype), do, dh, DOT_DTYPE)  # [BLOCK_N, DV_PAD]
+        dpt = dot(h, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M_SUB]
+        dst = pt * (dpt - delta[None, :]) * sm_scale  # [BLOCK_N, BLOCK_M_SUB]
+        da2 = _acc_d_tiles(da2, dst.to(q_ptr.dtype.element_ty), q_tiles, both, DOT_DTYPE, NUM_D_TILES)
         if COUNT_IO:
             q_bytes += q_read
             do_bytes += nbytes(mask_mdv, do_ptr)
             lse_bytes += nbytes(mask_m, lse_ptr)
             delta_bytes += nbytes(mask_m, delta_ptr)
-            n_kept += 1
     if HAS_ZERO:
         zs = tl.load(zero_ccol_ptr + j)
         ze = tl.load(zero_ccol_ptr + j + 1)
@@ -507,9 +517,10 @@ def _paper_attn_bwd_dkv_kernel(
             io_add(io_ptr, DKV_W, (ze - zs).to(tl.int64) * nbytes(mask_dv, w_ptr), 0)
         io_add(io_ptr, DKV_DA2, 0, da2_bytes)
         io_add(io_ptr, DKV_DH, 0, nbytes(mask_ndv, dh_ptr))
-        io_add(io_ptr, DKV_Q_MAP, n_kept * 4 * NUM_D_TILES, 0)
+        n_slices = (ke - ks).to(tl.int64) * SLICES  # each slice reads its block's row id and Q block-map row
+        io_add(io_ptr, DKV_Q_MAP, n_slices * 4 * NUM_D_TILES, 0)
         io_add(io_ptr, DKV_A2_MAP, tl.full([], 4 * NUM_D_TILES, dtype=tl.int64), 0)
-        io_add(io_ptr, DKV_LAYOUT, layout_bytes + 4 * (ke - ks).to(tl.int64), 0)
+        io_add(io_ptr, DKV_LAYOUT, layout_bytes + 4 * n_slices, 0)
 
 
 @triton.jit
@@ -523,7 +534,7 @@ def _paper_attn_bwd_dq_kernel(
     seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale, num_heads,
     io_ptr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D_TILES: tl.constexpr,
-    DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
+    DV_PAD: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """One program per query block ``i``: ``dQ[i] = sum_j dS_ij A2_j`` on Q's stored tiles (``dq`` has
     Q's addressing). Structurally zero score blocks add nothing to dQ on Q's pattern. Q's stored
@@ -566,7 +577,7 @@ def _paper_attn_bwd_dq_kernel(
     n_kept = tl.zeros([], dtype=tl.int64)
     ks = tl.load(kept_crow_ptr + i)
     ke = tl.load(kept_crow_ptr + i + 1)
-    for p in range(ks, ke):
+    for p in tl.range(ks, ke, num_stages=LOOP_STAGES):
         j = tl.load(kept_col_ptr + p)
         keys = j * BLOCK_N + offs_n
         mask_n = keys < seqlen_k

@@ -25,7 +25,7 @@ from sparse_io_attn._triton.shapes import padded_dim
 import torch
 
 from sparse_io_attn.sparse_operands.triton import kernels
-from sparse_io_attn.sparse_operands.triton.configs import launch_options
+from sparse_io_attn.sparse_operands.triton.configs import dkv_query_slice, launch_options
 from sparse_io_attn.sparse_operands.operands import Operand, grouped_buffer, like, reduce_groups
 from sparse_io_attn.sparse_operands.plan import GroupPlans
 from sparse_io_attn.sparse_operands.problem import Problem, gradient_products, h_operand, product_plans, q_operand
@@ -142,7 +142,7 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, p: Problem, Q
            kept_ccol_ptr=plan.kept_ccol, kept_row_ptr=plan.kept_row, zero_ccol_ptr=plan.zero_ccol,
            zero_row_ptr=plan.zero_row, stride_da2_gb=dA2.s_gb, stride_da2_gh=dA2.s_gh, **w_strides,
            stride_dhn=dH.data.stride(2), stride_dhd=dH.data.stride(3), HAS_ZERO=plan.has_zero,
-           **launch_options("paper_attn_bwd_dkv"))
+           BLOCK_M_SUB=dkv_query_slice(meta["BLOCK_M"], Q.grid[1] * meta["BLOCK_D"]), **launch_options("paper_attn_bwd_dkv"))
     dQ = like(Q, "dq", torch.empty_like(Q.data))
     launch(kernels._paper_attn_bwd_dq_kernel, (nqb, G), "paper_attn_bwd_dq", DQ_TENSORS, device,
            **_operands(Q, A2), **common, h_ptr=h, dq_ptr=dQ.data, kept_crow_ptr=plan.kept_crow,
