@@ -285,10 +285,11 @@ def per_head_comparison(report: Mapping, bound, *, dtype=None, total=None, note:
                         f"sequence in sorted (b, h) order (e.g. head_nnz_stats(A1, X, A2, qk_layout)"
                         f".bounds(M, dtype=...)), got {type(bound).__name__}")
     if dtype is None:
-        dtypes = {b.dtype for b in bounds.values() if isinstance(b, Bound)}
-        if len(dtypes) > 1:
-            raise ValueError(f"the per-head bounds were built with different dtypes {sorted(map(str, dtypes))}; "
-                             f"pass dtype= to convert every bound's words with one element size")
+        sizes = {itemsize(b.dtype): b.dtype for b in bounds.values() if isinstance(b, Bound) and b.dtype}
+        if len(sizes) > 1:
+            raise ValueError(f"the per-head bounds were built with dtypes of different sizes "
+                             f"{sorted(sizes.values())}; pass dtype= to convert every bound's words with one "
+                             f"element size")
     heads = {}
     for key in keys:
         try:

@@ -101,7 +101,8 @@ def test_total_floor_is_the_sum_of_the_heads_floors_when_they_bind_differently()
     assert hc.total.floor_bytes == pytest.approx(want, rel=1e-12)
     assert hc.total.floor_bytes > max(hc.total.compulsory_bytes, hc.total.bound_bytes)
     assert "mixed: bound 1, compulsory 1" in hc.table()
-    same = compare({(0, 0): 10 ** 7, (1, 0): 10 ** 7}, [big, big])
+    same = compare({(0, 0): 10 ** 7, (1, 0): 10 ** 7}, [big, B.sparse(4096, 4096, 4096, 4096 * 64, 64,
+                                                                      dtype=torch.float32)])
     assert same.total.binds == "bound" and same.total.floor_bytes == pytest.approx(2 * 4 * big.value_words)
 
 
@@ -214,7 +215,7 @@ def _bounds(k=2):
     pytest.param({(0, 0): 1.5}, _bounds(1), TypeError, r"head \(0, 0\): report must be a TrafficReport",
                  id="value-float"),
     pytest.param({(0, 0): 1, (0, 1): 2}, [_bounds(1)[0], B.sparse(64, 16, 64, 256, 1000, dtype="bf16")],
-                 ValueError, "different dtypes", id="mixed-dtypes"),
+                 ValueError, "dtypes of different sizes", id="mixed-dtypes"),
     pytest.param({(0, 0): 1}, [B.sparse(64, 16, 64, 256, 1000)], ValueError, r"head \(0, 0\): .*pass dtype=",
                  id="no-dtype"),
     pytest.param({(0, 0): 1}, ["bound"], TypeError, r"head \(0, 0\): bound must be", id="not-a-bound"),
