@@ -45,8 +45,9 @@ class HeadNnzStats:
         return self.per_head[b * self.H + h]
 
     def bounds(self, M, *, dtype=None) -> list:
-        """Theorem 4.5 per ``(b, h)`` (:meth:`NnzStats.bound`, element level), in ``per_head`` order;
-        the problems are independent, so the batched call needs at least their sum."""
+        """Theorem 4.5 per ``(b, h)`` (:meth:`NnzStats.bound`, element level), in ``per_head`` order
+        (sorted ``(b, h)``: what ``accounting.compare`` takes beside per-head reports); the problems
+        are independent, so the batched call needs at least their sum."""
         return [s.bound(M, dtype=dtype) for s in self.per_head]
 
 
