@@ -5,9 +5,18 @@ the kernels or predicted by the traffic model) or a plain byte count, and a
 :class:`~sparse_io_attn.bounds.Bound`. Since the bound's value uses unit constants (the paper gives
 Θ/Ω only) and can sit below the unavoidable traffic, the reference is
 ``floor = max(compulsory, bound)``; the record says which of the two binds.
+
+Per head: ``compare({(b, h): report}, bounds)`` with one ``Bound`` per ``(batch element, head)``
+(a mapping with the same keys, or a sequence in sorted ``(b, h)`` order, which is what
+:meth:`~sparse_io_attn.bounds.heads.HeadNnzStats.bounds` returns) gives a :class:`HeadComparison`:
+one :class:`Comparison` per head and a :class:`HeadTotal`. The groups are independent problems, so
+the total's bound, compulsory traffic and floor are the sums of the heads' (each head needs its own
+``max(compulsory, bound)``).
 """
 from __future__ import annotations
 
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sparse_io_attn.bounds.calculator import Bound, explicit_scope
@@ -15,8 +24,24 @@ from sparse_io_attn.bounds.units import dtype_name, itemsize
 from sparse_io_attn.tally.report import TrafficReport
 
 
+class _Ratios:
+    """``measured_bytes`` over ``bound_bytes``, ``compulsory_bytes`` and ``floor_bytes`` (``inf`` over 0)."""
+
+    @property
+    def ratio_to_bound(self) -> float:
+        return self.measured_bytes / self.bound_bytes if self.bound_bytes else float("inf")
+
+    @property
+    def ratio_to_compulsory(self) -> float:
+        return self.measured_bytes / self.compulsory_bytes if self.compulsory_bytes else float("inf")
+
+    @property
+    def ratio_to_floor(self) -> float:
+        return self.measured_bytes / self.floor_bytes if self.floor_bytes else float("inf")
+
+
 @dataclass(frozen=True)
-class Comparison:
+class Comparison(_Ratios):
     """Measured bytes against a bound, all in bytes of ``dtype``.
 
     ``ratio_to_bound`` = measured / bound (unit constants), ``ratio_to_compulsory`` = measured /
@@ -33,18 +58,6 @@ class Comparison:
     floor_bytes: float
     binds: str
     bound: Bound
-
-    @property
-    def ratio_to_bound(self) -> float:
-        return self.measured_bytes / self.bound_bytes if self.bound_bytes else float("inf")
-
-    @property
-    def ratio_to_compulsory(self) -> float:
-        return self.measured_bytes / self.compulsory_bytes if self.compulsory_bytes else float("inf")
-
-    @property
-    def ratio_to_floor(self) -> float:
-        return self.measured_bytes / self.floor_bytes if self.floor_bytes else float("inf")
 
     def to_dict(self) -> dict:
         return {
@@ -84,12 +97,28 @@ class Comparison:
         return self.table()
 
 
-def compare(report, bound: Bound, *, dtype=None) -> Comparison:
+def compare(report, bound, *, dtype=None):
     """Compare ``report`` (a ``TrafficReport`` or an int number of bytes) with ``bound``.
 
     ``dtype`` converts the bound's words to bytes; it defaults to the dtype the bound was built
     with, and one of the two is required.
+
+    Per head: ``report`` a mapping ``{(b, h): TrafficReport or int}`` (what
+    :func:`~sparse_io_attn.sparse_operands.predict_traffic_per_head` returns) and ``bound`` one
+    ``Bound`` per head, a mapping with the same keys or a sequence in sorted ``(b, h)`` order
+    (:meth:`~sparse_io_attn.bounds.heads.HeadNnzStats.bounds`); returns a :class:`HeadComparison`.
     """
+    if isinstance(report, Mapping):
+        return per_head_comparison(report, bound, dtype=dtype)
+    if isinstance(bound, (Mapping, list, tuple)):
+        raise TypeError(f"one Bound per head needs one report per head: pass report as {{(b, h): "
+                        f"TrafficReport or int}} (e.g. predict_traffic_per_head(...)), got "
+                        f"{type(report).__name__}")
+    return _compare_one(report, bound, dtype)
+
+
+def _compare_one(report, bound: Bound, dtype) -> Comparison:
+    """:func:`compare` of one report with one bound."""
     if not isinstance(bound, Bound):
         raise TypeError(f"bound must be a sparse_io_attn.bounds.Bound (from dense_backward, "
                         f"dense_forward or sparse), got {type(bound).__name__}")
@@ -113,3 +142,178 @@ def compare(report, bound: Bound, *, dtype=None) -> Comparison:
     return Comparison(source=source, dtype=dtype_name(dtype), measured_bytes=int(measured), bytes_read=rd,
                       bytes_written=wr, compulsory_bytes=compulsory, bound_bytes=value, floor_bytes=floor,
                       binds="compulsory" if compulsory >= value else "bound", bound=bound)
+
+
+@dataclass(frozen=True)
+class HeadTotal(_Ratios):
+    """The total row of a :class:`HeadComparison`, in bytes of ``dtype``: ``measured_bytes`` (the
+    heads' sum, or the whole call's counted report when one was given), ``compulsory_bytes`` and
+    ``bound_bytes`` the sums over the heads, ``floor_bytes`` the sum of the heads' floors
+    ``max(compulsory, bound)`` (independent problems: each needs its own, so this is at least
+    ``max(compulsory_bytes, bound_bytes)``); ``binds``: ``"compulsory"`` or ``"bound"`` when every
+    head agrees, else ``"mixed"``."""
+    source: str
+    dtype: str
+    measured_bytes: int
+    bytes_read: int | None
+    bytes_written: int | None
+    compulsory_bytes: int
+    bound_bytes: float
+    floor_bytes: float
+    binds: str
+
+    def to_dict(self) -> dict:
+        return {
+            "source": self.source, "dtype": self.dtype, "measured_bytes": self.measured_bytes,
+            "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+            "compulsory_bytes": self.compulsory_bytes, "bound_bytes": self.bound_bytes,
+            "floor_bytes": self.floor_bytes, "binds": self.binds,
+            "ratio_to_bound": self.ratio_to_bound, "ratio_to_compulsory": self.ratio_to_compulsory,
+            "ratio_to_floor": self.ratio_to_floor,
+        }
+
+
+@dataclass(frozen=True)
+class HeadComparison(Mapping):
+    """One :class:`Comparison` per ``(batch element, head)`` and their :class:`HeadTotal`.
+
+    A read-only mapping ``{(b, h): Comparison}`` in sorted ``(b, h)`` order (``hc[b, h]``,
+    ``hc.keys()``, ``len(hc)``); ``total`` is the total row; ``note`` says what the rows measure
+    when the total comes from a counted report and the heads from the model's shares."""
+    heads: dict
+    total: HeadTotal
+    note: str = ""
+
+    def __getitem__(self, key) -> Comparison:
+        try:
+            return self.heads[key]
+        except (KeyError, TypeError):
+            raise KeyError(f"no head {key!r}: this comparison holds {_keys_text(self.heads)}") from None
+
+    def __iter__(self):
+        return iter(self.heads)
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def to_dict(self) -> dict:
+        return {"dtype": self.total.dtype, "note": self.note,
+                "heads": [{"b": b, "h": h, **c.to_dict()} for (b, h), c in self.heads.items()],
+                "total": self.total.to_dict()}
+
+    def table(self) -> str:
+        """One row per head and the total row: measured, compulsory, bound (unit constants), floor,
+        the three ratios and which binds."""
+        comps = list(self.heads.values())
+        first = comps[0].bound
+        size = itemsize(self.total.dtype)
+        Ms = sorted({c.bound.M for c in comps})
+        m_text = f"M = {Ms[0]:,} words" if len(Ms) == 1 else f"M = {Ms[0]:,} .. {Ms[-1]:,} words (per head)"
+        theorem = (f"{first.kind}: {first.theorem}" if all(c.bound.theorem == first.theorem for c in comps)
+                   else "mixed bounds (see to_dict())")
+        head = [f"{theorem}, per (batch, head): {len(comps)} independent problems",
+                f"{m_text} ({self.total.dtype}, {size} B/word); total: sums over the heads, "
+                f"floor = sum of the heads' max(compulsory, bound)"]
+        if self.note:
+            head.append(self.note)
+        notes = sorted({c.bound.note for c in comps if c.bound.note})
+        head += [f"note: {n}" for n in notes]
+        rows = [("(b, h)", "measured B", "compulsory B", "bound B", "floor B", "/compulsory", "/bound",
+                 "/floor", "binds")]
+
+        def row(label, c, binds):
+            return (label, f"{c.measured_bytes:,}", f"{c.compulsory_bytes:,}", f"{c.bound_bytes:,.0f}",
+                    f"{c.floor_bytes:,.0f}", f"{c.ratio_to_compulsory:.2f}", f"{c.ratio_to_bound:.2f}",
+                    f"{c.ratio_to_floor:.2f}", binds)
+
+        rows += [row(f"({b}, {h}) {c.source}", c, c.binds) for (b, h), c in self.heads.items()]
+        t = self.total
+        bound_heads = sum(c.binds == "bound" for c in comps)
+        binds = t.binds if t.binds != "mixed" else f"mixed: bound {bound_heads}, compulsory {len(comps) - bound_heads}"
+        total = row(f"total ({t.source})", t, binds)
+        w = [max(len(r[i]) for r in rows + [total]) for i in range(len(total))]
+        fmt = lambda r: "  ".join(c.ljust(w[i]) if i == 0 else c if i == 8 else c.rjust(w[i])  # noqa: E731
+                                  for i, c in enumerate(r))
+        rule = "-" * (sum(w) + 2 * (len(w) - 1))
+        return "\n".join(head + [fmt(rows[0]), rule] + [fmt(r) for r in rows[1:]] + [rule, fmt(total)])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _keys_text(keys, limit: int = 8) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(str(k) for k in keys[:limit])
+    return f"{len(keys)} heads [{shown}{', ...' if len(keys) > limit else ''}]"
+
+
+def _head_key(key) -> tuple:
+    """A ``(b, h)`` key as a pair of non-negative ints (``TypeError``/``ValueError``)."""
+    ok = (isinstance(key, tuple) and len(key) == 2
+          and all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in key))
+    if not ok:
+        raise TypeError(f"per-head reports and bounds are keyed by (b, h) pairs of ints (batch element, "
+                        f"head), as predict_traffic_per_head returns them; got key {key!r}")
+    if min(key) < 0:
+        raise ValueError(f"(b, h) keys are non-negative indices, got {key!r}")
+    return int(key[0]), int(key[1])
+
+
+def per_head_comparison(report: Mapping, bound, *, dtype=None, total=None, note: str = "") -> HeadComparison:
+    """The per-head form of :func:`compare`. ``total``: the whole call's ``TrafficReport`` (counted),
+    used for the total row in place of the heads' sum, which it must equal; ``note`` is shown with
+    the table (what the rows measure)."""
+    reports = {}
+    for key, value in report.items():
+        reports[_head_key(key)] = value
+    if not reports:
+        raise ValueError("report holds no heads: pass {(b, h): TrafficReport or int} with one entry per head")
+    keys = sorted(reports)
+    if isinstance(bound, Mapping):
+        bounds = {_head_key(k): v for k, v in bound.items()}
+        missing, extra = sorted(set(keys) - set(bounds)), sorted(set(bounds) - set(keys))
+        if missing or extra:
+            raise ValueError(f"bound must have one entry per head of the report ({_keys_text(keys)}); "
+                             f"missing {missing[:8]}, not in the report {extra[:8]}")
+    elif isinstance(bound, (list, tuple)):
+        if len(bound) != len(keys):
+            raise ValueError(f"got {len(bound)} bounds for a report of {_keys_text(keys)}: pass one Bound "
+                             f"per head, in sorted (b, h) order (HeadNnzStats.bounds(M) gives them)")
+        bounds = dict(zip(keys, bound))
+    else:
+        raise TypeError(f"a per-head report needs one Bound per head: a mapping {{(b, h): Bound}} or a "
+                        f"sequence in sorted (b, h) order (e.g. head_nnz_stats(A1, X, A2, qk_layout)"
+                        f".bounds(M, dtype=...)), got {type(bound).__name__}")
+    if dtype is None:
+        sizes = {itemsize(b.dtype): b.dtype for b in bounds.values() if isinstance(b, Bound) and b.dtype}
+        if len(sizes) > 1:
+            raise ValueError(f"the per-head bounds were built with dtypes of different sizes "
+                             f"{sorted(sizes.values())}; pass dtype= to convert every bound's words with one "
+                             f"element size")
+    heads = {}
+    for key in keys:
+        try:
+            heads[key] = _compare_one(reports[key], bounds[key], dtype)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"head {key}: {e}") from None
+    comps = list(heads.values())
+    if total is None:
+        sources = {c.source for c in comps}
+        partial = any(c.bytes_read is None for c in comps)
+        measured = sum(c.measured_bytes for c in comps)
+        rd = None if partial else sum(c.bytes_read for c in comps)
+        wr = None if partial else sum(c.bytes_written for c in comps)
+        source = sources.pop() if len(sources) == 1 else "mixed"
+    else:
+        if not isinstance(total, TrafficReport):
+            raise TypeError(f"total must be the whole call's TrafficReport, got {type(total).__name__}")
+        measured, rd, wr, source = total.total_bytes, total.bytes_read, total.bytes_written, total.source
+        shares = sum(c.measured_bytes for c in comps)
+        if measured != shares:
+            raise ValueError(f"the total report has {measured:,} bytes but the heads sum to {shares:,}: "
+                             f"the per-head reports must be the shares of that call")
+    binds = {c.binds for c in comps}
+    return HeadComparison(heads=heads, note=note, total=HeadTotal(
+        source=source, dtype=comps[0].dtype, measured_bytes=measured, bytes_read=rd, bytes_written=wr,
+        compulsory_bytes=sum(c.compulsory_bytes for c in comps), bound_bytes=sum(c.bound_bytes for c in comps),
+        floor_bytes=sum(c.floor_bytes for c in comps), binds=binds.pop() if len(binds) == 1 else "mixed"))
