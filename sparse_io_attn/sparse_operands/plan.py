@@ -115,7 +115,7 @@ def product_plan(a_map: torch.Tensor, b_map: torch.Tensor, out_map: torch.Tensor
 
 def structural_product(a_pattern: torch.Tensor, b_pattern: torch.Tensor) -> torch.Tensor:
     """Block pattern of ``A B`` (bool): block ``(i, j)`` is structurally nonzero iff some ``k`` has
-    both ``A[i, k]`` and ``B[k, j]`` stored."""
+    both ``A[i, k]`` and ``B[k, j]`` stored; leading axes broadcast as in ``torch.matmul``."""
     return (a_pattern.to(torch.float32) @ b_pattern.to(torch.float32)) > 0
 
 
