@@ -145,8 +145,11 @@ def bsr_operand(name: str, m, values: torch.Tensor | None = None, lead: str | No
 
 def like(op: Operand, name: str, data: torch.Tensor, grouped: bool = False) -> Operand:
     """An operand with ``op``'s structure over another buffer (e.g. its gradient): of the same shape,
-    or with ``grouped`` of shape ``[B, H, *op.matrix_shape()]`` (one matrix per group)."""
-    g = dict(s_gb=data.stride(0), s_gh=data.stride(1)) if grouped else {}
+    or with ``grouped`` of shape ``[B or 1, H or 1, *op.matrix_shape()]`` (one matrix per group; an
+    axis of size 1 is shared by the groups along it: group stride 0)."""
+    g = {}
+    if grouped:
+        g = dict(s_gb=data.stride(0) if data.shape[0] > 1 else 0, s_gh=data.stride(1) if data.shape[1] > 1 else 0)
     if op.sparse:
         return replace(op, name=name, data=data, s_a=data.stride(-3), s_r=data.stride(-2), s_c=data.stride(-1), **g)
     br, bc = op.block
@@ -155,22 +158,25 @@ def like(op: Operand, name: str, data: torch.Tensor, grouped: bool = False) -> O
 
 
 def grouped_buffer(op: Operand, batch, zero: bool) -> Operand:
-    """A ``[B, H, *op.matrix_shape()]`` buffer with ``op``'s addressing, one matrix per group."""
+    """A ``[B, H, *op.matrix_shape()]`` buffer with ``op``'s addressing, one matrix per group. The
+    groups along a list's own axis write disjoint tiles of its concatenated ``values`` (each
+    element's tile ids are offset past the elements before it), so they share one matrix: ``[1, H,
+    ...]`` for a per-batch list, ``[B, 1, ...]`` for a per-head one (memory of one ``values`` per
+    group of the other axis, not per group)."""
     alloc = torch.zeros if zero else torch.empty
-    data = alloc(batch.B, batch.H, *op.matrix_shape(), dtype=op.data.dtype, device=op.data.device)
+    B = 1 if op.sparse and op.lead == "batch" else batch.B
+    H = 1 if op.sparse and op.lead == "head" else batch.H
+    data = alloc(B, H, *op.matrix_shape(), dtype=op.data.dtype, device=op.data.device)
     return like(op, op.name, data, grouped=True)
 
 
 def reduce_groups(op: Operand, grad: torch.Tensor) -> torch.Tensor:
-    """A ``[B, H, ...]`` per-group gradient summed back to the shape of ``op.data``: over the heads
-    for a batch-varying dense operand, over the batch for a head-varying dense one, over both
-    otherwise (a block-sparse operand's data is one ``values`` tensor: a list's groups write disjoint
-    tiles of it, the others are 0 there)."""
-    if op.sparse:
-        return grad.sum(dim=(0, 1))
-    if op.lead == "batch":
+    """A :func:`grouped_buffer` gradient summed back to the shape of ``op.data``: over the heads for
+    a batch-varying dense operand, over the batch for a head-varying dense one, over both otherwise
+    (block-sparse operands: one ``values`` tensor, whose buffer is 1 along a list's axis)."""
+    if op.lead == "batch" and not op.sparse:
         return grad.sum(dim=1)
-    if op.lead == "head":
+    if op.lead == "head" and not op.sparse:
         return grad.sum(dim=0)
     return grad.sum(dim=(0, 1))
 

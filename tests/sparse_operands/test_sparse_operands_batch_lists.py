@@ -21,25 +21,30 @@ from sparse_io_attn.sparse_operands.reference import OPERANDS, attention_referen
 LEAD = {"A1": "batch", "A2": "batch", "A3": "batch", "X": "head", "Y": "head"}
 
 
-def _bsm(shape, block, density, g, *, empty_row=False, zero_block=False):
-    """A random BlockSparseMatrix of block density ``density`` (at least one stored block);
-    ``empty_row``: block row 0 stores nothing; ``zero_block``: one stored block holds zeros."""
+def _bsm(shape, block, density, g, *, empty_row=False, zero_block=False, empty=False):
+    """A random BlockSparseMatrix of block density ``density`` (at least one stored block unless
+    ``empty``: none); ``empty_row``: block row 0 stores nothing; ``zero_block``: one stored block
+    holds zeros."""
     R, C = math.ceil(shape[0] / block), math.ceil(shape[1] / block)
     keep = torch.rand(R, C, generator=g) < density
     keep[-1, torch.randint(C, (1,), generator=g)] = True
     if empty_row:
         keep[0] = False
+    if empty:
+        keep[:] = False
     m = BlockSparseMatrix.random(keep, block, shape=shape, generator=g)
     if zero_block:
         m.values[-1] = 0.0
     return m
 
 
-def make(B, H, nq, nk, d, dv, blk, kinds, *, qk=None, seed=0, empty_row=(), zero_block=(), qk_empty_row=False):
+def make(B, H, nq, nk, d, dv, blk, kinds, *, qk=None, seed=0, empty_row=(), zero_block=(), empty=(),
+         qk_empty_row=False):
     """Operands ``(A1, A2, A3, X, Y)``, the QK layout and ``do``. ``kinds[name]``: ``"list"`` (one
     BlockSparseMatrix per batch element for A, per head for X/Y), ``"dense3"`` (``[B|H, r, c]``),
-    ``"dense2"`` (shared 2-D), ``"bsm"`` (one shared matrix). ``empty_row``/``zero_block``: the
-    ``(name, index)`` list elements with an empty block row 0 / an all-zero stored block. ``qk``:
+    ``"dense2"`` (shared 2-D), ``"bsm"`` (one shared matrix). ``empty_row``/``zero_block``/``empty``:
+    the ``(name, index)`` list elements with an empty block row 0 / an all-zero stored block / no
+    stored block. ``qk``:
     None, ``"per-batch"`` (``[B, 1]``), ``"per-batch-head"`` (``[B, H]``)."""
     g = torch.Generator().manual_seed(seed)
     shapes = {"A1": (nq, d), "A2": (nk, d), "A3": (nk, d), "X": (d, d), "Y": (d, dv)}
@@ -50,7 +55,7 @@ def make(B, H, nq, nk, d, dv, blk, kinds, *, qk=None, seed=0, empty_row=(), zero
         scale = 1 / math.sqrt(shape[0]) if name in ("X", "Y") else 1.0
         if kind == "list":
             ops[name] = [_bsm(shape, blk, 0.6, g, empty_row=(name, i) in empty_row,
-                              zero_block=(name, i) in zero_block) for i in range(L)]
+                              zero_block=(name, i) in zero_block, empty=(name, i) in empty) for i in range(L)]
         elif kind == "bsm":
             ops[name] = _bsm(shape, blk, 0.6, g)
         elif kind == "dense3":
@@ -100,7 +105,8 @@ def run_and_check(ops, qk, do, backend, tol):
         assert len(got) == len(want), name
         for i, (a, b) in enumerate(zip(got, want)):
             assert a is not None and a.shape == b.shape and not torch.isnan(a).any(), (name, i)
-            assert (a.double() - b).abs().max() <= tol * max(b.abs().max().item(), 1e-6), (name, i)
+            if b.numel():  # a matrix that stores no block has an empty gradient
+                assert (a.double() - b).abs().max() <= tol * max(b.abs().max().item(), 1e-6), (name, i)
     return io.report
 
 
@@ -114,6 +120,8 @@ CASES = [
     pytest.param(2, 2, 45, 38, 32, 16, 16, dict(A1="list", A2="list", A3="list", X="list"),
                  dict(qk="per-batch-head", empty_row={("A1", 0)}, zero_block={("A2", 1)}, qk_empty_row=True),
                  id="all-lists-X-list-empty-row-ragged"),
+    pytest.param(2, 1, 32, 32, 16, 16, 16, dict(A1="list", A3="list", X="dense2"), dict(empty={("A1", 1)}),
+                 id="A1-element-stores-nothing"),
 ]
 
 
@@ -182,6 +190,23 @@ def test_group_shares_equal_single_group_calls():
             for k, v in paper.predict_dot_macs(*single, qk_layout=lay).items():
                 want_macs[k] = want_macs.get(k, 0) + v
     assert macs == want_macs
+
+
+def test_list_gradient_buffers_are_shared_along_the_list_axis():
+    """The per-group gradient buffer of a per-batch list is ``[1, H, values...]`` (the batch
+    elements write disjoint tiles of the concatenated values), of a per-head list ``[B, 1, ...]``,
+    of a 3-D dense operand ``[B, H, ...]``."""
+    from sparse_io_attn.sparse_operands.operands import check_batch, check_operands, grouped_buffer
+    from sparse_io_attn.sparse_operands.problem import build_problem
+
+    ops, qk, _ = make(3, 2, 32, 32, 16, 16, 16, dict(A1="list", X="list"))
+    blocks, _, _ = check_operands(*ops, qk, 1.0, "triton")
+    batch = check_batch(*ops, qk)
+    p = build_problem(*ops, qk, blocks, batch)
+    nnz = sum(m.nnz_blocks for m in ops[0])
+    assert grouped_buffer(p.A1, batch, zero=True).data.shape == (1, 2, nnz, 16, 16)
+    assert grouped_buffer(p.X, batch, zero=True).data.shape[:2] == (3, 1)
+    assert grouped_buffer(p.A2, batch, zero=False).data.shape == (3, 2, 32, 16)
 
 
 def test_plans_built_once_per_distinct_pattern(monkeypatch):
