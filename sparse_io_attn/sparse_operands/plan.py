@@ -202,6 +202,20 @@ def stack_attention_plans(parts: list) -> AttentionPlan:
                          kc, kcol, kcc, krow, zc, zcol, zcc, zrow)
 
 
+def first_equal(t: torch.Tensor) -> dict:
+    """``{(i, j): (i0, j0)}`` over the two leading axes of ``t`` (block maps or patterns ``[L0, L1,
+    R, C]``): the first index, in row-major order, whose slice equals ``t[i, j]``, so groups on equal
+    patterns name one plan."""
+    L0, L1 = t.shape[:2]
+    flat = t.detach().reshape(L0 * L1, -1).cpu().to(torch.int64)
+    if flat.shape[1] == 0:
+        inverse = [0] * (L0 * L1)
+    else:
+        inverse = torch.unique(flat, dim=0, return_inverse=True)[1].tolist()
+    first: dict = {}
+    return {divmod(g, L1): divmod(first.setdefault(c, g), L1) for g, c in enumerate(inverse)}
+
+
 def group_plans(keys: list, build, stack, device) -> GroupPlans:
     """``keys[g]``: a hashable naming group ``g``'s plan; ``build(key)`` builds (or fetches from
     :data:`CACHE`) a plan; ``stack`` concatenates the distinct ones."""

@@ -13,7 +13,7 @@ import torch
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.sparse_operands.batch import LEAD, Batch
 from sparse_io_attn.sparse_operands.operands import Blocks, Operand, as_operand, dense_map, group_index
-from sparse_io_attn.sparse_operands.plan import (GroupPlans, attention_plan, group_plans, product_plan,
+from sparse_io_attn.sparse_operands.plan import (GroupPlans, attention_plan, first_equal, group_plans, product_plan,
                                                  stack_attention_plans, stack_product_plans, structural_product)
 
 
@@ -67,10 +67,12 @@ def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks:
     nnz_q = int(flat.sum(-1).max()) if flat.numel() else 0
     masks = None if qk_layout is None else qk_layout.to_block_mask()
     A2op = ops["A2"]
+    same_q, same_a2 = first_equal(q_pattern), first_equal(A2op.pattern)
+    same_qk = None if masks is None else first_equal(masks)
 
-    def key(b, h):
-        iqk = None if masks is None else group_index(masks, b, h)
-        return group_index(q_map, b, h), A2op.map_index(b, h), iqk
+    def key(b, h):  # groups on equal patterns share a part
+        iqk = None if masks is None else same_qk[group_index(masks, b, h)]
+        return same_q[group_index(q_map, b, h)], same_a2[A2op.map_index(b, h)], iqk
 
     def build(k):
         iq, ia2, iqk = k
@@ -83,9 +85,11 @@ def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks:
 
 def product_plans(A: Operand, B: Operand, C: Operand, batch: Batch) -> GroupPlans:
     """The row-panel plans of ``C = A B`` for every group: one :func:`product_plan` per distinct
-    triple of block maps."""
+    triple of block maps (tile ids included: the plan lists A's)."""
+    same = [first_equal(op.block_map) for op in (A, B, C)]
+
     def key(b, h):
-        return A.map_index(b, h), B.map_index(b, h), C.map_index(b, h)
+        return tuple(s[op.map_index(b, h)] for s, op in zip(same, (A, B, C)))
 
     def build(k):
         ia, ib, ic = k

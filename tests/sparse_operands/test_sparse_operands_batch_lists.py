@@ -211,16 +211,26 @@ def test_list_gradient_buffers_are_shared_along_the_list_axis():
 
 def test_plans_built_once_per_distinct_pattern(monkeypatch):
     """Four batch elements on two distinct A1 patterns (X shared): two patterns of Q = A1 X, two
-    score plans."""
+    score plans built, and the kernels' concatenated plan holds each once (groups 0, 2 and 1, 3
+    share a part); the kernels on it match the reference and the model."""
+    from sparse_io_attn.sparse_operands.operands import check_batch, check_operands
+    from sparse_io_attn.sparse_operands.problem import build_problem
+
     cache = plan_mod.PlanCache()
     monkeypatch.setattr(plan_mod, "CACHE", cache)
     g = torch.Generator().manual_seed(3)
     p0 = torch.tensor([[True, False], [False, False], [True, True]])
     p1 = torch.ones(3, 2, dtype=torch.bool)
     A1 = [BlockSparseMatrix.random(p, 16, shape=(40, 32), generator=g) for p in (p0, p1, p0, p1)]
-    A2 = torch.randn(4, 48, 32, generator=g)
-    paper.predict_traffic(A1, A2, A2, torch.randn(32, 32, generator=g), torch.randn(32, 16, generator=g))
+    ops = (A1, torch.randn(4, 48, 32, generator=g), torch.randn(48, 32, generator=g),
+           torch.randn(32, 32, generator=g) / 6, torch.randn(32, 16, generator=g))
+    predicted = paper.predict_traffic(*ops)
     assert sum(1 for k in cache.entries if k[0] == "attention") == 2
+    blocks, _, _ = check_operands(*ops, None, 1.0, "triton")
+    p = build_problem(*ops, None, blocks, check_batch(*ops, None))
+    assert len(p.plans.parts) == 2 and p.plans.ids.tolist() == [0, 1, 0, 1] and p.plans.counts == (2, 2)
+    counted = run_and_check(ops, None, torch.randn(4, 1, 40, 16, generator=g), "triton", 1e-4)
+    assert counted == predicted
 
 
 def test_head_nnz_stats_with_batch_lists():
