@@ -132,8 +132,9 @@ def bsr_operand(name: str, m, values: torch.Tensor | None = None, lead: str | No
         offsets = [0]
         for x in m[:-1]:
             offsets.append(offsets[-1] + x.nnz_blocks)
-        maps = torch.stack([torch.where(x.block_index_map() >= 0, x.block_index_map() + o, -1)
-                            for x, o in zip(m, offsets)]).to(device=v.device, dtype=INDEX_DTYPE)
+        ids = [x.block_index_map() for x in m]
+        maps = torch.stack([torch.where(i >= 0, i + o, -1) for i, o in zip(ids, offsets)]).to(device=v.device,
+                                                                                            dtype=INDEX_DTYPE)
         maps = maps[:, None] if lead == "batch" else maps[None]
         m0 = m[0]
         return Operand(name, v, m0.shape, m0.block_size, maps.contiguous(), 1, v.stride(0), 0, v.stride(1),
