@@ -8,15 +8,15 @@ from sparse_io_attn.block_sparse.api import resolve_backend
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands import torch_path
-from sparse_io_attn.sparse_operands.batch import is_per_head, squeeze
+from sparse_io_attn.sparse_operands.batch import is_list, squeeze
 from sparse_io_attn.sparse_operands.operands import check_batch, check_operands
 from sparse_io_attn.sparse_operands.problem import Problem, build_problem
 
 
 def _data(t) -> torch.Tensor:
-    """The tensor autograd sees for an operand: dense data (contiguous), BSR ``values``, or the
-    per-head ``values`` concatenated (differentiably, so each head's matrix gets its share)."""
-    if is_per_head(t):
+    """The tensor autograd sees for an operand: dense data (contiguous), BSR ``values``, or a list's
+    ``values`` concatenated (differentiably, so each matrix of the list gets its share)."""
+    if is_list(t):
         return torch.cat([m.values for m in t]).contiguous()
     if isinstance(t, BlockSparseMatrix):
         return t.values.contiguous()
@@ -54,8 +54,10 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
 
     Args:
         A1: queries' inputs, ``[nq, d1]`` or ``[B, nq, d1]``; A2: keys' inputs, ``[nk, d2]`` or
-            ``[B, nk, d2]``; A3: ``[nk, d3]`` or ``[B, nk, d3]`` dense (``h = A3 Y``, Definition B.6).
-            A1 and A2 may be a :class:`BlockSparseMatrix` (shared by every batch element).
+            ``[B, nk, d2]``; A3: ``[nk, d3]`` or ``[B, nk, d3]`` (``h = A3 Y``, Definition B.6). Each
+            may be a :class:`BlockSparseMatrix` (shared by every batch element) or a list/tuple of
+            ``B`` of them (same shape, block size, dtype, device: a block pattern per batch element,
+            e.g. sparse input activations per sequence).
         X: ``[d1, d2]`` (e.g. a pruned ``W_Q W_K^T``) or ``[H, d1, d2]``; Y: ``[d3, dv]`` or
             ``[H, d3, dv]``. Each may be a :class:`BlockSparseMatrix` (shared by every head) or a
             list/tuple of ``H`` of them (a block pattern per head). Block sizes must agree along
@@ -79,7 +81,7 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
     ``A1 X`` and ``A2^T`` is nonzero and folds the zero blocks in through block sums of ``h``.
     A query row with no key gets output 0 and lse ``-inf``. Gradients: dense operands get dense
     gradients (summed over the axis they are shared along); block-sparse ones get gradients on their
-    own block pattern (``values.grad``).
+    own block pattern (``values.grad``; for a list, each matrix's own ``values.grad``).
     """
     blocks, dtype, device = check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend)
     batch = check_batch(A1, A2, A3, X, Y, qk_layout)

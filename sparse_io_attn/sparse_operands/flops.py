@@ -57,7 +57,7 @@ def predict_dot_macs(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True)
     dv = padded_dim(dv_cols)
     shared = n_kept = 0
     for part, count, (iq, ia2, _) in zip(p.plans.parts, p.plans.counts, p.plans.keys):
-        pq = (p.q_map[0, iq] >= 0).cpu().long()
+        pq = (p.q_map[iq] >= 0).cpu().long()
         pa2 = p.A2.pattern[ia2].cpu().long()
         kept = part.kept_mask.cpu().long()
         shared += count * int((kept * (pq @ pa2.t())).sum())  # sum over kept (i, j) of |Pq[i] & Pa2[j]|

@@ -28,8 +28,7 @@ from sparse_io_attn._triton.shapes import padded_dim
 from sparse_io_attn.layout._csr import INDEX_DTYPE
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
-from sparse_io_attn.sparse_operands.batch import (BATCH_OPERANDS, HEAD_OPERANDS, Batch, first, is_per_head, leading,
-                                                  matrix_shape)
+from sparse_io_attn.sparse_operands.batch import LEAD, Batch, first, is_list, leading, matrix_shape
 
 DEFAULT_BLOCK = 64
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -74,7 +73,7 @@ class Operand:
 
     def map_index(self, b: int, h: int) -> tuple:
         """Index into ``block_map``'s leading axes of group ``(b, h)``."""
-        return (b if self.block_map.shape[0] > 1 else 0, h if self.block_map.shape[1] > 1 else 0)
+        return group_index(self.block_map, b, h)
 
     def map_of(self, b: int, h: int) -> torch.Tensor:
         """The ``[R, C]`` block map of group ``(b, h)``."""
@@ -99,6 +98,12 @@ class Operand:
                 f"stride_{prefix}map_gh": m.stride(1) if m.shape[1] > 1 else 0}
 
 
+def group_index(t: torch.Tensor, b: int, h: int) -> tuple:
+    """Index into the leading ``[Bm, Hm]`` axes of ``t`` (each 1 = shared, or the full size) of group
+    ``(b, h)``."""
+    return (b if t.shape[0] > 1 else 0, h if t.shape[1] > 1 else 0)
+
+
 def dense_map(rows: int, cols: int, device) -> torch.Tensor:
     """``int32 [1, 1, rows, cols]``: every tile stored, ids row-major."""
     return torch.arange(rows * cols, dtype=INDEX_DTYPE, device=device).view(1, 1, rows, cols)
@@ -115,20 +120,25 @@ def dense_operand(name: str, t: torch.Tensor, block, lead: str | None = None) ->
                    lead=lead if t.dim() == 3 else None)
 
 
-def bsr_operand(name: str, m, values: torch.Tensor | None = None) -> Operand:
-    """One :class:`BlockSparseMatrix` (shared by every group), or a list of per-head ones whose
-    ``values`` are concatenated in ``values`` (tile ids of head ``h`` offset by the blocks of the
-    heads before it)."""
-    if isinstance(m, (list, tuple)):
+def bsr_operand(name: str, m, values: torch.Tensor | None = None, lead: str | None = None) -> Operand:
+    """One :class:`BlockSparseMatrix` (shared by every group), or a list of them, one per batch
+    element (``lead="batch"``) or head (``lead="head"``), whose ``values`` are concatenated in
+    ``values`` (tile ids of element ``i`` offset by the blocks of the elements before it; the block
+    map ``[L, 1, R, C]`` or ``[1, L, R, C]``, the data's group strides 0)."""
+    if is_list(m):
+        if lead not in ("batch", "head"):
+            raise ValueError(f"bsr_operand: a list of matrices needs lead 'batch' or 'head', got {lead!r}")
         v = torch.cat([x.values for x in m]) if values is None else values
         offsets = [0]
         for x in m[:-1]:
             offsets.append(offsets[-1] + x.nnz_blocks)
-        maps = torch.stack([torch.where(x.block_index_map() >= 0, x.block_index_map() + o, -1)
-                            for x, o in zip(m, offsets)]).to(device=v.device, dtype=INDEX_DTYPE)
+        ids = [x.block_index_map() for x in m]
+        maps = torch.stack([torch.where(i >= 0, i + o, -1) for i, o in zip(ids, offsets)]).to(device=v.device,
+                                                                                            dtype=INDEX_DTYPE)
+        maps = maps[:, None] if lead == "batch" else maps[None]
         m0 = m[0]
-        return Operand(name, v, m0.shape, m0.block_size, maps[None].contiguous(), 1, v.stride(0), 0, v.stride(1),
-                       v.stride(2), True, lead="head")
+        return Operand(name, v, m0.shape, m0.block_size, maps.contiguous(), 1, v.stride(0), 0, v.stride(1),
+                       v.stride(2), True, lead=lead)
     v = m.values if values is None else values
     return Operand(name, v, m.shape, m.block_size, m.block_index_map().to(v.device)[None, None], 1,
                    v.stride(0), 0, v.stride(1), v.stride(2), True)
@@ -136,8 +146,11 @@ def bsr_operand(name: str, m, values: torch.Tensor | None = None) -> Operand:
 
 def like(op: Operand, name: str, data: torch.Tensor, grouped: bool = False) -> Operand:
     """An operand with ``op``'s structure over another buffer (e.g. its gradient): of the same shape,
-    or with ``grouped`` of shape ``[B, H, *op.matrix_shape()]`` (one matrix per group)."""
-    g = dict(s_gb=data.stride(0), s_gh=data.stride(1)) if grouped else {}
+    or with ``grouped`` of shape ``[B or 1, H or 1, *op.matrix_shape()]`` (one matrix per group; an
+    axis of size 1 is shared by the groups along it: group stride 0)."""
+    g = {}
+    if grouped:
+        g = dict(s_gb=data.stride(0) if data.shape[0] > 1 else 0, s_gh=data.stride(1) if data.shape[1] > 1 else 0)
     if op.sparse:
         return replace(op, name=name, data=data, s_a=data.stride(-3), s_r=data.stride(-2), s_c=data.stride(-1), **g)
     br, bc = op.block
@@ -146,16 +159,23 @@ def like(op: Operand, name: str, data: torch.Tensor, grouped: bool = False) -> O
 
 
 def grouped_buffer(op: Operand, batch, zero: bool) -> Operand:
-    """A ``[B, H, *op.matrix_shape()]`` buffer with ``op``'s addressing, one matrix per group."""
+    """A ``[B, H, *op.matrix_shape()]`` buffer with ``op``'s addressing, one matrix per group. The
+    groups along a list's own axis write disjoint tiles of its concatenated ``values`` (each
+    element's tile ids are offset past the elements before it), so they share one matrix: ``[1, H,
+    ...]`` for a per-batch list, ``[B, 1, ...]`` for a per-head one (memory of one ``values`` per
+    group of the other axis, not per group)."""
     alloc = torch.zeros if zero else torch.empty
-    data = alloc(batch.B, batch.H, *op.matrix_shape(), dtype=op.data.dtype, device=op.data.device)
+    B = 1 if op.sparse and op.lead == "batch" else batch.B
+    H = 1 if op.sparse and op.lead == "head" else batch.H
+    data = alloc(B, H, *op.matrix_shape(), dtype=op.data.dtype, device=op.data.device)
     return like(op, op.name, data, grouped=True)
 
 
 def reduce_groups(op: Operand, grad: torch.Tensor) -> torch.Tensor:
-    """A ``[B, H, ...]`` per-group gradient summed back to the shape of ``op.data``: over the heads
-    for a batch-varying operand, over the batch for a head-varying dense one, over both otherwise."""
-    if op.lead == "batch":
+    """A :func:`grouped_buffer` gradient summed back to the shape of ``op.data``: over the heads for
+    a batch-varying dense operand, over the batch for a head-varying dense one, over both otherwise
+    (block-sparse operands: one ``values`` tensor, whose buffer is 1 along a list's axis)."""
+    if op.lead == "batch" and not op.sparse:
         return grad.sum(dim=1)
     if op.lead == "head" and not op.sparse:
         return grad.sum(dim=0)
@@ -174,38 +194,33 @@ class Blocks:
     dv: int
 
 
-def _shape(x) -> tuple:
-    return tuple(x.shape)
-
-
 BACKENDS = ("auto", "torch", "triton")
-#: operands that may be a BlockSparseMatrix (X and Y also a per-head list of them)
-SPARSE_OK = ("A1", "A2", "X", "Y")
+
+
+def _form(f: tuple) -> str:
+    shape, block, dtype, device = f
+    return f"shape {shape}, block size {block}, {dtype} on {device}"
 
 
 def _check_one(name: str, t) -> None:
     """Type and rank of one operand (see :mod:`sparse_io_attn.sparse_operands.batch` for the forms)."""
-    per_head_ok = name in HEAD_OPERANDS
-    if is_per_head(t):
-        if not per_head_ok:
-            raise TypeError(f"{name} must be a torch.Tensor or a BlockSparseMatrix, got {type(t).__name__} "
-                            f"(only X and Y take a per-head list of BlockSparseMatrix)")
+    element = "batch element" if LEAD[name] == "batch" else "head"
+    if is_list(t):
         if not t or not all(isinstance(m, BlockSparseMatrix) for m in t):
-            raise TypeError(f"{name} as a list must hold one BlockSparseMatrix per head (at least one), got "
-                            f"{[type(m).__name__ for m in t]}")
-        if len({(tuple(m.shape), tuple(m.block_size), m.dtype, m.device) for m in t}) != 1:
-            raise ValueError(f"the per-head matrices of {name} must share shape, block size, dtype and device, "
-                             f"got {[(tuple(m.shape), tuple(m.block_size)) for m in t]}")
+            raise TypeError(f"{name} as a list must hold one BlockSparseMatrix per {element} (at least one), got "
+                            f"{[type(m).__name__ for m in t]}; stack dense matrices into one 3-D tensor instead")
+        form = [(tuple(m.shape), tuple(m.block_size), m.dtype, m.device) for m in t]
+        odd = next((i for i, f in enumerate(form) if f != form[0]), None)
+        if odd is not None:
+            raise ValueError(f"the matrices in {name} (one per {element}) must share shape, block size, dtype "
+                             f"and device: {name}[0] has {_form(form[0])} but {name}[{odd}] has {_form(form[odd])}; "
+                             f"build every {element}'s matrix with the same shape and block_size")
         t = t[0]
-    if isinstance(t, BlockSparseMatrix):
-        if name not in SPARSE_OK:
-            raise TypeError(f"{name} must be a dense torch.Tensor (only A1, X, A2 may be "
-                            f"BlockSparseMatrix, besides Y), got BlockSparseMatrix; use {name}.to_dense()")
-    elif not isinstance(t, torch.Tensor):
-        kinds = "a torch.Tensor or a BlockSparseMatrix" if name in SPARSE_OK else "a torch.Tensor"
-        raise TypeError(f"{name} must be {kinds}, got {type(t).__name__}")
-    elif t.dim() not in (2, 3):
-        axis = "B (batch)" if name in BATCH_OPERANDS else "H (heads)"
+    if not isinstance(t, (torch.Tensor, BlockSparseMatrix)):
+        raise TypeError(f"{name} must be a torch.Tensor, a BlockSparseMatrix or a list of BlockSparseMatrix "
+                        f"(one per {element}), got {type(t).__name__}")
+    if isinstance(t, torch.Tensor) and t.dim() not in (2, 3):
+        axis = "B (batch)" if LEAD[name] == "batch" else "H (heads)"
         raise ValueError(f"{name} must be 2-D (shared) or 3-D with a leading {axis} axis, got shape "
                          f"{tuple(t.shape)}")
     if t.dtype not in _SUPPORTED_DTYPES:
@@ -214,15 +229,15 @@ def _check_one(name: str, t) -> None:
 
 def check_batch(A1, A2, A3, X, Y, qk_layout) -> Batch:
     """The batch structure of validated operands (:mod:`sparse_io_attn.sparse_operands.batch`): ``B``
-    from A1, A2, A3 and ``layout_batch``, ``H`` from X, Y and ``layout_heads``; each must be 1 or
-    agree."""
+    from A1, A2, A3 (3-D leading axis or list length) and ``layout_batch``, ``H`` from X, Y and
+    ``layout_heads``; each must be 1 or agree."""
     def size(axis: str, claims) -> int:
         given = {(who, n) for who, n in claims if n is not None and n != 1}
         sizes = {n for _, n in given}
         if len(sizes) > 1:
             raise ValueError(f"inconsistent {axis} sizes: " + ", ".join(f"{who}={n}" for who, n in sorted(given))
                              + f"; give every operand that varies along the {axis} axis the same leading size "
-                             f"(or a 2-D operand to share one matrix)")
+                             f"or list length (or a 2-D operand to share one matrix)")
         return sizes.pop() if sizes else 1
 
     lb = qk_layout.layout_batch if qk_layout is not None else None
@@ -282,15 +297,16 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
 
     qb = qk_layout.block_size if qk_layout is not None else (None, None)
     bm = pick("query (A1 rows)", ("A1", blk(A1, 0)), ("qk_layout", qb[0]))
-    bn = pick("key (A2 rows)", ("A2", blk(A2, 0)), ("qk_layout", qb[1]))
+    bn = pick("key (A2, A3 rows)", ("A2", blk(A2, 0)), ("A3", blk(A3, 0)), ("qk_layout", qb[1]))
     bd1 = pick("A1 column / X row", ("A1", blk(A1, 1)), ("X", blk(X, 0)))
     bd2 = pick("X column / A2 column", ("X", blk(X, 1)), ("A2", blk(A2, 1)))
+    bd3 = pick("A3 column / Y row", ("A3", blk(A3, 1)), ("Y", blk(Y, 0)))
     dv = matrix_shape(Y)[1]
     blocks = Blocks(
         m=bm or DEFAULT_BLOCK, n=bn or DEFAULT_BLOCK,
         d1=bd1 or min(DEFAULT_BLOCK, padded_dim(d1)),
         d2=bd2 or min(DEFAULT_BLOCK, padded_dim(d2)),
-        d3=blk(Y, 0) or min(DEFAULT_BLOCK, padded_dim(d3)), dv=blk(Y, 1) or min(DEFAULT_BLOCK, padded_dim(dv)))
+        d3=bd3 or min(DEFAULT_BLOCK, padded_dim(d3)), dv=blk(Y, 1) or min(DEFAULT_BLOCK, padded_dim(dv)))
     if backend == "triton":
         for name, b in vars(blocks).items():
             if b < 16 or b & (b - 1):
@@ -306,9 +322,9 @@ def dense_tensor(t) -> torch.Tensor:
 
 
 def as_operand(name: str, t, block, lead: str | None = None, data: torch.Tensor | None = None) -> Operand:
-    """The :class:`Operand` of a dense tensor, a :class:`BlockSparseMatrix` or a per-head list of
-    them; ``lead``: the axis a 3-D dense tensor varies along; ``data``: the tensor to address
+    """The :class:`Operand` of a dense tensor, a :class:`BlockSparseMatrix` or a list of them;
+    ``lead``: the axis a 3-D dense tensor or a list varies along; ``data``: the tensor to address
     instead of ``t``'s own (the one autograd hands in)."""
-    if isinstance(t, BlockSparseMatrix) or is_per_head(t):
-        return bsr_operand(name, t, data)
+    if isinstance(t, BlockSparseMatrix) or is_list(t):
+        return bsr_operand(name, t, data, lead)
     return dense_operand(name, t if data is None else data, block, lead)

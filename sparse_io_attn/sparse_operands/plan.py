@@ -115,7 +115,7 @@ def product_plan(a_map: torch.Tensor, b_map: torch.Tensor, out_map: torch.Tensor
 
 def structural_product(a_pattern: torch.Tensor, b_pattern: torch.Tensor) -> torch.Tensor:
     """Block pattern of ``A B`` (bool): block ``(i, j)`` is structurally nonzero iff some ``k`` has
-    both ``A[i, k]`` and ``B[k, j]`` stored."""
+    both ``A[i, k]`` and ``B[k, j]`` stored; leading axes broadcast as in ``torch.matmul``."""
     return (a_pattern.to(torch.float32) @ b_pattern.to(torch.float32)) > 0
 
 
@@ -200,6 +200,20 @@ def stack_attention_plans(parts: list) -> AttentionPlan:
     zcc, zrow = _shifted([p.zero_ccol for p in parts], [p.zero_row for p in parts])
     return AttentionPlan(torch.stack([p.kept_mask for p in parts]), torch.stack([p.zero_mask for p in parts]),
                          kc, kcol, kcc, krow, zc, zcol, zcc, zrow)
+
+
+def first_equal(t: torch.Tensor) -> dict:
+    """``{(i, j): (i0, j0)}`` over the two leading axes of ``t`` (block maps or patterns ``[L0, L1,
+    R, C]``): the first index, in row-major order, whose slice equals ``t[i, j]``, so groups on equal
+    patterns name one plan."""
+    L0, L1 = t.shape[:2]
+    flat = t.detach().reshape(L0 * L1, -1).cpu().to(torch.int64)
+    if flat.shape[1] == 0:
+        inverse = [0] * (L0 * L1)
+    else:
+        inverse = torch.unique(flat, dim=0, return_inverse=True)[1].tolist()
+    first: dict = {}
+    return {divmod(g, L1): divmod(first.setdefault(c, g), L1) for g, c in enumerate(inverse)}
 
 
 def group_plans(keys: list, build, stack, device) -> GroupPlans:

@@ -11,18 +11,20 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn.layout.core import BlockSparseLayout
-from sparse_io_attn.sparse_operands.batch import Batch
-from sparse_io_attn.sparse_operands.operands import Blocks, Operand, as_operand, dense_map
-from sparse_io_attn.sparse_operands.plan import (GroupPlans, attention_plan, group_plans, product_plan,
+from sparse_io_attn.sparse_operands.batch import LEAD, Batch
+from sparse_io_attn.sparse_operands.operands import Blocks, Operand, as_operand, dense_map, group_index
+from sparse_io_attn.sparse_operands.plan import (GroupPlans, attention_plan, first_equal, group_plans, product_plan,
                                                  stack_attention_plans, stack_product_plans, structural_product)
 
 
 @dataclass
 class Problem:
     """Structure of one call: the five operands as the kernels address them, ``q_map`` (``int32
-    [1, Hq, nqb, nd]``: tile id of each stored block of ``Q = A1 X`` per distinct X pattern, -1
-    where the block product is structurally zero), ``nnz_q`` (the most stored blocks of one group's
-    Q), the score plans of the groups, the block sizes and the batch."""
+    [Bq, Hq, nqb, nd]``: tile id of each stored block of ``Q = A1 X``, -1 where the block product
+    is structurally zero; ``Bq`` is 1 unless A1's pattern varies along the batch (a list), ``Hq`` 1
+    unless X's varies along the heads), ``nnz_q`` (the most stored blocks of one group's Q), the
+    score plans of the groups (keyed ``(q_map index, A2 map index, QK mask index)``), the block sizes
+    and the batch."""
     A1: Operand
     X: Operand
     A2: Operand
@@ -49,31 +51,32 @@ def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks:
     """The :class:`Problem` of validated operands (``blocks`` from
     :func:`~sparse_io_attn.sparse_operands.operands.check_operands`, ``batch`` from ``check_batch``);
     ``qk_layout`` on the operands' device or None (all keys); ``data``: the tensors (dense data or
-    BSR ``values``, per-head values concatenated) of A1, X, A2, A3, Y to address instead of the
+    BSR ``values``, a list's values concatenated) of A1, X, A2, A3, Y to address instead of the
     operands' own."""
     data = data or (None,) * 5
-    ops = dict(A1=as_operand("a1", A1, (blocks.m, blocks.d1), "batch", data[0]),
-               X=as_operand("x", X, (blocks.d1, blocks.d2), "head", data[1]),
-               A2=as_operand("a2", A2, (blocks.n, blocks.d2), "batch", data[2]),
-               A3=as_operand("a3", A3, (blocks.n, blocks.d3), "batch", data[3]),
-               Y=as_operand("y", Y, (blocks.d3, blocks.dv), "head", data[4]))
-    a1p, xp = ops["A1"].pattern, ops["X"].pattern  # A1: one pattern (dense or shared BSR)
-    q_pattern = structural_product(a1p[0, 0], xp[0])[None]  # [1, Hx, nqb, nd], one per X pattern
+    ops = dict(A1=as_operand("a1", A1, (blocks.m, blocks.d1), LEAD["A1"], data[0]),
+               X=as_operand("x", X, (blocks.d1, blocks.d2), LEAD["X"], data[1]),
+               A2=as_operand("a2", A2, (blocks.n, blocks.d2), LEAD["A2"], data[2]),
+               A3=as_operand("a3", A3, (blocks.n, blocks.d3), LEAD["A3"], data[3]),
+               Y=as_operand("y", Y, (blocks.d3, blocks.dv), LEAD["Y"], data[4]))
+    # [Ba1, 1, nqb, nd1] x [1, Hx, nd1, nd] -> [Bq, Hq, nqb, nd]: one Q pattern per (A1, X) pattern pair
+    q_pattern = structural_product(ops["A1"].pattern, ops["X"].pattern)
     flat = q_pattern.flatten(2)
-    ids = flat.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1  # row-major tile ids per X pattern
+    ids = flat.to(torch.int32).cumsum(-1, dtype=torch.int32) - 1  # row-major tile ids per Q pattern
     q_map = torch.where(flat, ids, -1).view(q_pattern.shape).to(torch.int32)
     nnz_q = int(flat.sum(-1).max()) if flat.numel() else 0
     masks = None if qk_layout is None else qk_layout.to_block_mask()
     A2op = ops["A2"]
+    same_q, same_a2 = first_equal(q_pattern), first_equal(A2op.pattern)
+    same_qk = None if masks is None else first_equal(masks)
 
-    def key(b, h):
-        iq = h if q_map.shape[1] > 1 else 0
-        iqk = None if masks is None else (b if masks.shape[0] > 1 else 0, h if masks.shape[1] > 1 else 0)
-        return iq, A2op.map_index(b, h), iqk
+    def key(b, h):  # groups on equal patterns share a part
+        iqk = None if masks is None else same_qk[group_index(masks, b, h)]
+        return same_q[group_index(q_map, b, h)], same_a2[A2op.map_index(b, h)], iqk
 
     def build(k):
         iq, ia2, iqk = k
-        return attention_plan(q_pattern[0, iq], A2op.pattern[ia2], None if iqk is None else masks[iqk])
+        return attention_plan(q_pattern[iq], A2op.pattern[ia2], None if iqk is None else masks[iqk])
 
     keys = [key(*divmod(g, batch.H)) for g in range(batch.groups)]
     plans = group_plans(keys, build, stack_attention_plans, q_pattern.device)
@@ -82,9 +85,11 @@ def build_problem(A1, A2, A3, X, Y, qk_layout: BlockSparseLayout | None, blocks:
 
 def product_plans(A: Operand, B: Operand, C: Operand, batch: Batch) -> GroupPlans:
     """The row-panel plans of ``C = A B`` for every group: one :func:`product_plan` per distinct
-    triple of block maps."""
+    triple of block maps (tile ids included: the plan lists A's)."""
+    same = [first_equal(op.block_map) for op in (A, B, C)]
+
     def key(b, h):
-        return A.map_index(b, h), B.map_index(b, h), C.map_index(b, h)
+        return tuple(s[op.map_index(b, h)] for s, op in zip(same, (A, B, C)))
 
     def build(k):
         ia, ib, ic = k

@@ -4,7 +4,8 @@ backends with: every operand expanded to a dense float64 tensor, ``Q = A1 X``, `
 (:func:`sparse_io_attn.block_sparse.reference.masked_attention`: a query row with no key gives output
 0 and lse ``-inf``, not NaN), and the five gradients by float64 autograd. A block-sparse operand's
 expected gradient is the dense gradient restricted to its stored blocks (``values``-shaped; a
-per-head list of matrices gets a list), which is what the backends return on ``values.grad``.
+list of matrices, per batch element or per head, gets a list), which is what the backends return on
+each matrix's ``values.grad``.
 Operands shared along an axis get the gradient summed over that axis (autograd of the broadcast)."""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from sparse_io_attn.block_sparse.reference import masked_attention
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
-from sparse_io_attn.sparse_operands.batch import dense_stack, is_per_head, squeeze
+from sparse_io_attn.sparse_operands.batch import dense_stack, is_list, squeeze
 from sparse_io_attn.sparse_operands.operands import check_batch
 from sparse_io_attn.sparse_operands.torch_path import products, qk_mask
 
@@ -33,17 +34,17 @@ def stored_blocks(dense: torch.Tensor, m: BlockSparseMatrix) -> torch.Tensor:
 
 def _leaf(t) -> torch.Tensor:
     """The float64 dense leaf of an operand: its own shape for dense tensors and a single matrix,
-    ``[H, r, c]`` for a per-head list."""
+    ``[L, r, c]`` for a list of ``L`` matrices (one per batch element or head)."""
     if isinstance(t, torch.Tensor):
         return t.detach().double()
-    if is_per_head(t):
+    if is_list(t):
         return dense_stack([m.detach() for m in t]).double()
     return t.detach().to_dense().double()
 
 
 def _expected(g: torch.Tensor, t):
-    if is_per_head(t):
-        return [stored_blocks(g[h], m) for h, m in enumerate(t)]
+    if is_list(t):
+        return [stored_blocks(g[i], m) for i, m in enumerate(t)]
     return stored_blocks(g, t) if isinstance(t, BlockSparseMatrix) else g
 
 
@@ -51,10 +52,10 @@ def attention_reference(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None
                         do: torch.Tensor | None = None):
     """``(out, lse)`` in float64 (natural log), or with the output gradient ``do`` ``(out, lse,
     {name: gradient})`` for the names in :data:`OPERANDS` (dense operands: dense gradients of their
-    shape; a :class:`BlockSparseMatrix`: :func:`stored_blocks` of the dense gradient; a per-head
-    list: a list of those). Shapes as :func:`~sparse_io_attn.sparse_operands.attention` returns them
-    (``[nq, dv]`` for the single-head form, ``[B, H, nq, dv]`` batched); operands as it takes them;
-    ``qk_layout`` None means all keys."""
+    shape; a :class:`BlockSparseMatrix`: :func:`stored_blocks` of the dense gradient; a list (per
+    batch element or per head): a list of those). Shapes as
+    :func:`~sparse_io_attn.sparse_operands.attention` returns them (``[nq, dv]`` for the single-head
+    form, ``[B, H, nq, dv]`` batched); operands as it takes them; ``qk_layout`` None means all keys."""
     batch = check_batch(A1, A2, A3, X, Y, qk_layout)
     operands = dict(zip(OPERANDS, (A1, X, A2, A3, Y)))
     leaves = {name: _leaf(t).requires_grad_(do is not None) for name, t in operands.items()}

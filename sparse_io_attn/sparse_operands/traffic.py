@@ -130,7 +130,7 @@ def _attention_terms(tally: _Tally, p: Problem, dv: int, es: int, backward: bool
         return int(x.sum()) if isinstance(x, torch.Tensor) else int(x)
 
     for part, count, (iq, ia2, _) in _parts(p.plans, group):
-        pq = (p.q_map[0, iq] >= 0).cpu().long()
+        pq = (p.q_map[iq] >= 0).cpu().long()
         pa2 = p.A2.pattern[ia2].cpu().long()
         q_cols = pq @ wd  # [nqb]
         a2_cols = pa2 @ wd  # [nkb]

@@ -304,7 +304,9 @@ def _ops(**over):
     pytest.param(dict(A3=torch.randn(30, 16)), {}, ValueError, "A3 must have as many rows", id="A3-rows"),
     pytest.param(dict(Y=torch.randn(8, 16)), {}, ValueError, "Y must have 16 rows", id="Y-rows"),
     pytest.param(dict(A1=torch.randn(1, 2, 32, 16)), {}, ValueError, "must be 2-D", id="4d"),
-    pytest.param(dict(A1=[[1.0]]), {}, TypeError, "A1 must be a torch.Tensor or a BlockSparseMatrix", id="list"),
+    pytest.param(dict(A1=[[1.0]]), {}, TypeError, "A1 as a list must hold one BlockSparseMatrix per batch element",
+                 id="list"),
+    pytest.param(dict(A1="A1"), {}, TypeError, "A1 must be a torch.Tensor, a BlockSparseMatrix or a list", id="str"),
     pytest.param(dict(A1=torch.randn(32, 16).double()), {}, TypeError, "dtype", id="float64"),
     pytest.param(dict(A2=torch.randn(32, 16).half()), {}, TypeError, "share a dtype", id="mixed-dtype"),
     pytest.param({}, dict(backend="cuda"), ValueError, "backend must be one of", id="backend"),
@@ -315,8 +317,12 @@ def _ops(**over):
                  ValueError, "inconsistent block sizes along the query", id="block-mismatch"),
     pytest.param(dict(A1=BlockSparseMatrix.random(torch.ones(4, 2, dtype=torch.bool), 8)), dict(backend="triton"),
                  ValueError, "powers of two >= 16", id="triton-small-block"),
-    pytest.param(dict(A3=BlockSparseMatrix.random(torch.ones(2, 1, dtype=torch.bool), 16)), {}, TypeError,
-                 "only A1, X, A2 may be", id="A3-sparse"),
+    pytest.param(dict(A3=BlockSparseMatrix.random(torch.ones(4, 2, dtype=torch.bool), 8)),
+                 dict(qk_layout=BlockSparseLayout.from_block_mask(torch.ones(2, 2, dtype=torch.bool), 16)),
+                 ValueError, r"inconsistent block sizes along the key \(A2, A3 rows\) axis: A3=8", id="A3-block-key"),
+    pytest.param(dict(A3=BlockSparseMatrix.random(torch.ones(2, 1, dtype=torch.bool), 16),
+                      Y=BlockSparseMatrix.random(torch.ones(2, 2, dtype=torch.bool), 8)), {}, ValueError,
+                 "inconsistent block sizes along the A3 column / Y row axis", id="A3-Y-block-mismatch"),
 ])
 def test_errors(over, kw, err, match):
     ops = _ops(**over)

@@ -158,11 +158,13 @@ def test_two_d_call_unchanged_and_equal_to_batched_of_one():
     pytest.param(dict(A2=torch.randn(3, 20, 16)), ValueError, "inconsistent batch sizes", id="batch-mismatch"),
     pytest.param(dict(Y=torch.randn(3, 16, 8)), ValueError, "inconsistent head sizes", id="head-mismatch"),
     pytest.param(dict(X=[torch.randn(16, 16)]), TypeError, "one BlockSparseMatrix per head", id="list-of-dense"),
+    pytest.param(dict(A1=[torch.randn(20, 16)] * 2), TypeError, "one BlockSparseMatrix per batch element",
+                 id="A1-list-of-dense"),
     pytest.param(dict(X=[BlockSparseMatrix.random(torch.ones(2, 2, dtype=torch.bool), 8),
                          BlockSparseMatrix.random(torch.ones(1, 1, dtype=torch.bool), 16)]),
                  ValueError, "must share shape, block size", id="list-mixed-blocks"),
-    pytest.param(dict(A1=[BlockSparseMatrix.random(torch.ones(3, 2, dtype=torch.bool), 8)]), TypeError,
-                 "only X and Y take a per-head list", id="A1-list"),
+    pytest.param(dict(A1=[BlockSparseMatrix.random(torch.ones(3, 2, dtype=torch.bool), 8)] * 3), ValueError,
+                 "inconsistent batch sizes: A1=3, A2=2", id="A1-list-length"),
 ])
 def test_batched_errors(over, err, match):
     g = torch.Generator().manual_seed(0)
