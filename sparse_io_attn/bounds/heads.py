@@ -3,7 +3,8 @@ paper's attention (``paper.attention`` with ``A1 [B, n, d]``, per-head ``X``): o
 :func:`~sparse_io_attn.bounds.nnz_stats` call per ``(b, h)``, and the counts summed over them.
 
 Operand forms (as ``paper.attention`` takes them): ``A1``/``A2`` a 2-D matrix shared by every batch
-element (dense, ``BlockSparseMatrix``, scipy) or a 3-D dense ``[B, n, d]``; ``X`` a 2-D matrix
+element (dense, ``BlockSparseMatrix``, scipy), a 3-D dense ``[B, n, d]`` or a list/tuple of ``B``
+matrices (a pattern per batch element); ``X`` a 2-D matrix
 shared by every head, a 3-D dense ``[H, d, d]`` or a list/tuple of ``H`` matrices (a pattern per
 head); ``qk_layout`` a :class:`~sparse_io_attn.BlockSparseLayout` with ``layout_batch`` 1 or ``B``
 and ``layout_heads`` 1 or ``H``.

@@ -1,7 +1,8 @@
-"""The paper's attention with block-sparse operands: ``softmax(A1 X A2^T * scale) A3 Y`` where A1, X,
-A2 and Y may each be a :class:`~sparse_io_attn.BlockSparseMatrix` (Section 4.3 / Appendix F of the
-paper), for one head or batched: ``A [B, n, d]``, per-head ``X``/``Y`` (``[H, ...]`` dense or a list
-of per-head matrices), output ``[B, H, nq, dv]``, every group in one launch per kernel.
+"""The paper's attention with block-sparse operands: ``softmax(A1 X A2^T * scale) A3 Y`` where every
+operand may be a :class:`~sparse_io_attn.BlockSparseMatrix` (Section 4.3 / Appendix F of the
+paper), for one head or batched: ``A [B, n, d]`` dense or a list of ``B`` matrices (a block pattern
+per batch element), per-head ``X``/``Y`` (``[H, ...]`` dense or a list of per-head matrices), output
+``[B, H, nq, dv]``, every group in one launch per kernel.
 
 * :func:`attention` — the public, differentiable function (backends ``"torch"`` / ``"triton"``).
 * :func:`predict_traffic` — the exact traffic model of the Triton kernels (``TrafficReport``),
