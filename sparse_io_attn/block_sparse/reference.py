@@ -39,14 +39,17 @@ def masked_attention(q, k, v, mask, sm_scale):
     """Masked softmax attention in the input's dtype, differentiable, NaN-free on empty rows.
 
     ``q [B, Hq, Nq, D]``, ``k/v [B, Hkv, Nk, D]`` (GQA: query head ``h`` uses kv head
-    ``h // (Hq // Hkv)``), ``mask`` broadcastable to ``[B, Hq, Nq, Nk]``. Returns ``(out, lse)``
-    with ``lse`` in natural-log units.
+    ``h // (Hq // Hkv)``), ``mask`` broadcastable to ``[B, Hq, Nq, Nk]``, or None for every key
+    (no masking passes over the scores). Returns ``(out, lse)`` with ``lse`` in natural-log units.
     """
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
     s = torch.matmul(q, k.transpose(-1, -2)) * sm_scale
+    if mask is None:
+        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        return torch.matmul(torch.exp(s - lse), v), lse.squeeze(-1)
     mask = mask.expand_as(s)
     row_empty = ~mask.any(dim=-1, keepdim=True)
     neg_inf = torch.tensor(float("-inf"), dtype=s.dtype, device=s.device)

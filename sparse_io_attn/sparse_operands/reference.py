@@ -61,7 +61,7 @@ def attention_reference(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None
     leaves = {name: _leaf(t).requires_grad_(do is not None) for name, t in operands.items()}
     stacked = {name: (v if v.dim() == 3 else v[None]) for name, v in leaves.items()}
     q, k, h = products(*(stacked[n] for n in OPERANDS), batch)
-    mask = qk_mask(qk_layout, q.shape[-2], k.shape[-2], q.device)
+    mask = qk_mask(qk_layout, q.device)
     out, lse = masked_attention(q, k, h, mask, scale)
     out, lse = squeeze(out, batch), squeeze(lse, batch)
     if do is None:
