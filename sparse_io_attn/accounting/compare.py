@@ -24,8 +24,19 @@ from sparse_io_attn.bounds.units import dtype_name, itemsize
 from sparse_io_attn.tally.report import TrafficReport
 
 
-class _Ratios:
-    """``measured_bytes`` over ``bound_bytes``, ``compulsory_bytes`` and ``floor_bytes`` (``inf`` over 0)."""
+@dataclass(frozen=True)
+class _Bytes:
+    """Measured bytes next to compulsory, bound and floor bytes, all in bytes of ``dtype``; the
+    ratios of ``measured_bytes`` to each (``inf`` over 0)."""
+    source: str
+    dtype: str
+    measured_bytes: int
+    bytes_read: int | None
+    bytes_written: int | None
+    compulsory_bytes: int
+    bound_bytes: float
+    floor_bytes: float
+    binds: str
 
     @property
     def ratio_to_bound(self) -> float:
@@ -39,26 +50,6 @@ class _Ratios:
     def ratio_to_floor(self) -> float:
         return self.measured_bytes / self.floor_bytes if self.floor_bytes else float("inf")
 
-
-@dataclass(frozen=True)
-class Comparison(_Ratios):
-    """Measured bytes against a bound, all in bytes of ``dtype``.
-
-    ``ratio_to_bound`` = measured / bound (unit constants), ``ratio_to_compulsory`` = measured /
-    compulsory, ``ratio_to_floor`` = measured / max(compulsory, bound); ``binds`` names the larger
-    of the two (``"compulsory"`` or ``"bound"``).
-    """
-    source: str
-    dtype: str
-    measured_bytes: int
-    bytes_read: int | None
-    bytes_written: int | None
-    compulsory_bytes: int
-    bound_bytes: float
-    floor_bytes: float
-    binds: str
-    bound: Bound
-
     def to_dict(self) -> dict:
         return {
             "source": self.source, "dtype": self.dtype, "measured_bytes": self.measured_bytes,
@@ -66,8 +57,22 @@ class Comparison(_Ratios):
             "compulsory_bytes": self.compulsory_bytes, "bound_bytes": self.bound_bytes,
             "floor_bytes": self.floor_bytes, "binds": self.binds,
             "ratio_to_bound": self.ratio_to_bound, "ratio_to_compulsory": self.ratio_to_compulsory,
-            "ratio_to_floor": self.ratio_to_floor, "bound": self.bound.to_dict(),
+            "ratio_to_floor": self.ratio_to_floor,
         }
+
+
+@dataclass(frozen=True)
+class Comparison(_Bytes):
+    """Measured bytes against a bound, all in bytes of ``dtype``.
+
+    ``ratio_to_bound`` = measured / bound (unit constants), ``ratio_to_compulsory`` = measured /
+    compulsory, ``ratio_to_floor`` = measured / max(compulsory, bound); ``binds`` names the larger
+    of the two (``"compulsory"`` or ``"bound"``).
+    """
+    bound: Bound
+
+    def to_dict(self) -> dict:
+        return dict(super().to_dict(), bound=self.bound.to_dict())
 
     def table(self, verbose: bool = False) -> str:
         """The comparison as a text table; ``verbose`` adds the explicit-constant bounds, each labelled
@@ -145,32 +150,13 @@ def _compare_one(report, bound: Bound, dtype) -> Comparison:
 
 
 @dataclass(frozen=True)
-class HeadTotal(_Ratios):
+class HeadTotal(_Bytes):
     """The total row of a :class:`HeadComparison`, in bytes of ``dtype``: ``measured_bytes`` (the
     heads' sum, or the whole call's counted report when one was given), ``compulsory_bytes`` and
     ``bound_bytes`` the sums over the heads, ``floor_bytes`` the sum of the heads' floors
     ``max(compulsory, bound)`` (independent problems: each needs its own, so this is at least
     ``max(compulsory_bytes, bound_bytes)``); ``binds``: ``"compulsory"`` or ``"bound"`` when every
     head agrees, else ``"mixed"``."""
-    source: str
-    dtype: str
-    measured_bytes: int
-    bytes_read: int | None
-    bytes_written: int | None
-    compulsory_bytes: int
-    bound_bytes: float
-    floor_bytes: float
-    binds: str
-
-    def to_dict(self) -> dict:
-        return {
-            "source": self.source, "dtype": self.dtype, "measured_bytes": self.measured_bytes,
-            "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
-            "compulsory_bytes": self.compulsory_bytes, "bound_bytes": self.bound_bytes,
-            "floor_bytes": self.floor_bytes, "binds": self.binds,
-            "ratio_to_bound": self.ratio_to_bound, "ratio_to_compulsory": self.ratio_to_compulsory,
-            "ratio_to_floor": self.ratio_to_floor,
-        }
 
 
 @dataclass(frozen=True)
