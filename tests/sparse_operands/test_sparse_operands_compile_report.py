@@ -26,7 +26,9 @@ def _report(tmp_path, cases) -> dict:
 
 @pytest.mark.slow
 def test_kernels_pipelined_without_spills_at_head_dims_64_and_128(tmp_path):
-    out = _report(tmp_path, [("bfloat16", 64), ("bfloat16", 128), ("float16", 128)])
+    # bf16 at 64 and fp16 at 128 (the two dtypes compile alike: benchmarks/results/compile_report_sm90.md
+    # has all four combinations)
+    out = _report(tmp_path, [("bfloat16", 64), ("float16", 128)])
     for (dtype, head_dim), rows in out.items():
         by_name = {r["kernel"]: r for r in rows}
         assert set(by_name) == set(LOOPED) | {"paper_attn_bwd_preprocess"}, by_name
