@@ -2,8 +2,9 @@
 (``compile-report --op sparse-operands``): no register spills, every main loop's operand tiles
 copied asynchronously (software-pipelined), tensor-core products, shared memory within an H100
 block, and each per-tile product behind its own runtime branch (absent tiles: no FLOPs on the
-compiled path either). Compiled in a fresh process: this one imported Triton in interpreter mode."""
-import ast
+compiled path either). Each report runs the command in a fresh process: this one imported Triton in
+interpreter mode."""
+import json
 import os
 import subprocess
 import sys
@@ -15,20 +16,27 @@ LOOPED = ("paper_q", "paper_h", "paper_attn_fwd", "paper_attn_bwd_dkv", "paper_a
 
 
 def _report(tmp_path, cases) -> dict:
-    """``{(dtype, head_dim): rows}`` of :func:`compile_report` for ``cases`` (dtype name, head dim)."""
-    code = ("import torch\nfrom sparse_io_attn.sparse_operands.triton.report import compile_report\n"
-            f"out = {{c: compile_report(getattr(torch, c[0]), c[1]) for c in {cases!r}}}\nprint(out)\n")
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=500)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return ast.literal_eval(res.stdout.strip().splitlines()[-1])
+    """``{(dtype, head_dim): rows}`` of ``sparse-io-attn compile-report --op sparse-operands --json``
+    for ``cases`` (dtype name, head dim), each in a fresh process."""
+    out = {}
+    for dtype, head_dim in cases:
+        cmd = [sys.executable, "-m", "sparse_io_attn.cli", "compile-report", "--op", "sparse-operands", "--dtype",
+               dtype, "--head-dim", str(head_dim), "--json"]
+        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+        env.pop("TRITON_INTERPRET", None)
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
+        assert res.returncode == 0, res.stderr[-3000:]
+        report = json.loads(res.stdout)
+        assert (report["op"], report["head_dim"], report["block"]) == ("sparse-operands", head_dim, 64)
+        out[(dtype, head_dim)] = report["rows"]
+    return out
 
 
 @pytest.mark.slow
 def test_kernels_pipelined_without_spills_at_head_dims_64_and_128(tmp_path):
     # bf16 at 64 and fp16 at 128 (the two dtypes compile alike: benchmarks/results/compile_report_sm90.md
     # has all four combinations)
-    out = _report(tmp_path, [("bfloat16", 64), ("float16", 128)])
+    out = _report(tmp_path, [("bf16", 64), ("fp16", 128)])
     for (dtype, head_dim), rows in out.items():
         by_name = {r["kernel"]: r for r in rows}
         assert set(by_name) == set(LOOPED) | {"paper_attn_bwd_preprocess"}, by_name
