@@ -17,13 +17,18 @@ Head dimension (attention kernels): the head dimension is cut into ``NUM_D_TILES
 ``BLOCK_D`` columns (a compile-time count). A program holds its own operand as a tuple of per-d-tile
 register tensors (built in ``tl.static_range``, indexed by the static tile index) and, for each
 kept score block, reads only the other operand's d-tiles stored in both block rows (a fully masked
-load elsewhere: no traffic). Every product over the head dimension — ``S = Q A2^T`` in all three
-kernels, ``dA2 += dS^T Q`` and ``dQ += dS A2`` — is a sum of per-tile ``tl.dot`` calls each behind a
-runtime branch on the tile-presence flags, so d-tiles absent from either operand cost neither loads
+load elsewhere: no traffic). Every product over the head dimension — ``S = Q A2^T`` in the forward
+and dQ kernels (``S^T = A2 Q^T`` in dK/dV), ``dA2 += dS^T Q`` and ``dQ += dS A2`` — is a sum of
+per-tile ``tl.dot`` calls each behind a runtime branch on the tile-presence flags, so d-tiles absent from either operand cost neither loads
 nor FLOPs (:mod:`sparse_io_attn.sparse_operands.flops` models the issued multiply-adds exactly). The row-panel
 product kernel ``_bsr_matmul_kernel`` treats its output columns the same way: one accumulator per
 column tile of C, and per pair only the column tiles stored in both ``B[k, :]`` and ``C[i, :]`` are
 loaded and multiplied.
+
+Pipelining: every main loop is ``tl.range(..., num_stages=LOOP_STAGES)`` (the launch's stage count,
+:mod:`.configs`). Triton's pipeliner otherwise multi-buffers only loads that reach a dot at the top
+level of the loop; with the loop's own stage count it also takes the operand tiles whose only
+products sit behind the presence branches.
 
 Products go through :func:`sparse_io_attn._triton.jit.dot` with fp32 accumulation; its ``DOT_DTYPE``
 constexpr (chosen by :func:`sparse_io_attn._triton.runtime.dot_dtype`) is ``tl.float32`` (exact IEEE
