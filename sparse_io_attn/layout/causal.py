@@ -47,9 +47,9 @@ class CausalBlocks(NamedTuple):
 def causal_blocks(r: torch.Tensor, c: torch.Tensor, block_size, seqlen, causal_offset: int | None) -> CausalBlocks:
     """Liveness of blocks ``(r, c)`` (int tensors of one broadcastable shape) for ``block_size =
     (bq, bk)``, ``seqlen = (seqlen_q, seqlen_k)`` and ``causal_offset`` (``None``: no causal mask,
-    every block alive)."""
+    every block alive). The bounds are computed on ``r`` and ``c`` as given (a ``[M, 1]`` and a
+    ``[1, N]`` stay small); only the comparisons take the broadcast shape."""
     (bq, bk), (sq, sk) = block_size, seqlen
-    r, c = torch.broadcast_tensors(r, c)
     q_lo, q_hi = r * bq, torch.clamp((r + 1) * bq, max=sq) - 1
     k_lo, k_hi = c * bk, torch.clamp((c + 1) * bk, max=sk) - 1
     whole = ((r + 1) * bq <= sq) & ((c + 1) * bk <= sk)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 
 import torch
+import torch.nn.functional as F
 
 from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.causal import causal_offset
@@ -20,13 +21,13 @@ from sparse_io_attn.layout.patterns.selection import topk
 
 def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     """``x [B, H, N, D]`` -> the mean of each block of ``block`` positions, ``[B, H, ceil(N / block), D]``
-    (the last, ragged block averages the positions it has), in float32."""
+    (the last, ragged block averages the positions it has), in float32.
+
+    One average pool over the positions (``ceil_mode``: the ragged window divides by what it has),
+    which on CPU runs about twice as fast as a mean over a block axis of the same tensor."""
     B, H, N, D = x.shape
-    whole = N // block
-    means = x[:, :, :whole * block].unflatten(2, (whole, block)).float().mean(3)   # no copy of x
-    if whole * block < N:                                                          # the ragged last block
-        means = torch.cat([means, x[:, :, whole * block:].float().mean(2, keepdim=True)], dim=2)
-    return means
+    means = F.avg_pool1d(x.float().reshape(B * H, N, D).transpose(1, 2), block, ceil_mode=True)
+    return means.transpose(1, 2).unflatten(0, (B, H))
 
 
 class MoBASelector:

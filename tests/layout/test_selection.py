@@ -127,6 +127,23 @@ def test_topk_matches_brute_force(lead, causal, seqlen, block):
         assert torch.equal(got, want), (k, inc, kp is not None)
 
 
+def test_topk_orders_every_float_class():
+    """Signed zeros tie (the lower index wins), subnormals, the largest finite values, both
+    infinities and NaNs of either sign (ranked lowest, with -inf) sort as floats do."""
+    tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    nan = torch.tensor(float("nan"))
+    values = torch.tensor([0.0, -0.0, tiny / 4, -tiny / 4, big, -big, float("inf"), float("-inf"),
+                           1.0, -1.0, 0.0, -0.0, tiny, -tiny, 1e-40, 3.0]).float()
+    values = torch.cat([values, nan.view(1), (-nan).view(1)])        # a NaN with the sign bit set
+    torch.manual_seed(0)
+    scores = torch.stack([values, values.flip(0), values[torch.randperm(values.numel())]])
+    n = values.numel()
+    for k in (1, 4, 9, n):
+        got = patterns.topk(scores, k, 8, (24, 8 * n), include_diagonal=False).to_block_mask()[0, 0]
+        want = _topk_brute(scores, k, (8, 8), (24, 8 * n), False, False, None)
+        assert torch.equal(got, want), k
+
+
 def test_topk_per_row_keep_and_errors():
     scores = torch.randn(4, 4)
     keep = torch.eye(4, dtype=torch.bool).flip(0)          # row r always keeps block 3 - r

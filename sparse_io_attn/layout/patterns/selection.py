@@ -75,21 +75,26 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
                              f"{tuple(block_scores.shape)}, got {tuple(keep.shape)}")
         forced = keep.to(dev)
     # rank classes: 3 diagonal, 2 kept, 1 eligible, 0 causal future (never chosen); inside a class
-    # by score, ties by the lower index: one unique int64 key per block, so topk's order is exact
-    klass = torch.where(diagonal, 3, torch.where(forced, 2, 1)).to(torch.int64) * eligible
+    # by score, ties by the lower index: one unique int64 key per block, so topk's order is exact.
+    # Class and index depend on (row, column) only, so they form one small ``rank`` added to the
+    # scores' order bits; the full-size passes run in place (one float32 and one int64 buffer).
     index_bits = max(1, (Mk - 1).bit_length())
     if index_bits > 28:
         raise ValueError(f"topk ranks at most 2**28 key blocks per row, got {Mk}; use larger blocks")
-    scores = torch.nan_to_num(block_scores.float(), nan=-math.inf) + 0.0     # -0.0 ranks as 0.0
-    key = (klass << (32 + index_bits)) | (_ordered_bits(scores) << index_bits) | (Mk - 1 - c)
+    one = 1 << (32 + index_bits)
+    klass = torch.where(diagonal, 3 * one, torch.where(forced, 2 * one, one)) * eligible
+    rank = klass + (((1 << 31) << index_bits) + (Mk - 1 - c))
+    scores = torch.nan_to_num(block_scores.float(), nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    key = _ordered_bits_(scores.add_(0.0)).to(torch.int64).mul_(1 << index_bits).add_(rank)  # -0.0 is 0.0
     top = torch.topk(key, min(k, Mk), dim=-1, sorted=True).values
     chosen = torch.where(top >> (32 + index_bits) > 0, Mk - 1 - (top & ((1 << index_bits) - 1)), -1)
     name = f"topk(k={k}{',causal' if delta is not None else ''})"
     return BlockSparseLayout.from_kv_indices(chosen, (bq, bk), (sq, sk), check=False, name=name)
 
 
-def _ordered_bits(x: torch.Tensor) -> torch.Tensor:
-    """float32 -> int64 in ``[0, 2**32)`` with the same order (``-inf`` lowest): the IEEE bits with the
-    sign flipped for positive numbers and all bits flipped for negative ones."""
-    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return torch.where(bits >= 1 << 31, 0xFFFFFFFF - bits, bits + (1 << 31))
+def _ordered_bits_(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int32 with the same order (``-inf`` lowest, ``x`` without NaN), in place in ``x``'s
+    storage: the IEEE bits, with the 31 low bits flipped for negative numbers (their magnitude grows
+    as the bits do)."""
+    bits = x.view(torch.int32)
+    return bits.bitwise_xor_((bits >> 31).bitwise_and_(0x7FFFFFFF))
