@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
 import sys
 
 import pytest
@@ -36,8 +37,6 @@ LAZY: dict[tuple[str, str], str] = {
         "the @triton.jit kernels (and Triton itself) load on the first backend='triton' call",
     ("sparse_io_attn.block_sparse.api", "sparse_io_attn.block_sparse.triton.launch"):
         "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
-    ("sparse_io_attn.accounting.traffic", "sparse_io_attn.dense.traffic"):
-        "the dense traffic model imports the dense Triton kernels: loaded on first use of traffic.dense",
     # the CLI: every subcommand module is imported to build the parser, so what imports Triton (and fixes
     # its interpreter mode, which compile-report must choose itself) loads only in the run that needs it
     ("sparse_io_attn.cli.bench", "sparse_io_attn._triton.runtime"):
@@ -48,8 +47,6 @@ LAZY: dict[tuple[str, str], str] = {
         "imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
     ("sparse_io_attn.cli.compile_report", "sparse_io_attn.sparse_operands.triton.report"):
         "imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
-    ("sparse_io_attn.cli.bounds", "sparse_io_attn.dense.regime"):
-        "the dense Triton kernels: only for the kernel-choice report",
     ("sparse_io_attn.cli.sweep", "sparse_io_attn.experiments.sweeps"):
         "the dense Triton kernels: only when a sweep runs (handed to the sweep's run)",
     ("sparse_io_attn.block_sparse.api", "sparse_io_attn.block_sparse.cpu"):
@@ -210,3 +207,17 @@ def test_the_checks_catch_what_they_are_for(case, monkeypatch):
     check = test_no_import_runs_up_the_floors if case == "upward" else test_no_import_cycle
     with pytest.raises(AssertionError):
         check()
+
+
+def test_dense_models_load_without_the_kernels():
+    """``dense``'s traffic model, regime choice and tiles (what ``bounds`` and ``accounting`` use)
+    import without Triton; the kernel entry points load on first access."""
+    code = ("import sys; import sparse_io_attn.dense as D; from sparse_io_attn.accounting import traffic; "
+            "from sparse_io_attn.cli import bounds; "
+            "print(callable(traffic.dense.large_cache_traffic), 'triton' in sys.modules); "
+            "print(callable(D.forward) and callable(D.attention) and 'backward_small_cache' in dir(D), "
+            "'triton' in sys.modules)\n"
+            "try:\n    D.no_such_name\nexcept AttributeError as e:\n    print('no_such_name' in str(e))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "False", "True", "True", "True"], proc.stdout

@@ -18,25 +18,11 @@ from __future__ import annotations
 from sparse_io_attn.block_sparse.traffic import (block_sparse, block_sparse_backward, block_sparse_flops,
                                                  block_sparse_forward, kept_elements)
 from sparse_io_attn.accounting.network import context_parallel
+from sparse_io_attn.dense import traffic as dense
 from sparse_io_attn.sparse_operands import traffic as sparse_operands
 
 #: the sparse-operand model under the paper's name
 paper = sparse_operands
-
-
-def _dense_model():
-    """:mod:`sparse_io_attn.dense.traffic`, imported on first use (it imports the dense Triton kernels)."""
-    from sparse_io_attn.dense import traffic
-    return traffic
-
-
-_FAMILIES = {"dense": _dense_model}
-
-
-def __getattr__(name):
-    if name in _FAMILIES:
-        return _FAMILIES[name]()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["context_parallel", "block_sparse", "block_sparse_forward", "block_sparse_backward", "block_sparse_flops",

@@ -25,6 +25,7 @@ from sparse_io_attn.bounds import (DEFAULT_CPU_FAST_MEMORY_BYTES, dense_backward
                                    device_fast_memory_words, get_device, parse_memory, sparse, sparse_informal)
 from sparse_io_attn.bounds.units import itemsize
 from sparse_io_attn.cli import _common as common
+from sparse_io_attn.dense import regime
 
 EXAMPLES = """examples:
   sparse-io-attn bounds --seq-len 8192 --head-dim 128 --cache 228KiB --dtype bf16
@@ -198,10 +199,7 @@ def run(args) -> int:
         get_device(args.device)  # ValueError listing the known names
     M = default_cache_words(args.cache, dtype, args.device)
 
-    with _memory_for("loading the dense kernels' regime (Triton)", "allow the process more memory"):
-        from sparse_io_attn.dense import regime  # the dense Triton kernels (and Triton): only when asked
-
-        choice = regime.kernel_choice(n, d, M, dtype)
+    choice = regime.kernel_choice(n, d, M, dtype)
     out = {"n": n, "d": d, "dtype": args.dtype, "M_words": M, "M_bytes": M * itemsize(dtype),
            "d_squared": d * d, "M_over_d2": M / (d * d),
            "regime": "small cache (M < d^2)" if M < d * d else "large cache (M >= d^2)",

@@ -14,14 +14,35 @@ for ``A1, A2, A3 [..., n, d]`` and ``X, Y [d, d]``.
 * :mod:`.traffic`: the exact traffic model of every kernel (``TrafficReport(source="predicted")``).
 
 Kernels run on CUDA, or on CPU through Triton's interpreter (slow; for tests and counting).
+Importing this package does not import Triton: the kernel entry points (:func:`forward`, the two
+backward kernels, :class:`DenseGrads`, and :func:`attention`, :func:`backward`,
+:func:`backward_choice` that call them) load on first access, so the traffic model, the regime
+choice and the tile rules serve ``bounds`` and ``accounting`` without the kernels.
 """
-from sparse_io_attn.dense.triton.launch import DenseGrads
-from sparse_io_attn.dense.triton.launch_forward import forward
-from sparse_io_attn.dense.api import attention, backward, backward_choice
-from sparse_io_attn.dense.triton.launch_large_cache import backward_large_cache
+import importlib
+
 from sparse_io_attn.dense.regime import KernelChoice, choose_backward, choose_forward, choose_regime, default_M
-from sparse_io_attn.dense.triton.launch_small_cache import backward_small_cache
 from sparse_io_attn.dense.tiles import large_cache_blocks, min_large_cache_M, small_cache_block, working_set_words
+
+#: name -> the module that defines it, imported on first access (it imports the Triton kernels)
+_KERNEL_ENTRY_POINTS = {
+    "forward": "triton.launch_forward", "backward_small_cache": "triton.launch_small_cache",
+    "backward_large_cache": "triton.launch_large_cache", "DenseGrads": "triton.launch",
+    "attention": "api", "backward": "api", "backward_choice": "api",
+}
+
+
+def __getattr__(name):
+    if name in _KERNEL_ENTRY_POINTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_KERNEL_ENTRY_POINTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_KERNEL_ENTRY_POINTS))
+
 
 __all__ = ["forward", "backward", "backward_small_cache", "backward_large_cache", "attention",
            "DenseGrads", "choose_regime", "choose_backward", "choose_forward", "backward_choice", "KernelChoice",
