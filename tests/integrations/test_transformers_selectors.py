@@ -65,6 +65,9 @@ def test_moba_spec_matches_reference_logits_and_grads():
     assert rel_err(outs[1][0], outs[0][0]) < 1e-5
     for name, g in outs[0][1].items():
         assert rel_err(outs[1][1][name], g) < 1e-4, name
+    # without an element mask the selection is the layout: no static layout was built beside it
+    cached = [key for m in sp.modules() for key in getattr(m, "_sparse_io_attn_layouts", {})]
+    assert cached and all(key[0] == "selector" for key in cached), cached
 
 
 def test_moba_spec_with_padding_and_generation():

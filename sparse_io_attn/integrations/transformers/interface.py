@@ -13,8 +13,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("sparse_io_attn.integrations.transformers needs Hugging Face Transformers >= 5: "
                       "pip install 'sparse-io-attn[hf]' (or pip install 'transformers>=5')") from exc
 
-from sparse_io_attn.integrations.transformers.layouts import (layout_no_mask, layout_with_mask, module_selector,
-                                                              remember_mask)
+from sparse_io_attn.integrations.transformers.layouts import (check_lengths, layout_no_mask, layout_with_mask,
+                                                              module_selector, remember_mask)
 from sparse_io_attn.nn.ops import block_sparse_attention_op
 
 DEFAULT_NAME = "sparse_io_attn"
@@ -95,16 +95,19 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                       "use attn_implementation='eager' to get them", stacklevel=2)
     q, kv, device = query.shape[2], key.shape[2], query.device
     causal_model = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    selector, backend = module_selector(module, "bottom_right" if causal_model else False)
     if attention_mask is None:
-        layout, backend = layout_no_mask(module, q, kv, device)
         causal = "bottom_right" if causal_model else False
+        if selector is not None:   # chosen from this call's queries and keys (the queries are the last q keys)
+            check_lengths(q, kv)
+            layout = selector(query, key)
+        else:
+            layout, backend = layout_no_mask(module, q, kv, device)
     else:
         layout, backend = layout_with_mask(module, attention_mask, q, kv, kwargs.get("position_ids"), device)
         causal = False  # the element mask carries the model's causality
-    selector = module_selector(module, "bottom_right" if causal_model else False)
-    if selector is not None:    # chosen from this call's queries and keys (the queries are the last q keys)
-        selected = selector(query, key)
-        layout = selected if attention_mask is None else _intersect(selected, layout)
+        if selector is not None:   # the selection, within the mask's blocks
+            layout = _intersect(selector(query, key), layout)
     out = block_sparse_attention_op(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend)
     return out.transpose(1, 2).contiguous(), None
 

@@ -93,9 +93,7 @@ def layout_no_mask(module, q: int, kv: int, device: torch.device):
 @torch.compiler.disable(reason="sparse_io_attn: building a layout for a new sequence length is data-dependent; "
                         "run one eager forward per length before torch.compile(..., fullgraph=True)")
 def _build_no_mask(module, q: int, kv: int, device: torch.device):
-    if kv < q:
-        raise ValueError(f"sparse_io_attn: {q} queries and only {kv} keys; self-attention with a KV cache "
-                         f"has seqlen_k >= seqlen_q")
+    check_lengths(q, kv)
     pat = module_pattern(module)
     layout = _window_layout(pat, kv - q, 0, q, kv)   # queries are the last q positions (bottom-right)
     if layout is None:
@@ -114,8 +112,9 @@ def _remember(module, key, value):
 
 
 def module_selector(module, causal):
-    """The module's selector (``config.sparse_attention`` such as ``"moba:block=64,top_k=8"``) with the
-    model's causality, or ``None`` for a static pattern (cached on the module)."""
+    """``(selector, backend)``: the module's selector (``config.sparse_attention`` such as
+    ``"moba:block=64,top_k=8"``) with the model's causality, or ``None`` for a static pattern, and the
+    backend its layouts run on (cached on the module)."""
     cache = getattr(module, _MODULE_CACHE_ATTR, None)
     key = ("selector", causal)
     if cache is not None and key in cache:
@@ -126,10 +125,18 @@ def module_selector(module, causal):
 @torch.compiler.disable(reason="sparse_io_attn: reading config.sparse_attention; run one eager forward before "
                         "torch.compile(..., fullgraph=True)")
 def _build_selector(module, causal):
-    selector = module_pattern(module).selector
+    pat = module_pattern(module)
+    selector = pat.selector
     if selector is not None:
         selector = selectors.moba(selector.block_size, selector.top_k, causal=causal)
-    return _remember(module, ("selector", causal), selector)
+    return _remember(module, ("selector", causal), (selector, pat.backend))
+
+
+def check_lengths(q: int, kv: int) -> None:
+    """Self-attention with a KV cache has at least as many keys as queries (``ValueError`` otherwise)."""
+    if kv < q:
+        raise ValueError(f"sparse_io_attn: {q} queries and only {kv} keys; self-attention with a KV cache "
+                         f"has seqlen_k >= seqlen_q")
 
 
 # mask tensor -> (q_offset, kv_offset, maybe_packed) recorded by sparse_io_attn_mask when the offsets
