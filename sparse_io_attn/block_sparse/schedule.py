@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_io_attn.layout._csr import INDEX_DTYPE, csc_order, group_offsets, slot_entries, stable_partition
+from sparse_io_attn.layout._csr import csc_order, front_slots, group_offsets, pack_front, slot_entries
 from sparse_io_attn.layout.causal import causal_blocks
 from sparse_io_attn.layout.core import BlockSparseLayout
 
@@ -80,11 +80,10 @@ def _lists(L: int, n: int, own, other, pid, alive, full) -> BlockLists:
     partial lists over ``L * n`` rows, each packed at the front of a buffer with one slot per entry
     (slots past the last pointer hold block 0 / mask -1 and are never read)."""
     part = alive & ~full
-
-    def packed(keep, values, fill):
-        return torch.where(keep, values, fill)[stable_partition(keep)].to(INDEX_DTYPE)
-    return BlockLists(group_offsets(own, full, L * n, L), packed(full, other, 0),
-                      group_offsets(own, part, L * n, L), packed(part, other, 0), packed(part, pid, -1))
+    full_at, part_at = front_slots(full), front_slots(part)
+    return BlockLists(group_offsets(own, full, L * n, L), pack_front(full_at, other, 0),
+                      group_offsets(own, part, L * n, L), pack_front(part_at, other, 0),
+                      pack_front(part_at, pid, -1))
 
 
 def _build(layout: BlockSparseLayout, causal_offset: int | None) -> Schedule:

@@ -94,17 +94,19 @@ def csc_order(used, lid, r, c, R: int, C: int) -> torch.Tensor:
     return torch.sort(key, stable=True).indices
 
 
-def stable_partition(keep: torch.Tensor) -> torch.Tensor:
-    """The permutation ``order`` (int64) that moves the entries where ``keep`` (bool ``[n]``) to the
-    front, each group in its original order: ``x[order]`` is ``x[keep]`` followed by ``x[~keep]``.
-    Fixed size, no host synchronisation (``x[keep]`` has a data-dependent size)."""
+def front_slots(keep: torch.Tensor) -> torch.Tensor:
+    """Where :func:`pack_front` writes each entry (int64 ``[n]``): the ``i``-th kept entry (``keep``,
+    bool ``[n]``) to slot ``i``, every other entry to the spare slot ``n``."""
     kept = keep.to(torch.int64)
-    before_kept = torch.cumsum(kept, 0) - kept                     # kept entries before each entry
-    position = torch.where(keep, before_kept,
-                           kept.sum() + torch.arange(keep.numel(), device=keep.device) - before_kept)
-    order = torch.empty_like(position)
-    order[position] = torch.arange(keep.numel(), device=keep.device)
-    return order
+    return torch.where(keep, torch.cumsum(kept, 0) - kept, keep.numel())
+
+
+def pack_front(slots: torch.Tensor, values: torch.Tensor, fill: int, dtype=INDEX_DTYPE) -> torch.Tensor:
+    """``values[keep]`` in order at the front of an ``[n]`` tensor, ``fill`` after (``slots`` from
+    :func:`front_slots`): one scatter into a buffer with a spare slot that takes the entries not kept.
+    Fixed size, no host synchronisation (``values[keep]`` has a data-dependent size)."""
+    out = torch.full((slots.numel() + 1,), fill, dtype=dtype, device=values.device)
+    return out.scatter_(0, slots, values.to(dtype))[:-1]
 
 
 def group_offsets(group: torch.Tensor, keep: torch.Tensor, num_groups: int, L: int) -> torch.Tensor:

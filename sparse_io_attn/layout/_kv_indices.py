@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.layout._csr import (INDEX_DTYPE, _absolute_crow, check_index_capacity, slot_rows,
-                                        stable_partition)
+from sparse_io_attn.layout._csr import (INDEX_DTYPE, _absolute_crow, check_index_capacity, front_slots,
+                                        pack_front, slot_rows)
 
 
 def csr_from_kv_lists(kv_indices: torch.Tensor, num_kv_blocks: int, L: int,
@@ -35,8 +35,7 @@ def csr_from_kv_lists(kv_indices: torch.Tensor, num_kv_blocks: int, L: int,
     torch.cumsum(keep.sum(1), 0, out=flat[1:])
     crow = _absolute_crow(flat, L, rows // L)
     keep = keep.reshape(-1)
-    col = torch.where(keep, ordered.reshape(-1), 0)[stable_partition(keep)]
-    return crow.to(INDEX_DTYPE), col.to(INDEX_DTYPE)
+    return crow.to(INDEX_DTYPE), pack_front(front_slots(keep), ordered.reshape(-1), 0)
 
 
 def repeat_matrices(crow: torch.Tensor, slots: list[torch.Tensor], times: int, fill: list[int]):

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from sparse_io_attn import BlockSparseLayout
-from sparse_io_attn.layout._csr import csr_to_mask
+from sparse_io_attn.layout._csr import csr_to_mask, front_slots, pack_front
 
 
 @pytest.mark.parametrize("shape,block,seqlen", [
@@ -176,3 +176,14 @@ def test_partial_blocks_algebra_pickle_draw_and_device():
     from sparse_io_attn.layout._csr import csr_transpose
     _, _, perm = csr_transpose(b.crow_indices, b.col_indices, b.num_kv_blocks)
     assert torch.equal(b.csc_partial_ids, b.partial_ids[perm])
+
+
+@pytest.mark.parametrize("n, p", [(0, 0.5), (1, 1.0), (7, 0.0), (50, 0.3), (50, 1.0), (513, 0.6)])
+def test_pack_front_equals_boolean_indexing(n, p):
+    """``pack_front`` (one scatter, fixed size) puts exactly ``values[keep]`` first, in order, then ``fill``."""
+    g = torch.Generator().manual_seed(n)
+    keep = torch.rand(n, generator=g) < p
+    values = torch.randint(-1000, 1000, (n,), generator=g)
+    got = pack_front(front_slots(keep), values, -7)
+    want = torch.cat([values[keep], torch.full((n - int(keep.sum()),), -7)]).to(torch.int32)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
