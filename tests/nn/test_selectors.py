@@ -22,6 +22,17 @@ def _pooled(x, block):
     return torch.stack([x[:, :, s:s + block].double().mean(2) for s in range(0, N, block)], dim=2)
 
 
+@pytest.mark.parametrize("n, dtype", [(5, torch.float32), (64, torch.float32), (97, torch.bfloat16),
+                                      (33, torch.float64)])
+def test_block_means_any_length_and_dtype(n, dtype):
+    """Shorter than one block, whole blocks, a ragged tail; 16-bit and float64 inputs: float32 means."""
+    torch.manual_seed(n)
+    x = torch.randn(2, 3, n, 8).to(dtype)
+    got = selectors.block_means(x, 16)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, math.ceil(n / 16), 8)
+    assert rel_err(got.double(), _pooled(x, 16)) < 1e-6
+
+
 def test_block_means_and_moba_scores_match_brute_force():
     torch.manual_seed(0)
     q, k = torch.randn(2, 4, 70, 8), torch.randn(2, 2, 70, 8)
