@@ -19,11 +19,11 @@ register tensors (built in ``tl.static_range``, indexed by the static tile index
 kept score block, reads only the other operand's d-tiles stored in both block rows (a fully masked
 load elsewhere: no traffic). Every product over the head dimension — ``S = Q A2^T`` in the forward
 and dQ kernels (``S^T = A2 Q^T`` in dK/dV), ``dA2 += dS^T Q`` and ``dQ += dS A2`` — is a sum of
-per-tile ``tl.dot`` calls each behind a runtime branch on the tile-presence flags, so d-tiles absent from either operand cost neither loads
-nor FLOPs (:mod:`sparse_io_attn.sparse_operands.flops` models the issued multiply-adds exactly). The row-panel
-product kernel ``_bsr_matmul_kernel`` treats its output columns the same way: one accumulator per
-column tile of C, and per pair only the column tiles stored in both ``B[k, :]`` and ``C[i, :]`` are
-loaded and multiplied.
+per-tile ``tl.dot`` calls each behind a runtime branch on the tile-presence flags, so d-tiles absent
+from either operand cost neither loads nor FLOPs (:mod:`sparse_io_attn.sparse_operands.flops` models
+the issued multiply-adds exactly). The row-panel product kernel ``_bsr_matmul_kernel`` treats its
+output columns the same way: one accumulator per column tile of C, and per pair only the column
+tiles stored in both ``B[k, :]`` and ``C[i, :]`` are loaded and multiplied.
 
 Pipelining: every main loop is ``tl.range(..., num_stages=LOOP_STAGES)`` (the launch's stage count,
 :mod:`.configs`). Triton's pipeliner otherwise multi-buffers only loads that reach a dot at the top
