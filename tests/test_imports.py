@@ -16,9 +16,9 @@ PACKAGE = "sparse_io_attn"
 
 #: top-level part of the package -> floor; a module may import its own floor and those below
 FLOORS = {
-    "_memory": 0, "_triton": 0, "tally": 0, "layout": 0,
+    "_memory": 0, "_triton": 0, "_cpu": 0, "tally": 0, "layout": 0,
     "bounds": 1,
-    "block_sparse": 2, "dense": 2, "sparse_operands": 2,
+    "block_sparse": 2, "dense": 2, "sparse_operands": 2, "selection": 2,
     "accounting": 3,
     "nn": 4, "integrations": 4, "distributed": 4,
     "experiments": 5,

@@ -1,11 +1,11 @@
-"""Host side of backend ``"cpu"``: schedule tensors in, the C++ ops (:mod:`._build`) called."""
+"""Host side of backend ``"cpu"``: schedule tensors in, the C++ ops (:mod:`sparse_io_attn._cpu.build`) called."""
 from __future__ import annotations
 
 import weakref
 
 import torch
 
-from sparse_io_attn.block_sparse.cpu._build import load
+from sparse_io_attn._cpu.build import load
 from sparse_io_attn.block_sparse.schedule import BlockLists, Schedule, schedule
 from sparse_io_attn.layout.core import BlockSparseLayout
 

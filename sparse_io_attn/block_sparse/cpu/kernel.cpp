@@ -1,9 +1,9 @@
 // Backend "cpu" of sparse_io_attn: fused block-sparse flash attention, forward and backward.
 //
 // One translation unit (this file and the headers simd.h, tiles.h, schedule.h, forward.h,
-// backward.h, included in that order), JIT-built by sparse_io_attn/block_sparse/cpu/_build.py
+// backward.h, included in that order), JIT-built with the other ops' kernels by sparse_io_attn/_cpu/build.py
 // (torch.utils.cpp_extension.load) and registered as torch ops in the namespace
-// `sparse_io_attn_cpu` (TORCH_LIBRARY: no pybind11, which keeps the build short).
+// `sparse_io_attn_cpu` (TORCH_LIBRARY_FRAGMENT: no pybind11, which keeps the build short).
 //
 // Math (the same as the Triton kernels and the torch path): scores in base 2,
 // t = (q . k) * c with c = sm_scale * log2(e); online softmax over the kept key blocks of a
@@ -89,7 +89,7 @@ std::string capability() {
 }  // namespace sia
 
 
-TORCH_LIBRARY(sparse_io_attn_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor full_ptr, Tensor full_idx, Tensor part_ptr, Tensor part_idx, "
         "Tensor part_mask, Tensor masks, int block_q, int block_k, int stride_lb, int stride_lh, "
         "int? causal_offset, float sm_scale) -> (Tensor, Tensor, Tensor)");

@@ -1,7 +1,10 @@
-"""JIT build and loading of the C++ kernel (``kernel.cpp`` and the headers it includes), and the fallback when it cannot be built.
+"""JIT build and loading of the library's C++ CPU kernels, and the fallback when they cannot be built.
 
-The kernel is compiled on first use with :func:`torch.utils.cpp_extension.load` (ninja, one
-translation unit, ``-O3`` and ``-march=native`` on x86-64) into torch's default extensions
+One extension holds every op's CPU kernels: the translation units in :data:`SOURCES` (one
+``kernel.cpp`` per op folder's ``cpu/``), which include their own headers and the shared ones in
+this folder (``simd.h``: ISA selection and vector helpers; ``tiles.h``: work buffers, task runner,
+tile products, packing). It is compiled on first use with :func:`torch.utils.cpp_extension.load`
+(ninja, the translation units in parallel, ``-O3`` and ``-march=native`` on x86-64) into torch's default extensions
 directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The extension's name
 carries a digest of the source, the flags, the torch version and the CPU's feature flags, so a
 cached build is reused exactly when it matches (another torch version or another CPU kind builds
@@ -26,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -34,10 +38,28 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernel.cpp")
-# the headers kernel.cpp includes (one translation unit); the build's digest covers all of them
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "tiles.h", "schedule.h", "forward.h",
-                                                             "backward.h"))
+HERE = Path(__file__).parent
+PACKAGE = HERE.parent
+#: one translation unit per op, registering its ops with TORCH_LIBRARY_FRAGMENT in NAMESPACE
+SOURCES = (PACKAGE / "block_sparse" / "cpu" / "kernel.cpp",)
+
+
+def included_headers(sources=SOURCES) -> tuple[Path, ...]:
+    """Every header the sources include with ``#include "name"`` (looked up beside the including
+    file, then in this folder), recursively: what the build's digest covers."""
+    found: dict[Path, None] = {}
+    todo = list(sources)
+    while todo:
+        path = todo.pop()
+        for name in re.findall(r'#include "([^"]+)"', path.read_text()):
+            header = path.parent / name if (path.parent / name).is_file() else HERE / name
+            if header not in found:
+                found[header] = None
+                todo.append(header)
+    return tuple(sorted(found))
+
+
+HEADERS = included_headers()
 NAMESPACE = "sparse_io_attn_cpu"
 DISABLE_ENV = "SPARSE_IO_ATTN_NO_CPU_KERNEL"   # set to 1: behave as if the kernel could not be built
 ARCH_ENV = "SPARSE_IO_ATTN_CPU_MARCH"          # -march value instead of "native" (x86)
@@ -93,7 +115,7 @@ def _cpu_signature() -> str:
 
 def extension_name() -> str:
     h = hashlib.sha1()
-    for part in (*(path.read_bytes() for path in (SOURCE, *HEADERS)), " ".join(_cflags()).encode(),
+    for part in (*(path.read_bytes() for path in (*SOURCES, *HEADERS)), " ".join(_cflags()).encode(),
                  str(_openmp()).encode(), torch.__version__.encode(),
                  _cpu_signature().encode(), sys.version.encode()):
         h.update(part)
@@ -129,7 +151,7 @@ def _problem() -> str | None:
     """Why a build cannot even start (None: try it)."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return f"disabled by the environment variable {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
-    missing = [path for path in (SOURCE, *HEADERS) if not path.is_file()]
+    missing = [path for path in (*SOURCES, *HEADERS) if not path.is_file()]
     if missing:
         return (f"the kernel source {missing[0]} is missing from the installed package; reinstall "
                 f"sparse_io_attn from a source checkout (pip install -e .)")
@@ -149,7 +171,8 @@ def _build():
     if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
         print(f"sparse_io_attn: compiling the CPU attention kernel (first use with this torch/CPU; "
               f"about a minute) into {build_dir}", file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(),
+    cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=_cflags(),
+                       extra_include_paths=[str(HERE)],
                        extra_ldflags=(["-fopenmp"] if _openmp() else []) + _sanitize_flags(),
                        is_python_module=False, verbose=False)
     return getattr(torch.ops, NAMESPACE)

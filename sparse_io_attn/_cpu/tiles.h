@@ -62,7 +62,7 @@ class BufferCache {
   size_t cached_ = 0;
 };
 
-static BufferCache& buffer_cache() {
+inline BufferCache& buffer_cache() {
   static BufferCache* cache = new BufferCache();  // never destroyed: no exit-order issues
   return *cache;
 }
@@ -82,7 +82,7 @@ struct Buf {
   Buf& operator=(const Buf&) = delete;
 };
 
-void empty_cache() { buffer_cache().clear(); }
+inline void empty_cache() { buffer_cache().clear(); }
 
 // A [B, H, rows, D] fp32 operand: rows of D contiguous floats at p + b*sb + h*sh + row*ld.
 struct Rows {

@@ -1,0 +1,184 @@
+"""`selection_attention`: attention where each query token attends the key blocks it selected.
+
+Backends share one interface (inputs validated, the plan on the inputs' device):
+
+* ``forward(q, k, v, plan, *, sm_scale) -> (out, lse, stats)``
+* ``backward(do, q, k, v, out, stats, plan, *, sm_scale) -> (dq, dk, dv)``
+
+``plan`` is a :class:`~sparse_io_attn.selection.plan.SelectionPlan` (normalised rows, key-major lists
+on demand, the causal offset, how ``[B, Hq]`` index it: :meth:`~.plan.SelectionPlan.head_map`).
+``lse`` is fp32 ``[B, Hq, Nq]`` in natural-log units (``-inf`` on rows without an allowed key, whose
+output is 0); ``stats`` fp32 ``[2, B, Hq, Nq]`` is each row's base-2 score maximum and log2 of its
+sum (``+inf``/``0`` on empty rows), what backward recomputes the probabilities from.
+"""
+from __future__ import annotations
+
+import torch
+
+from sparse_io_attn.block_sparse.api import _SUPPORTED_DTYPES, _resolve_sm_scale, _no_double_backward
+from sparse_io_attn.layout.causal import causal_offset
+from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.selection import torch_path
+from sparse_io_attn.selection.plan import SelectionPlan
+
+BACKENDS = ("auto", "torch", "triton", "cpu")
+
+
+def _cpu_backend():
+    """Backend ``"cpu"`` (the C++ kernels, built on first use)."""
+    from sparse_io_attn.selection import cpu
+    return cpu
+
+
+def _triton_backend():
+    """Backend ``"triton"``, imported on first use (importing Triton is slow and optional)."""
+    from sparse_io_attn.selection.triton import launch
+    return launch
+
+
+def _backend(name: str):
+    if name == "cpu":
+        return _cpu_backend()
+    if name == "triton":
+        return _triton_backend()
+    return torch_path
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``"auto"`` -> ``"triton"`` on CUDA, ``"cpu"`` on CPU when the C++ kernels build, else ``"torch"``."""
+    if backend == "auto":
+        if device.type == "cuda":
+            return "triton"
+        if device.type == "cpu" and _cpu_backend().available_for_auto():
+            return "cpu"
+        return "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _check_tensors(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [batch, heads, seqlen, head_dim], got {tuple(t.shape)}")
+        if t.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    B, Hq, Nq, D = q.shape
+    if k.shape[0] != B:
+        raise ValueError(f"q has batch {B} and k has batch {k.shape[0]}; they must match")
+    if k.shape[3] != D:
+        raise ValueError(f"q has head_dim {D} and k/v have {k.shape[3]}; they must match")
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(f"q has {Hq} heads and k has {k.shape[1]}; num_heads_q must be a multiple of "
+                         f"num_heads_kv (GQA/MQA)")
+
+
+def as_selection(indices, block_size, counts) -> Selection:
+    """``indices`` (a :class:`Selection`, or an index tensor with ``block_size`` and ``counts``) as a
+    :class:`Selection`."""
+    if isinstance(indices, Selection):
+        if block_size is not None and block_size != indices.block_size:
+            raise ValueError(f"the Selection has block_size {indices.block_size} but block_size={block_size} was "
+                             f"passed; leave block_size out when passing a Selection")
+        if counts is not None:
+            raise ValueError("the Selection carries its counts; leave counts out when passing a Selection")
+        return indices
+    if block_size is None:
+        raise TypeError("selection_attention needs block_size= with an index tensor (keys per selected block; "
+                        "1 = single tokens), or a Selection in place of the indices")
+    return Selection(indices, block_size, counts)
+
+
+def prepare(q, k, v, indices, *, block_size=None, counts=None, causal=False, sm_scale=None,
+            backend: str = "auto", check: bool = True):
+    """Validate a call and plan it: ``(plan, sm_scale, backend)``. ``indices`` may be a
+    :class:`~.plan.SelectionPlan` already built for these lengths and causality."""
+    _check_tensors(q, k, v)
+    B, Hq, Nq, D = q.shape
+    Nk = k.shape[2]
+    delta = causal_offset(causal, Nq, Nk)
+    if isinstance(indices, SelectionPlan):
+        plan = indices
+        if plan.seqlen != (Nq, Nk) or plan.causal_offset != delta:
+            raise ValueError(f"the plan was built for seqlen {plan.seqlen} with causal offset {plan.causal_offset} "
+                             f"but the call has ({Nq}, {Nk}) and causal={causal!r} (offset {delta}); build it for "
+                             f"this call or pass the Selection")
+    else:
+        selection = as_selection(indices, block_size, counts)
+        if selection.seqlen_q != Nq:
+            raise ValueError(f"indices have {selection.seqlen_q} query rows but q has {Nq} tokens; pass one row "
+                             f"per query token ([B, G, Nq, K])")
+        if selection.device != q.device:
+            raise ValueError(f"indices are on {selection.device} but q on {q.device}; move them to q's device")
+        if check and not torch.compiler.is_compiling():
+            selection.check(Nk)
+        plan = SelectionPlan(selection, Nk, delta)
+    if plan.device != q.device:
+        raise ValueError(f"the plan is on {plan.device} but q on {q.device}")
+    plan.head_map(B, Hq, k.shape[1])
+    return plan, _resolve_sm_scale(sm_scale, D), resolve_backend(backend, q.device)
+
+
+class _SelectionAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, sm_scale, backend):
+        out, lse, stats = _backend(backend).forward(q, k, v, plan, sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, out, stats)
+        ctx.plan, ctx.sm_scale, ctx.backend = plan, sm_scale, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        _no_double_backward("selection_attention")
+        q, k, v, out, stats = ctx.saved_tensors
+        dq, dk, dv = _backend(ctx.backend).backward(do.contiguous(), q, k, v, out, stats, ctx.plan,
+                                                    sm_scale=ctx.sm_scale)
+        return dq, dk, dv, None, None, None
+
+
+def selection_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices, *, block_size: int | None = None,
+                        counts: torch.Tensor | None = None, causal=False, sm_scale: float | None = None,
+                        return_lse: bool = False, backend: str = "auto", check: bool = True):
+    """Attention where each query token attends the union of the key blocks it selected.
+
+    Args:
+        q: ``[B, Hq, Nq, D]``; k, v: ``[B, Hkv, Nk, D]`` with ``Hq % Hkv == 0`` (GQA/MQA).
+            float32, float16 or bfloat16 (fp32 accumulation).
+        indices: int ``[B, G, Nq, K]`` or ``[G, Nq, K]`` (shared by the batch) with ``G`` in
+            ``{1, Hkv, Hq}`` (query head ``h`` uses selection ``h // (Hq // G)``): each entry names a
+            key block of ``block_size`` keys (the last block may be ragged); negative entries are empty
+            slots; a block listed twice counts once. Or a :class:`~sparse_io_attn.layout.selection.Selection`
+            (then ``block_size`` and ``counts`` come from it), or a
+            :class:`~sparse_io_attn.selection.plan.SelectionPlan` built for this call's lengths and causality.
+        block_size: keys per block (1 = single tokens).
+        counts: int ``[B, G, Nq]`` / ``[G, Nq]``: only the first ``counts`` entries of a row count.
+        causal: ``False``, ``True``/``"top_left"`` (key ``s`` allowed for query ``t`` iff ``s <= t``) or
+            ``"bottom_right"`` (iff ``s <= t + Nk - Nq``).
+        sm_scale: softmax scale, default ``D ** -0.5``.
+        return_lse: also return the row log-sum-exp ``[B, Hq, Nq]`` (fp32, natural log).
+        backend: ``"auto"``, ``"cpu"``, ``"torch"`` or ``"triton"``.
+        check: raise ``ValueError`` for an entry ``>= ceil(Nk / block_size)`` or a count outside
+            ``[0, K]`` (reads the indices: one host synchronisation on CUDA). ``check=False`` trusts the
+            indices and skips every synchronisation; such entries then count as empty slots. No kernel
+            reads outside its tensors either way.
+
+    Each query row attends the union of its selected blocks intersected with causality, softmax over
+    those keys. A row with no allowed key gets output 0, lse ``-inf`` and zero gradients. Gradients
+    flow to q, k and v (not to the indices).
+    """
+    plan, scale, backend = prepare(q, k, v, indices, block_size=block_size, counts=counts, causal=causal,
+                                   sm_scale=sm_scale, backend=backend, check=check)
+    out, lse = _SelectionAttention.apply(q, k, v, plan, scale, backend)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["BACKENDS", "prepare", "resolve_backend", "selection_attention"]

@@ -1,0 +1,158 @@
+"""`SelectionPlan`: what the kernels need to run one :class:`~sparse_io_attn.layout.selection.Selection`,
+built once on the selection's device with tensor operations only (no ``nonzero``, ``.item()`` or host
+copy: shapes depend on the inputs' shapes alone), then run forward and backward.
+
+Two views of the same (query token, key block) pairs:
+
+* **Rows** (query-major; forward and dQ): ``rows int32 [L, Nq, K]``, each query row's blocks
+  normalised: the valid entries (``0 <= c < num_kv_blocks``, inside ``counts``, not wholly in the
+  causal future ``c * block_size > t + delta``), each block once, ascending, packed at the front;
+  ``-1`` after. ``row_counts int32 [L, Nq]``. ``L = layout_batch * G`` (selection ``l = b *
+  stride_lb + g``).
+* **Columns** (key-major; dK/dV, and the forward of gathered-query kernels): for every ``(l, c)``
+  the query tokens that chose block ``c``, ascending: ``col_ptr int32 [L, num_kv_blocks + 1]``
+  (absolute offsets, like a layout's CSR), ``col_query int32 [L * Nq * K]`` (the token ``t``) and
+  ``col_slot int32 [L * Nq * K]`` (the pair's slot ``j`` in row ``t``: ``rows[l, t, j] == c``);
+  entries past ``col_ptr[-1, -1]`` are unused capacity. Built on first use (one stable sort).
+
+Because rows are normalised (ascending, unique), results do not depend on the order or repetition
+of the user's indices, and every backend walks each row's blocks in the same order.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from sparse_io_attn.layout._csr import INDEX_DTYPE, check_index_capacity, group_offsets
+from sparse_io_attn.layout.selection import Selection
+
+
+class KeyLists(NamedTuple):
+    """The key-major view: per ``(l, c)``, the query tokens that chose block ``c`` (ascending)."""
+    col_ptr: torch.Tensor     # int32 [L, num_kv_blocks + 1], absolute offsets
+    col_query: torch.Tensor   # int32 [L * Nq * K]: query token of each entry
+    col_slot: torch.Tensor    # int32 [L * Nq * K]: slot j of the entry in its row
+
+
+class HeadMap(NamedTuple):
+    """How ``[B, Hq]`` index the plan: selection ``l = b * stride_lb + h // heads_per_selection``;
+    KV head ``h // (Hq // Hkv)``."""
+    stride_lb: int
+    heads_per_selection: int
+
+
+def normalize_rows(indices: torch.Tensor, counts: torch.Tensor | None, num_kv_blocks: int, block_size: int,
+                   causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``indices [L, Nq, K]`` -> ``(rows int32 [L, Nq, K], row_counts int32 [L, Nq])``: each row's valid,
+    causally alive blocks, each once, ascending, at the front; ``-1`` after (see the module docstring)."""
+    L, Nq, K = indices.shape
+    dev = indices.device
+    idx = indices.to(torch.int64)
+    valid = (idx >= 0) & (idx < num_kv_blocks)
+    if counts is not None:
+        valid &= torch.arange(K, device=dev) < counts.to(torch.int64)[..., None]
+    if causal_offset is not None:      # the block's first key must be allowed for this query
+        t = torch.arange(Nq, device=dev)[:, None]
+        valid &= idx * block_size <= t + causal_offset
+    ordered = torch.sort(torch.where(valid, idx, num_kv_blocks), dim=-1).values     # invalid last
+    keep = ordered < num_kv_blocks
+    keep[..., 1:] &= ordered[..., 1:] != ordered[..., :-1]                          # each block once
+    kept = keep.to(torch.int64)
+    slot = torch.where(keep, torch.cumsum(kept, -1) - kept, K)                      # spare slot K
+    rows = torch.full((L, Nq, K + 1), -1, dtype=INDEX_DTYPE, device=dev)
+    rows.scatter_(-1, slot, ordered.to(INDEX_DTYPE))
+    return rows[..., :K].contiguous(), kept.sum(-1).to(INDEX_DTYPE)
+
+
+def key_lists(rows: torch.Tensor, num_kv_blocks: int) -> KeyLists:
+    """The key-major view of normalised ``rows [L, Nq, K]``: one stable sort of the pairs by
+    ``(l, c)`` (entries come in ``(t, j)`` order, so tokens stay ascending), offsets by scatter-add."""
+    L, Nq, K = rows.shape
+    dev = rows.device
+    n = L * Nq * K
+    check_index_capacity(n, "selection")
+    c = rows.reshape(-1).to(torch.int64)
+    used = c >= 0
+    flat = torch.arange(n, device=dev)
+    lid = flat // (Nq * K)
+    group = torch.where(used, lid * num_kv_blocks + c, L * num_kv_blocks)
+    order = torch.sort(group, stable=True).indices
+    col_ptr = group_offsets(group, used, L * num_kv_blocks, L)
+    return KeyLists(col_ptr, ((order // K) % Nq).to(INDEX_DTYPE), (order % K).to(INDEX_DTYPE))
+
+
+class SelectionPlan:
+    """One selection planned for ``seqlen = (Nq, Nk)`` and a causal offset (``None`` or the ``delta``
+    of ``s <= t + delta``): the normalised rows now, the key-major lists on first use.
+
+    Build it with :func:`plan_selection` (or let :func:`sparse_io_attn.selection_attention` build it);
+    pass it to :func:`~sparse_io_attn.selection_attention` in place of the selection to reuse it
+    across calls (layers sharing a selection, forward and backward). It belongs to the device of
+    the selection it was built from.
+    """
+
+    def __init__(self, selection: Selection, seqlen_k: int, causal_offset: int | None):
+        if not isinstance(selection, Selection):
+            raise TypeError(f"expected a Selection, got {type(selection).__name__}")
+        self.selection = selection
+        self.block_size = selection.block_size
+        self.seqlen = (selection.seqlen_q, int(seqlen_k))
+        self.num_kv_blocks = math.ceil(self.seqlen[1] / self.block_size)
+        self.causal_offset = causal_offset
+        self.num_selections = selection.num_selections
+        self.layout_batch = selection.batch or 1
+        self.batched = selection.batch is not None
+        L = self.layout_batch * self.num_selections
+        Nq, K = selection.seqlen_q, selection.max_blocks
+        counts = None if selection.counts is None else selection.counts.reshape(L, Nq)
+        self.rows, self.row_counts = normalize_rows(selection.indices.reshape(L, Nq, K), counts,
+                                                    self.num_kv_blocks, self.block_size, causal_offset)
+        self._keys: KeyLists | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    @property
+    def num_layouts(self) -> int:
+        """``L = layout_batch * G``: the selections stored."""
+        return self.rows.shape[0]
+
+    @property
+    def max_blocks(self) -> int:
+        return self.rows.shape[-1]
+
+    def keys(self) -> KeyLists:
+        """The key-major lists (built on first use, then kept)."""
+        if self._keys is None:
+            self._keys = key_lists(self.rows, self.num_kv_blocks)
+        return self._keys
+
+    def head_map(self, batch: int, num_heads_q: int, num_heads_kv: int) -> HeadMap:
+        """How a call's ``[batch, heads]`` index this plan; ``ValueError`` when they do not fit."""
+        G = self.num_selections
+        if self.batched and self.layout_batch != batch:
+            raise ValueError(f"the selection was made for batch {self.layout_batch} but the inputs have batch "
+                             f"{batch}; pass indices [{batch}, G, Nq, K] or [G, Nq, K] (shared by the batch)")
+        if num_heads_q % G:
+            raise ValueError(f"the selection has G = {G} selections but q has {num_heads_q} heads; G must "
+                             f"divide num_heads_q (1: shared, num_heads_kv: per GQA group, num_heads_q: per head)")
+        if num_heads_kv % G and G % num_heads_kv:
+            raise ValueError(f"the selection has G = {G} selections and k/v {num_heads_kv} heads: each selection "
+                             f"must serve whole GQA groups or part of one (G divides num_heads_kv or "
+                             f"num_heads_kv divides G); use G in (1, {num_heads_kv}, {num_heads_q})")
+        return HeadMap(G if self.batched else 0, num_heads_q // G)
+
+    def __repr__(self) -> str:
+        return (f"SelectionPlan(G={self.num_selections}, seqlen={self.seqlen}, block_size={self.block_size}, "
+                f"K={self.max_blocks}, causal_offset={self.causal_offset}, layout_batch={self.layout_batch})")
+
+
+def plan_selection(selection: Selection, seqlen_k: int, *, causal_offset: int | None = None) -> SelectionPlan:
+    """Plan ``selection`` against ``seqlen_k`` keys (see :class:`SelectionPlan`)."""
+    return SelectionPlan(selection, seqlen_k, causal_offset)
+
+
+__all__ = ["HeadMap", "KeyLists", "SelectionPlan", "key_lists", "normalize_rows", "plan_selection"]

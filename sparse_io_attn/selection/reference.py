@@ -1,0 +1,60 @@
+"""Float64 reference of per-token selection attention, independent of the plan and the kernels.
+
+The selection is expanded to a dense element mask ``[B, Hq, Nq, Nk]`` straight from the user's
+indices (union of each row's valid listed blocks inside ``counts``, intersected with causality),
+then ordinary masked softmax attention runs in float64. Rows with no allowed key give output 0,
+lse ``-inf`` and zero gradients.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparse_io_attn.block_sparse.reference import masked_attention
+from sparse_io_attn.layout.causal import causal_offset as _causal_offset
+from sparse_io_attn.layout.selection import Selection
+
+
+def selection_mask(selection: Selection, batch: int, num_heads_q: int, seqlen_k: int, *, causal=False,
+                   device=None) -> torch.Tensor:
+    """``bool [batch, num_heads_q, Nq, seqlen_k]``: the keys each query row of each head may use."""
+    idx = selection.indices.to(device or selection.device).to(torch.int64)
+    if idx.dim() == 3:
+        idx = idx.unsqueeze(0)
+    Lb, G, Nq, K = idx.shape
+    bs = selection.block_size
+    nkb = math.ceil(seqlen_k / bs)
+    valid = (idx >= 0) & (idx < nkb)
+    if selection.counts is not None:
+        counts = selection.counts.to(idx.device).to(torch.int64).reshape(Lb, G, Nq)
+        valid &= torch.arange(K, device=idx.device) < counts[..., None]
+    blocks = torch.zeros(Lb, G, Nq, nkb + 1, dtype=torch.bool, device=idx.device)
+    blocks.scatter_(-1, torch.where(valid, idx, nkb), True)
+    keys = blocks[..., :nkb].repeat_interleave(bs, dim=-1)[..., :seqlen_k]        # [Lb, G, Nq, Nk]
+    mask = keys.repeat_interleave(num_heads_q // G, dim=1).expand(batch, num_heads_q, Nq, seqlen_k)
+    delta = _causal_offset(causal, Nq, seqlen_k)
+    if delta is not None:
+        t = torch.arange(Nq, device=idx.device)[:, None]
+        s = torch.arange(seqlen_k, device=idx.device)[None, :]
+        mask = mask & (s <= t + delta)
+    return mask
+
+
+def selection_reference(q, k, v, selection: Selection, *, causal=False, sm_scale: float | None = None,
+                        do: torch.Tensor | None = None):
+    """Float64 selection attention: ``(out, lse)`` or, with ``do``, ``(out, lse, dq, dk, dv)``."""
+    if sm_scale is None:
+        sm_scale = q.shape[-1] ** -0.5
+    B, Hq, _, _ = q.shape
+    mask = selection_mask(selection, B, Hq, k.shape[2], causal=causal, device=q.device)
+    q64, k64, v64 = (t.detach().double().requires_grad_(do is not None) for t in (q, k, v))
+    with torch.enable_grad():
+        out, lse = masked_attention(q64, k64, v64, mask, sm_scale)
+        if do is None:
+            return out.detach(), lse.detach()
+        dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
+    return out.detach(), lse.detach(), dq, dk, dv
+
+
+__all__ = ["selection_mask", "selection_reference"]
