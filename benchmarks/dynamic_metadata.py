@@ -10,7 +10,7 @@ one warm-up round, with 2 torch threads:
 * ``selection``: ``moba(64, k)(q, k)``, i.e. :meth:`MoBASelector.scores` (mean-pooled q times
   mean-pooled k, ``[B, H, Mq, Mk]``) and :func:`~sparse_io_attn.layout.patterns.topk`, which builds
   the layout with :meth:`BlockSparseLayout.from_kv_indices`;
-* ``schedule``: :func:`sparse_io_attn.block_sparse.schedule.schedule` ``(layout, 0)`` on a layout
+* ``schedule``: :meth:`sparse_io_attn.AttentionPlan.build` ``(layout, causal=True)`` on a layout
   that was never scheduled (built untimed before each timing, so its cache is empty). The CSR list
   (forward, dQ) and the CSC list (dK/dV) are built together: the backward reuses this object, so
   one build per step is the whole schedule cost;
@@ -64,7 +64,7 @@ import torch
 
 from sparse_io_attn import block_sparse_attention
 from sparse_io_attn.block_sparse import cpu as cpu_backend
-from sparse_io_attn.block_sparse.schedule import schedule
+from sparse_io_attn.block_sparse.plan import AttentionPlan
 from sparse_io_attn.cli._common import format_header, format_table, machine_header, write_csv
 from sparse_io_attn.layout import BlockSparseLayout
 from sparse_io_attn.nn.selectors import moba
@@ -213,7 +213,7 @@ def bench_point(N: int, B: int, H: int, k: int, *, repeats: int, meta_calls: int
     def schedule_fresh():
         fresh = selector(q, kk)            # a new layout object: empty schedule cache
         t0 = time.perf_counter()
-        schedule(fresh, 0)
+        AttentionPlan.build(fresh, True)
         return time.perf_counter() - t0
 
     m = meta_calls

@@ -30,7 +30,7 @@ if torch.version.cuda is None and getattr(torch.version, "hip", None) is None an
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sparse_io_attn import accounting, bounds  # noqa: E402
-from sparse_io_attn.block_sparse import block_sparse_attention, reference  # noqa: E402
+from sparse_io_attn.block_sparse import AttentionPlan, block_sparse_attention, plan, reference  # noqa: E402
 from sparse_io_attn.layout import BlockSparseLayout, BlockSparseMatrix, patterns, stack_layouts  # noqa: E402
 
 __version__ = "0.1.0"
@@ -45,6 +45,6 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["BlockSparseLayout", "BlockSparseMatrix", "stack_layouts", "block_sparse_attention",
+__all__ = ["AttentionPlan", "BlockSparseLayout", "BlockSparseMatrix", "stack_layouts", "block_sparse_attention", "plan",
            "accounting", "bounds", "patterns", "reference", "dense", "sparse_operands", "nn",
            "__version__"]

@@ -35,7 +35,7 @@ ALIASES: dict[str, str] = {
 LAZY: dict[tuple[str, str], str] = {
     ("sparse_io_attn.sparse_operands.api", "sparse_io_attn.sparse_operands.triton.launch"):
         "the @triton.jit kernels (and Triton itself) load on the first backend='triton' call",
-    ("sparse_io_attn.block_sparse.api", "sparse_io_attn.block_sparse.triton.launch"):
+    ("sparse_io_attn.block_sparse.op", "sparse_io_attn.block_sparse.triton.launch"):
         "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
     # the CLI: every subcommand module is imported to build the parser, so what imports Triton (and fixes
     # its interpreter mode, which compile-report must choose itself) loads only in the run that needs it
@@ -49,7 +49,7 @@ LAZY: dict[tuple[str, str], str] = {
         "imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
     ("sparse_io_attn.cli.sweep", "sparse_io_attn.experiments.sweeps"):
         "the dense Triton kernels: only when a sweep runs (handed to the sweep's run)",
-    ("sparse_io_attn.block_sparse.api", "sparse_io_attn.block_sparse.cpu"):
+    ("sparse_io_attn.block_sparse.op", "sparse_io_attn.block_sparse.cpu"):
         "the C++ build module marks available_for_auto for torch.compile, which imports torch._dynamo and Triton",
     ("sparse_io_attn.selection.api", "sparse_io_attn.selection.triton.launch"):
         "backend 'triton' imports Triton (slow, optional): loaded when first chosen",

@@ -34,7 +34,7 @@ from sparse_io_attn.layout._csr import csr_row_ids
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.layout.causal import causal_offset
-from sparse_io_attn.block_sparse.schedule import BlockLists, schedule
+from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, element_size
 
 INDEX_BYTES = 4  # int32 crow/col/ccol/row indices
@@ -48,14 +48,16 @@ DKDV_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dk", "dv", "layout", "ma
 DQ_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dq", "layout", "mask")
 
 
-def _layout_multiplicity(layout: BlockSparseLayout, batch: int, num_heads_q: int) -> torch.Tensor:
-    """How many (batch, query head) pairs use each stored mask, ``int64 [L]``."""
-    layout.broadcast_strides(batch, num_heads_q)
+def _layout_multiplicity(layout, batch: int, num_heads_q: int) -> torch.Tensor:
+    """How many (batch, query head) pairs use each stored mask of a layout or plan, ``int64 [L]``."""
+    if layout.layout_batch not in (1, batch) or layout.layout_heads not in (1, num_heads_q):
+        raise ValueError(f"layout has {layout.layout_batch}x{layout.layout_heads} (batch x head) masks, which do "
+                         f"not broadcast over batch {batch} x {num_heads_q} query heads")
     per = (batch if layout.layout_batch == 1 else 1) * (num_heads_q if layout.layout_heads == 1 else 1)
     return torch.full((layout.num_layouts,), per, dtype=torch.int64)
 
 
-def _walk(layout: BlockSparseLayout, lists: BlockLists, tile_own: int, tile_other: int, delta: int | None,
+def _walk(layout: AttentionPlan, lists: BlockLists, tile_own: int, tile_other: int, delta: int | None,
           transposed: bool):
     """What the programs of one kernel kind read, summed per stored mask (``int64 [L]`` each):
     ``index`` (int32 schedule entries: 4 list offsets per program, then per loop iteration 2 for a
@@ -106,17 +108,19 @@ def _walk(layout: BlockSparseLayout, lists: BlockLists, tile_own: int, tile_othe
     return index, loaded, mask_rows
 
 
-def _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype):
-    if not isinstance(layout, BlockSparseLayout):
-        raise TypeError(f"layout must be a BlockSparseLayout, got {type(layout).__name__}")
+def _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype):
+    """``(plan for the query heads, element bytes)`` of a layout (planned under ``causal``) or a plan."""
+    if isinstance(layout, AttentionPlan):
+        if causal_offset(causal, *layout.seqlen) != layout.causal_offset:
+            raise ValueError(f"the plan was built with causal={layout.causal!r} but causal={causal!r} was passed")
+        p = layout
+    elif isinstance(layout, BlockSparseLayout):
+        p = plan(layout, causal=causal)
+    else:
+        raise TypeError(f"layout must be a BlockSparseLayout or an AttentionPlan, got {type(layout).__name__}")
     if num_heads_kv < 1 or num_heads_q % num_heads_kv:
         raise ValueError(f"num_heads_q ({num_heads_q}) must be a multiple of num_heads_kv ({num_heads_kv})")
-    return element_size(dtype), head_dim
-
-
-def _schedule(layout: BlockSparseLayout, causal):
-    delta = causal_offset(causal, layout.seqlen_q, layout.seqlen_k)
-    return schedule(layout, delta), delta
+    return p.to("cpu").for_heads(num_heads_q, num_heads_kv), element_size(dtype)
 
 
 def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
@@ -124,12 +128,11 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
                          tiles: KernelTiles | None = None) -> TrafficReport:
     """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``);
     ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`."""
-    es, D = _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    layout = layout.for_query_heads(num_heads_q, num_heads_kv)
+    layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    D, delta = head_dim, layout.causal_offset
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
-    sched, delta = _schedule(layout, causal)
-    index, keys, mask_rows = _walk(layout, sched.rows, tiles.fwd[0], tiles.fwd[1], delta, transposed=False)
+    index, keys, mask_rows = _walk(layout, layout.rows, tiles.fwd[0], tiles.fwd[1], delta, transposed=False)
     rows = batch * num_heads_q * layout.seqlen_q
     kv = int((mult * keys).sum()) * D * es
     rep = TrafficReport(source="predicted")
@@ -143,18 +146,17 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
                           head_dim: int, dtype: torch.dtype, *, causal=False,
                           tiles: KernelTiles | None = None) -> TrafficReport:
     """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``)."""
-    es, D = _check(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    layout = layout.for_query_heads(num_heads_q, num_heads_kv)
+    layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    D, delta = head_dim, layout.causal_offset
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
-    sched, delta = _schedule(layout, causal)
     rows_q = batch * num_heads_q * layout.seqlen_q
     rows_k = batch * num_heads_kv * layout.seqlen_k
     rep = TrafficReport(source="predicted")
     rep.add("attn_bwd_preprocess", {"o": rows_q * D * es, "do": rows_q * D * es}, {"delta": rows_q * STAT_BYTES})
 
     # every query head of a group walks its own mask; summing over (b, h) covers all programs
-    index, queries, mask_rows = _walk(layout, sched.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True)
+    index, queries, mask_rows = _walk(layout, layout.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True)
     q_rows = int((mult * queries).sum())
     rep.add("attn_bwd_dkdv",
             {"q": q_rows * D * es, "do": q_rows * D * es, "stats": q_rows * 2 * STAT_BYTES,
@@ -163,7 +165,7 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
              "mask": int((mult * mask_rows).sum()) * _words(tiles.dkdv[1]) * INDEX_BYTES},
             {"dk": rows_k * D * es, "dv": rows_k * D * es})
 
-    index, keys, mask_rows = _walk(layout, sched.rows, tiles.dq[0], tiles.dq[1], delta, transposed=False)
+    index, keys, mask_rows = _walk(layout, layout.rows, tiles.dq[0], tiles.dq[1], delta, transposed=False)
     kv = int((mult * keys).sum()) * D * es
     rep.add("attn_bwd_dq",
             {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,

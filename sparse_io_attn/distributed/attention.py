@@ -3,8 +3,9 @@
 
 Each rank receives exactly the K/V blocks its query rows read and it does not own, with one
 ``torch.distributed.all_to_all_single`` (never an all-gather), and computes its rows through the
-block-sparse backends (:func:`sparse_io_attn.block_sparse.api.prologue` and the backends'
-``forward``/``backward``, the path of :func:`~sparse_io_attn.block_sparse_attention`). Rows the plan
+block-sparse backends (:func:`sparse_io_attn.block_sparse.api.prepare` plans each part, and
+:func:`sparse_io_attn.block_sparse.op.forward`/``backward`` run it, the path of
+:func:`~sparse_io_attn.block_sparse_attention`). Rows the plan
 spreads (far heavier than the mean, e.g. global query rows) move the other way: their queries ride
 in the same exchange to the ranks owning their keys (the ``foreign`` layout there), whose partial
 outputs and row statistics come back in a second ``all_to_all_single``.
@@ -28,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from sparse_io_attn.accounting.network import BACKWARD, BACKWARD_INPUTS, FORWARD, PARTIALS
-from sparse_io_attn.block_sparse.api import Prologue, backend_module, prologue
+from sparse_io_attn.block_sparse import op
+from sparse_io_attn.block_sparse.api import Call, prepare
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.distributed.plan import ContextParallelPlan, Exchange
 from sparse_io_attn.tally.counter import count_network
@@ -61,7 +63,7 @@ def merge_partials(out1: torch.Tensor, stats1: torch.Tensor, out2: torch.Tensor,
 
 class _Call(NamedTuple):
     """One rank's call, decided before any collective."""
-    local: Prologue                      # the local part (its rows x its own keys), validated
+    local: Call                          # the local part (its rows x its own keys), validated and planned
     plan: ContextParallelPlan
     rank: int
     exchange: Exchange | None            # None: no collective (a single rank, or nothing to send)
@@ -114,12 +116,16 @@ def _start(parts: list, call: _Call, collective: str):
     return finish
 
 
-def _part_call(q, k, v, layout, call: _Call) -> Prologue:
-    return prologue(q, k, v, layout, causal=False, sm_scale=call.local.sm_scale, backend=call.local.backend)
+def _part_call(q, k, v, layout, call: _Call) -> Call:
+    return prepare(q, k, v, layout, causal=False, sm_scale=call.local.sm_scale, backend=call.local.backend)
 
 
-def _kwargs(p: Prologue) -> dict:
-    return dict(causal_offset=p.causal_offset, sm_scale=p.sm_scale, layout_strides=p.layout_strides)
+def _forward(q, k, v, part: Call):
+    return op.forward(q, k, v, part.plan, part.sm_scale, part.backend)
+
+
+def _backward(do, q, k, v, out, stats, part: Call):
+    return op.backward(do, q, k, v, out, stats, part.plan, part.sm_scale, part.backend)
 
 
 def _rows(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -136,7 +142,6 @@ def _tokens(rows: torch.Tensor, order: torch.Tensor, shape: tuple, dim: int) -> 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
-        mod = backend_module(call.local.backend)
         ex, lay = call.exchange, call.plan.rank_layouts(call.rank)
         B, Hq, _, D = q.shape
         Hkv = k.shape[1]
@@ -146,7 +151,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                                    ex.recv_splits, ("k", "v")),
                              _Part(_rows(q, 2, torch.cat(ex.q_send_index)), ex.q_send_splits, ex.q_recv_splits,
                                    ("q",))], call, FORWARD)
-        out, _, stats = mod.forward(q, k, v, call.local.layout, **_kwargs(call.local))
+        out, _, stats = _forward(q, k, v, call.local)
         if ex is None:
             ctx.save_for_backward(q, k, v, k_r, v_r, q_f, out, stats)
             ctx.call = call
@@ -156,7 +161,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             kv = _tokens(kv_got, ex.recv_order, (2, B, Hkv, D), 3)        # [2, B, Hkv, n_received, D]
             k_r, v_r = kv[0], kv[1]
             part = _part_call(q, k_r, v_r, lay.received, call)
-            out2, _, stats2 = mod.forward(q, k_r, v_r, part.layout, **_kwargs(part))
+            out2, _, stats2 = _forward(q, k_r, v_r, part)
             out, _, stats = merge_partials(out, stats, out2, stats2)
         if call.plan.spreads:                                             # partial results of spread rows
             n_f = q_got.shape[0]
@@ -164,7 +169,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             if n_f:
                 q_f = _tokens(q_got, ex.q_recv_order, (B, Hq, D), 2)
                 part = _part_call(q_f, k, v, lay.foreign, call)
-                o_f, _, s_f = mod.forward(q_f, k, v, part.layout, **_kwargs(part))
+                o_f, _, s_f = _forward(q_f, k, v, part)
                 o_rows, s_rows = _rows(o_f.float(), 2, ex.q_recv_inverse), _rows(s_f, 3, ex.q_recv_inverse)
             o_got, s_got = _start([_Part(o_rows, ex.q_recv_splits, ex.q_send_splits, ("o",)),
                                    _Part(s_rows, ex.q_recv_splits, ex.q_send_splits, ("stats",))],
@@ -190,7 +195,6 @@ class _ContextParallelAttention(torch.autograd.Function):
         q, k, v, k_r, v_r, q_f, out, stats = ctx.saved_tensors
         call = ctx.call
         ex, lay = call.exchange, call.plan.rank_layouts(call.rank)
-        mod = backend_module(call.local.backend)
         B, Hq, _, D = q.shape
         Hkv = k.shape[1]
         do = do.contiguous()
@@ -203,7 +207,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         dq_r = dkv_r = dq_f = dkv_f = None
         if k_r is not None:
             part = _part_call(q, k_r, v_r, lay.received, call)
-            dq_r, dk_r, dv_r = mod.backward(do, q, k_r, v_r, out, stats, part.layout, **_kwargs(part))
+            dq_r, dk_r, dv_r = _backward(do, q, k_r, v_r, out, stats, part)
             dkv_r = torch.stack([dk_r, dv_r])
         if ex is not None and call.plan.spreads:
             do_got, o_got, s_got = finish_in()
@@ -212,7 +216,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 out_f = _tokens(o_got, ex.q_recv_order, (B, Hq, D), 2).to(q.dtype)
                 s_f = _tokens(s_got, ex.q_recv_order, (2, B, Hq), 3)
                 part = _part_call(q_f, k, v, lay.foreign, call)
-                dq_f, dk_f, dv_f = mod.backward(do_f, q_f, k, v, out_f, s_f, part.layout, **_kwargs(part))
+                dq_f, dk_f, dv_f = _backward(do_f, q_f, k, v, out_f, s_f, part)
                 dkv_f = torch.stack([dk_f, dv_f])
         if ex is not None:
             kv_rows = (_rows(dkv_r.to(k.dtype), 3, ex.recv_inverse) if dkv_r is not None
@@ -221,7 +225,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                       else k.new_empty((0, B * Hq * D)))
             finish_grads = _start([_Part(kv_rows, ex.recv_splits, ex.send_splits, ("dk", "dv")),
                                    _Part(q_rows, ex.q_recv_splits, ex.q_send_splits, ("dq",))], call, BACKWARD)
-        dq, dk, dv = mod.backward(do, q, k, v, out, stats, call.local.layout, **_kwargs(call.local))
+        dq, dk, dv = _backward(do, q, k, v, out, stats, call.local)
         dq32, dkv = dq.float(), torch.stack([dk, dv]).float()
         if dq_r is not None:
             dq32 += dq_r.float()
@@ -257,8 +261,8 @@ def _group_rank(group, plan: ContextParallelPlan) -> tuple[int, int]:
     return world, rank
 
 
-def _check_local(q, k, v, plan: ContextParallelPlan, rank: int, causal, sm_scale, backend) -> Prologue:
-    """This rank's inputs against the plan (shard lengths, then :func:`prologue` on the local part)."""
+def _check_local(q, k, v, plan: ContextParallelPlan, rank: int, causal, sm_scale, backend) -> Call:
+    """This rank's inputs against the plan (shard lengths, then :func:`prepare` on the local part)."""
     n = plan.num_tokens(rank)
     for name, t in (("q_local", q), ("k_local", k), ("v_local", v)):
         if not isinstance(t, torch.Tensor):
@@ -272,7 +276,7 @@ def _check_local(q, k, v, plan: ContextParallelPlan, rank: int, causal, sm_scale
         raise ValueError(f"causal={causal!r} but the plan was built with causal={plan.causal}: the plan "
                          f"decides which blocks are sent; build it with the same causal")
     local = plan.rank_layouts(rank).local
-    return prologue(q, k, v, local, causal=False, sm_scale=sm_scale, backend=backend)
+    return prepare(q, k, v, local, causal=False, sm_scale=sm_scale, backend=backend)
 
 
 def _agree(error: Exception | None, group, world: int, rank: int, device: torch.device) -> None:

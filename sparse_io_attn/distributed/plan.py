@@ -19,7 +19,8 @@ import torch
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout.causal import causal_blocks
-from sparse_io_attn.layout.core import BlockSparseLayout, assemble, inrange_words
+from sparse_io_attn.layout._assemble import inrange_words
+from sparse_io_attn.layout.core import BlockSparseLayout, assemble
 
 #: cost of a kept block in the balance: full blocks 4, partial blocks 5 (the element mask is read and
 #: applied on every tile: about a quarter more than a full block)

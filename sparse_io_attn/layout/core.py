@@ -10,9 +10,10 @@ from typing import Iterable
 
 import torch
 
-from sparse_io_attn.layout import _bits, convert
+from sparse_io_attn.layout import _assemble, _bits, convert
 from sparse_io_attn.layout._args import as_pair
-from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_fits_int32, check_index_capacity, coo_to_csr, csr_row_ids,
+from sparse_io_attn.layout._assemble import inrange_words, lead_dims, validate_partial, words_at
+from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_fits_int32, check_index_capacity, csr_row_ids,
                                         csr_to_mask, csr_transpose, mask_to_csr, validate_csr)
 from sparse_io_attn.layout._kv_indices import csr_from_kv_lists, repeat_matrices
 
@@ -52,10 +53,12 @@ class BlockSparseLayout:
       device every step never synchronises with the host. ``col_indices`` / ``partial_ids`` are the
       used slots (reading them takes the count from ``crow_indices``: one synchronisation).
 
-    Caches derived from the tensors (the transposed copy, device copies, index validation, the
-    kernels' schedules) are keyed on the tensors' version counters: editing ``crow_indices``,
-    ``col_slots``, ``partial_id_slots`` or ``partial_masks`` in place (a reused buffer, a CUDA graph)
-    rebuilds them on the next use.
+    One cache (:meth:`cached`) holds what is derived from the tensors (the used slots, the transposed
+    copy, device copies, index validation, the kernels' :class:`~sparse_io_attn.AttentionPlan`\ s),
+    keyed on the tensors' version counters: editing ``crow_indices``, ``col_slots``,
+    ``partial_id_slots`` or ``partial_masks`` in place (a reused buffer) rebuilds them on the next
+    use. Writes that bypass the version counters (through ``.numpy()``, ``.data``, DLPack, a CUDA
+    graph replay) are not seen: call :meth:`mark_edited` after them.
 
     Rebuilding the dense element mask (what :meth:`to_dense_mask` returns)::
 
@@ -80,8 +83,7 @@ class BlockSparseLayout:
                  block_size, seqlen, layout_batch: int = 1, layout_heads: int | None = None,
                  name: str = "custom", validate: bool = True,
                  partial_ids: torch.Tensor | None = None, partial_masks: torch.Tensor | None = None,
-                 ccol_indices: torch.Tensor | None = None, row_indices: torch.Tensor | None = None,
-                 csc_partial_ids: torch.Tensor | None = None, fixed_capacity: bool = False):
+                 fixed_capacity: bool = False):
         self.block_size = as_pair(block_size, "block_size")
         self.seqlen = as_pair(seqlen, "seqlen")
         bq, bk = self.block_size
@@ -91,9 +93,7 @@ class BlockSparseLayout:
             validate_csr(crow_indices, col_indices, self.num_q_blocks, self.num_kv_blocks)
         check_index_capacity(col_indices.numel())
         for what, t in (("crow_indices", crow_indices), ("col_indices", col_indices),
-                        ("partial_ids", partial_ids), ("partial_masks", partial_masks),
-                        ("ccol_indices", ccol_indices), ("row_indices", row_indices),
-                        ("csc_partial_ids", csc_partial_ids)):
+                        ("partial_ids", partial_ids), ("partial_masks", partial_masks)):
             if isinstance(t, torch.Tensor):
                 check_fits_int32(t, what)
         L = crow_indices.shape[0]
@@ -114,40 +114,54 @@ class BlockSparseLayout:
             partial_ids = torch.full((self.col_slots.numel(),), -1, dtype=INDEX_DTYPE, device=dev)
             partial_masks = torch.zeros(0, bq, _bits.num_words(bk), dtype=torch.int32, device=dev)
         elif validate and not fixed_capacity:
-            _validate_partial(partial_ids, partial_masks, self.col_slots.numel(), (bq, bk))
+            validate_partial(partial_ids, partial_masks, self.col_slots.numel(), (bq, bk))
         self.partial_id_slots = partial_ids.to(INDEX_DTYPE)
         self.partial_masks = partial_masks.to(torch.int32)
         self.name = name
-        # derived state, each entry tagged with the version key it was derived at
-        self._checked_at = (self.version_key(),) if validate else None   # (key,): index ranges valid
-        self._used = None      # (key, col_indices, partial_ids): the used slots
-        self._csc = None       # (key, (ccol_indices, row_indices, csc_partial_ids))
-        if ccol_indices is not None and row_indices is not None:
-            if csc_partial_ids is None:
-                if bool((self.partial_id_slots >= 0).any()):
-                    raise ValueError("a layout with partial blocks needs csc_partial_ids next to the "
-                                     "transposed indices (or neither)")
-                csc_partial_ids = self.partial_id_slots
-            self._csc = (self.version_key(), (ccol_indices.to(INDEX_DTYPE), row_indices.to(INDEX_DTYPE),
-                                              csc_partial_ids.to(INDEX_DTYPE)))
-        self._device_copies: dict = {}
-        if validate and fixed_capacity:
-            self._checked_at = None
-            self.check()
+        self._edits = 0                  # mark_edited() calls: part of the version key
+        self._cache: dict = {}           # key -> (version key, value): the layout's one cache
+        if validate:
+            if fixed_capacity:
+                self.check()
+            else:
+                self._mark_checked()
 
     def version_key(self) -> tuple | None:
         """The version counters of the tensors everything cached is derived from: any in-place edit
-        of ``crow_indices``, ``col_slots``, ``partial_id_slots`` or ``partial_masks`` changes it.
-        ``None`` while ``torch.compile`` traces (the tensors are then fake; caches are not used)."""
+        of ``crow_indices``, ``col_slots``, ``partial_id_slots`` or ``partial_masks`` changes it, and
+        so does :meth:`mark_edited`. ``None`` while ``torch.compile`` traces (the tensors are then
+        fake; nothing is cached)."""
         if torch.compiler.is_compiling():
             return None
         return (self.crow_indices._version, self.col_slots._version, self.partial_id_slots._version,
-                self.partial_masks._version)
+                self.partial_masks._version, self._edits)
 
-    def _fresh(self, entry) -> bool:
-        """Whether a cached ``(key, value)`` entry still matches the tensors."""
-        key = self.version_key()
-        return entry is not None and (entry[0] is None or key is None or entry[0] == key)
+    def cached(self, key, build):
+        """The layout's one cache: ``build()``, kept under ``key`` until a tensor is edited in place
+        (its :meth:`version_key` changes). While ``torch.compile`` traces, an entry built before is
+        used as it is (build plans eagerly, outside the trace) and nothing new is stored."""
+        version = self.version_key()
+        hit = self._cache.get(key)
+        if hit is not None and (version is None or hit[0] == version):
+            return hit[1]
+        value = build()
+        if version is not None:
+            self._cache[key] = (version, value)
+        return value
+
+    def __getstate__(self) -> dict:
+        """Pickle the tensors and sizes; what the cache derived from them is rebuilt on use."""
+        state = dict(self.__dict__)
+        state["_cache"] = {}
+        return state
+
+    def mark_edited(self) -> "BlockSparseLayout":
+        """Declare that the tensors were written through a path that bypasses PyTorch's version
+        counters (``.numpy()``, ``.data``, DLPack, a CUDA graph replay): everything derived from them
+        (validation, transposed copy, device copies, plans) is rebuilt on the next use, and the
+        indices are validated again unless the layout was built by the library."""
+        self._edits += 1
+        return self
 
     @property
     def col_indices(self) -> torch.Tensor:
@@ -162,16 +176,19 @@ class BlockSparseLayout:
     def _used_slots(self):
         if not self.fixed_capacity:
             return self.col_slots, self.partial_id_slots
-        if not self._fresh(self._used):
+
+        def used():
             nnz = int(self.crow_indices[-1, -1])            # the one read of data: a sync on CUDA
-            self._used = (self.version_key(), self.col_slots[:nnz], self.partial_id_slots[:nnz])
-        return self._used[1:]
+            return self.col_slots[:nnz], self.partial_id_slots[:nnz]
+        return self.cached("used_slots", used)
 
     @property
     def checked(self) -> bool:
         """Whether the index ranges are known valid for the tensors as they are now (validated, or
         valid by construction)."""
-        return self._fresh(self._checked_at)
+        version = self.version_key()
+        hit = self._cache.get("checked")
+        return version is None or (hit is not None and hit[0] == version)
 
     def check(self) -> "BlockSparseLayout":
         """Validate the index ranges (cached until a tensor is edited in place): every column and
@@ -181,19 +198,12 @@ class BlockSparseLayout:
         if torch.compiler.is_compiling() or self.checked:
             return self   # traced code: the custom op checks the real tensors it receives
         validate_csr(self.crow_indices, self.col_indices, self.num_q_blocks, self.num_kv_blocks)
-        _validate_partial(self.partial_ids, self.partial_masks, self.col_indices.numel(), self.block_size)
-        if self._csc is not None and self._fresh(self._csc):
-            ccol, row, csc_ids = self._csc[1]
-            validate_csr(ccol, row[:row.numel() if not self.fixed_capacity else self.col_indices.numel()],
-                         self.num_kv_blocks, self.num_q_blocks, what="layout (transposed copy)")
-            _validate_partial(csc_ids[:self.col_indices.numel()], self.partial_masks, self.col_indices.numel(),
-                              self.block_size)
-        self._checked_at = (self.version_key(),)
-        return self
+        validate_partial(self.partial_ids, self.partial_masks, self.col_indices.numel(), self.block_size)
+        return self._mark_checked()
 
     def _mark_checked(self) -> "BlockSparseLayout":
         """Record that the tensors, as they are now, are valid by construction."""
-        self._checked_at = (self.version_key(),)
+        self._cache["checked"] = (self.version_key(), True)
         return self
 
     # ------------------------------------------------------------------ constructors
@@ -215,7 +225,7 @@ class BlockSparseLayout:
             raise ValueError(f"block_mask must have shape [nqb, nkb], [H, nqb, nkb] or "
                              f"[B, H, nqb, nkb], got {tuple(block_mask.shape)}")
         bq, bk = as_pair(block_size, "block_size")
-        lb, lh = _lead(block_mask.shape[:-2])
+        lb, lh = lead_dims(block_mask.shape[:-2])
         nqb, nkb = block_mask.shape[-2:]
         if nqb == 0 or nkb == 0:
             raise ValueError(f"block_mask needs at least one block per axis, got {nqb} x {nkb}")
@@ -257,7 +267,7 @@ class BlockSparseLayout:
                              f"{tuple(kv_indices.shape)}")
         (bq, bk), (sq, sk) = as_pair(block_size, "block_size"), as_pair(seqlen, "seqlen")
         nqb, nkb = math.ceil(sq / bq), math.ceil(sk / bk)
-        lb, lh = _lead(kv_indices.shape[:-2])
+        lb, lh = lead_dims(kv_indices.shape[:-2])
         if kv_indices.shape[-2] != nqb:
             raise ValueError(f"kv_indices has {kv_indices.shape[-2]} query-block rows but seqlen_q {sq} with "
                              f"BLOCK_SIZE_Q {bq} has {nqb}; pass one row per query block")
@@ -307,7 +317,7 @@ class BlockSparseLayout:
         sq, sk = mask.shape[-2:]
         if sq == 0 or sk == 0:
             raise ValueError(f"mask needs at least one query and one key, got shape {tuple(mask.shape)}")
-        lb, lh = _lead(mask.shape[:-2])
+        lb, lh = lead_dims(mask.shape[:-2])
         nqb, nkb = math.ceil(sq / bq), math.ceil(sk / bk)
         padded = torch.zeros(lb * lh, nqb * bq, nkb * bk, dtype=torch.bool, device=mask.device)
         padded[:, :sq, :sk] = mask.reshape(lb * lh, sq, sk)
@@ -410,12 +420,12 @@ class BlockSparseLayout:
         return self._transposed()[2]
 
     def _transposed(self):
-        """``(ccol_indices, row_indices, csc_partial_ids)``, rebuilt when a tensor was edited in place.
-        For a fixed-capacity layout the last two keep its number of slots (unused ones last)."""
-        if not self._fresh(self._csc):
+        """``(ccol_indices, row_indices, csc_partial_ids)`` (cached). For a fixed-capacity layout the
+        last two keep its number of slots (unused ones last)."""
+        def build():
             ccol, row, perm = csr_transpose(self.crow_indices, self.col_slots, self.num_kv_blocks)
-            self._csc = (self.version_key(), (ccol, row, self.partial_id_slots[perm].contiguous()))
-        return self._csc[1]
+            return ccol, row, self.partial_id_slots[perm].contiguous()
+        return self.cached("transposed", build)
 
     def row_counts(self) -> torch.Tensor:
         """Kept key blocks per query-block row, ``[L, num_q_blocks]`` (int64)."""
@@ -492,25 +502,20 @@ class BlockSparseLayout:
                         seqlen=(stop - start, sk), layout_batch=self.layout_batch,
                         layout_heads=self.layout_heads, name=f"{self.name}[{start}:{stop}]")
 
-    def broadcast_strides(self, batch: int, num_heads_q: int) -> tuple[int, int]:
-        """``(stride_lb, stride_lh)`` such that mask ``b * stride_lb + h * stride_lh`` serves batch
-        ``b``, query head ``h``; raises ``ValueError`` if the layout does not fit ``[batch, heads]``."""
+    def _check_broadcast(self, batch: int, num_heads_q: int) -> None:
         if self.layout_batch not in (1, batch):
             raise ValueError(f"layout has {self.layout_batch} batch masks but the input has batch "
                              f"{batch}; build it with 1 (shared) or {batch} batch masks")
         if self.layout_heads not in (1, num_heads_q):
             raise ValueError(f"layout has {self.layout_heads} head masks but q has {num_heads_q} heads; "
                              f"build it with 1 (shared) or {num_heads_q} head masks (one per query head)")
-        stride_lh = 1 if self.layout_heads > 1 else 0
-        stride_lb = self.layout_heads if self.layout_batch > 1 else 0
-        return stride_lb, stride_lh
 
     def for_query_heads(self, num_heads_q: int, num_heads_kv: int) -> "BlockSparseLayout":
         """The layout serving ``num_heads_q`` query heads: ``self`` when it holds 1 or ``num_heads_q``
         head masks; when it holds one mask per KV head (``layout_heads == num_heads_kv``, a selection
-        shared by the query heads of each GQA group), its masks repeated for the query heads of each
-        group (indices only, on the layout's device, no host synchronisation; cached until a tensor is
-        edited in place). Raises ``ValueError`` for any other head count."""
+        shared by the query heads of each GQA group), a new layout with its masks repeated for the
+        query heads of each group (indices only, on the layout's device, no host synchronisation;
+        the attention plan keeps it). Raises ``ValueError`` for any other head count."""
         lh = self.layout_heads
         if lh in (1, num_heads_q):
             return self
@@ -518,28 +523,17 @@ class BlockSparseLayout:
             raise ValueError(f"layout has {lh} head masks but q has {num_heads_q} heads and k/v {num_heads_kv}; "
                              f"build it with 1 (shared), {num_heads_q} (one per query head) or "
                              f"{num_heads_kv} (one per KV head) head masks")
-        def build():
-            crow, (col, pid) = repeat_matrices(self.crow_indices, [self.col_slots, self.partial_id_slots],
-                                               num_heads_q // num_heads_kv, fill=[0, -1])
-            return BlockSparseLayout(crow, col, block_size=self.block_size, seqlen=self.seqlen,
-                                     layout_batch=self.layout_batch, layout_heads=num_heads_q, name=self.name,
-                                     validate=False, partial_ids=pid, partial_masks=self.partial_masks,
-                                     fixed_capacity=self.fixed_capacity)
-        return self._derived_copy(f"query_heads:{num_heads_q}", build)
-
-    def _derived_copy(self, key: str, build) -> "BlockSparseLayout":
-        """The layout ``build()`` derives from this one, cached under ``key`` until a tensor is edited in
-        place; it inherits this layout's validation."""
-        if not self._fresh(self._device_copies.get(key)):
-            copy = build()
-            if self.checked:
-                copy._mark_checked()
-            self._device_copies[key] = (self.version_key(), copy)
-        return self._device_copies[key][1]
+        crow, (col, pid) = repeat_matrices(self.crow_indices, [self.col_slots, self.partial_id_slots],
+                                           num_heads_q // num_heads_kv, fill=[0, -1])
+        out = BlockSparseLayout(crow, col, block_size=self.block_size, seqlen=self.seqlen,
+                                layout_batch=self.layout_batch, layout_heads=num_heads_q, name=self.name,
+                                validate=False, partial_ids=pid, partial_masks=self.partial_masks,
+                                fixed_capacity=self.fixed_capacity)
+        return out._mark_checked() if self.checked else out
 
     def expand_dense_mask(self, batch: int, num_heads_q: int) -> torch.Tensor:
         """Element mask broadcast to ``[batch, num_heads_q, seqlen_q, seqlen_k]`` (a view)."""
-        self.broadcast_strides(batch, num_heads_q)
+        self._check_broadcast(batch, num_heads_q)
         return self.to_dense_mask().expand(batch, num_heads_q, self.seqlen_q, self.seqlen_k)
 
     # ------------------------------------------------------------------ device / algebra
@@ -553,14 +547,13 @@ class BlockSparseLayout:
             return self
 
         def build():
-            ccol, row, csc_ids = (t.to(device) for t in self._transposed())
-            return BlockSparseLayout(
+            copy = BlockSparseLayout(
                 self.crow_indices.to(device), self.col_slots.to(device), block_size=self.block_size,
                 seqlen=self.seqlen, layout_batch=self.layout_batch, layout_heads=self.layout_heads,
                 name=self.name, validate=False, partial_ids=self.partial_id_slots.to(device),
-                partial_masks=self.partial_masks.to(device), ccol_indices=ccol, row_indices=row,
-                csc_partial_ids=csc_ids, fixed_capacity=self.fixed_capacity)
-        return self._derived_copy(str(device), build)
+                partial_masks=self.partial_masks.to(device), fixed_capacity=self.fixed_capacity)
+            return copy._mark_checked() if self.checked else copy
+        return self.cached(("device", str(device)), build)
 
     def _combine(self, other: "BlockSparseLayout", union: bool, symbol: str) -> "BlockSparseLayout":
         """Element-level union / intersection; masks broadcast over batch and heads."""
@@ -579,8 +572,8 @@ class BlockSparseLayout:
         ta, tb = ta.expand(lb, lh, R, C).reshape(-1, R, C), tb.expand(lb, lh, R, C).reshape(-1, R, C)
         keep = (ta >= -1) | (tb >= -1) if union else (ta >= -1) & (tb >= -1)
         lid, r, c = keep.nonzero(as_tuple=True)
-        wa = _words_at(ta[lid, r, c], self.partial_masks, r, c, self.block_size, self.seqlen)
-        wb = _words_at(tb[lid, r, c], other.partial_masks, r, c, self.block_size, self.seqlen)
+        wa = words_at(ta[lid, r, c], self.partial_masks, r, c, self.block_size, self.seqlen)
+        wb = words_at(tb[lid, r, c], other.partial_masks, r, c, self.block_size, self.seqlen)
         return assemble(lid, r, c, wa | wb if union else wa & wb, block_size=self.block_size,
                         seqlen=self.seqlen, layout_batch=lb, layout_heads=lh,
                         name=f"({self.name} {symbol} {other.name})")
@@ -656,86 +649,24 @@ def stack_layouts(layouts: Iterable[BlockSparseLayout], *, name: str | None = No
 
 
 # ---------------------------------------------------------------------------------------- assembly
-def _lead(shape) -> tuple[int, int]:
-    """``(layout_batch, layout_heads)`` of a mask's leading dims ``()``, ``(H,)`` or ``(B, H)``."""
-    return (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0] if len(shape) == 1 else 1)
-
-
-def inrange_words(r: torch.Tensor, c: torch.Tensor, block_size, seqlen) -> torch.Tensor:
-    """Bit-packed masks with every in-range element of blocks ``(r, c)`` set, ``int32 [E, bq, W]``."""
-    (bq, bk), (sq, sk) = block_size, seqlen
-    W = _bits.num_words(bk)
-    rows_ok = torch.arange(bq, device=r.device)[None, :] < (sq - r * bq)[:, None]          # [E, bq]
-    cols = (sk - c * bk).clamp(max=bk)[:, None] - 32 * torch.arange(W, device=r.device)   # [E, W]
-    word = (torch.ones((), dtype=torch.int64, device=r.device) << cols.clamp(0, 32)) - 1
-    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
-    return torch.where(rows_ok[:, :, None], word[:, None, :], torch.zeros((), dtype=torch.int32, device=r.device))
-
-
-def _words_at(table_vals: torch.Tensor, masks: torch.Tensor, r, c, block_size, seqlen) -> torch.Tensor:
-    """Element-mask words of blocks whose table entries are ``table_vals`` (-2 empty, -1 full, id)."""
-    words = inrange_words(r, c, block_size, seqlen)
-    words[table_vals == -2] = 0
-    part = table_vals >= 0
-    words[part] = masks[table_vals[part].to(torch.int64)]
-    return words
-
-
 def assemble(lid: torch.Tensor, r: torch.Tensor, c: torch.Tensor, words: torch.Tensor | None = None, *,
              partial: torch.Tensor | None = None, block_size, seqlen, layout_batch: int,
              layout_heads: int, name: str) -> BlockSparseLayout:
     """The one constructor of element-exact layouts: unique candidate blocks ``(lid, r, c)`` (int64,
-    any order) with their element masks -> a canonical :class:`BlockSparseLayout`.
-
-    ``words`` (``int32 [P, bq, W]``, :mod:`._bits` format) are the masks of the entries where
-    ``partial`` is True (all entries when ``partial`` is None); entries without words are full.
-    Bits past the sequence ends are cleared, masks left empty are dropped, masks with every
-    in-range bit set become full blocks, and the remaining masks are deduplicated.
-    """
-    bq, bk = block_size
-    dev = lid.device
-    ids = torch.full((lid.numel(),), -1, dtype=torch.int64, device=dev)
-    masks = torch.zeros(0, bq, _bits.num_words(bk), dtype=torch.int32, device=dev)
-    keep = torch.ones(lid.numel(), dtype=torch.bool, device=dev)
-    if words is not None:
-        sel = torch.ones_like(keep) if partial is None else partial
-        pr, pc = r[sel], c[sel]
-        full_words = inrange_words(pr, pc, block_size, seqlen)
-        words = words & full_words
-        empty = (words == 0).flatten(1).all(1)
-        is_full = (words == full_words).flatten(1).all(1)
-        where = sel.nonzero().squeeze(1)
-        keep[where[empty]] = False
-        still = ~empty & ~is_full
-        masks, inverse = _bits.dedup(words[still])
-        ids[where[still]] = inverse
-    return assemble_ids(lid[keep], r[keep], c[keep], ids[keep], masks, block_size=block_size,
-                        seqlen=seqlen, layout_batch=layout_batch, layout_heads=layout_heads, name=name)
+    any order) with their element masks -> a canonical :class:`BlockSparseLayout` (the rules in
+    :func:`sparse_io_attn.layout._assemble.canonical`)."""
+    lid, r, c, ids, masks = _assemble.canonical(lid, r, c, words, partial=partial, block_size=block_size,
+                                                seqlen=seqlen)
+    return assemble_ids(lid, r, c, ids, masks, block_size=block_size, seqlen=seqlen, layout_batch=layout_batch,
+                        layout_heads=layout_heads, name=name)
 
 
 def assemble_ids(lid, r, c, ids, masks, *, block_size, seqlen, layout_batch: int, layout_heads: int,
                  name: str) -> BlockSparseLayout:
     """Unique kept blocks ``(lid, r, c)`` with their ``partial_ids`` (-1 full) into deduplicated,
     canonical ``masks`` -> the layout (entries sorted into CSR order)."""
-    R = math.ceil(seqlen[0] / block_size[0])
-    crow, col, order = coo_to_csr(lid, r, c, layout_batch * layout_heads, R)
+    crow, col, pids = _assemble.csr(lid, r, c, ids, block_size=block_size, seqlen=seqlen,
+                                    num_layouts=layout_batch * layout_heads)
     return BlockSparseLayout(crow, col, block_size=block_size, seqlen=seqlen, layout_batch=layout_batch,
-                             layout_heads=layout_heads, name=name, validate=False,
-                             partial_ids=ids[order].to(INDEX_DTYPE), partial_masks=masks)
-
-
-def _validate_partial(ids: torch.Tensor, masks: torch.Tensor, nnz: int, block_size) -> None:
-    bq, bk = block_size
-    for name, t in (("partial_ids", ids), ("partial_masks", masks)):
-        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
-            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"{name} must be an int32 tensor, got {got}")
-    W = _bits.num_words(bk)
-    if masks.dim() != 3 or tuple(masks.shape[1:]) != (bq, W):
-        raise ValueError(f"partial_masks must have shape [num_masks, {bq}, {W}] (BLOCK_SIZE_Q, "
-                         f"ceil(BLOCK_SIZE_KV / 32) words), got {tuple(masks.shape)}")
-    if ids.shape != (nnz,):
-        raise ValueError(f"partial_ids must have one entry per kept block ({nnz}), got shape {tuple(ids.shape)}")
-    if nnz and (int(ids.min()) < -1 or int(ids.max()) >= masks.shape[0]):
-        raise ValueError(f"partial_ids must lie in [-1, {masks.shape[0]}) (-1: full block), got values in "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+                             layout_heads=layout_heads, name=name, validate=False, partial_ids=pids,
+                             partial_masks=masks)._mark_checked()

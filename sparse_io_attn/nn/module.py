@@ -6,11 +6,11 @@ from typing import Callable, Union
 import torch
 from torch import nn
 
-from sparse_io_attn.block_sparse.api import BACKENDS
+from sparse_io_attn.block_sparse.api import BACKENDS, block_sparse_attention
+from sparse_io_attn.block_sparse.plan import AttentionPlan, plan
 from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
-from sparse_io_attn.nn.ops import block_sparse_attention_op
 
 LayoutOrPattern = Union[BlockSparseLayout, Callable[[int], BlockSparseLayout]]
 Selector = Callable[[torch.Tensor, torch.Tensor], BlockSparseLayout]
@@ -20,8 +20,8 @@ class SparseSelfAttention(nn.Module):
     r"""Multi-head self-attention over ``x [B, N, E]`` (batch first) with a block-sparse pattern.
 
     ``out = out_proj(attn(q_proj(x), k_proj(x), v_proj(x)))`` where ``attn`` is
-    :func:`sparse_io_attn.block_sparse_attention` called through the ``torch.library`` custom op of
-    :mod:`sparse_io_attn.nn.ops` (so ``torch.compile(model, fullgraph=True)`` works).
+    :func:`sparse_io_attn.block_sparse_attention` (a ``torch.library`` custom op, so
+    ``torch.compile(model, fullgraph=True)`` works).
 
     Args:
         embed_dim: ``E``; must be a multiple of ``num_heads``. Head dim ``D = E // num_heads``.
@@ -84,7 +84,7 @@ class SparseSelfAttention(nn.Module):
         self.k_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(embed_dim, kv_dim, bias=bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
-        self._layouts: dict[tuple[int, str], BlockSparseLayout] = {}
+        self._layouts: dict[tuple[int, str], AttentionPlan] = {}   # (seqlen, device) -> plan
         self.selector = selector
         if selector is not None:
             if layout_or_pattern is not None:
@@ -120,19 +120,24 @@ class SparseSelfAttention(nn.Module):
 
     def layout_for(self, seqlen: int, device=None) -> BlockSparseLayout:
         """The layout used for sequences of length ``seqlen`` on ``device`` (built once, cached)."""
+        return self.plan_for(seqlen, device).layout
+
+    def plan_for(self, seqlen: int, device=None) -> AttentionPlan:
+        """The attention plan of :meth:`layout_for` for the layer's heads and causality (built once,
+        outside any ``torch.compile`` trace, and kept)."""
         if self.selector is not None:
             raise ValueError(f"this layer chooses its layout at every forward with {self.selector!r}; "
                              f"call layer.selector(q, k) for the layout of given activations")
         device = torch.device("cpu" if device is None else device)
-        layout = self._layouts.get((int(seqlen), str(device)))
-        if layout is None:
-            layout = self._build_layout(int(seqlen), device)
-        return layout
+        hit = self._layouts.get((int(seqlen), str(device)))
+        if hit is None:
+            hit = self._build_layout(int(seqlen), device)
+        return hit
 
     @torch.compiler.disable(reason="sparse_io_attn: building a layout for a new sequence length is "
                             "data-dependent; call SparseSelfAttention.layout_for(seqlen, device) or run "
                             "one eager forward before torch.compile(..., fullgraph=True)")
-    def _build_layout(self, seqlen: int, device: torch.device) -> BlockSparseLayout:
+    def _build_layout(self, seqlen: int, device: torch.device) -> AttentionPlan:
         if self._fixed is not None:
             if seqlen != self._fixed.seqlen_q:
                 raise ValueError(f"the layer's layout was built for seqlen {self._fixed.seqlen_q} "
@@ -142,10 +147,10 @@ class SparseSelfAttention(nn.Module):
         else:
             layout = self._pattern(seqlen)
             self._check_layout(layout, seqlen)
-        layout = layout.to(device).check()   # index ranges validated once, outside any trace
-        layout.ccol_indices  # the transposed copy backward needs, built once, outside any trace
-        self._layouts[(seqlen, str(device))] = layout
-        return layout
+        p = plan(layout.to(device), causal=self.causal)   # validated and planned once, outside any trace
+        self._layouts[(seqlen, str(device))] = p
+        p.for_heads(self.num_heads, self.num_kv_heads)
+        return p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, N, E]`` -> ``[B, N, E]``."""
@@ -157,7 +162,7 @@ class SparseSelfAttention(nn.Module):
             layout = self.selector(q, k)
             self._check_layout(layout, N)
         else:
-            layout = self.layout_for(N, x.device)
+            layout = self.layout_for(N, x.device)     # planned when first built: the call finds its plan
         return self.project_out(self._attend(q, k, v, layout))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -176,7 +181,7 @@ class SparseSelfAttention(nn.Module):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layout: BlockSparseLayout) -> torch.Tensor:
         """Attention of ``q [B, Hq, N, D]``, ``k/v [B, Hkv, N, D]`` under ``layout`` -> ``[B, Hq, N, D]``."""
-        return block_sparse_attention_op(q, k, v, layout, causal=self.causal, backend=self.backend)
+        return block_sparse_attention(q, k, v, layout, causal=self.causal, backend=self.backend)
 
     def extra_repr(self) -> str:
         what = self._fixed.name if self._fixed is not None else repr(self.selector) if self.selector is not None \

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.api import _SUPPORTED_DTYPES, _resolve_sm_scale, _no_double_backward
+from sparse_io_attn.block_sparse.api import _SUPPORTED_DTYPES, _resolve_sm_scale
+from sparse_io_attn.block_sparse.op import no_double_backward
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.selection import torch_path
@@ -138,7 +139,7 @@ class _SelectionAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        _no_double_backward("selection_attention")
+        no_double_backward("selection_attention")
         q, k, v, out, stats = ctx.saved_tensors
         dq, dk, dv = _backend(ctx.backend).backward(do.contiguous(), q, k, v, out, stats, ctx.plan,
                                                     sm_scale=ctx.sm_scale)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
-from sparse_io_attn.block_sparse.api import check_inputs, resolve_backend
+from sparse_io_attn.block_sparse.api import prepare, resolve_backend
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 
 
@@ -54,8 +54,8 @@ def test_bad_backend_and_sm_scale():
 
 def test_default_sm_scale_is_inverse_sqrt_head_dim():
     q, k, v = qkv(D=16)
-    assert check_inputs(q, k, v, LAYOUT, None) == pytest.approx(0.25)
-    assert check_inputs(q, k, v, LAYOUT, 2) == 2.0
+    assert prepare(q, k, v, LAYOUT, causal=False, sm_scale=None, backend="torch").sm_scale == pytest.approx(0.25)
+    assert prepare(q, k, v, LAYOUT, causal=False, sm_scale=2, backend="torch").sm_scale == 2.0
 
 
 def test_auto_picks_the_cpu_kernel_on_cpu():

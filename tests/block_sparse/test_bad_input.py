@@ -12,7 +12,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 from sparse_io_attn.cli import main as cli
-from sparse_io_attn.nn import ops
+from sparse_io_attn import plan
+from sparse_io_attn.block_sparse import op
 
 from helpers import BACKENDS, make_inputs, run
 
@@ -38,26 +39,19 @@ def _double_backward(backend):
     return g
 
 
-def _double_backward_op():
-    q, k, v = _qkv()
-    out = ops.block_sparse_attention_op(q, k, v, _layout(), backend="torch")
-    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    return g
-
-
 def _op_with_bad_indices():
+    """A direct op call with a corrupted plan index that does not claim to be checked."""
     q, k, v = (t.detach() for t in _qkv())
-    lo = _layout()
-    args = list(ops.layout_op_args(lo))
-    args[1] = args[1].clone()
-    args[1][0] = 99                                          # column 99 of 4 key blocks
-    args[-1] = False                                         # indices_checked: a direct call's own tensors
-    return ops.block_sparse_attn_fwd(q, k, v, *args, None, 0.25, "triton")
+    p = plan(_layout())
+    index = p.index.clone()
+    index[p.rows.full_idx.storage_offset() - p.index.storage_offset()] = 99   # key block 99 of 4
+    meta = list(p.meta)
+    meta[-1] = 0                                                               # checked: no
+    return op.block_sparse_attn_fwd(q, k, v, index, meta, None, 0.25, "triton")
 
 
-# both entry points, every backend: the prologue they share refuses before any backend runs
-ENTRIES = {**{backend: functools.partial(block_sparse_attention, backend=backend) for backend in BACKENDS},
-           "custom-op": functools.partial(ops.block_sparse_attention_op, backend="torch")}
+# every backend: the prologue refuses before any backend runs
+ENTRIES = {backend: functools.partial(block_sparse_attention, backend=backend) for backend in BACKENDS}
 
 
 def _with_sm_scale(entry, sm_scale):
@@ -115,7 +109,6 @@ BAD = [
     pytest.param(lambda: _double_backward("cpu"), NotImplementedError, "double backward", id="double-backward-cpu"),
     pytest.param(lambda: block_sparse_attention(*_qkv(), _layout(), sm_scale=float("-inf"), backend="cpu"),
                  ValueError, "sm_scale must be a finite number", id="sm_scale-minus-inf-cpu"),
-    pytest.param(_double_backward_op, NotImplementedError, "double backward", id="double-backward-custom-op"),
     pytest.param(lambda: BlockSparseLayout.from_flex_block_mask(_flex([[0, -1], [1, 0]], [2, 1])), ValueError,
                  r"kv_indices\[0, 0, 0, 1\] = -1 is one of the 2 blocks", id="flex-counted-minus-one"),
     pytest.param(lambda: BlockSparseLayout.from_flex_block_mask(_flex([[0, 9], [1, 0]], [2, 1])), ValueError,
@@ -128,7 +121,7 @@ BAD = [
                  r"col_indices must lie in \[0, 4\)", id="negative-column-torch"),
     pytest.param(lambda: block_sparse_attention(*_qkv(), _bad_index_layout(), backend="cpu"), ValueError,
                  r"col_indices must lie in \[0, 4\)", id="negative-column-cpu"),
-    pytest.param(_op_with_bad_indices, ValueError, r"col_indices must lie in \[0, 4\)", id="custom-op-bad-indices"),
+    pytest.param(_op_with_bad_indices, ValueError, r"block indices must lie in \[0, 4\)", id="custom-op-bad-indices"),
     pytest.param(lambda: patterns.sliding_window(2 ** 21, 1, window=2 ** 20), ValueError,
                  "GiB is available", id="pattern-too-large-for-memory"),
     pytest.param(lambda: block_sparse_attention(*_qkv(D=0), _layout()), ValueError, "head_dim 0", id="head-dim-0"),

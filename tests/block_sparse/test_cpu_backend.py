@@ -13,9 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns, plan
 from sparse_io_attn.block_sparse import cpu
 from sparse_io_attn.block_sparse.api import resolve_backend
+from sparse_io_attn.block_sparse.plan import BlockLists
 from sparse_io_attn._cpu import build as _build
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 
@@ -95,7 +96,7 @@ def test_failed_build_is_reported_with_the_fix(monkeypatch):
     with pytest.raises(RuntimeError, match=r"building the C\+\+ kernel failed .*g\+\+: fatal error.*backend='torch'"):
         cpu.load()
     with pytest.raises(RuntimeError, match="building the C"):   # remembered: no second build attempt
-        cpu.forward(*make_inputs(1, 1, 1, 16, 16, 16)[:3], patterns.dense(16, 16), causal_offset=None, sm_scale=1.0, layout_strides=(0, 0))
+        cpu.forward(*make_inputs(1, 1, 1, 16, 16, 16)[:3], plan(patterns.dense(16, 16)), sm_scale=1.0)
 
 
 def test_disabled_by_environment(monkeypatch):
@@ -179,7 +180,7 @@ def test_exact_at_large_logits(dtype, tol):
 def test_cuda_tensors_are_refused():
     q = torch.empty(1, 1, 16, 16, device="meta")
     with pytest.raises(ValueError, match="backend 'cpu' runs on CPU tensors"):
-        cpu.forward(q, q, q, patterns.dense(16, 16), causal_offset=None, sm_scale=1.0, layout_strides=(0, 0))
+        cpu.forward(q, q, q, plan(patterns.dense(16, 16)), sm_scale=1.0)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -267,13 +268,12 @@ def test_finite_at_huge_logits(dtype, make_layout_, scale, sm_scale):
 
 # ------------------------------------------------------------------------ raw ops check their schedule
 def _raw_case(causal=False):
-    from sparse_io_attn.block_sparse.schedule import schedule
     elem = torch.ones(64, 64, dtype=torch.bool).tril()   # full blocks below the diagonal, partial on it
     elem[48:, :16] &= torch.rand(16, 16, generator=torch.Generator().manual_seed(1)) < 0.5
     layout = BlockSparseLayout.from_dense_mask(elem, 16)
     q, k, v, do = make_inputs(1, 2, 2, 64, 64, 16)
-    sched = schedule(layout, 0 if causal else None)
-    slb, slh = layout.broadcast_strides(1, 2)
+    sched = plan(layout, causal=causal)
+    slb, slh = sched.layout_strides(1, 2)
     return layout, q, k, v, do, sched, slb, slh
 
 
@@ -288,13 +288,11 @@ def _call(which, lists, masks, layout, q, k, v, do, slb, slh, masks_t=None):
 
 
 def _rows_of(layout):
-    from sparse_io_attn.block_sparse.schedule import schedule
-    rows = schedule(layout, None).rows
+    rows = plan(layout).rows
     return rows.full_ptr, rows.full_idx, rows.part_ptr, rows.part_idx, rows.part_mask
 
 
 def _corrupt(lists, field, how):
-    from sparse_io_attn.block_sparse.schedule import BlockLists
     tensors = {name: getattr(lists, name).clone() for name in
                ("full_ptr", "full_idx", "part_ptr", "part_idx", "part_mask")}
     t = tensors[field]

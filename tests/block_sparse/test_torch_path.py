@@ -4,7 +4,7 @@ kind against the float64 reference, thread counts, CUDA."""
 import pytest
 import torch
 
-from sparse_io_attn import BlockSparseLayout, patterns
+from sparse_io_attn import BlockSparseLayout, patterns, plan
 from sparse_io_attn.block_sparse.torch_path import plan as torch_path
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 
@@ -43,7 +43,8 @@ def test_plan_uses_views_windows_and_gathers():
     """The fast paths are really taken: a sliding window runs as strided windows, a causal layout
     as unit-batched views, BigBird's random blocks through gathers."""
     def kinds(layout, delta, B=1, H=2):
-        return {ch.kind for ch in torch_path.get_plan(layout, B, H, H, delta, torch.device("cpu")).chunks}
+        return {ch.kind for ch in torch_path.get_plan(plan(layout, causal=delta is not None), B, H, H,
+                                                      torch.device("cpu")).chunks}
     assert "strided" in kinds(patterns.sliding_window(1024, 32, 96), None)
     assert kinds(patterns.causal(512, 32), 0) == {"units"}
     assert "gather" in kinds(patterns.bigbird(1024, 32), None)
@@ -58,8 +59,8 @@ def test_plan_reads_only_kept_blocks(make, delta):
     """Every (unit, query block, key block) a chunk multiplies is a block the layout keeps (and the
     causal diagonal does not remove), each exactly once."""
     layout = make()
-    plan = torch_path.get_plan(layout, 1, 2, 2, delta, torch.device("cpu"))
-    read = sum(ch.steps * ch.nb * ch.R * ch.C for ch in plan.chunks)
+    host = torch_path.get_plan(plan(layout, causal=delta is not None), 1, 2, 2, torch.device("cpu"))
+    read = sum(ch.steps * ch.nb * ch.R * ch.C for ch in host.chunks)
     expect = layout.to("cpu")
     if delta is not None:
         expect = expect & patterns.causal(layout.seqlen, layout.block_size)
@@ -93,13 +94,13 @@ def test_causal_rows_without_keys_have_no_nan():
     assert torch.isneginf(got[1][0, 0, :16]).all()
 
 
-def test_plan_is_cached_on_the_layout():
+def test_host_plan_is_kept_in_the_attention_plan():
     layout = patterns.sliding_window(256, 32, 40)
     dev = torch.device("cpu")
-    p1 = torch_path.get_plan(layout, 1, 2, 2, None, dev)
-    assert torch_path.get_plan(layout, 1, 2, 2, None, dev) is p1
-    assert torch_path.get_plan(layout, 1, 2, 2, 0, dev) is not p1
-    assert torch_path.get_plan(layout, 1, 2, 2, 3, dev) is not torch_path.get_plan(layout, 1, 2, 2, 0, dev)
+    p1 = torch_path.get_plan(plan(layout), 1, 2, 2, dev)
+    assert torch_path.get_plan(plan(layout), 1, 2, 2, dev) is p1
+    assert torch_path.get_plan(plan(layout, causal=True), 1, 2, 2, dev) is not p1
+    assert torch_path.get_plan(plan(layout), 2, 2, 2, dev) is not p1
 
 
 @pytest.mark.gpu

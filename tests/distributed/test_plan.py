@@ -6,6 +6,7 @@ import torch
 from helpers import FP32_TOL, make_layout
 
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
+from sparse_io_attn import plan as attention_plan
 from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn.block_sparse import torch_path
 from sparse_io_attn.block_sparse.reference import rel_err
@@ -174,11 +175,11 @@ def test_merge_partials_equals_attention_over_the_union():
     full = BlockSparseLayout.from_dense_mask(mask, b)
     one = BlockSparseLayout.from_dense_mask(mask[:, ~cols], b)
     two = BlockSparseLayout.from_dense_mask(mask[:, cols], b)
-    kw = dict(causal_offset=None, sm_scale=D ** -0.5, layout_strides=(0, 0))
-    o1, _, s1 = torch_path.forward(q, k[:, :, :24], v[:, :, :24], one, **kw)
-    o2, _, s2 = torch_path.forward(q, k[:, :, 24:], v[:, :, 24:], two, **kw)
+    kw = dict(sm_scale=D ** -0.5)
+    o1, _, s1 = torch_path.forward(q, k[:, :, :24], v[:, :, :24], attention_plan(one), **kw)
+    o2, _, s2 = torch_path.forward(q, k[:, :, 24:], v[:, :, 24:], attention_plan(two), **kw)
     out, lse, stats = merge_partials(o1, s1, o2, s2)
-    ref, ref_lse, ref_stats = torch_path.forward(q, k, v, full, **kw)
+    ref, ref_lse, ref_stats = torch_path.forward(q, k, v, attention_plan(full), **kw)
     assert rel_err(out, ref) <= FP32_TOL
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     fin = torch.isfinite(ref_lse)

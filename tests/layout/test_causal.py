@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sparse_io_attn.layout.causal import causal_offset
-from sparse_io_attn.block_sparse.schedule import schedule
+from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.block_sparse.torch_path.plan import _row_lists
 from sparse_io_attn.layout.causal import causal_blocks
 from sparse_io_attn.layout.core import BlockSparseLayout
@@ -74,7 +74,7 @@ def test_schedule_and_plan_drop_exactly_the_dead_blocks(block_size, seqlen, mode
     kept = layout.to_block_mask()[0, 0]
     want_full = kept & alive & whole
     want_part = kept & alive & ~whole
-    sched = schedule(layout, delta)
+    sched = plan(layout, causal=mode)
     got_full = torch.zeros_like(kept)
     got_part = torch.zeros_like(kept)
     for r in range(layout.num_q_blocks):
@@ -84,7 +84,7 @@ def test_schedule_and_plan_drop_exactly_the_dead_blocks(block_size, seqlen, mode
     assert torch.equal(got_full, want_full)
     assert torch.equal(got_part, want_part)
     planned = torch.zeros_like(kept)
-    for r, pairs in enumerate(_row_lists(layout, 0, delta)):
+    for r, pairs in enumerate(_row_lists(sched, 0, delta)):
         for c, _ in pairs:
             planned[r, c] = True
     assert torch.equal(planned, kept & alive)

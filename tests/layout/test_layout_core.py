@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from sparse_io_attn import BlockSparseLayout
+from sparse_io_attn import BlockSparseLayout, plan
 from sparse_io_attn.layout._csr import csr_to_mask, front_slots, pack_front
 
 
@@ -102,18 +102,20 @@ def test_valid_csr_accepted_and_int64_narrowed():
         BlockSparseLayout(crow, col, block_size=4, seqlen=8, layout_batch=2, layout_heads=2)
 
 
-def test_broadcast_strides_and_expand():
+def test_plan_layout_strides_and_expand():
     m = torch.rand(3, 2, 2) > 0.3
     lo = BlockSparseLayout.from_block_mask(m, 4, (7, 8))
-    assert lo.broadcast_strides(5, 3) == (0, 1)
+    assert plan(lo).layout_strides(5, 3) == (0, 1)
     shared = BlockSparseLayout.from_block_mask(m[0], 4, (7, 8))
-    assert shared.broadcast_strides(5, 3) == (0, 0)
+    assert plan(shared).layout_strides(5, 3) == (0, 0)
     batched = BlockSparseLayout.from_block_mask(m.view(3, 1, 2, 2), 4, (7, 8))
-    assert batched.broadcast_strides(3, 6) == (1, 0)
+    assert plan(batched).layout_strides(3, 6) == (1, 0)
     with pytest.raises(ValueError, match="3 head masks but q has 4 heads"):
-        lo.broadcast_strides(1, 4)
+        plan(lo).layout_strides(1, 4)
     with pytest.raises(ValueError, match="3 batch masks but the input has batch 2"):
-        batched.broadcast_strides(2, 1)
+        plan(batched).layout_strides(2, 1)
+    with pytest.raises(ValueError, match="3 batch masks but the input has batch 2"):
+        batched.expand_dense_mask(2, 1)
     full = lo.expand_dense_mask(2, 3)
     assert full.shape == (2, 3, 7, 8)
     assert torch.equal(full[1, 2], m[2].repeat_interleave(4, 0).repeat_interleave(4, 1)[:7, :8])

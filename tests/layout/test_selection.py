@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparse_io_attn import BlockSparseLayout, patterns
-from sparse_io_attn.block_sparse.schedule import schedule
+from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.layout.causal import causal_blocks, causal_offset
 
 from helpers import no_host_sync
@@ -167,21 +167,22 @@ def test_selection_and_schedule_never_synchronise():
     with no_host_sync():
         for layout in (patterns.topk(scores, 3, 16, 128, causal=True),
                        BlockSparseLayout.from_kv_indices(idx, 16, 128, check=False)):
-            for delta in (None, 0):
-                schedule(layout, delta)
+            for causal in (False, True):
+                plan(layout, causal=causal).for_heads(6, 3)
             layout.ccol_indices
             layout.for_query_heads(6, 3)
     with pytest.raises(AssertionError, match="host synchronisation"), no_host_sync():
         BlockSparseLayout.from_kv_indices(idx, 16, 128)._used_slots()     # the guard can fail
 
 
-@pytest.mark.parametrize("delta", [None, 0, 37])
-def test_device_schedule_equals_the_layout(delta):
-    """The fixed-capacity schedule lists the same blocks as the exact layout's schedule."""
-    idx = torch.randint(-2, 7, (2, 2, 7, 3))
-    dyn = BlockSparseLayout.from_kv_indices(idx, 16, 100)
-    exact = BlockSparseLayout.from_block_mask(dyn.to_block_mask(), 16, 100)
-    a, b = schedule(dyn, delta), schedule(exact, delta)
+@pytest.mark.parametrize("causal,seqlen", [(False, 100), (True, 100), ("bottom_right", (70, 100))])
+def test_device_plan_equals_the_layout(causal, seqlen):
+    """The fixed-capacity layout's plan lists the same blocks as the exact layout's plan."""
+    nqb = -(-(seqlen if isinstance(seqlen, int) else seqlen[0]) // 16)
+    idx = torch.randint(-2, 7, (2, 2, nqb, 3))
+    dyn = BlockSparseLayout.from_kv_indices(idx, 16, seqlen)
+    exact = BlockSparseLayout.from_block_mask(dyn.to_block_mask(), 16, seqlen)
+    a, b = plan(dyn, causal=causal), plan(exact, causal=causal)
     for order in ("rows", "cols"):
         la, lb = getattr(a, order), getattr(b, order)
         assert torch.equal(la.full_ptr, lb.full_ptr) and torch.equal(la.part_ptr, lb.part_ptr)

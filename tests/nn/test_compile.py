@@ -1,14 +1,14 @@
-"""The custom ops under `torch.library.opcheck` and `torch.compile(fullgraph=True)` on CPU, for every
-backend (triton through the interpreter)."""
+"""The custom ops under `torch.library.opcheck`, and `block_sparse_attention` (the one path of every
+call) under `torch.compile(fullgraph=True)` on CPU, for every backend (triton through the interpreter)."""
 import functools
 
 import pytest
 import torch
 from torch import nn
 
-from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
-from sparse_io_attn.nn import SparseSelfAttention, block_sparse_attention_op
-from sparse_io_attn.nn import ops
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns, plan
+from sparse_io_attn.block_sparse import op
+from sparse_io_attn.nn import SparseSelfAttention
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 
 from helpers import BACKENDS
@@ -42,32 +42,40 @@ def _op_inputs(c):
 @pytest.mark.parametrize("case", OP_CASES)
 def test_opcheck(case, backend):
     q, k, v, layout = _op_inputs(case)
-    args = (q, k, v, *ops.layout_op_args(layout), 0 if case["causal"] else None, case["D"] ** -0.5, backend)
-    torch.library.opcheck(ops.block_sparse_attn_fwd, args)
-    out, lse, stats = ops.block_sparse_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    p = plan(layout, causal=case["causal"]).for_heads(case["Hq"], case["Hkv"])
+    args = (q, k, v, p.index, list(p.meta), p.causal_offset, case["D"] ** -0.5, backend)
+    torch.library.opcheck(op.block_sparse_attn_fwd, args)
+    out, lse, stats = op.block_sparse_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     do = torch.randn_like(out)
-    torch.library.opcheck(ops.block_sparse_attn_bwd,
+    torch.library.opcheck(op.block_sparse_attn_bwd,
                           (do, q.detach(), k.detach(), v.detach(), out, stats, *args[3:]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", OP_CASES)
-def test_op_matches_reference_and_public_function(case, backend):
+def test_compiled_call_matches_eager_and_reference(case, backend):
+    """``torch.compile(lambda q, k, v: block_sparse_attention(q, k, v, layout, causal=...),
+    fullgraph=True)`` forward and backward equal eager (bitwise: the same op runs the same backend)
+    and the float64 reference; with the layout or with its plan."""
     q, k, v, layout = _op_inputs(case)
-    out, lse = block_sparse_attention_op(q, k, v, layout, causal=case["causal"], return_lse=True, backend=backend)
+    causal = case["causal"]
+    out, lse = block_sparse_attention(q, k, v, layout, causal=causal, return_lse=True, backend=backend)
     do = torch.randn_like(out)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
-    ref = attention_reference(q, k, v, layout, causal=case["causal"], do=do)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref = attention_reference(q, k, v, layout, causal=causal, do=do)
     assert rel_err(out.detach(), ref[0]) < 1e-5
     finite = torch.isfinite(ref[1])
     assert torch.equal(torch.isfinite(lse), finite)
     assert rel_err(lse[finite], ref[1][finite]) < 1e-5
-    for got, want in zip((dq, dk, dv), ref[2:]):
+    for got, want in zip(grads, ref[2:]):
         assert rel_err(got, want) < 1e-5
-    # the op path and the autograd.Function path run the same backend: identical results
-    out2 = block_sparse_attention(q, k, v, layout, causal=case["causal"], backend=backend)
-    assert torch.equal(out, out2)
-    assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv), torch.autograd.grad(out2, (q, k, v), do)))
+    for target in (layout, plan(layout, causal=causal)):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda q, k, v: block_sparse_attention(q, k, v, target, causal=causal, backend=backend),
+                           backend="aot_eager", fullgraph=True)
+        out_c = fn(q, k, v)
+        assert torch.equal(out_c, out)
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out_c, (q, k, v), do), grads))
 
 
 class TinyBlock(nn.Module):

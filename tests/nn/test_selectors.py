@@ -7,11 +7,10 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from sparse_io_attn import patterns
-from sparse_io_attn.block_sparse.api import prologue
+from sparse_io_attn import block_sparse_attention, patterns
+from sparse_io_attn.block_sparse.api import prepare
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
-from sparse_io_attn.nn import SparseSelfAttention, block_sparse_attention_op, selectors
-from sparse_io_attn.nn.ops import layout_op_args
+from sparse_io_attn.nn import SparseSelfAttention, selectors
 
 from helpers import BACKENDS, no_host_sync
 
@@ -98,11 +97,11 @@ def test_compiled_step_selects_every_call_without_recompiling():
 def test_selector_pipeline_never_synchronises():
     q, k, v = torch.randn(1, 4, 64, 8), torch.randn(1, 2, 64, 8), torch.randn(1, 2, 64, 8)
     sel = selectors.moba(16, 2)
-    out = block_sparse_attention_op(q, k, v, sel(q, k), causal=True, backend="cpu")   # builds the C++ kernel first
+    out = block_sparse_attention(q, k, v, sel(q, k), causal=True, backend="cpu")   # builds the C++ kernel first
     with no_host_sync():
         layout = sel(q, k)
-        call = prologue(q, k, v, layout, causal=True, sm_scale=None, backend="cpu")
-        layout_op_args(call.layout)
+        call = prepare(q, k, v, layout, causal=True, sm_scale=None, backend="cpu")   # one layout, one plan
+        list(call.plan.meta)
     assert torch.isfinite(out).all()
 
 

@@ -2,8 +2,8 @@
 
 Implements the backend interface of :mod:`sparse_io_attn.block_sparse.api`:
 
-* ``forward(q, k, v, layout, *, causal_offset, sm_scale, layout_strides) -> (out, lse, stats)``
-* ``backward(do, q, k, v, out, stats, layout, *, causal_offset, sm_scale, layout_strides) -> (dq, dk, dv)``
+* ``forward(q, k, v, plan, *, sm_scale) -> (out, lse, stats)``
+* ``backward(do, q, k, v, out, stats, plan, *, sm_scale) -> (dq, dk, dv)``
 
 with the semantics of the other backends (element-exact partial blocks, both causal alignments,
 GQA, per-head/per-batch layouts, empty rows -> output 0, lse ``-inf``, zero gradients).
@@ -12,7 +12,7 @@ How it works (``kernel.cpp``: op registration, including ``simd.h`` vector helpe
 buffers/packing/tile products, ``schedule.h`` the problem and the checked schedule lists, ``forward.h``,
 ``backward.h``; one translation unit):
 
-* It walks the layout's kernel schedule (:func:`sparse_io_attn.block_sparse.schedule.schedule`):
+* It walks the lists of an :class:`~sparse_io_attn.block_sparse.plan.AttentionPlan`:
   forward and dQ run one task per (batch, query head, query tile of up to 128 rows: the layout's
   query block or an equal split of it) over the CSR lists, dK/dV one task per (batch, kv head, key
   tile of up to 128 keys) over the CSC lists of every query head of its GQA group. Full blocks run

@@ -21,8 +21,8 @@ exact in one step (no online rescaling):
 * On CPU with several torch threads the chunks are shared by single-threaded worker threads
   (:func:`for_each_chunk`): one parallel region per chunk rather than one per small op.
 
-The plan depends only on the layout, ``(B, Hq, Hkv)``, the causal offset and the device; it is built once
-and cached per layout object (``plan.get_plan``). Compute is float32 (fp16/bf16
+The host plan depends only on the attention plan, ``(B, Hq, Hkv)`` and the device; it is built once
+and kept in the attention plan (``plan.get_plan``). Compute is float32 (fp16/bf16
 inputs are upcast; outputs are cast back). Scores are kept in base 2 (``Q`` is pre-scaled by
 ``sm_scale * log2(e)``; ``exp2`` is about twice as fast as ``exp`` on CPU). The returned ``lse``
 is float32, natural log, ``-inf`` on rows with no kept key; such rows get output 0 and zero

@@ -7,7 +7,7 @@ import torch
 
 from sparse_io_attn.block_sparse.torch_path.plan import _Chunk, _Plan, get_plan
 from sparse_io_attn.block_sparse.torch_path.workers import for_each_chunk
-from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.block_sparse.plan import AttentionPlan
 
 LOG2E = 1.0 / math.log(2.0)
 FP32_MAX = torch.finfo(torch.float32).max
@@ -161,19 +161,18 @@ class _Exec:
         dst.view(-1, self.bk, self.D).index_add_(0, ch.k_idx, val.reshape(-1, self.bk, self.D))
 
 
-def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
-            layout_strides: tuple[int, int]):
+def forward(q, k, v, attn_plan: AttentionPlan, *, sm_scale: float):
     """``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] float32 natural log, stats)``; ``stats``
     float32 ``[2, B, Hq, Nq]`` holds each row's base-2 score maximum ``m`` and ``log2`` of its sum
     ``l`` (``+inf``/``0`` on rows without keys), what backward needs to recompute ``P`` exactly as
     the forward did (``lse`` alone, rounded at the magnitude of ``m``, loses the digits of ``log2 l``
-    when logits are large). ``layout_strides`` (the interface's) is implied by the plan, which
-    maps each unit to its layout mask when built (cached per layout and shape)."""
+    when logits are large). The host plan maps each unit to its layout mask (kept in the attention
+    plan per shape)."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
-    bq, bk = layout.block_size
-    Nqp, Nkp = layout.num_q_blocks * bq, layout.num_kv_blocks * bk
-    plan = get_plan(layout, B, Hq, Hkv, causal_offset, q.device)
+    bq, bk = attn_plan.block_size
+    Nqp, Nkp = attn_plan.num_q_blocks * bq, attn_plan.num_kv_blocks * bk
+    plan = get_plan(attn_plan, B, Hq, Hkv, q.device)
     dev = q.device
 
     qu = _q_units(q, plan.heads_per_unit, Nqp, scale=sm_scale * LOG2E)   # [U, Nqp, G, D], base-2 scores
@@ -212,15 +211,14 @@ def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm
     return _from_q_units(out, B, Hq, Nq).to(q.dtype), _from_q_units(lse, B, Hq, Nq), stats
 
 
-def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
-             layout_strides: tuple[int, int]):
+def backward(do, q, k, v, out, stats, attn_plan: AttentionPlan, *, sm_scale: float):
     """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group. ``P = exp2((S - m)
     - log2 l)`` from the forward's ``stats``, the same scores and the same row maximum."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    bq, bk = layout.block_size
-    Nqp, Nkp = layout.num_q_blocks * bq, layout.num_kv_blocks * bk
-    plan = get_plan(layout, B, Hq, Hkv, causal_offset, q.device)
+    bq, bk = attn_plan.block_size
+    Nqp, Nkp = attn_plan.num_q_blocks * bq, attn_plan.num_kv_blocks * bk
+    plan = get_plan(attn_plan, B, Hq, Hkv, q.device)
     G = plan.heads_per_unit
     dev = q.device
 

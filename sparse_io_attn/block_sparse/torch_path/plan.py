@@ -1,21 +1,20 @@
-"""Plans of the PyTorch backend: which chunks of matmuls compute a layout (see the package docstring).
+"""Host plans of the PyTorch backend: which chunks of matmuls compute an attention plan (see the
+package docstring).
 
-A plan depends only on the layout, ``(B, Hq, Hkv)``, the causal offset and the device;
-:func:`get_plan` builds it once and caches it per layout object. A chunk reads only blocks its rows
-keep; elements to drop inside them (key padding, the causal diagonal, the element masks of partial
-blocks) are set to ``-inf`` through the chunk's ``mask``.
+A host plan depends only on the :class:`~sparse_io_attn.block_sparse.plan.AttentionPlan` (its lists,
+in which causally dead blocks are already dropped), ``(B, Hq, Hkv)`` and the device; :func:`get_plan`
+builds it once and keeps it in the attention plan (:meth:`~sparse_io_attn.block_sparse.plan.AttentionPlan.derived`).
+A chunk reads only blocks its rows keep; elements to drop inside them (key padding, the causal
+diagonal, the element masks of partial blocks) are set to ``-inf`` through the chunk's ``mask``.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from sparse_io_attn.block_sparse.plan import AttentionPlan
 from sparse_io_attn.layout import _bits
-from sparse_io_attn.layout._csr import csr_row_ids
-from sparse_io_attn.layout.causal import causal_blocks
-from sparse_io_attn.layout.core import BlockSparseLayout
 
 SCORE_BUDGET = 1 << 20
 # Query rows (x stacked heads) a matmul should reach when rows with the same keys can be stacked:
@@ -79,9 +78,9 @@ class _Plan:
     cache: dict = field(default_factory=dict)            # per-worker-count splits
 
 
-def _unit_maps(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int):
+def _unit_maps(layout: AttentionPlan, B: int, Hq: int, Hkv: int):
     """``(U, heads_per_unit, layout_index[U], kv_unit[U])``."""
-    stride_lb, stride_lh = layout.broadcast_strides(B, Hq)
+    stride_lb, stride_lh = layout.layout_strides(B, Hq)
     group = Hq // Hkv
     if layout.layout_heads == 1:
         U = B * Hkv
@@ -91,17 +90,20 @@ def _unit_maps(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int):
     return U, 1, lidx, [(u // Hq) * Hkv + (u % Hq) // group for u in range(U)]
 
 
-def _row_lists(layout: BlockSparseLayout, l: int, delta: int | None) -> list[tuple[tuple[int, int], ...]]:
-    """Kept ``(key block, partial id)`` pairs of each query-block row of mask ``l``, minus blocks
-    entirely past the causal diagonal ``j <= i + delta`` (no element of the block allowed)."""
-    crow = layout.crow_indices[l].to(torch.int64)
-    col = layout.col_indices[int(crow[0]):int(crow[-1])].to(torch.int64)
-    row = csr_row_ids((crow - crow[0])[None])
-    alive = causal_blocks(row, col, layout.block_size, layout.seqlen, delta).alive.tolist()
-    pid = layout.partial_ids[int(crow[0]):int(crow[-1])].tolist()
-    col, starts = col.tolist(), (crow - crow[0]).tolist()
-    return [tuple((col[e], pid[e]) for e in range(starts[r], starts[r + 1]) if alive[e])
-            for r in range(layout.num_q_blocks)]
+def _row_lists(layout: AttentionPlan, l: int, delta: int | None) -> list[tuple[tuple[int, int], ...]]:
+    """Kept ``(key block, partial id)`` pairs of each query-block row of mask ``l``, by key block: the
+    plan's full and partial lists (blocks with no allowed element after causality are not in them)."""
+    R = layout.num_q_blocks
+    out = [[] for _ in range(R)]
+    lists = layout.rows
+    for ptr, idx, pid in ((lists.full_ptr, lists.full_idx, None), (lists.part_ptr, lists.part_idx, lists.part_mask)):
+        starts = ptr[l].tolist()
+        cols = idx[starts[0]:starts[-1]].tolist()
+        pids = pid[starts[0]:starts[-1]].tolist() if pid is not None else [-1] * len(cols)
+        base = starts[0]
+        for r in range(R):
+            out[r] += zip(cols[starts[r] - base:starts[r + 1] - base], pids[starts[r] - base:starts[r + 1] - base])
+    return [tuple(sorted(pairs)) for pairs in out]
 
 
 def _contiguous(ids) -> bool:
@@ -116,7 +118,7 @@ def _arith(xs) -> int | None:
     return d if all(b - a == d for a, b in zip(xs, xs[1:])) else None
 
 
-def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, delta: int | None) -> tuple[list[_Task], bool]:
+def _tasks(layout: AttentionPlan, units_of: dict, G: int, delta: int | None) -> tuple[list[_Task], bool]:
     """Rows with identical kept blocks and element masks (merged across masks), split to fit the
     score budget; and whether some row keeps no key block."""
     bq, bk = layout.block_size
@@ -155,7 +157,7 @@ def _tasks(layout: BlockSparseLayout, units_of: dict, G: int, delta: int | None)
     return tasks, has_empty
 
 
-def _drop_mask(t: _Task, layout: BlockSparseLayout, delta: int | None):
+def _drop_mask(t: _Task, layout: AttentionPlan, delta: int | None):
     """bool ``[len(rows)*bq, len(cols)*bk]`` (True = drop: key padding, causal ``j > i + delta``,
     an element a partial block's mask removes), or None if nothing is dropped."""
     bq, bk = layout.block_size
@@ -165,14 +167,14 @@ def _drop_mask(t: _Task, layout: BlockSparseLayout, delta: int | None):
     if delta is not None:
         drop = drop | (kpos.view(1, -1) > qpos.view(-1, 1) + delta)
     if any(p >= 0 for p in t.pids):
-        masks = layout.partial_masks.cpu()
+        masks = layout.masks.cpu()
         allowed = torch.stack([_bits.unpack(masks[p], bk) if p >= 0 else torch.ones(bq, bk, dtype=torch.bool)
                                for p in t.pids], dim=1).view(bq, -1)       # [bq, cols*bk]
         drop = drop | ~allowed.repeat(len(t.rows), 1)
     return drop if bool(drop.any()) else None
 
 
-def _set_mask(ch: _Chunk, items: list, layout: BlockSparseLayout, delta: int | None) -> None:
+def _set_mask(ch: _Chunk, items: list, layout: AttentionPlan, delta: int | None) -> None:
     """``items``: the task of each item (or one task shared by all items)."""
     bk = layout.BLOCK_SIZE_KV
     memo: dict[int, torch.Tensor | None] = {}
@@ -201,7 +203,7 @@ def _set_mask(ch: _Chunk, items: list, layout: BlockSparseLayout, delta: int | N
         ch.masks.append((sl, torch.zeros(drop.shape).masked_fill_(drop, float("-inf"))))
 
 
-def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, delta: int | None,
+def _build_plan(layout: AttentionPlan, B: int, Hq: int, Hkv: int, delta: int | None,
                 device: torch.device) -> _Plan:
     bq, bk = layout.block_size
     nqb, nkb = layout.num_q_blocks, layout.num_kv_blocks
@@ -284,17 +286,7 @@ def _build_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, delta: int
     return _Plan(U, G, chunks, max_scores, max_q, max_k, has_empty, by_cost)
 
 
-# Plans per layout object; an entry disappears with its layout.
-_PLANS: "weakref.WeakKeyDictionary[BlockSparseLayout, dict]" = weakref.WeakKeyDictionary()
-
-
-def get_plan(layout: BlockSparseLayout, B: int, Hq: int, Hkv: int, causal_offset: int | None,
-             device: torch.device) -> _Plan:
-    """The plan for these shapes, built on first use and cached per layout (weakly: the cache never
-    keeps a layout alive, and writes nothing into the layout object) until one of the layout's
-    tensors is edited in place."""
-    cache = _PLANS.setdefault(layout, {})
-    key = (B, Hq, Hkv, causal_offset, str(device), layout.version_key())
-    if key not in cache:
-        cache[key] = _build_plan(layout.to("cpu"), B, Hq, Hkv, causal_offset, device)
-    return cache[key]
+def get_plan(layout: AttentionPlan, B: int, Hq: int, Hkv: int, device: torch.device) -> _Plan:
+    """The host plan for these shapes, built on first use and kept in the attention plan."""
+    return layout.derived(("torch_path", B, Hq, Hkv, str(device)),
+                          lambda: _build_plan(layout.to("cpu"), B, Hq, Hkv, layout.causal_offset, device))

@@ -1,15 +1,15 @@
 """Backend ``"triton"``: host launchers of the block-sparse kernels.
 
-Implements the backend interface of :mod:`sparse_io_attn.block_sparse.api` (inputs arrive validated, the
-layout on the tensors' device):
+Implements the backend interface of :mod:`sparse_io_attn.block_sparse.op` (inputs arrive validated, the
+plan on the tensors' device):
 
-* ``forward(q, k, v, layout, *, causal_offset, sm_scale, layout_strides) -> (out, lse, stats)``, ``lse`` fp32
-  ``[B, Hq, Nq]`` in natural-log units, ``-inf`` on rows with no allowed key (whose output is 0);
-  ``stats`` fp32 ``[2, B, Hq, Nq]``: base-2 row maximum and log2 row sum, for backward.
-* ``backward(do, q, k, v, out, stats, layout, *, causal_offset, sm_scale, layout_strides) -> (dq, dk, dv)``,
-  dk/dv summed over the query heads of a GQA group; deterministic (no atomics on data).
+* ``forward(q, k, v, plan, *, sm_scale) -> (out, lse, stats)``, ``lse`` fp32 ``[B, Hq, Nq]`` in
+  natural-log units, ``-inf`` on rows with no allowed key (whose output is 0); ``stats`` fp32
+  ``[2, B, Hq, Nq]``: base-2 row maximum and log2 row sum, for backward.
+* ``backward(do, q, k, v, out, stats, plan, *, sm_scale) -> (dq, dk, dv)``, dk/dv summed over the
+  query heads of a GQA group; deterministic (no atomics on data).
 
-The kernels walk the layout's schedule (:func:`sparse_io_attn.block_sparse.schedule.schedule`):
+The kernels walk the lists of an :class:`~sparse_io_attn.block_sparse.plan.AttentionPlan`:
 partial blocks masked, full blocks unmasked. Each launch is described once by a *call* (kernel,
 grid, counter names, configs, arguments: :func:`forward_calls`, :func:`backward_calls`), used by
 the launchers and by :mod:`.report`, which compiles the same calls for a GPU architecture. Launch
@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
-from sparse_io_attn.block_sparse.schedule import BlockLists, schedule
+from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, kernel_configs, padded_head_dim
 from sparse_io_attn.block_sparse.traffic import DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS, PREPROCESS_TENSORS
 from sparse_io_attn.block_sparse.triton.bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
                                                     _attn_bwd_preprocess_kernel)
 from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_kernel
-from sparse_io_attn.layout.core import BlockSparseLayout
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
@@ -52,9 +51,9 @@ class Call:
     kwargs: dict = field(default_factory=dict)
 
 
-def _configs(kind: str, q: torch.Tensor, layout: BlockSparseLayout) -> list:
+def _configs(kind: str, q: torch.Tensor, plan: AttentionPlan) -> list:
     return [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in kernel_configs(kind, layout.block_size, q.shape[-1], q.dtype)]
+            for c in kernel_configs(kind, plan.block_size, q.shape[-1], q.dtype)]
 
 
 def _strides(t: torch.Tensor, prefix: str) -> dict:
@@ -62,16 +61,16 @@ def _strides(t: torch.Tensor, prefix: str) -> dict:
                                                          t.stride())}
 
 
-def _common(q, k, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float,
-            layout_strides: tuple[int, int]) -> dict:
+def _common(q, k, plan: AttentionPlan, sm_scale: float) -> dict:
     B, Hq, Nq, D = q.shape
-    stride_lb, stride_lh = layout_strides
+    stride_lb, stride_lh = plan.layout_strides(B, Hq)
+    causal_offset = plan.causal_offset
     head_dim = padded_head_dim(D)
     return dict(stride_lb=stride_lb, stride_lh=stride_lh, seqlen_q=Nq, seqlen_k=k.shape[2],
                 num_heads_q=Hq, num_heads_kv=k.shape[1], head_dim=D, sm_scale=float(sm_scale),
                 causal_offset=0 if causal_offset is None else int(causal_offset),
-                BLOCK_SIZE_Q=layout.BLOCK_SIZE_Q, BLOCK_SIZE_KV=layout.BLOCK_SIZE_KV,
-                MASK_WORDS=layout.partial_masks.shape[-1], HEAD_DIM=head_dim, EVEN_D=head_dim == D,
+                BLOCK_SIZE_Q=plan.BLOCK_SIZE_Q, BLOCK_SIZE_KV=plan.BLOCK_SIZE_KV,
+                MASK_WORDS=plan.masks.shape[-1], HEAD_DIM=head_dim, EVEN_D=head_dim == D,
                 IS_CAUSAL=causal_offset is not None, DOT_DTYPE=dot_dtype(q.dtype), ELEM_BYTES=q.element_size())
 
 
@@ -80,32 +79,28 @@ def _lists(lists: BlockLists, masks: torch.Tensor) -> dict:
                 part_idx_ptr=lists.part_idx, part_mask_ptr=lists.part_mask, mask_ptr=masks)
 
 
-def forward_calls(q, k, v, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float,
-                  layout_strides: tuple[int, int]):
+def forward_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
     """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
     B, Hq, Nq, D = q.shape
-    sched = schedule(layout, causal_offset)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
     call = Call("attn_fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
-                FWD_TENSORS, _configs("fwd", q, layout), dict(
+                FWD_TENSORS, _configs("fwd", q, plan), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats,
-                    **_lists(sched.rows, sched.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
-                    **_strides(out, "o"), num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq,
-                    **_common(q, k, layout, causal_offset, sm_scale, layout_strides)))
+                    **_lists(plan.rows, plan.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
+                    **_strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq,
+                    **_common(q, k, plan, sm_scale)))
     return call, out, lse, stats
 
 
-def backward_calls(do, q, k, v, out, stats, layout: BlockSparseLayout, causal_offset: int | None, sm_scale: float,
-                   layout_strides: tuple[int, int]):
+def backward_calls(do, q, k, v, out, stats, plan: AttentionPlan, sm_scale: float):
     """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    sched = schedule(layout, causal_offset)
-    common = _common(q, k, layout, causal_offset, sm_scale, layout_strides)
+    common = _common(q, k, plan, sm_scale)
     delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    pre_m = kernel_configs("dq", layout.block_size, D, q.dtype)[0].block_m
+    pre_m = kernel_configs("dq", plan.block_size, D, q.dtype)[0].block_m
     pre = Call("attn_bwd_preprocess", _attn_bwd_preprocess_kernel, (triton.cdiv(Nq, pre_m), B * Hq),
                PREPROCESS_TENSORS, [PREPROCESS_CONFIG], dict(
                    o_ptr=out, do_ptr=do, delta_ptr=delta, **_strides(out, "o"), **_strides(do, "do"),
@@ -114,18 +109,18 @@ def backward_calls(do, q, k, v, out, stats, layout: BlockSparseLayout, causal_of
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dkdv = Call("attn_bwd_dkdv", _attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
-                DKDV_TENSORS, _configs("dkdv", q, layout), dict(
+                DKDV_TENSORS, _configs("dkdv", q, plan), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
-                    **_lists(sched.cols, sched.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
+                    **_lists(plan.cols, plan.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
                     **_strides(do, "do"), **_strides(dk, "dk"), **_strides(dv, "dv"),
-                    num_kv_blocks=layout.num_kv_blocks, stats_stride=B * Hq * Nq, **common))
+                    num_kv_blocks=plan.num_kv_blocks, stats_stride=B * Hq * Nq, **common))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dq_call = Call("attn_bwd_dq", _attn_bwd_dq_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
-                   DQ_TENSORS, _configs("dq", q, layout), dict(
+                   DQ_TENSORS, _configs("dq", q, plan), dict(
                        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
-                       **_lists(sched.rows, sched.masks), **_strides(q, "q"), **_strides(k, "k"),
+                       **_lists(plan.rows, plan.masks), **_strides(q, "q"), **_strides(k, "k"),
                        **_strides(v, "v"), **_strides(do, "do"), **_strides(dq, "dq"),
-                       num_q_blocks=layout.num_q_blocks, stats_stride=B * Hq * Nq, **common))
+                       num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq, **common))
     return [pre, dkdv, dq_call], dq, dk, dv
 
 
@@ -139,9 +134,10 @@ def _run(call: Call, device) -> None:
     _LAST_TILES[call.name] = (used.kwargs["BLOCK_M"], used.kwargs["BLOCK_N"])
 
 
-def tiles_for(q: torch.Tensor, layout: BlockSparseLayout) -> KernelTiles:
-    """The default kernel tiles for these inputs (what the traffic model assumes by default)."""
-    return choose_tiles(layout.block_size, q.shape[-1], q.dtype)
+def tiles_for(q: torch.Tensor, block_size) -> KernelTiles:
+    """The default kernel tiles for these inputs and ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)`` (what the
+    traffic model assumes by default)."""
+    return choose_tiles(block_size, q.shape[-1], q.dtype)
 
 
 def launched_tiles() -> KernelTiles | None:
@@ -153,19 +149,16 @@ def launched_tiles() -> KernelTiles | None:
                        preprocess=_LAST_TILES["attn_bwd_dq"][0])
 
 
-def forward(q, k, v, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
-            layout_strides: tuple[int, int]):
+def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float):
     check_device(q, "backend 'triton'")
-    call, out, lse, stats = forward_calls(q, k, v, layout, causal_offset, sm_scale, layout_strides)
+    call, out, lse, stats = forward_calls(q, k, v, plan, sm_scale)
     _run(call, q.device)
     return out, lse, stats
 
 
-def backward(do, q, k, v, out, stats, layout: BlockSparseLayout, *, causal_offset: int | None, sm_scale: float,
-             layout_strides: tuple[int, int]):
+def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float):
     check_device(q, "backend 'triton'")
-    calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), layout, causal_offset,
-                                       sm_scale, layout_strides)
+    calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), plan, sm_scale)
     for call in calls:
         _run(call, q.device)
     return dq, dk, dv

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from sparse_io_attn._triton.aot import compile_call, ptx_report
+from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.block_sparse.triton.launch import backward_calls, forward_calls
 from sparse_io_attn.layout import patterns
 
@@ -34,11 +35,9 @@ def example_calls(dtype: torch.dtype, head_dim: int, block: int, causal: bool) -
     layout = patterns.sliding_window(N, block, 2 * block + 7)
     q = torch.randn(B, Hq, N, head_dim).to(dtype)
     k, v = (torch.randn(B, Hkv, N, head_dim).to(dtype) for _ in range(2))
-    delta = 0 if causal else None
-    layout_strides = layout.broadcast_strides(B, Hq)
-    fwd, out, _, stats = forward_calls(q, k, v, layout, delta, head_dim ** -0.5, layout_strides)
-    bwd, *_ = backward_calls(torch.randn_like(q), q, k, v, out, stats, layout, delta, head_dim ** -0.5,
-                             layout_strides)
+    p = plan(layout, causal=causal)
+    fwd, out, _, stats = forward_calls(q, k, v, p, head_dim ** -0.5)
+    bwd, *_ = backward_calls(torch.randn_like(q), q, k, v, out, stats, p, head_dim ** -0.5)
     return [fwd] + bwd
 
 

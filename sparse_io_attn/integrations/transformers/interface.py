@@ -15,7 +15,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from sparse_io_attn.integrations.transformers.layouts import (check_lengths, layout_no_mask, layout_with_mask,
                                                               module_selector, remember_mask)
-from sparse_io_attn.nn.ops import block_sparse_attention_op
+from sparse_io_attn.block_sparse.api import block_sparse_attention
 
 DEFAULT_NAME = "sparse_io_attn"
 
@@ -102,13 +102,13 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
             check_lengths(q, kv)
             layout = selector(query, key)
         else:
-            layout, backend = layout_no_mask(module, q, kv, device)
+            layout, backend = layout_no_mask(module, q, kv, device, causal)
     else:
         layout, backend = layout_with_mask(module, attention_mask, q, kv, kwargs.get("position_ids"), device)
         causal = False  # the element mask carries the model's causality
         if selector is not None:   # the selection, within the mask's blocks
             layout = _intersect(selector(query, key), layout)
-    out = block_sparse_attention_op(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend)
+    out = block_sparse_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.integrations.transformers.config import CONFIG_ATTR, LayerPattern, layer_pattern, module_pattern
 from sparse_io_attn.nn import selectors
 from sparse_io_attn.layout import patterns
@@ -74,31 +75,33 @@ def pattern_layout(config, seqlen: int, layer_idx: int = 0) -> Optional[BlockSpa
     return _square_layout(layer_pattern(config, layer_idx), int(seqlen))
 
 
-def _finish(layout: BlockSparseLayout, device: torch.device) -> BlockSparseLayout:
-    layout = layout.to(device).check()  # index ranges validated once, outside any trace
-    layout.ccol_indices                 # the transposed copy backward needs, built outside any trace
+def _finish(layout: BlockSparseLayout, device: torch.device, causal) -> BlockSparseLayout:
+    """The layout on ``device``, validated and planned under ``causal`` once, outside any trace (the
+    attention call finds the plan cached on the layout)."""
+    layout = layout.to(device)
+    plan(layout, causal=causal)
     return layout
 
 
-def layout_no_mask(module, q: int, kv: int, device: torch.device):
+def layout_no_mask(module, q: int, kv: int, device: torch.device, causal="bottom_right"):
     """``(layout, backend)`` for a call without an element mask (cached on the module)."""
     cache = getattr(module, _MODULE_CACHE_ATTR, None)
     if cache is not None:
-        hit = cache.get((q, kv, str(device)))
+        hit = cache.get((q, kv, str(device), causal))
         if hit is not None:
             return hit
-    return _build_no_mask(module, q, kv, device)
+    return _build_no_mask(module, q, kv, device, causal)
 
 
 @torch.compiler.disable(reason="sparse_io_attn: building a layout for a new sequence length is data-dependent; "
                         "run one eager forward per length before torch.compile(..., fullgraph=True)")
-def _build_no_mask(module, q: int, kv: int, device: torch.device):
+def _build_no_mask(module, q: int, kv: int, device: torch.device, causal):
     check_lengths(q, kv)
     pat = module_pattern(module)
     layout = _window_layout(pat, kv - q, 0, q, kv)   # queries are the last q positions (bottom-right)
     if layout is None:
         layout = patterns.dense((q, kv), pat.block_size)
-    return _remember(module, (q, kv, str(device)), (_finish(layout, device), pat.backend))
+    return _remember(module, (q, kv, str(device), causal), (_finish(layout, device, causal), pat.backend))
 
 
 def _remember(module, key, value):
@@ -214,8 +217,8 @@ def _packed_pattern(pat: LayerPattern, doc: torch.Tensor) -> torch.Tensor:
 @torch.compiler.disable(reason="sparse_io_attn: a padded or packed batch turns its element mask into a "
                         "per-batch layout (data-dependent)")
 def layout_with_mask(module, mask: torch.Tensor, q: int, kv: int, position_ids, device: torch.device):
-    """``(layout, backend)`` for a call with the model's element mask: ``mask & pattern`` as a
-    per-batch layout, built once per mask for all layers sharing a pattern."""
+    """``(layout, backend)`` for a call with the model's element mask: ``mask & pattern`` as a per-batch
+    layout, planned once per mask for all layers sharing a pattern."""
     pat = module_pattern(module)
     key = (pat.key, q, kv, str(device), None if position_ids is None else id(position_ids))
     per_mask = _MASK_LAYOUTS.get(mask)
@@ -242,7 +245,7 @@ def layout_with_mask(module, mask: torch.Tensor, q: int, kv: int, position_ids, 
         if extra is not None:
             allowed = allowed & extra.to(allowed.device)
     layout = BlockSparseLayout.from_dense_mask(allowed.contiguous(), block_size, name=f"{name} & mask")
-    entry = (_finish(layout, device), pat.backend)
+    entry = (_finish(layout, device, False), pat.backend)
     per_mask[key] = entry
     return entry
 

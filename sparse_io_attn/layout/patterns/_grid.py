@@ -11,7 +11,8 @@ import torch
 from sparse_io_attn import _memory
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout._args import as_pair
-from sparse_io_attn.layout.core import BlockSparseLayout, assemble_ids, inrange_words
+from sparse_io_attn.layout._assemble import inrange_words
+from sparse_io_attn.layout.core import BlockSparseLayout, assemble_ids
 
 #: element evaluations per chunk when partial blocks are expanded (bounds the temporary memory)
 _EVAL_CHUNK = 1 << 24

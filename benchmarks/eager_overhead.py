@@ -1,0 +1,68 @@
+"""Eager per-call cost of ``block_sparse_attention`` at a small shape, where Python overhead shows.
+
+B 1, H 4, N 256, D 64, fp32, blocks of 64, ``backend="cpu"``, 2 threads: forward, and forward +
+backward, for a sliding window and a causal layout; the median over ``--repeats`` interleaved calls
+of each. Run it on two checkouts (``PYTHONPATH=<checkout>``) to compare versions; the committed
+numbers are in ``benchmarks/results/eager_overhead.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import sparse_io_attn
+from sparse_io_attn import block_sparse_attention, patterns
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeats", type=int, default=2000)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    B, H, N, D = 1, 4, 256, 64
+    q, k, v, do = (torch.randn(B, H, N, D) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    cases = {"sliding_window": (patterns.sliding_window(N, 64, 128), False),
+             "causal": (patterns.causal(N, 64), True)}
+    runs = {}
+    for name, (layout, causal) in cases.items():
+        def fwd(layout=layout, causal=causal):
+            with torch.no_grad():
+                block_sparse_attention(q, k, v, layout, causal=causal, backend="cpu")
+
+        def fwd_bwd(layout=layout, causal=causal):
+            for t in leaves:
+                t.grad = None
+            block_sparse_attention(*leaves, layout, causal=causal, backend="cpu").backward(do)
+        runs[f"{name} fwd"] = fwd
+        runs[f"{name} fwd+bwd"] = fwd_bwd
+    for fn in runs.values():
+        for _ in range(20):
+            fn()
+    times = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    result = {name: statistics.median(ts) * 1e6 for name, ts in times.items()}
+    header = {"checkout": os.path.dirname(os.path.dirname(sparse_io_attn.__file__)),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "load": os.getloadavg()[0]}
+    if args.json:
+        print(json.dumps({"header": header, "median_us": result}))
+    else:
+        print(header)
+        for name, us in result.items():
+            print(f"{name:24s} {us:9.1f} us")
+
+
+if __name__ == "__main__":
+    main()

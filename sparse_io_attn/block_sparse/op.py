@@ -1,0 +1,131 @@
+"""Block-sparse attention as ``torch.library`` custom ops: the one path of every call, eager and compiled.
+
+:func:`sparse_io_attn.block_sparse_attention` plans the layout (:mod:`.plan`) and calls
+``torch.ops.sparse_io_attn.block_sparse_attn_fwd``; ``register_autograd`` wires its backward to
+``block_sparse_attn_bwd``; ``register_fake`` gives ``torch.compile`` the shapes, so a compiled model
+sees two opaque nodes and no graph break:
+
+* ``block_sparse_attn_fwd(q, k, v, index, meta, causal_offset, sm_scale, backend) -> (out, lse, stats)``
+* ``block_sparse_attn_bwd(do, q, k, v, out, stats, index, meta, causal_offset, sm_scale, backend) -> (dq, dk, dv)``
+
+An :class:`~sparse_io_attn.block_sparse.plan.AttentionPlan` crosses the op boundary as its packed
+int32 ``index`` tensor and its integers ``meta`` (few arguments: the dispatcher's cost grows with
+their number); inside, :meth:`AttentionPlan.from_op` finds the plan that packed that tensor (or
+rebuilds and validates one, for a direct call). ``causal_offset`` is ``None`` or the ``delta`` of
+``j <= i + delta``. ``out`` has q's shape and dtype (contiguous), ``lse`` is float32 ``[B, Hq, Nq]``
+in natural-log units (``-inf`` on empty rows, not differentiable), ``stats`` float32 ``[2, B, Hq,
+Nq]`` (each row's base-2 score maximum and log2 of its sum) is what backward recomputes the
+probabilities from.
+
+The backends are plain functions of ``(q, k, v, plan, sm_scale)`` (:func:`forward`,
+:func:`backward`): ``"cpu"`` (the fused C++ kernel), ``"triton"`` (CUDA, or Triton's interpreter on
+CPU) and ``"torch"`` (plain PyTorch, any device).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from sparse_io_attn.block_sparse import torch_path
+from sparse_io_attn.block_sparse.plan import AttentionPlan
+
+
+def cpu_backend():
+    """Backend ``"cpu"``, imported on first use: its build module marks ``available_for_auto`` as a
+    constant for ``torch.compile``, which imports ``torch._dynamo`` (and with it Triton)."""
+    from sparse_io_attn.block_sparse import cpu
+    return cpu
+
+
+def _triton_backend():
+    """Backend ``"triton"``, imported on first use (importing Triton is slow and optional)."""
+    from sparse_io_attn.block_sparse.triton import launch
+    return launch
+
+
+def forward(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, sm_scale: float, backend: str):
+    """``(out, lse, stats)`` of backend ``backend`` (inputs validated, plan on q's device)."""
+    if backend == "cpu":
+        return cpu_backend().forward(q, k, v, plan, sm_scale=sm_scale)
+    if backend == "triton":
+        return _triton_backend().forward(q, k, v, plan, sm_scale=sm_scale)
+    return torch_path.forward(q, k, v, plan, sm_scale=sm_scale)
+
+
+def backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor, plan: AttentionPlan,
+             sm_scale: float, backend: str):
+    """``(dq, dk, dv)`` of backend ``backend``; dk/dv summed over each GQA group."""
+    if backend == "cpu":
+        return cpu_backend().backward(do, q, k, v, out, stats, plan, sm_scale=sm_scale)
+    if backend == "triton":
+        return _triton_backend().backward(do, q, k, v, out, stats, plan, sm_scale=sm_scale)
+    return torch_path.backward(do, q, k, v, out, stats, plan, sm_scale=sm_scale)
+
+
+def _plan(q: Tensor, k: Tensor, index: Tensor, meta, causal_offset) -> AttentionPlan:
+    plan = AttentionPlan.from_op(index, meta, causal_offset)
+    if plan.seqlen != (q.shape[2], k.shape[2]):
+        raise ValueError(f"the plan is for seqlen (q, k) = {plan.seqlen} but the inputs have "
+                         f"({q.shape[2]}, {k.shape[2]})")
+    return plan
+
+
+@torch.library.custom_op("sparse_io_attn::block_sparse_attn_fwd", mutates_args=())
+def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, index: Tensor, meta: list[int],
+                          causal_offset: Optional[int], sm_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward: ``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``."""
+    out, lse, stats = forward(q, k, v, _plan(q, k, index, meta, causal_offset), sm_scale, backend)
+    return out.contiguous(), lse.contiguous(), stats.contiguous()
+
+
+@block_sparse_attn_fwd.register_fake
+def _(q, k, v, index, meta, causal_offset, sm_scale, backend):
+    B, Hq, Nq, _ = q.shape
+    return (q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32),
+            q.new_empty((2, B, Hq, Nq), dtype=torch.float32))
+
+
+@torch.library.custom_op("sparse_io_attn::block_sparse_attn_bwd", mutates_args=())
+def block_sparse_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor, index: Tensor,
+                          meta: list[int], causal_offset: Optional[int], sm_scale: float,
+                          backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward: ``(dq, dk, dv)`` shaped like q, k, v (dk/dv summed over each GQA group)."""
+    dq, dk, dv = backward(do, q, k, v, out, stats, _plan(q, k, index, meta, causal_offset), sm_scale, backend)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@block_sparse_attn_bwd.register_fake
+def _(do, q, k, v, out, stats, index, meta, causal_offset, sm_scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def no_double_backward(where: str) -> None:
+    """Backward runs with grad mode on only under ``create_graph=True`` (double backward)."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{where}: double backward (torch.autograd.grad(..., create_graph=True) through block-sparse "
+            f"attention) is not supported: the backward kernels are not differentiable. Compute the "
+            f"gradient penalty without create_graph, or use dense attention for that term")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, index, meta, causal_offset, sm_scale, backend = inputs
+    out, lse, stats = output
+    ctx.save_for_backward(q, k, v, out, stats, index)
+    ctx.args = (meta, causal_offset, sm_scale, backend)
+    ctx.mark_non_differentiable(lse, stats)
+
+
+def _backward(ctx, dout, _dlse, _dstats):
+    no_double_backward("sparse_io_attn::block_sparse_attn_fwd")
+    q, k, v, out, stats, index = ctx.saved_tensors
+    dq, dk, dv = block_sparse_attn_bwd(dout.contiguous(), q, k, v, out, stats, index, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+block_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+__all__ = ["backward", "cpu_backend", "block_sparse_attn_bwd", "block_sparse_attn_fwd", "forward", "no_double_backward"]
