@@ -74,7 +74,7 @@ def test_moba_selection_rules():
 
 @pytest.mark.parametrize("chunk,topk", [(8, 2), (8, 3), (6, 4)])
 def test_moba_efficient_matches_naive(chunk, topk):
-    q, k, v, cu, L = _moba_inputs(lens=(37, 50, 9, 16))
+    q, k, v, cu, L = _moba_inputs(lens=(29, 9, 16), H=2)
     o_naive = moba.moba_attn_varlen_naive(q, k, v, cu, L, chunk, topk, compute_dtype=f64)
     o_eff = moba.moba_attn_varlen(q, k, v, cu, L, chunk, topk)
     torch.testing.assert_close(o_eff, o_naive, rtol=1e-5, atol=1e-5)  # float32 merge buffer in the original
