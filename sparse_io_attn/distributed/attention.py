@@ -276,7 +276,9 @@ def _check_local(q, k, v, plan: ContextParallelPlan, world: int, rank: int, caus
                          f"decides which blocks are sent; build it with the same causal")
     lay = plan.rank_layouts(rank)
     local = prologue(q, k, v, lay.local, causal=False, sm_scale=sm_scale, backend=backend)
-    backend_module(local.backend)
+    mod = backend_module(local.backend)
+    if local.backend == "cpu":
+        mod.load()                          # the C++ kernel built now (or its failure carried), not mid-exchange
     if world == 1 or not plan.exchanges:
         return local, None, None, None
     exchange = plan.exchange(rank)
@@ -354,7 +356,7 @@ def _describe(q, k, v, plan, local: Prologue | None, error: Exception | None) ->
 
 
 def _show(field: str, value: int) -> str:
-    if value == _UNKNOWN and field not in ("plan layout digest", "plan assignment digest", "sm_scale"):
+    if value == _UNKNOWN:                   # (digests are >= 0; -1 is no finite sm_scale's bits)
         return "none (its call failed before)"
     if field.endswith("dtype"):
         return str(_DTYPES[value]) if value < len(_DTYPES) else "an unsupported dtype"

@@ -27,6 +27,11 @@ class ContextParallelSelfAttention(nn.Module):
 
     Gradients reach the layer's parameters from this rank's tokens only: sum them over the group
     (``all_reduce``) to get the gradient of the whole sequence, as data parallelism does over batches.
+
+    Ranks agree before anything moves (see :func:`context_parallel_attention`): a wrong ``x_local``
+    on one rank raises the same ``ValueError`` on every rank. Create the process group with a
+    timeout (``init_process_group(..., timeout=datetime.timedelta(seconds=300))``): a rank that
+    stops between forward and backward leaves its peers waiting until it expires.
     """
 
     def __init__(self, layer: SparseSelfAttention, plan: ContextParallelPlan, *, group=None):

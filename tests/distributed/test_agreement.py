@@ -4,6 +4,7 @@ agreement completes, so the group stays usable) and ends with a valid call check
 float64 reference; the descriptors' comparison is also tested in-process, field by field."""
 import datetime
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,9 @@ def test_a_refused_rank_sends_its_error_text():
     message = _disagreement(torch.stack([good, bad]))
     assert message.startswith("context_parallel_attention: rank 1 refused its inputs: éxxx"), message
     assert message.endswith("xx... (no rank started the exchange)") and len(message) < 600, message
+
+
+def test_docs_state_the_agreement_bytes():
+    root = Path(__file__).resolve().parents[2]
+    assert f"({AGREEMENT_BYTES} bytes per rank" in (root / "README.md").read_text()
+    assert f"a {AGREEMENT_BYTES}-byte int64 descriptor" in (root / "docs" / "ARCHITECTURE.md").read_text()
