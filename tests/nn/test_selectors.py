@@ -144,5 +144,5 @@ def test_layer_on_an_empty_sequence_or_batch_gives_the_empty_output(shape, kind)
     assert x.grad.shape == shape
     assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
     assert selectors.block_means(torch.randn(2, 3, 0, 8), 16).shape == (2, 3, 0, 8)
-    with pytest.raises(ValueError, match=r"at least one query and key position and batch element, got q \(1, 4, 0, 4\)"):
+    with pytest.raises(ValueError, match=r"at least one query and key position and batch element, got q \(1, 4, 0"):
         selectors.moba(8, 1)(torch.randn(1, 4, 0, 4), torch.randn(1, 2, 0, 4))
