@@ -3,7 +3,8 @@ receiving exactly the K/V blocks its query rows read.
 
 * :class:`ContextParallelPlan` (:mod:`.plan`): which rank owns which query-block rows (and the K/V
   blocks of the same tokens), balanced by kept work; ``shard``/``unshard``; ``send_blocks(src, dst)``.
-* :func:`context_parallel_attention` (:mod:`.attention`): one ``all_to_all_single`` of K/V blocks in
+* :func:`context_parallel_attention` (:mod:`.attention`): ranks agree on plan, shapes, dtypes and
+  backward first (else the same ``ValueError`` on every rank); one ``all_to_all_single`` of K/V blocks in
   forward, of their dK/dV in backward, overlapped with the local part; exact.
 * :class:`ContextParallelSelfAttention` (:mod:`.module`): an ``nn.SparseSelfAttention`` layer run on
   this rank's tokens, its attention through :func:`context_parallel_attention`.

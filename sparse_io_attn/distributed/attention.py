@@ -23,6 +23,7 @@ backward uses the merged statistics and output, so every gradient is the one of 
 from __future__ import annotations
 
 import math
+import struct
 from typing import NamedTuple
 
 import torch
@@ -63,7 +64,9 @@ def merge_partials(out1: torch.Tensor, stats1: torch.Tensor, out2: torch.Tensor,
 
 class _Call(NamedTuple):
     """One rank's call, decided before any collective."""
-    local: Call                          # the local part (its rows x its own keys), validated and planned
+    local: Call                      # the local part (its rows x its own keys), validated
+    received: Call | None            # its rows x the keys it receives (None: it receives none)
+    foreign: Call | None             # the spread queries it receives x its keys (None: none)
     plan: ContextParallelPlan
     rank: int
     exchange: Exchange | None            # None: no collective (a single rank, or nothing to send)
@@ -116,10 +119,6 @@ def _start(parts: list, call: _Call, collective: str):
     return finish
 
 
-def _part_call(q, k, v, layout, call: _Call) -> Call:
-    return prepare(q, k, v, layout, causal=False, sm_scale=call.local.sm_scale, backend=call.local.backend)
-
-
 def _forward(q, k, v, part: Call):
     return op.forward(q, k, v, part.plan, part.sm_scale, part.backend)
 
@@ -142,7 +141,7 @@ def _tokens(rows: torch.Tensor, order: torch.Tensor, shape: tuple, dim: int) -> 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
-        ex, lay = call.exchange, call.plan.rank_layouts(call.rank)
+        ex = call.exchange
         B, Hq, _, D = q.shape
         Hkv = k.shape[1]
         k_r = v_r = q_f = None
@@ -160,7 +159,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         if kv_got.shape[0]:
             kv = _tokens(kv_got, ex.recv_order, (2, B, Hkv, D), 3)        # [2, B, Hkv, n_received, D]
             k_r, v_r = kv[0], kv[1]
-            part = _part_call(q, k_r, v_r, lay.received, call)
+            part = call.received
             out2, _, stats2 = _forward(q, k_r, v_r, part)
             out, _, stats = merge_partials(out, stats, out2, stats2)
         if call.plan.spreads:                                             # partial results of spread rows
@@ -168,7 +167,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             o_rows, s_rows = q.new_empty((0, B * Hq * D), dtype=torch.float32), stats.new_empty((0, 2 * B * Hq))
             if n_f:
                 q_f = _tokens(q_got, ex.q_recv_order, (B, Hq, D), 2)
-                part = _part_call(q_f, k, v, lay.foreign, call)
+                part = call.foreign
                 o_f, _, s_f = _forward(q_f, k, v, part)
                 o_rows, s_rows = _rows(o_f.float(), 2, ex.q_recv_inverse), _rows(s_f, 3, ex.q_recv_inverse)
             o_got, s_got = _start([_Part(o_rows, ex.q_recv_splits, ex.q_send_splits, ("o",)),
@@ -194,7 +193,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                                       "not supported: the backward kernels are not differentiable")
         q, k, v, k_r, v_r, q_f, out, stats = ctx.saved_tensors
         call = ctx.call
-        ex, lay = call.exchange, call.plan.rank_layouts(call.rank)
+        ex = call.exchange
         B, Hq, _, D = q.shape
         Hkv = k.shape[1]
         do = do.contiguous()
@@ -206,7 +205,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                                call, BACKWARD_INPUTS)
         dq_r = dkv_r = dq_f = dkv_f = None
         if k_r is not None:
-            part = _part_call(q, k_r, v_r, lay.received, call)
+            part = call.received
             dq_r, dk_r, dv_r = _backward(do, q, k_r, v_r, out, stats, part)
             dkv_r = torch.stack([dk_r, dv_r])
         if ex is not None and call.plan.spreads:
@@ -215,7 +214,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 do_f = _tokens(do_got, ex.q_recv_order, (B, Hq, D), 2).to(q.dtype)
                 out_f = _tokens(o_got, ex.q_recv_order, (B, Hq, D), 2).to(q.dtype)
                 s_f = _tokens(s_got, ex.q_recv_order, (2, B, Hq), 3)
-                part = _part_call(q_f, k, v, lay.foreign, call)
+                part = call.foreign
                 dq_f, dk_f, dv_f = _backward(do_f, q_f, k, v, out_f, s_f, part)
                 dkv_f = torch.stack([dk_f, dv_f])
         if ex is not None:
@@ -245,24 +244,28 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq32.to(dq.dtype), dkv[0].to(dk.dtype), dkv[1].to(dv.dtype), None
 
 
-def _group_rank(group, plan: ContextParallelPlan) -> tuple[int, int]:
+def _group_rank(group) -> tuple[int, int]:
     """``(world_size, rank)`` of ``group`` (the default group for ``None``; one process without
     ``torch.distributed`` initialised counts as a group of one)."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("a process group was passed but torch.distributed is not initialised; call "
                              "torch.distributed.init_process_group first")
-        world, rank = 1, 0
-    else:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_local(q, k, v, plan: ContextParallelPlan, world: int, rank: int, causal, sm_scale,
+                 backend) -> tuple[Call, Call | None, Call | None, Exchange | None]:
+    """Everything this rank's call can fail on, before any collective: the plan (type, world size,
+    an in-place edit of its layout), the shard lengths, :func:`prepare` of the local part and of the
+    parts on received keys / queries. Returns ``(local, received, foreign, exchange)``."""
+    if not isinstance(plan, ContextParallelPlan):
+        raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
     if world != plan.world_size:
         raise ValueError(f"the process group has {world} ranks but the plan was built for {plan.world_size}; "
                          f"build ContextParallelPlan(layout, {world}) (or pass the matching group)")
-    return world, rank
-
-
-def _check_local(q, k, v, plan: ContextParallelPlan, rank: int, causal, sm_scale, backend) -> Call:
-    """This rank's inputs against the plan (shard lengths, then :func:`prepare` on the local part)."""
+    plan.check_source()
     n = plan.num_tokens(rank)
     for name, t in (("q_local", q), ("k_local", k), ("v_local", v)):
         if not isinstance(t, torch.Tensor):
@@ -275,21 +278,178 @@ def _check_local(q, k, v, plan: ContextParallelPlan, rank: int, causal, sm_scale
     if (causal_offset(causal, plan.seqlen, plan.seqlen) is not None) != plan.causal:
         raise ValueError(f"causal={causal!r} but the plan was built with causal={plan.causal}: the plan "
                          f"decides which blocks are sent; build it with the same causal")
-    local = plan.rank_layouts(rank).local
-    return prepare(q, k, v, local, causal=False, sm_scale=sm_scale, backend=backend)
+    lay = plan.rank_layouts(rank)
+    local = prepare(q, k, v, lay.local, causal=False, sm_scale=sm_scale, backend=backend)
+    if local.backend == "cpu":
+        op.cpu_backend().load()             # the C++ kernel built now (or its failure carried), not mid-exchange
+    if world == 1 or not plan.exchanges:
+        return local, None, None, None
+    exchange = plan.exchange(rank)
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+
+    def part(layout, n_q, n_k):           # the plan of a part, on stand-ins of its shapes (no memory)
+        if layout is None:
+            return None
+        stand_in = lambda h, n: q.new_empty(()).expand(B, h, n, D)    # noqa: E731
+        return prepare(stand_in(Hq, n_q), stand_in(Hkv, n_k), stand_in(Hkv, n_k), layout, causal=False,
+                       sm_scale=local.sm_scale, backend=local.backend)
+    received = part(lay.received, n, sum(exchange.recv_splits))
+    foreign = part(lay.foreign, sum(exchange.q_recv_splits), n)
+    return local, received, foreign, exchange
 
 
-def _agree(error: Exception | None, group, world: int, rank: int, device: torch.device) -> None:
-    """Every rank raises when any rank's inputs were refused (one small all-reduce on the inputs'
-    device before the exchange, so no rank waits in a collective its peers never start)."""
+#: what every rank describes before any exchange (one int64 each), in the order ranks compare them
+_FIELDS = ("error", "plan world size", "plan sequence length", "plan block size", "plan causality",
+           "plan layout digest", "plan assignment digest", "q dtype", "k dtype", "v dtype", "batch",
+           "query heads", "KV heads", "head dim", "backward", "backend", "sm_scale")
+_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_BACKENDS = (None, "torch", "triton", "cpu")
+_MESSAGE_BYTES = 512                       # the refused rank's error text travels with its descriptor
+_UNKNOWN = -1
+#: bytes of one rank's agreement descriptor (each rank receives ``world_size`` of them)
+AGREEMENT_BYTES = 8 * len(_FIELDS) + _MESSAGE_BYTES
+
+_FIXES = {
+    "plan": "every rank must build ContextParallelPlan(layout, world_size, causal=..., balance=..., "
+            "tolerance=..., split_rows=...) from the same layout with the same arguments",
+    "dtype": "every rank must pass q, k, v of the same dtypes",
+    "shape": "every rank must pass shards of the same batch, heads and head dim (plan.shard of the same "
+             "tensors)",
+    "backward": "every rank must build the backward alike (backward exchanges dK/dV between all ranks): "
+                "q/k/v requiring grad and torch.is_grad_enabled() the same on every rank",
+    "backend": "pass the same backend on every rank",
+    "sm_scale": "pass the same sm_scale on every rank",
+}
+
+
+def _dtype_code(t) -> int:
+    dtype = t.dtype if isinstance(t, torch.Tensor) else None
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _backward_bits(q, k, v) -> int:
+    """``8 * grad mode + 4 * q + 2 * k + v`` (``requires_grad`` of each)."""
+    bits = 8 * torch.is_grad_enabled()
+    for shift, t in ((2, q), (1, k), (0, v)):
+        bits |= (isinstance(t, torch.Tensor) and t.requires_grad) << shift
+    return bits
+
+
+def _runs_backward(bits: int) -> bool:
+    return bool(bits & 8) and bool(bits & 7)
+
+
+def _describe(q, k, v, plan, local: Call | None, error: Exception | None) -> torch.Tensor:
+    """This rank's descriptor: int64 ``[len(_FIELDS) + _MESSAGE_BYTES // 8]`` (unknown fields -1)."""
+    is_plan = isinstance(plan, ContextParallelPlan)
+    pick = (lambda f: f(plan)) if is_plan else (lambda f: _UNKNOWN)           # noqa: E731
+    shape = lambda t, i: t.shape[i] if isinstance(t, torch.Tensor) and t.dim() == 4 else _UNKNOWN  # noqa: E731
+    scale = _UNKNOWN if local is None else struct.unpack("<q", struct.pack("<d", local.sm_scale))[0]
+    fields = [int(error is not None), pick(lambda p: p.world_size), pick(lambda p: p.seqlen),
+              pick(lambda p: p.block_size), pick(lambda p: int(p.causal)), pick(lambda p: p.layout_digest),
+              pick(lambda p: p.assignment_digest), _dtype_code(q), _dtype_code(k), _dtype_code(v),
+              shape(q, 0), shape(q, 1), shape(k, 1), shape(q, 3), _backward_bits(q, k, v),
+              _UNKNOWN if local is None else _BACKENDS.index(local.backend), scale]
+    text = b"" if error is None else str(error).encode("utf-8", "replace")
+    if len(text) > _MESSAGE_BYTES:
+        text = text[:_MESSAGE_BYTES - 3] + b"..."
+    message = torch.frombuffer(bytearray(text.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.int64)
+    return torch.cat([torch.tensor(fields, dtype=torch.int64), message])
+
+
+def _show(field: str, value: int) -> str:
+    if value == _UNKNOWN:                   # (digests are >= 0; -1 is no finite sm_scale's bits)
+        return "none (its call failed before)"
+    if field.endswith("dtype"):
+        return str(_DTYPES[value]) if value < len(_DTYPES) else "an unsupported dtype"
+    if field == "backend":
+        return repr(_BACKENDS[value])
+    if field == "plan causality":
+        return str(bool(value))
+    if field.endswith("digest"):
+        return f"{value & (2 ** 64 - 1):#018x}"
+    if field == "sm_scale":
+        return repr(struct.unpack("<d", struct.pack("<q", value))[0])
+    if field == "backward":
+        grads = "/".join(str(bool(value >> s & 1)) for s in (2, 1, 0))
+        return (f"{'a' if _runs_backward(value) else 'no'} backward to run (q/k/v requires_grad {grads}, "
+                f"grad mode {'on' if value & 8 else 'off'})")
+    return str(value)
+
+
+def _fix(field: str) -> str:
+    if field.startswith("plan"):
+        return _FIXES["plan"]
+    if field.endswith("dtype"):
+        return _FIXES["dtype"]
+    if field in ("batch", "query heads", "KV heads", "head dim"):
+        return _FIXES["shape"]
+    return _FIXES[field]
+
+
+def _disagreement(table: torch.Tensor) -> str | None:
+    """The error every rank raises for the gathered descriptors ``table [world, ...]`` (``None``: the
+    ranks agree): the refused ranks' errors first, then the first field in which some rank differs
+    from rank 0 (the backward as whether it runs)."""
+    nf = len(_FIELDS)
+    refused = [r for r in range(table.shape[0]) if table[r, 0]]
+    if refused:
+        r = refused[0]
+        text = table[r, nf:].contiguous().view(torch.uint8).numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
+        who = (f"rank {r} refused its inputs" if len(refused) == 1 else
+               f"ranks {', '.join(map(str, refused))} refused their inputs; rank {r}")
+        return f"context_parallel_attention: {who}: {text} (no rank started the exchange)"
+    for i, field in enumerate(_FIELDS[1:], 1):
+        values = table[:, i].tolist()
+        if field == "backward":
+            differs = [r for r, x in enumerate(values) if _runs_backward(x) != _runs_backward(values[0])]
+        else:
+            differs = [r for r, x in enumerate(values) if x != values[0]]
+        if differs:
+            r = differs[0]
+            if field == "backward":
+                return (f"context_parallel_attention: ranks disagree: rank {r} has {_show(field, values[r])}, "
+                        f"rank 0 {_show(field, values[0])}; {_fix(field)} (no rank started the exchange)")
+            return (f"context_parallel_attention: ranks disagree: rank {r} has {field} {_show(field, values[r])}, "
+                    f"rank 0 {_show(field, values[0])}; {_fix(field)} (no rank started the exchange)")
+    return None
+
+
+def _agreement_device(group) -> torch.device:
+    """Where the agreement's tensors live: the current CUDA device for NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
+def _agree(descriptor: torch.Tensor, error: Exception | None, group, world: int) -> None:
+    """One ``all_gather`` of every rank's fixed-size descriptor; every rank compares all of them and
+    raises the same ``ValueError`` if any rank refused its inputs or the ranks differ in what must
+    match (so no rank starts an exchange its peers do not, and none waits alone)."""
+    device = _agreement_device(group)
+    gathered = [torch.empty_like(descriptor, device=device) for _ in range(world)]
+    dist.all_gather(gathered, descriptor.to(device), group=group)
+    message = _disagreement(torch.stack(gathered).cpu())
+    if message is not None:
+        raise ValueError(message) from error
+
+
+def _prepare(q, k, v, plan, group, causal, sm_scale, backend, error: Exception | None = None) -> _Call:
+    """This rank's call: every check, then (over more than one rank) the agreement. ``error``: a
+    failure the caller met before (carried into the agreement like the checks' own)."""
+    world, rank = _group_rank(group)
+    local = received = foreign = exchange = None
+    if error is None:
+        try:
+            local, received, foreign, exchange = _check_local(q, k, v, plan, world, rank, causal, sm_scale,
+                                                              backend)
+        except Exception as exc:        # noqa: BLE001 (any failure is carried: no rank may wait alone)
+            error = exc
     if world > 1:
-        flag = torch.tensor([0 if error is None else rank + 1], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if error is None and int(flag):
-            raise ValueError(f"context_parallel_attention: rank {int(flag) - 1}'s inputs were refused "
-                             f"(its error names the fix); no rank started the exchange")
-    if error is not None:
+        _agree(_describe(q, k, v, plan, local, error), error, group, world)
+    elif error is not None:
         raise error
+    return _Call(local, received, foreign, plan, rank, exchange, group)
 
 
 def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
@@ -313,28 +473,38 @@ def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_l
     ``block_sparse_attention`` of the unsharded tensors on ``plan.layout`` to fp32 rounding; dK/dV of
     this rank's keys include the contributions of every rank that read them.
 
-    Collectives: one ``all_reduce`` of one int64 (every rank agrees its inputs were accepted, so bad
-    input raises on every rank instead of hanging one), then one ``all_to_all_single`` of the K/V
-    blocks (and spread rows' queries) in forward and one of their dK/dV (and dQ) in backward,
-    skipped when the plan sends nothing; with spread rows, one more each way (partial results in
-    forward, ``do``/``out``/statistics in backward). Their bytes (not the agreement's 8) are counted
-    under :class:`~sparse_io_attn.tally.IOCounter` (``io.network``) and predicted by
+    Ranks agree before anything moves: every check this call can fail (the plan's world size and an
+    in-place edit of its layout, shard lengths, shapes, dtypes, devices, ``causal``, ``sm_scale``,
+    ``backend``) runs first, then one ``all_gather`` of a fixed-size int64 descriptor per rank
+    (:data:`AGREEMENT_BYTES` each) compares across ranks what must match: the plan (world size,
+    sequence length, block size, causality, the digest of its layout's contents and of its
+    assignment), the q/k/v dtypes, batch, query and KV heads, head dim, whether a backward will run
+    (q/k/v ``requires_grad`` and ``torch.is_grad_enabled()``), the backend and ``sm_scale``. A rank
+    whose checks failed, or any difference, raises the same ``ValueError`` on every rank, naming the
+    rank and what differs (``"rank 1 has q dtype torch.bfloat16, rank 0 torch.float32"``); no rank
+    has started an exchange, so the group stays usable. What the agreement cannot see, a rank that
+    stops between this forward and its backward (an exception in the caller's own code), leaves its
+    peers waiting in the backward's exchange until the process group's timeout: create the group
+    with one, ``init_process_group(..., timeout=datetime.timedelta(seconds=300))`` (a few times the
+    longest step; PyTorch's default is 10 minutes for NCCL and 30 for gloo).
+
+    Collectives after the agreement: one ``all_to_all_single`` of the K/V blocks (and spread rows'
+    queries) in forward and one of their dK/dV (and dQ) in backward, skipped when the plan sends
+    nothing; with spread rows, one more each way (partial results in forward,
+    ``do``/``out``/statistics in backward). Their bytes (not the agreement's) are counted under
+    :class:`~sparse_io_attn.tally.IOCounter` (``io.network``) and predicted by
     :func:`sparse_io_attn.accounting.network.context_parallel`.
     """
-    if not isinstance(plan, ContextParallelPlan):
-        raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
-    world, rank = _group_rank(group, plan)
-    error, local = None, None
-    try:
-        local = _check_local(q_local, k_local, v_local, plan, rank, causal, sm_scale, backend)
-    except (TypeError, ValueError) as exc:
-        error = exc
-    device = q_local.device if isinstance(q_local, torch.Tensor) else torch.device("cpu")
-    _agree(error, group, world, rank, device)
-    exchange = plan.exchange(rank) if world > 1 and plan.exchanges else None
-    call = _Call(local, plan, rank, exchange, group)
+    return _run(q_local, k_local, v_local, plan, group, causal, sm_scale, backend)
+
+
+def _run(q_local, k_local, v_local, plan, group, causal, sm_scale, backend, error: Exception | None = None):
+    """:func:`context_parallel_attention`; ``error``: a failure the caller met before on this rank
+    (e.g. :class:`~sparse_io_attn.distributed.ContextParallelSelfAttention`'s input check), raised on
+    every rank through the agreement."""
+    call = _prepare(q_local, k_local, v_local, plan, group, causal, sm_scale, backend, error)
     q, k, v = (t.contiguous() for t in (q_local, k_local, v_local))
     return _ContextParallelAttention.apply(q, k, v, call)
 
 
-__all__ = ["context_parallel_attention", "merge_partials"]
+__all__ = ["AGREEMENT_BYTES", "context_parallel_attention", "merge_partials"]

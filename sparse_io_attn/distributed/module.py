@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparse_io_attn.distributed.attention import context_parallel_attention
+from sparse_io_attn.distributed.attention import _run
 from sparse_io_attn.distributed.plan import ContextParallelPlan
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.nn.module import SparseSelfAttention
@@ -27,6 +27,11 @@ class ContextParallelSelfAttention(nn.Module):
 
     Gradients reach the layer's parameters from this rank's tokens only: sum them over the group
     (``all_reduce``) to get the gradient of the whole sequence, as data parallelism does over batches.
+
+    Ranks agree before anything moves (see :func:`context_parallel_attention`): a wrong ``x_local``
+    on one rank raises the same ``ValueError`` on every rank. Create the process group with a
+    timeout (``init_process_group(..., timeout=datetime.timedelta(seconds=300))``): a rank that
+    stops between forward and backward leaves its peers waiting until it expires.
     """
 
     def __init__(self, layer: SparseSelfAttention, plan: ContextParallelPlan, *, group=None):
@@ -56,12 +61,17 @@ class ContextParallelSelfAttention(nn.Module):
         return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
-        """``x_local [B, n_local, E]`` -> ``[B, n_local, E]``."""
+        """``x_local [B, n_local, E]`` -> ``[B, n_local, E]``. A wrong ``x_local`` on one rank raises the
+        same ``ValueError`` on every rank (the check joins the attention's agreement)."""
         layer = self.layer
-        n = self.plan.num_tokens(self.rank())
-        if x_local.dim() != 3 or x_local.shape[1:] != (n, layer.embed_dim):
-            raise ValueError(f"expected this rank's tokens x_local of shape [batch, {n}, {layer.embed_dim}] "
-                             f"(plan.shard(x, rank, dim=1)), got {tuple(x_local.shape)}")
-        q, k, v = layer.project(x_local)
-        return layer.project_out(context_parallel_attention(q, k, v, self.plan, group=self.group,
-                                                            causal=layer.causal, backend=layer.backend))
+        q = k = v = error = None
+        try:
+            n = self.plan.num_tokens(self.rank())
+            if not isinstance(x_local, torch.Tensor) or x_local.dim() != 3 or x_local.shape[1:] != (n, layer.embed_dim):
+                got = tuple(x_local.shape) if isinstance(x_local, torch.Tensor) else type(x_local).__name__
+                raise ValueError(f"expected this rank's tokens x_local of shape [batch, {n}, {layer.embed_dim}] "
+                                 f"(plan.shard(x, rank, dim=1)), got {got}")
+            q, k, v = layer.project(x_local)
+        except Exception as exc:        # noqa: BLE001 (carried into the agreement: no rank waits alone)
+            error = exc
+        return layer.project_out(_run(q, k, v, self.plan, self.group, layer.causal, None, layer.backend, error))

@@ -10,6 +10,7 @@ the element mask or the block grid.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import heapq
 import math
 from typing import NamedTuple, Sequence
@@ -116,6 +117,17 @@ class ContextParallelPlan:
     its shard of q, k, v (:meth:`shard`) is their tokens in that order, so the last, ragged block
     (if it owns it) comes last.
 
+    The plan keeps its own copy of the layout: every view it gives (rank layouts, send lists) is of
+    the layout as it was at build. A layout edited in place afterwards (a refilled selection buffer)
+    is detected by :meth:`check_source` (its tensors' version counters, then its contents), which
+    :func:`~sparse_io_attn.distributed.context_parallel_attention` calls on every rank: rebuild the
+    plan from the edited layout.
+
+    ``digest`` (a 63-bit int) fingerprints everything the ranks must share: the source layout's
+    contents (``layout_digest``), causality, block size, sequence length, world size and the
+    assignment (``owner``, ``spread``: so also ``balance``, ``tolerance``, ``split_rows``); ranks
+    compare it before any exchange.
+
     Attributes: ``layout`` (the layout the ranks compute, causal already applied), ``world_size``,
     ``block_size``, ``seqlen``, ``num_blocks``, ``causal``, ``strategy``, ``owner`` (int64
     ``[num_blocks]``: the rank of each block), ``spread`` (bool ``[num_blocks]``: spread rows),
@@ -151,7 +163,9 @@ class ContextParallelPlan:
         self.num_blocks = R
         self.causal = causal_offset(causal, self.seqlen, self.seqlen) is not None
         self.source_layout = layout
-        self.layout = causal_layout(layout.to("cpu")) if self.causal else layout.to("cpu")
+        self._source_version = layout.version_key()
+        self.layout_digest = layout_digest(layout)
+        self.layout = causal_layout(layout.to("cpu")) if self.causal else _copy(layout.to("cpu"))
         self.block_sizes = torch.full((R,), bq, dtype=torch.int64)      # real tokens per block
         self.block_sizes[-1] = self.seqlen - (R - 1) * bq
         _, r, c = self.layout.entries()
@@ -182,6 +196,9 @@ class ContextParallelPlan:
                 else min(candidates, key=lambda cand: (cand[0], cand[1])))
         self.imbalance, _, self.strategy, self.owner, self.work = best
         self._finish()
+        self.assignment_digest = _digest(self.owner, self.spread)
+        self.digest = _digest(torch.tensor([self.layout_digest, self.assignment_digest, int(self.causal),
+                                            self.block_size, self.seqlen, self.world_size]))
 
     # ------------------------------------------------------------------ derived indices
     def _finish(self) -> None:
@@ -211,6 +228,23 @@ class ContextParallelPlan:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"{what} must be an int in [0, {self.world_size}), got {rank!r}")
         return rank
+
+    def check_source(self) -> "ContextParallelPlan":
+        """Raise ``ValueError`` if the layout the plan was built from (``source_layout``) was edited
+        in place since: its tensors' version counters moved and its contents (``layout_digest``)
+        differ. Counters that moved over unchanged contents (a buffer refilled with the same
+        selection) are accepted and recorded. Returns the plan."""
+        layout = self.source_layout
+        version = layout.version_key()
+        if version is None or version == self._source_version:
+            return self
+        if layout_digest(layout) != self.layout_digest:
+            raise ValueError(f"the layout {layout.name!r} was edited in place after ContextParallelPlan was "
+                             f"built from it (its contents changed; the plan's send lists and rank layouts "
+                             f"are of the old contents); rebuild the plan: ContextParallelPlan(layout, "
+                             f"{self.world_size}, causal={self.causal}) on every rank")
+        self._source_version = version
+        return self
 
     # ------------------------------------------------------------------ public views
     def rows(self, rank: int) -> torch.Tensor:
@@ -285,6 +319,10 @@ class ContextParallelPlan:
         if not isinstance(shards, (list, tuple)) or len(shards) != self.world_size:
             got = len(shards) if isinstance(shards, (list, tuple)) else type(shards).__name__
             raise ValueError(f"unshard needs a list of {self.world_size} shards (one per rank), got {got}")
+        for r, s in enumerate(shards):
+            if not isinstance(s, torch.Tensor):
+                raise TypeError(f"unshard takes one tensor per rank (what context_parallel_attention or "
+                                f"plan.shard returned), got {type(s).__name__} for shard {r}")
         dim = _dim(shards[0], dim)
         for r, s in enumerate(shards):
             if s.shape[dim] != self.num_tokens(r):
@@ -366,6 +404,50 @@ class ContextParallelPlan:
 
 
 # ---------------------------------------------------------------------------------------- helpers
+def _digest(*tensors: torch.Tensor) -> int:
+    """A 63-bit fingerprint (BLAKE2b) of the tensors' dtypes, shapes and bytes, read on the CPU."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15 - 2 ** 64, 0xBF58476D1CE4E5B9 - 2 ** 64, 0x94D049BB133111EB - 2 ** 64
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 (arithmetic shifts, wrapping products): a fixed scramble."""
+    z = (z ^ (z >> 30)) * _MIX1
+    z = (z ^ (z >> 27)) * _MIX2
+    return z ^ (z >> 31)
+
+
+def layout_digest(layout: BlockSparseLayout) -> int:
+    """A 63-bit fingerprint of a layout's contents: sizes, kept blocks (``crow_indices``,
+    ``col_indices``) and each kept block's element mask, the masks fingerprinted by content (equal
+    layouts whose masks are stored in another order get the same digest). O(kept blocks + stored
+    mask words); reads the layout on the CPU."""
+    masks = layout.partial_masks.cpu().to(torch.int64).flatten(1)                 # [num_masks, words]
+    position = torch.arange(masks.shape[1], dtype=torch.int64) * _GOLDEN
+    mask_keys = torch.cat([_mix64(masks + position).sum(1), torch.tensor([-1])])  # one 64-bit key per mask
+    ids = layout.partial_ids.cpu().to(torch.int64)
+    per_block = mask_keys[torch.where(ids >= 0, ids, mask_keys.numel() - 1)]
+    sizes = torch.tensor([*layout.block_size, *layout.seqlen, layout.layout_batch, layout.layout_heads])
+    return _digest(sizes, layout.crow_indices, layout.col_indices, per_block)
+
+
+def _copy(layout: BlockSparseLayout) -> BlockSparseLayout:
+    """The layout on fresh storage (the plan's own: in-place edits of the caller's never reach it),
+    index ranges validated."""
+    return BlockSparseLayout(layout.crow_indices.clone(), layout.col_slots.clone(), block_size=layout.block_size,
+                             seqlen=layout.seqlen, layout_batch=layout.layout_batch,
+                             layout_heads=layout.layout_heads, name=layout.name, validate=False,
+                             partial_ids=layout.partial_id_slots.clone(), partial_masks=layout.partial_masks.clone(),
+                             fixed_capacity=layout.fixed_capacity).check()
+
+
 def _dim(x: torch.Tensor, dim: int) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for a {x.dim()}-d tensor, got {dim!r}")
@@ -477,4 +559,4 @@ def _lpt(row_work: torch.Tensor, W: int) -> torch.Tensor:
 _ASSIGN = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
 
 __all__ = ["BALANCES", "ContextParallelPlan", "Exchange", "FULL_WORK", "PARTIAL_WORK", "RankLayouts", "SPREAD_FRACTION",
-           "STRATEGIES", "causal_layout"]
+           "STRATEGIES", "causal_layout", "layout_digest"]

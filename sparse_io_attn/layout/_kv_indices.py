@@ -14,6 +14,20 @@ from sparse_io_attn.layout._csr import (INDEX_DTYPE, _absolute_crow, check_index
                                         pack_front, slot_rows)
 
 
+def check_selection(t: torch.Tensor, what: str) -> None:
+    """What a layout built from a per-row selection ``t [..., Mq, K or Mk]`` needs beyond its shape:
+    real storage (a layout holds index data, so not the ``meta`` device, as ``layout.to("meta")``
+    refuses) and at least one mask (no batch or head dimension of size 0). ``ValueError`` otherwise."""
+    if t.device.type == "meta":
+        raise ValueError(f"{what} is on the 'meta' device, but a layout holds index data the kernels read; it "
+                         f"cannot live on the 'meta' device. Build it from CPU or CUDA tensors "
+                         f"(torch.compile traces through the real layout)")
+    if 0 in t.shape[:-2]:
+        raise ValueError(f"{what} has shape {tuple(t.shape)}: its batch and head dimensions must be at least 1 "
+                         f"(a layout holds one mask or more; block_sparse_attention needs a batch of at least "
+                         f"1); skip the selection for an empty batch")
+
+
 def csr_from_kv_lists(kv_indices: torch.Tensor, num_kv_blocks: int, L: int,
                       kv_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``kv_indices`` (int ``[L * R, K]``; entries outside ``[0, num_kv_blocks)`` are empty slots;

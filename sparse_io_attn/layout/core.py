@@ -15,7 +15,7 @@ from sparse_io_attn.layout._args import as_pair
 from sparse_io_attn.layout._assemble import inrange_words, lead_dims, validate_partial, words_at
 from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_fits_int32, check_index_capacity, csr_row_ids,
                                         csr_to_mask, csr_transpose, mask_to_csr, validate_csr)
-from sparse_io_attn.layout._kv_indices import csr_from_kv_lists, repeat_matrices
+from sparse_io_attn.layout._kv_indices import check_selection, csr_from_kv_lists, repeat_matrices
 
 _DRAW_LIMIT = 64  # rows/cols drawn by __str__ before truncating
 
@@ -265,6 +265,7 @@ class BlockSparseLayout:
         if kv_indices.dim() not in (2, 3, 4):
             raise ValueError(f"kv_indices must have shape [Mq, K], [H, Mq, K] or [B, H, Mq, K], got "
                              f"{tuple(kv_indices.shape)}")
+        check_selection(kv_indices, "kv_indices")
         (bq, bk), (sq, sk) = as_pair(block_size, "block_size"), as_pair(seqlen, "seqlen")
         nqb, nkb = math.ceil(sq / bq), math.ceil(sk / bk)
         lb, lh = lead_dims(kv_indices.shape[:-2])

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparse_io_attn.block_sparse.api import BACKENDS, block_sparse_attention
@@ -153,11 +154,14 @@ class SparseSelfAttention(nn.Module):
         return p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, N, E]`` -> ``[B, N, E]``."""
+        """``x [B, N, E]`` -> ``[B, N, E]`` (an empty batch or sequence: the empty output, whatever the
+        layout or selector)."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"expected x of shape [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
         N = x.shape[1]
         q, k, v = self.project(x)
+        if x.shape[0] == 0 or N == 0:           # nothing to attend: the empty result (no layout has 0 rows)
+            return self.project_out(F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         if self.selector is not None:
             layout = self.selector(q, k)
             self._check_layout(layout, N)

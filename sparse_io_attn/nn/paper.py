@@ -180,6 +180,9 @@ class PaperAttention(nn.Module):
         key = (seqlen, str(device))
         if key not in self._layouts:
             lay = self.qk_pattern if isinstance(self.qk_pattern, BlockSparseLayout) else self.qk_pattern(seqlen)
+            if not isinstance(lay, BlockSparseLayout):
+                raise TypeError(f"qk_pattern({seqlen}) must return a BlockSparseLayout built for seqlen "
+                                f"({seqlen}, {seqlen}), got {type(lay).__name__}")
             self._layouts[key] = lay.to(device)
         return self._layouts[key]
 
@@ -187,8 +190,9 @@ class PaperAttention(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"PaperAttention expects x [B, N, E={self.embed_dim}], got {got}")
+        N = x.shape[1]                              # N = 0: no keys to pattern, the empty output
         out = attention(x, x, x, self._operand(self.x), self._operand(self.y),
-                        qk_layout=self.layout_for(x.shape[1], x.device), scale=self.scale, backend=self.backend)
+                        qk_layout=self.layout_for(N, x.device) if N else None, scale=self.scale, backend=self.backend)
         return out.sum(dim=1)  # [B, H, N, E] -> [B, N, E]
 
     def extra_repr(self) -> str:

@@ -26,6 +26,8 @@ def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     One average pool over the positions (``ceil_mode``: the ragged window divides by what it has),
     which on CPU runs about twice as fast as a mean over a block axis of the same tensor."""
     B, H, N, D = x.shape
+    if N == 0:
+        return x.new_zeros(B, H, 0, D, dtype=torch.float32)
     means = F.avg_pool1d(x.float().reshape(B * H, N, D).transpose(1, 2), block, ceil_mode=True)
     return means.transpose(1, 2).unflatten(0, (B, H))
 
@@ -60,6 +62,10 @@ class MoBASelector:
                 or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
             raise ValueError(f"the selector takes q [B, Hq, Nq, D] and k [B, Hkv, Nk, D] with Hq a multiple "
                              f"of Hkv, got {tuple(q.shape)} and {tuple(k.shape)}")
+        if 0 in (q.shape[0], q.shape[2], k.shape[2]):
+            raise ValueError(f"the selector chooses a layout of at least one query and key position and batch "
+                             f"element, got q {tuple(q.shape)} and k {tuple(k.shape)}; an empty batch or "
+                             f"sequence has nothing to select (SparseSelfAttention returns its empty output)")
         with torch.no_grad():
             return topk(self.scores(q, k), self.top_k, self.block_size, (q.shape[2], k.shape[2]),
                         causal=self.causal, include_diagonal=True)

@@ -8,8 +8,8 @@ from sparse_io_attn.block_sparse.api import resolve_backend
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands import torch_path
-from sparse_io_attn.sparse_operands.batch import is_list, squeeze
-from sparse_io_attn.sparse_operands.operands import check_batch, check_operands
+from sparse_io_attn.sparse_operands.batch import is_list, matrix_shape, squeeze
+from sparse_io_attn.sparse_operands.operands import check_batch, check_operands, check_scale
 from sparse_io_attn.sparse_operands.problem import Problem, build_problem
 
 
@@ -65,7 +65,8 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
         qk_layout: optional :class:`BlockSparseLayout` (``seqlen == (nq, nk)``, block ``(A1 row
             block, A2 row block)``, ``layout_batch`` 1 or ``B``, ``layout_heads`` 1 or ``H``): the
             keys each query block attends to.
-        scale: multiplies the scores (the paper uses 1).
+        scale: multiplies the scores (the paper uses 1): a finite real number (int, float, NumPy
+            scalar, 0-d tensor), as ``sm_scale`` of :func:`~sparse_io_attn.block_sparse_attention`.
         backend: ``"auto"`` (triton on CUDA, torch elsewhere; this form has no C++ kernel), ``"torch"``,
             ``"triton"`` (on CPU: Triton's interpreter, slow, counts I/O).
         return_lse: also return the row log-sum-exp (fp32, natural log, not differentiable).
@@ -79,15 +80,19 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
     product is structurally zero is exactly 0 and enters the softmax as ``exp(0 - m)`` (it is not
     masked); the Triton path computes score blocks only where the structural block product of
     ``A1 X`` and ``A2^T`` is nonzero and folds the zero blocks in through block sums of ``h``.
-    A query row with no key gets output 0 and lse ``-inf``. Gradients: dense operands get dense
-    gradients (summed over the axis they are shared along); block-sparse ones get gradients on their
-    own block pattern (``values.grad``; for a list, each matrix's own ``values.grad``).
+    A query row with no key gets output 0 and lse ``-inf``; no query rows (``nq = 0``), no keys, or
+    ``B`` or ``H`` of 0 give that empty (or zero) result and zero gradients on every backend, with
+    no kernel launched. Gradients: dense operands get dense gradients (summed over the axis they are
+    shared along); block-sparse ones get gradients on their own block pattern (``values.grad``; for a
+    list, each matrix's own ``values.grad``).
     """
     blocks, dtype, device = check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend)
     batch = check_batch(A1, A2, A3, X, Y, qk_layout)
+    scale = check_scale(scale)
     name = resolve_backend(backend, device, supported=("torch", "triton"))
-    if name == "torch":
-        o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, float(scale), batch)
+    empty = 0 in (matrix_shape(A1)[0], matrix_shape(A2)[0], batch.B, batch.H)
+    if name == "torch" or empty:                # an empty problem: its empty (or zero) result, no kernel
+        o, lse = torch_path.attention(A1, A2, A3, X, Y, qk_layout, scale, batch)
         o, lse = squeeze(o, batch), squeeze(lse, batch)
     else:
         if qk_layout is not None and qk_layout.num_partial_blocks:
@@ -97,6 +102,6 @@ def attention(A1, A2, A3, X, Y, *, qk_layout: BlockSparseLayout | None = None, s
         data = [_data(t) for t in (A1, X, A2, A3, Y)]
         prob = build_problem(A1, A2, A3, X, Y, None if qk_layout is None else qk_layout.to(device), blocks, batch,
                              data)
-        o, lse = _PaperAttention.apply(*data, prob, float(scale))
+        o, lse = _PaperAttention.apply(*data, prob, scale)
         o, lse = squeeze(o, batch), squeeze(lse, batch)
     return (o, lse) if return_lse else o

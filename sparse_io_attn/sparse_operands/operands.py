@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sparse_io_attn._triton.shapes import padded_dim
+from sparse_io_attn.block_sparse.api import _resolve_sm_scale
 from sparse_io_attn.layout._csr import INDEX_DTYPE
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
@@ -249,6 +250,27 @@ def check_batch(A1, A2, A3, X, Y, qk_layout) -> Batch:
     return Batch(B, H, batched)
 
 
+def _lead_shape(t) -> str:
+    return f"a list of {len(t)}" if is_list(t) else f"of shape {tuple(first(t).shape)}"
+
+
+def check_scale(scale) -> float:
+    """``scale`` as a Python float, under :func:`~sparse_io_attn.block_sparse_attention`'s rules for
+    ``sm_scale`` (any finite real scalar: Python int/float, NumPy scalar, 0-d real tensor); ``None``
+    is refused (the paper's form has no head dim to default from: it uses 1)."""
+    if scale is None:
+        raise TypeError("scale must be a finite real number (the paper uses 1.0), got None")
+    try:
+        return _resolve_sm_scale(scale, 1)
+    except TypeError:
+        raise TypeError(f"scale must be a finite real number (int, float, NumPy scalar, 0-d real tensor), got "
+                        f"{type(scale).__name__}" + (f" of shape {tuple(scale.shape)} and dtype {scale.dtype}"
+                                                     if isinstance(scale, torch.Tensor) else "")) from None
+    except ValueError:
+        raise ValueError(f"scale must be a finite number, got {float(scale)} (every output would be NaN); "
+                         f"the paper uses 1.0") from None
+
+
 def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
     """Validate the operands (single-head 2-D form or the batched form of
     :mod:`sparse_io_attn.sparse_operands.batch`); return ``(Blocks, dtype, device)``. Errors name
@@ -272,15 +294,16 @@ def check_operands(A1, A2, A3, X, Y, qk_layout, scale, backend):
         raise ValueError(f"A3 must have as many rows as A2 (keys): {nk}, got {nv}")
     if matrix_shape(Y)[0] != d3:
         raise ValueError(f"Y must have {d3} rows (A3's columns) per head, got shape {matrix_shape(Y)}")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    check_scale(scale)
     if qk_layout is not None:
         if not isinstance(qk_layout, BlockSparseLayout):
             raise TypeError(f"qk_layout must be a BlockSparseLayout or None, got {type(qk_layout).__name__}")
         if qk_layout.seqlen != (nq, nk):
             raise ValueError(f"qk_layout was built for seqlen {qk_layout.seqlen} but A1/A2 have "
                              f"{(nq, nk)} rows; build it with seqlen=({nq}, {nk})")
-    check_batch(A1, A2, A3, X, Y, qk_layout)
+    if check_batch(A1, A2, A3, X, Y, qk_layout).H == 0:
+        raise ValueError(f"X and Y hold 0 heads (X {_lead_shape(X)}, Y {_lead_shape(Y)}); the attention needs at "
+                         f"least one head: give X/Y a leading size of 1 or more (or 2-D matrices)")
 
     def pick(axis: str, *claims):
         given = {(who, b) for who, b in claims if b is not None}

@@ -40,7 +40,7 @@ def attention(A1, A2, A3, X, Y, qk_layout, scale: float, batch: Batch):
     None); scores of structurally zero products are exactly 0 and enter the softmax as such."""
     q, k, h = products(*(dense_stack(t) for t in (A1, X, A2, A3, Y)), batch)
     mask = qk_mask(qk_layout, q.device)
-    groups = max(1, SCORE_CHUNK_BYTES // (q.shape[-2] * k.shape[-2] * q.element_size()))
+    groups = max(1, SCORE_CHUNK_BYTES // max(1, q.shape[-2] * k.shape[-2] * q.element_size()))  # 0 rows: one part
     if groups >= batch.groups:
         out, lse = masked_attention(q, k, h, mask, scale)
         return out, lse.float()

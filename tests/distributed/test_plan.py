@@ -12,6 +12,7 @@ from sparse_io_attn.block_sparse import torch_path
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.distributed import (ContextParallelPlan, causal_layout, context_parallel,
                                         context_parallel_attention, merge_partials)
+from sparse_io_attn.distributed.plan import layout_digest
 from sparse_io_attn.layout import stack_layouts
 from sparse_io_attn.tally import count_network
 
@@ -245,3 +246,55 @@ def test_count_network_adds_to_every_active_counter():
     assert outer.report.total_bytes == 0
     outer.reset()
     assert outer.network.total_bytes == 0
+
+
+def test_plan_detects_a_layout_edited_in_place():
+    """The plan keeps its own copy of the layout (a later in-place edit never reaches its views);
+    ``check_source`` (which the attention runs) refuses an edit that changed the contents and accepts
+    a refill with the same ones."""
+    n, b = 48, 8
+    layout = patterns.topk(torch.randn(6, 6), 2, b, n)
+    plan, single = ContextParallelPlan(layout, 2), ContextParallelPlan(layout, 1)
+    before = [plan.rank_layouts(r).local for r in range(2)]
+    original = BlockSparseLayout.from_block_mask(layout.to_block_mask(), b, n)
+    layout.col_slots.copy_(layout.col_slots.clone())                      # version moves, contents do not
+    assert plan.check_source() is plan
+    refill = patterns.topk(torch.randn(6, 6), 2, b, n)
+    while refill.equal(layout):
+        refill = patterns.topk(torch.randn(6, 6), 2, b, n)
+    layout.crow_indices.copy_(refill.crow_indices)
+    layout.col_slots.copy_(refill.col_slots)
+    with pytest.raises(ValueError, match="edited in place after ContextParallelPlan was built"):
+        plan.check_source()
+    q = torch.randn(1, 1, n, 8)
+    with pytest.raises(ValueError, match=r"rebuild the plan: ContextParallelPlan\(layout, 1"):
+        context_parallel_attention(q, q, q, single, backend="torch")
+    assert plan.layout.equal(original) and not plan.layout.equal(layout)
+    assert [plan.rank_layouts(r).local for r in range(2)] == before
+    rebuilt = ContextParallelPlan(layout, 1)
+    out = context_parallel_attention(q, q, q, rebuilt, backend="torch")
+    assert rel_err(out, block_sparse_attention(q, q, q, layout, backend="torch")) <= FP32_TOL
+
+
+def test_digest_follows_contents_and_assignment():
+    """Equal layouts (however stored) give equal digests; another layout, causality, world size or
+    balance gives another plan digest."""
+    n, b = 61, 8
+    window = patterns.sliding_window(n, b, 12)
+    same = BlockSparseLayout.from_dense_mask(window.to_dense_mask(), b)
+    assert layout_digest(same) == layout_digest(window)
+    assert layout_digest(patterns.sliding_window(n, b, 13)) != layout_digest(window)
+    digests = {ContextParallelPlan(lay, w, causal=c, balance=bal).digest
+               for lay, w, c, bal in ((window, 2, False, "contiguous"), (same, 2, False, "contiguous"))}
+    assert len(digests) == 1
+    others = [ContextParallelPlan(window, 2, causal=True, balance="contiguous"),
+              ContextParallelPlan(window, 3, balance="contiguous"),
+              ContextParallelPlan(window, 2, balance="lpt"),
+              ContextParallelPlan(patterns.sliding_window(n, b, 13), 2, balance="contiguous")]
+    assert len({p.digest for p in others} | digests) == 5
+
+
+def test_unshard_names_a_shard_that_is_not_a_tensor():
+    plan = ContextParallelPlan(patterns.dense(32, 8), 3)
+    with pytest.raises(TypeError, match="one tensor per rank .* got list for shard 0"):
+        plan.unshard([[1.0]] * 3, 2)

@@ -2,6 +2,7 @@
 brute-force Python on fresh random inputs, their errors, and that building them (and the kernels'
 schedule) never synchronises with the host."""
 import math
+import re
 
 import pytest
 import torch
@@ -159,6 +160,38 @@ def test_topk_per_row_keep_and_errors():
         patterns.topk(scores, 1, 8, 32, keep=torch.ones(4))
     with pytest.raises(ValueError, match="keep"):
         patterns.topk(scores, 1, 8, 32, keep=torch.ones(5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("keep_shape", [(5, 1), (2, 1, 6), (1, 1), (1,), (2, 5, 6), ()])
+def test_topk_keep_broadcasts_as_documented(keep_shape):
+    """Every shape broadcastable to the scores is a keep mask: the same layout as the keep expanded
+    to the scores' shape, checked against brute force ([Mq, 1]: whole rows)."""
+    torch.manual_seed(len(keep_shape))
+    scores = torch.randn(2, 5, 6)
+    keep = torch.rand(keep_shape) < 0.4
+    got = patterns.topk(scores, 3, 8, (40, 48), keep=keep).to_block_mask()[0]
+    expanded = patterns.topk(scores, 3, 8, (40, 48), keep=keep.expand(scores.shape).clone()).to_block_mask()[0]
+    assert torch.equal(got, expanded)
+    assert torch.equal(got, _topk_brute(scores, 3, (8, 8), (40, 48), False, True, keep))
+    with pytest.raises(ValueError, match=r"\[5, 1\]: whole rows.*got \(2, 6\)"):
+        patterns.topk(scores, 3, 8, (40, 48), keep=torch.ones(2, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("build", [
+    lambda t: BlockSparseLayout.from_kv_indices(t.long(), 8, 32),
+    lambda t: BlockSparseLayout.from_kv_indices(t.long(), 8, 32, check=False),
+    lambda t: patterns.topk(t.float(), 2, 8, 32),
+], ids=["from_kv_indices", "from_kv_indices-unchecked", "topk"])
+def test_selections_refuse_empty_batches_and_meta_alike(build):
+    """A batch or head dimension of 0 leaves no mask (a layout holds one or more): a ValueError naming
+    the shape, never a ZeroDivisionError; on 'meta' both refuse as ``layout.to("meta")`` does."""
+    for shape in ((0, 2, 4, 4), (2, 0, 4, 4), (0, 4, 4)):             # [..., Mq, K] / [..., Mq, Mk]
+        with pytest.raises(ValueError, match=rf"has shape {re.escape(str(shape))}: its batch and head dimensions"):
+            build(torch.zeros(shape))
+    with pytest.raises(ValueError, match="cannot live on the 'meta' device"):
+        build(torch.zeros(4, 4, device="meta"))
+    with pytest.raises(ValueError, match="cannot live on the 'meta' device"):
+        BlockSparseLayout.from_kv_indices(torch.zeros(4, 2, dtype=torch.long), 8, 32).to("meta")
 
 
 def test_selection_and_schedule_never_synchronise():

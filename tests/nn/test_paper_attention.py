@@ -122,3 +122,27 @@ def test_triton_backend_matches_torch_backend():
         grads[backend] = (out.detach(), layer.x.values.grad.clone(), layer.y.values.grad.clone())
     for a, b in zip(grads["torch"], grads["triton"]):
         assert rel_err(b, a) < 1e-5
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 16), (0, 12, 16)], ids=["N0", "B0"])
+@pytest.mark.parametrize("qk", [None, "pattern", "layout"])
+def test_empty_sequence_or_batch_gives_the_empty_output(shape, qk):
+    """N = 0 or B = 0: the reference's empty output and zero weight gradients (a QK pattern has
+    nothing to pattern without keys), whatever the QK pattern."""
+    g = torch.Generator().manual_seed(4)
+    qk_pattern = {None: None, "pattern": functools.partial(patterns.causal, block_size=8),
+                  "layout": patterns.causal(12, 8)}[qk]
+    layer = PaperAttention(16, 2, x_pattern=0.5, qk_pattern=qk_pattern, block_size=8, generator=g)
+    x = torch.randn(shape, generator=g, requires_grad=True)
+    out = layer(x)
+    assert out.shape == shape and torch.equal(out.double(), dense_reference(layer, x) if shape[1] else out.double())
+    out.sum().backward()
+    assert x.grad.shape == shape
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
+
+
+def test_qk_pattern_must_return_a_layout():
+    layer = PaperAttention(16, 2, qk_pattern=lambda n: None)
+    with pytest.raises(TypeError, match=r"qk_pattern\(12\) must return a BlockSparseLayout built for seqlen "
+                                        r"\(12, 12\), got NoneType"):
+        layer(torch.randn(1, 12, 16))

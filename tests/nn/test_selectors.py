@@ -123,3 +123,25 @@ def test_selector_errors():
         selectors.moba(8, 1)(torch.randn(1, 3, 16, 4), torch.randn(1, 2, 16, 4))
     assert "moba(block_size=8, top_k=1" in repr(layer)
     assert math.isfinite(float(layer(torch.randn(1, 16, 16)).detach().sum()))
+
+
+@pytest.mark.parametrize("shape", [(2, 0, 16), (0, 24, 16)], ids=["N0", "B0"])
+@pytest.mark.parametrize("kind", ["selector", "pattern", "layout"])
+def test_layer_on_an_empty_sequence_or_batch_gives_the_empty_output(shape, kind):
+    """Nothing to attend: the empty output ``[B, N, E]`` and gradients (x's empty, the weights' 0)
+    for a selector, a ``seqlen -> layout`` pattern and a fixed layout alike; the selector itself
+    names why it cannot choose a layout of no positions."""
+    torch.manual_seed(2)
+    how = {"selector": dict(selector=selectors.moba(8, 2)),
+           "pattern": dict(layout_or_pattern=lambda n: patterns.sliding_window(n, 8, 8)),
+           "layout": dict(layout_or_pattern=patterns.sliding_window(24, 8, 8))}[kind]
+    layer = SparseSelfAttention(16, 4, num_kv_heads=2, causal=True, backend="torch", **how)
+    x = torch.randn(shape, requires_grad=True)
+    out = layer(x)
+    assert out.shape == shape
+    out.sum().backward()
+    assert x.grad.shape == shape
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
+    assert selectors.block_means(torch.randn(2, 3, 0, 8), 16).shape == (2, 3, 0, 8)
+    with pytest.raises(ValueError, match=r"at least one query and key position and batch element, got q \(1, 4, 0"):
+        selectors.moba(8, 1)(torch.randn(1, 4, 0, 4), torch.randn(1, 2, 0, 4))

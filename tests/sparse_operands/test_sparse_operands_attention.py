@@ -384,3 +384,56 @@ def test_edge_cases_match_reference_without_nan(kind, backend):
         assert err < 1e-5, (name, err)
     if kind == "qk-empty":
         assert (o == 0).all() and torch.isneginf(lse).all()
+
+
+def _empty_case(kind: str, g: torch.Generator):
+    """Operands with no query rows, no keys, a batch of 0 or 0 heads (dense; the output gradient too)."""
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    nq, nk, lead_b, lead_h = {"nq0": (0, 40, (), ()), "nk0": (24, 0, (), ()), "B0": (24, 40, (0,), ()),
+                              "H0": (24, 40, (), (0,)), "B0-H2": (24, 40, (0,), (2,))}[kind]
+    ops = (r(*lead_b, nq, 32), r(*lead_b, nk, 32), r(*lead_b, nk, 16), r(*lead_h, 32, 32), r(*lead_h, 16, 24))
+    batched = lead_b or lead_h
+    B, H = (lead_b or (1,))[0], (lead_h or (1,))[0]
+    return ops, r(B, H, nq, 24) if batched else r(nq, 24)
+
+
+@pytest.mark.parametrize("kind", ["nq0", "nk0", "B0", "B0-H2"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_problems_give_the_reference_result(kind, backend):
+    """No query rows, no keys, an empty batch or no heads: the float64 reference's result (empty, or
+    zero rows with lse -inf without keys) and its gradients (zeros), on every backend; never a
+    ZeroDivisionError."""
+    ops, do = _empty_case(kind, torch.Generator().manual_seed(len(kind)))
+    o, lse, grads, report = run(ops, None, 0.5, do, backend)
+    ref_o, ref_lse, ref_g = reference(ops, None, 0.5, do)
+    assert o.shape == ref_o.shape == do.shape and lse.shape == ref_lse.shape
+    assert torch.equal(o.double(), ref_o) and torch.equal(lse.double(), ref_lse)
+    if kind == "nk0":
+        assert (o == 0).all() and torch.isneginf(lse).all()
+    for name in OPERANDS:
+        assert grads[name].shape == ref_g[name].shape and torch.equal(grads[name].double(), ref_g[name]), name
+        assert not grads[name].any(), name
+    assert report.total_bytes == 0                                     # no kernel ran
+    ops, _ = _empty_case("H0", torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"X and Y hold 0 heads \(X of shape \(0, 32, 32\)"):
+        paper.attention(*ops, backend=backend)
+
+
+def test_scale_follows_block_sparse_attention_rules():
+    """``scale`` takes what ``block_sparse_attention``'s ``sm_scale`` takes (NumPy scalars of any
+    float width, 0-d tensors) and refuses what it refuses (NaN, inf: every output would be NaN)."""
+    import numpy as np
+
+    ops, qk, do = make_case(40, 40, 32, 32, 32, 32, 16, 16, 16, (None, None, None), 0.6, seed=3)
+    ref_o = reference(ops, qk, float(np.float32(0.3)), do)[0]
+    for scale in (np.float32(0.3), torch.tensor(0.3, dtype=torch.float32)):
+        o = paper.attention(*ops[:3], *ops[3:], qk_layout=qk, scale=scale, backend="torch")
+        assert rel_err(o, ref_o) < 1e-5, type(scale)
+    assert rel_err(paper.attention(*ops, qk_layout=qk, scale=np.float64(0.3), backend="torch"),
+                   reference(ops, qk, 0.3, do)[0]) < 1e-5
+    for bad in (float("nan"), float("inf"), -np.inf, np.float32("nan")):
+        with pytest.raises(ValueError, match=r"scale must be a finite number, got (nan|-?inf)"):
+            paper.attention(*ops, qk_layout=qk, scale=bad)
+    for bad in (None, "1", True, torch.ones(2), 1j):
+        with pytest.raises(TypeError, match="scale must be a finite real number"):
+            paper.attention(*ops, qk_layout=qk, scale=bad)

@@ -9,6 +9,7 @@ import math
 import torch
 
 from sparse_io_attn.layout._args import as_pair, positive_int
+from sparse_io_attn.layout._kv_indices import check_selection
 from sparse_io_attn.layout.causal import causal_blocks, causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 
@@ -30,8 +31,9 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
             ``causal=`` to the attention, which masks the elements past the diagonal.
         include_diagonal: always keep the key blocks the row's diagonal ``j = i + delta`` passes
             through (``delta`` the causal offset, 0 without causality): a query block's own block.
-        keep: bool ``[Mk]`` or broadcastable to ``block_scores``: blocks always kept (attention
-            sinks, global blocks), unless wholly in the causal future.
+        keep: bool ``[Mk]`` or any shape broadcastable to ``block_scores`` (``[Mq, 1]``: whole
+            rows, ``[H, 1, Mk]``: per head): blocks always kept (attention sinks, global blocks),
+            unless wholly in the causal future.
 
     Forced blocks (diagonal, ``keep``) count toward ``k`` and come first; the remaining slots go to
     the highest scores, ties broken by the lower block index (deterministic on every device). A row
@@ -51,6 +53,7 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
         raise ValueError(f"block_scores must have shape [..., {Mq}, {Mk}] ([Mq, Mk], [H, Mq, Mk] or "
                          f"[B, H, Mq, Mk]: seqlen {(sq, sk)} in blocks of {(bq, bk)}), got "
                          f"{tuple(block_scores.shape)}")
+    check_selection(block_scores, "block_scores")
     delta = causal_offset(causal, sq, sk)
     dev = block_scores.device
     r = torch.arange(Mq, device=dev)[:, None]
@@ -68,11 +71,11 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
             got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
             raise TypeError(f"keep must be a torch.bool tensor of key blocks to always keep, got {got}")
         fits = keep.dim() <= block_scores.dim() and all(
-            a in (1, b) for a, b in zip(reversed(keep.shape), reversed(block_scores.shape))) and \
-            (keep.dim() == 0 or keep.shape[-1] == Mk)
+            a in (1, b) for a, b in zip(reversed(keep.shape), reversed(block_scores.shape)))
         if not fits:
             raise ValueError(f"keep must have shape [{Mk}] or broadcast to block_scores' "
-                             f"{tuple(block_scores.shape)}, got {tuple(keep.shape)}")
+                             f"{tuple(block_scores.shape)} (e.g. [{Mq}, 1]: whole rows, [{Mq}, {Mk}]), got "
+                             f"{tuple(keep.shape)}")
         forced = keep.to(dev)
     # rank classes: 3 diagonal, 2 kept, 1 eligible, 0 causal future (never chosen); inside a class
     # by score, ties by the lower index: one unique int64 key per block, so topk's order is exact.
