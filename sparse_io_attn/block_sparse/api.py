@@ -134,7 +134,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, *, causal
         if (Nq, Nk) != layout.seqlen:
             raise ValueError(f"layout was built for seqlen (q, k) = {layout.seqlen} but the inputs have "
                              f"({Nq}, {Nk}); build the layout with seqlen=({Nq}, {Nk})")
-        p = plan(layout, causal=causal)
+        p = plan(layout, causal=causal, num_heads_q=Hq, num_heads_kv=Hkv)   # one plan, cached on the layout
     else:
         raise TypeError(f"layout must be a BlockSparseLayout (see sparse_io_attn.layout.patterns) or an "
                         f"AttentionPlan (sparse_io_attn.plan), got {type(layout).__name__}")

@@ -151,7 +151,7 @@ class AttentionPlan:
     """
 
     def __init__(self, index: torch.Tensor, meta: tuple, causal, *, layout: BlockSparseLayout | None = None,
-                 version: tuple | None = None):
+                 source: BlockSparseLayout | None = None, version: tuple | None = None):
         self.index = index
         self.meta = tuple(int(x) for x in meta)
         m = dict(zip(META_FIELDS, self.meta))
@@ -168,26 +168,29 @@ class AttentionPlan:
                                                                "part_mask")))
         self.masks, self.masks_t = views["masks"], views["masks_t"]
         self.layout = layout
+        self.source = source if source is not None else layout   # the user's layout: staleness is its edits
         self.version = version
         self._derived: dict = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def build(cls, layout: BlockSparseLayout, causal=False) -> "AttentionPlan":
-        """Plan ``layout`` under ``causal`` (see :func:`plan`, which caches the result on the layout)."""
+    def build(cls, layout: BlockSparseLayout, causal=False, *, source: BlockSparseLayout | None = None) -> "AttentionPlan":
+        """Plan ``layout`` under ``causal`` (see :func:`plan`, which caches the result on the layout).
+        ``source``: the user's layout ``layout`` was derived from (a head expansion), whose in-place
+        edits make the plan stale."""
         if not isinstance(layout, BlockSparseLayout):
             raise TypeError(f"expected a BlockSparseLayout, got {type(layout).__name__}")
         if causal not in CAUSAL_MODES:
             raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
         layout.check()      # index ranges, once per layout version: no kernel reads outside its tensors
-        version = layout.version_key()
+        version = (source if source is not None else layout).version_key()
         meta = dict(block_size_q=layout.BLOCK_SIZE_Q, block_size_kv=layout.BLOCK_SIZE_KV,
                     seqlen_q=layout.seqlen_q, seqlen_k=layout.seqlen_k, layout_batch=layout.layout_batch,
                     layout_heads=layout.layout_heads, slots=layout.col_slots.numel(),
                     num_masks=layout.partial_masks.shape[0], checked=1)
         parts = _build_parts(layout, causal_offset(causal, *layout.seqlen))
         index = _pack(parts, meta, layout.device)
-        return cls(index, tuple(meta[f] for f in META_FIELDS), causal, layout=layout, version=version)
+        return cls(index, tuple(meta[f] for f in META_FIELDS), causal, layout=layout, source=source, version=version)
 
     @classmethod
     def from_op(cls, index: torch.Tensor, meta, causal_offset_: int | None) -> "AttentionPlan":
@@ -247,8 +250,8 @@ class AttentionPlan:
 
     def is_stale(self) -> bool:
         """Whether the layout this plan was built from has been edited in place since."""
-        return (self.layout is not None and self.version is not None
-                and not torch.compiler.is_compiling() and self.layout.version_key() != self.version)
+        return (self.source is not None and self.version is not None
+                and not torch.compiler.is_compiling() and self.source.version_key() != self.version)
 
     def layout_strides(self, batch: int, num_heads_q: int) -> tuple[int, int]:
         """``(stride_lb, stride_lh)``: batch ``b``, query head ``h`` use mask ``b * stride_lb + h *
@@ -274,7 +277,8 @@ class AttentionPlan:
         if device == self.device or (device.type == self.device.type and device.index is None):
             return self
         return self.derived(("device", str(device)), lambda: AttentionPlan(
-            self.index.to(device), self.meta, self.causal, layout=self.layout, version=self.version).register())
+            self.index.to(device), self.meta, self.causal, layout=self.layout, source=self.source,
+            version=self.version).register())
 
     def for_heads(self, num_heads_q: int, num_heads_kv: int) -> "AttentionPlan":
         """The plan serving ``num_heads_q`` query heads: ``self`` when the layout holds 1 or
@@ -288,7 +292,7 @@ class AttentionPlan:
                              f"build it with 1 (shared), {num_heads_q} (one per query head) or "
                              f"{num_heads_kv} (one per KV head) head masks")
         return self.derived(("heads", num_heads_q), lambda: AttentionPlan.build(
-            self.layout.for_query_heads(num_heads_q, num_heads_kv), self.causal).register())
+            self.layout.for_query_heads(num_heads_q, num_heads_kv), self.causal, source=self.source).register())
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "AttentionPlan":
@@ -332,7 +336,8 @@ def _causal_for_offset(delta: int | None, seqlen_q: int, seqlen_k: int):
                      f"{seqlen_k - seqlen_q} (bottom_right)")
 
 
-def plan(layout: BlockSparseLayout, *, causal=False) -> AttentionPlan:
+def plan(layout: BlockSparseLayout, *, causal=False, num_heads_q: int | None = None,
+         num_heads_kv: int | None = None) -> AttentionPlan:
     """The :class:`AttentionPlan` of ``layout`` under ``causal`` (``False``, ``True``/``"top_left"``,
     ``"bottom_right"``), built on the layout's device without host synchronisation, and cached on
     the layout until one of its tensors is edited in place. Hold it and pass it to
@@ -340,14 +345,22 @@ def plan(layout: BlockSparseLayout, *, causal=False) -> AttentionPlan:
 
         p = sparse_io_attn.plan(layout, causal=True)
         out = block_sparse_attention(q, k, v, p, causal=True)
+
+    With ``num_heads_q``/``num_heads_kv``, a layout holding one mask per KV head is planned directly
+    for the query heads of each group (one plan, no intermediate one).
     """
     if not isinstance(layout, BlockSparseLayout):
         raise TypeError(f"plan() takes a BlockSparseLayout, got {type(layout).__name__}; for a per-token "
                         f"Selection use sparse_io_attn.selection.plan_selection")
     if causal not in CAUSAL_MODES:
         raise ValueError(f"causal must be one of {CAUSAL_MODES}, got {causal!r}")
-    key = ("plan", "top_left" if causal is True else causal)
-    return layout.cached(key, lambda: AttentionPlan.build(layout, causal).register())
+    mode = "top_left" if causal is True else causal
+    lh = layout.layout_heads
+    if num_heads_q is not None and lh not in (1, num_heads_q):
+        kv = num_heads_kv if num_heads_kv is not None else lh
+        return layout.cached(("plan", mode, num_heads_q), lambda: AttentionPlan.build(
+            layout.for_query_heads(num_heads_q, kv), causal, source=layout).register())
+    return layout.cached(("plan", mode), lambda: AttentionPlan.build(layout, causal).register())
 
 
 __all__ = ["AttentionPlan", "BlockLists", "META_FIELDS", "plan", "transpose_masks"]

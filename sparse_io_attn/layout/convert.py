@@ -20,7 +20,7 @@ import torch
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout._args import as_pair
 from sparse_io_attn.layout._csr import csr_row_ids, from_relative_offsets, to_relative_offsets, validate_csr
-from sparse_io_attn.layout.causal import causal_blocks
+from sparse_io_attn.layout.causal import causal_blocks, mask_offsets
 
 _EVAL_CHUNK = 1 << 22  # mask_mod evaluations per vmap call
 
@@ -182,14 +182,19 @@ def _from_blocks(lid, r, c, vals, lead, grid, block, seqlen, exact: bool) -> Blo
 
 # ---------------------------------------------------------------------------------------- FlexAttention
 def _flex_block_tables(layout, causal: bool):
-    """``(kept, full)`` bool ``[lb, lh, R, C]`` for FlexAttention: blocks that hold an allowed element,
-    and those of them with every element of the block rectangle allowed (full in the layout, inside
-    both lengths, below the diagonal with ``causal``)."""
+    """``(kept, full)`` bool ``[lb, lh, R, C]`` for FlexAttention: blocks that hold an allowed element
+    (the decision of the attention plan: :func:`~sparse_io_attn.layout.causal.causal_blocks` with the
+    masks' offsets), and those of them with every element of the block rectangle allowed (full in the
+    layout, inside both lengths, below the diagonal with ``causal``)."""
     dev = layout.device
     r = torch.arange(layout.num_q_blocks, device=dev)[:, None]
     c = torch.arange(layout.num_kv_blocks, device=dev)[None, :]
-    live = causal_blocks(r, c, layout.block_size, layout.seqlen, 0 if causal else None)
     table = layout.block_table()
+    offset = None
+    if causal and layout.partial_masks.shape[0]:     # a partial block whose mask lies above the diagonal is dead
+        per_mask = mask_offsets(layout.partial_masks, layout.BLOCK_SIZE_KV)
+        offset = torch.where(table >= 0, per_mask[table.clamp(min=0).to(torch.int64)], -layout.BLOCK_SIZE_Q)
+    live = causal_blocks(r, c, layout.block_size, layout.seqlen, 0 if causal else None, offset)
     kept = (table >= -1) & live.alive
     return kept, kept & live.whole & (table == -1)
 

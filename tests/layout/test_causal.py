@@ -12,6 +12,9 @@ from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.block_sparse.torch_path.plan import _row_lists
 from sparse_io_attn.layout.causal import causal_blocks
 from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn import block_sparse_attention
+from sparse_io_attn.accounting import IOCounter, traffic
+from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 
 CASES = [
     pytest.param((100, 8), (81, 81), id="bq100-bk8-N81"),
@@ -113,3 +116,53 @@ def test_flex_causal_last_query_block_cut_short():
     listed = bm.kv_indices[0, 0, 0, :int(bm.kv_num_blocks[0, 0, 0])].tolist()
     listed += bm.full_kv_indices[0, 0, 0, :int(bm.full_kv_num_blocks[0, 0, 0])].tolist()
     assert sorted(listed) == list(range(11))   # key blocks 11 and 12 start at keys 88 and 96
+
+
+def _dead_partial_layout(block_size, seqlen, heads, seed):
+    """Per-head element masks where some kept partial blocks straddling the diagonal hold only
+    elements above it (every such block dies under causality)."""
+    gen = torch.Generator().manual_seed(seed)
+    (sq, sk) = seqlen
+    mask = torch.rand(heads, sq, sk, generator=gen) < 0.3
+    above = torch.arange(sk)[None, :] > torch.arange(sq)[:, None]
+    mask[0] &= above                            # head 0: only elements above the diagonal
+    return BlockSparseLayout.from_dense_mask(mask, block_size)
+
+
+def _live_blocks(layout, causal):
+    """Brute force: kept blocks holding an allowed element under ``causal``."""
+    (bq, bk), (sq, sk) = layout.block_size, layout.seqlen
+    dense = layout.to_dense_mask()[0]
+    delta = causal_offset(causal, sq, sk)
+    dense = dense & (torch.arange(sk)[None, None, :] <= torch.arange(sq)[None, :, None] + delta)
+    R, C = layout.num_q_blocks, layout.num_kv_blocks
+    padded = torch.zeros(dense.shape[0], R * bq, C * bk, dtype=torch.bool)
+    padded[:, :sq, :sk] = dense
+    return int(padded.view(-1, R, bq, C, bk).any(4).any(2).sum())
+
+
+@pytest.mark.parametrize("block_size,seqlen,causal", [
+    pytest.param((100, 8), (81, 274), True, id="block100x8-81x274-top-left"),     # the outside audit's case
+    pytest.param((16, 16), (40, 70), "bottom_right", id="block16-bottom-right"),
+])
+def test_partial_blocks_wholly_above_the_diagonal_are_dropped(block_size, seqlen, causal):
+    """A kept partial block whose element mask lies wholly above the causal diagonal computes
+    nothing: the plan, the FlexAttention export and every backend drop it."""
+    layout = _dead_partial_layout(block_size, seqlen, 3, seed=5)
+    want = _live_blocks(layout, causal)
+    p = plan(layout, causal=causal)
+    got = int(p.rows.full_ptr[-1, -1]) + int(p.rows.part_ptr[-1, -1])
+    assert got == int(p.cols.full_ptr[-1, -1]) + int(p.cols.part_ptr[-1, -1]) == want < layout.nnz_blocks
+    if causal is True:
+        bm = layout.to_flex_block_mask(causal=True)
+        assert int(bm.kv_num_blocks.sum()) + int(bm.full_kv_num_blocks.sum()) == want
+    q = torch.randn(1, 3, seqlen[0], 16)
+    k, v = torch.randn(1, 3, seqlen[1], 16), torch.randn(1, 3, seqlen[1], 16)
+    backends = ["torch", "cpu"] + (["triton"] if block_size[0] % 16 == 0 and block_size[1] % 16 == 0 else [])
+    ref = attention_reference(q, k, v, layout, causal=causal)[0]
+    for backend in backends:
+        assert rel_err(block_sparse_attention(q, k, v, layout, causal=causal, backend=backend), ref) < 1e-5
+    if "triton" in backends:
+        with IOCounter() as io:
+            block_sparse_attention(q, k, v, layout, causal=causal, backend="triton")
+        assert io.report == traffic.block_sparse_forward(layout, 1, 3, 3, 16, torch.float32, causal=causal)
