@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_SPEC)
-	$(BIN)/pip install -q -e ".[test,plot]"
+	# setuptools prints an "Editable installation" notice (a UserWarning) for every editable build
+	PYTHONWARNINGS="ignore::UserWarning" $(BIN)/pip install -q -e ".[test,plot]"
 	touch $(STAMP)
 
 venv: $(STAMP)

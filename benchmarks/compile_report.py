@@ -7,7 +7,7 @@ Triton's sm_90 compile and its bundled ptxas.
   fp32 at head dim 64.
 * The paper's dense form (Algorithms 6 and 9): the kernels with the tiles their launchers derive
   from M = 227 KiB (an H100's shared memory per block) in bf16 words, head dim 128.
-* Block-sparse operands: every launch of one batched forward + backward of ``paper.attention``
+* Block-sparse operands: every launch of one batched forward + backward of ``sparse_operands.attention``
   (`sparse-io-attn compile-report --op sparse-operands`), 64-row blocks, 32-wide head-dim tiles,
   head dims 64 and 128, bf16 and fp16.
 
@@ -107,7 +107,7 @@ def main() -> int:
         name = str(dtype).split(".")[-1]
         rows = sparse_operand_rows(dtype, d)
         data[f"sparse_operands_{name}_d{d}"] = rows
-        parts.append(f"## block-sparse operands (paper.attention, batched), {name}, head dim {d}, 64-row blocks, "
+        parts.append(f"## block-sparse operands (sparse_operands.attention, batched), {name}, head dim {d}, 64-row blocks, "
                      f"32-wide head-dim tiles, as launched\n\n```\n"
                      + format_table(rows, [(c, c) for c in OPERAND_COLUMNS]) + "\n```")
         print(parts[-1], flush=True)

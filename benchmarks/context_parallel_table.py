@@ -31,7 +31,8 @@ import torch.multiprocessing as mp
 
 from sparse_io_attn import block_sparse_attention, patterns
 from sparse_io_attn.accounting import IOCounter
-from sparse_io_attn.distributed import ContextParallelPlan, context_parallel, context_parallel_attention
+from sparse_io_attn.accounting.traffic import context_parallel
+from sparse_io_attn.distributed import ContextParallelPlan, context_parallel_attention
 
 RESULTS = Path(__file__).parent / "results"
 GiB = 2**30

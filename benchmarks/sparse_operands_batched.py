@@ -1,4 +1,4 @@
-"""paper.attention batched (one call for every batch element and head) against the per-head Python
+"""sparse_operands.attention batched (one call for every batch element and head) against the per-head Python
 loop it replaces, on the ``torch`` path (CPU, fp32, forward + backward).
 
 The batched call takes ``A1 = A2 = A3 = x [B, N, E]``, per-head block-sparse ``X`` (a list of ``H``
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_io_attn import paper
+from sparse_io_attn import sparse_operands
 from sparse_io_attn.cli._common import format_header, format_table, machine_header
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 
@@ -60,11 +60,11 @@ def methods(x, X, Y, do, scale):
 
     def batched():
         zero()
-        paper.attention(xs, xs, xs, Xs, ys, scale=scale, backend="torch").backward(do)
+        sparse_operands.attention(xs, xs, xs, Xs, ys, scale=scale, backend="torch").backward(do)
 
     def loop():
         zero()
-        out = torch.stack([torch.stack([paper.attention(xs[b], xs[b], xs[b], Xs[h], ys[h], scale=scale,
+        out = torch.stack([torch.stack([sparse_operands.attention(xs[b], xs[b], xs[b], Xs[h], ys[h], scale=scale,
                                                         backend="torch") for h in range(H)]) for b in range(B)])
         out.backward(do)
 
@@ -95,7 +95,7 @@ def main(argv=None):
                                 ("batched_ms", "batched ms"), ("loop_ms", "per-head loop ms"),
                                 ("ratio", "loop / batched")])
     text = (f"```\n{format_header(header)}\n# nproc {os.cpu_count()}, uptime load average {load0:.2f} -> "
-            f"{load1:.2f} after\n# paper.attention backend torch, fp32, forward + backward, X per head "
+            f"{load1:.2f} after\n# sparse_operands.attention backend torch, fp32, forward + backward, X per head "
             f"block-sparse (block {args.block}, density {args.density}), Y dense [H, E, E], no QK layout; "
             f"median of {args.repeats} interleaved rounds\n\n{table}\n```\n")
     args.out.write_text(text)

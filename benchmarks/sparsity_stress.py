@@ -1,4 +1,4 @@
-"""Sparsity stress test: traffic of paper.attention (forward + backward) vs Theorem 4.5 while the
+"""Sparsity stress test: traffic of sparse_operands.attention (forward + backward) vs Theorem 4.5 while the
 density of A1/A2, of X and of the QK pattern is swept independently.
 
     .venv/bin/python benchmarks/sparsity_stress.py                   # model at n = 1024, 4096; counted at n = 128

@@ -9,7 +9,8 @@ One folder per capability (map in ``docs/ARCHITECTURE.md``):
 * :mod:`.dense`: the paper's dense form with its two regime-specific backward kernels.
 * :mod:`.sparse_operands`: the paper's form with block-sparse operands A1, X, A2.
 * :mod:`.accounting`: byte counters, traffic reports, ``compare`` with a bound.
-* :mod:`.bounds`: the lower-bound calculator and the two-level-memory executor (``bounds.pebble``).
+* :mod:`.bounds`: the lower-bound calculator; :mod:`.experiments`: the two-level-memory executor
+  (``experiments.pebble``), Figure 1, the sweeps.
 * :mod:`.nn`: ``SparseSelfAttention`` and the ``torch.library`` custom ops; :mod:`.cli`: the command.
 * :mod:`.integrations`: ``integrations.transformers`` (Hugging Face ``attn_implementation``; imported
   only when used).
@@ -35,8 +36,9 @@ from sparse_io_attn.layout import BlockSparseLayout, BlockSparseMatrix, patterns
 
 __version__ = "0.1.0"
 
-# imported on first use; ``paper`` is the former name of ``sparse_operands``
-_LAZY = {"dense": "dense", "sparse_operands": "sparse_operands", "paper": "sparse_operands", "nn": "nn"}
+# imported on first use
+_LAZY = {"dense": "dense", "sparse_operands": "sparse_operands", "selection": "selection", "nn": "nn",
+         "distributed": "distributed"}
 
 
 def __getattr__(name):

@@ -28,7 +28,6 @@ TOP = max(FLOORS.values()) + 1  # the package's own __init__: imports every floo
 
 #: former public paths kept as pure re-exports (no logic): exempt from the floor rule, not from cycles
 ALIASES: dict[str, str] = {
-    "sparse_io_attn.bounds.pebble": "the pebble executor's former path (now experiments.pebble)",
 }
 
 #: (importer, imported) -> why the import sits inside a function (an optional or heavy dependency kept lazy)

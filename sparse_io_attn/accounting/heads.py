@@ -1,7 +1,7 @@
 """Per-head traffic of the batched sparse-operand attention against Theorem 4.5, in one call.
 
 ``compare_heads(A1, A2, A3, X, Y, qk_layout=...)`` predicts each ``(batch element, head)`` group's
-share of the traffic of ``paper.attention(..., backend="triton")`` (forward and backward)
+share of the traffic of ``sparse_operands.attention(..., backend="triton")`` (forward and backward)
 (:func:`~sparse_io_attn.sparse_operands.predict_traffic_per_head`), evaluates Theorem 4.5 on each
 group's own operands (:func:`~sparse_io_attn.bounds.heads.head_nnz_stats`) at the kernels' fast
 memory ``M`` (:func:`~sparse_io_attn.sparse_operands.kernel_fast_memory_words`, the same for every
@@ -54,7 +54,7 @@ def compare_heads(A1, A2, A3, X, Y, *, qk_layout=None, M=None, report=None,
             raise ValueError(
                 f"the counted report ({report.total_bytes:,} bytes, kernels {sorted(report.kernels)}) differs "
                 f"from the model of this call ({predicted.total_bytes:,} bytes, kernels "
-                f"{sorted(predicted.kernels)}): count exactly one paper.attention(..., backend='triton') call"
+                f"{sorted(predicted.kernels)}): count exactly one sparse_operands.attention(..., backend='triton') call"
                 f"{' and its backward' if backward else ' (no backward: backward=False)'} under the IOCounter, "
                 f"on these operands")
         note = (f"per-head rows: the traffic model's share of each (b, h); total: {report.source} by the "

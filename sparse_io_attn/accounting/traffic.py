@@ -5,7 +5,7 @@
   :func:`block_sparse_flops`, re-exported here.
 * ``traffic.dense``: the paper's dense form (:mod:`sparse_io_attn.dense.traffic`: Algorithms 6, 9
   and the forward).
-* ``traffic.sparse_operands`` (also ``traffic.paper``): block-sparse operands
+* ``traffic.sparse_operands``: block-sparse operands
   (:mod:`sparse_io_attn.sparse_operands.traffic`).
 * :func:`context_parallel`: the network bytes of context-parallel attention per rank
   (:mod:`sparse_io_attn.accounting.network`; counted under ``IOCounter().network``).
@@ -21,9 +21,7 @@ from sparse_io_attn.accounting.network import context_parallel
 from sparse_io_attn.dense import traffic as dense
 from sparse_io_attn.sparse_operands import traffic as sparse_operands
 
-#: the sparse-operand model under the paper's name
-paper = sparse_operands
 
 
 __all__ = ["context_parallel", "block_sparse", "block_sparse_forward", "block_sparse_backward", "block_sparse_flops",
-           "kept_elements", "dense", "sparse_operands", "paper"]
+           "kept_elements", "dense", "sparse_operands"]

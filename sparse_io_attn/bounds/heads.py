@@ -1,8 +1,8 @@
 """Theorem 4.5's counts per ``(batch element, head)`` for the batched, multi-head form of the
-paper's attention (``paper.attention`` with ``A1 [B, n, d]``, per-head ``X``): one
+paper's attention (``sparse_operands.attention`` with ``A1 [B, n, d]``, per-head ``X``): one
 :func:`~sparse_io_attn.bounds.nnz_stats` call per ``(b, h)``, and the counts summed over them.
 
-Operand forms (as ``paper.attention`` takes them): ``A1``/``A2`` a 2-D matrix shared by every batch
+Operand forms (as ``sparse_operands.attention`` takes them): ``A1``/``A2`` a 2-D matrix shared by every batch
 element (dense, ``BlockSparseMatrix``, scipy), a 3-D dense ``[B, n, d]`` or a list/tuple of ``B``
 matrices (a pattern per batch element); ``X`` a 2-D matrix
 shared by every head, a 3-D dense ``[H, d, d]`` or a list/tuple of ``H`` matrices (a pattern per

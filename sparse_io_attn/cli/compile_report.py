@@ -3,7 +3,7 @@ a real launch would (same specialisation; for the block-sparse op every autotuni
 without a GPU, and print per kernel and configuration: registers, spill bytes, shared memory and
 whether the main loops' loads are asynchronous. ``--op block-sparse`` (default): the block-sparse
 attention kernels (pipelined = ``cp.async`` or TMA in the PTX). ``--op sparse-operands``: every
-launch of one batched forward + backward of ``paper.attention`` (pipelined = the loop's 2-D operand
+launch of one batched forward + backward of ``sparse_operands.attention`` (pipelined = the loop's 2-D operand
 tiles copied asynchronously, not only its indices)."""
 from __future__ import annotations
 

@@ -8,13 +8,12 @@ receiving exactly the K/V blocks its query rows read.
   forward, of their dK/dV in backward, overlapped with the local part; exact.
 * :class:`ContextParallelSelfAttention` (:mod:`.module`): an ``nn.SparseSelfAttention`` layer run on
   this rank's tokens, its attention through :func:`context_parallel_attention`.
-* :mod:`.traffic`: the bytes each rank sends and receives against all-gather, ring and the floor
-  (:func:`context_parallel`, counted under ``IOCounter().network``).
+The bytes each rank sends and receives, against all-gather, ring and the floor, are predicted by
+:func:`sparse_io_attn.accounting.traffic.context_parallel` (counted under ``IOCounter().network``).
 """
 from sparse_io_attn.distributed.attention import context_parallel_attention, merge_partials
 from sparse_io_attn.distributed.module import ContextParallelSelfAttention
 from sparse_io_attn.distributed.plan import ContextParallelPlan, RankLayouts, causal_layout
-from sparse_io_attn.distributed.traffic import ContextParallelTraffic, context_parallel
 
-__all__ = ["ContextParallelPlan", "ContextParallelSelfAttention", "ContextParallelTraffic", "RankLayouts",
-           "causal_layout", "context_parallel", "context_parallel_attention", "merge_partials"]
+__all__ = ["ContextParallelPlan", "ContextParallelSelfAttention", "RankLayouts", "causal_layout",
+           "context_parallel_attention", "merge_partials"]

@@ -6,7 +6,7 @@ Sources of each number (a column says which):
 
 * ``executor``: closed-form word counts of the paper's Algorithm 6 (small cache) and Algorithm 9
   (large cache; ``faithful`` as the appendix writes it, ``fa2`` the FlashAttention-2 loop order)
-  from :mod:`sparse_io_attn.bounds.pebble`, whose tests check them against the exact
+  from :mod:`sparse_io_attn.experiments.pebble`, whose tests check them against the exact
   two-level-memory executor.
 * ``kernel predicted``: the dense kernels' traffic model (:mod:`sparse_io_attn.dense.traffic`) at
   the requested ``n`` on the paper's ``g = dL/dX`` path, fp32: bytes / 4 = words.

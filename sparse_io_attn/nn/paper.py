@@ -109,7 +109,7 @@ class PaperAttention(nn.Module):
 
     with ``X_h = W_Q^h W_K^h^T`` and ``Y_h = W_V^h W_O^h`` (``[E, E]`` per head, head dim
     ``D = E // num_heads``, ``scale = 1 / sqrt(D)``) trained directly as the paper's operands ``X``
-    and ``Y`` of :func:`sparse_io_attn.paper.attention` (``A1 = A2 = A3 = x``), one call for every
+    and ``Y`` of :func:`sparse_io_attn.sparse_operands.attention` (``A1 = A2 = A3 = x``), one call for every
     head and batch element. Each product is dense or block-sparse on a fixed block pattern: the
     pattern never changes during training, gradients land on its stored blocks only.
 
@@ -127,7 +127,7 @@ class PaperAttention(nn.Module):
             BlockSparseLayout`` (e.g. ``functools.partial(patterns.causal, block_size=16)``),
             called once per length and device and cached, or None (all keys).
         block_size: the block of the weight patterns (rows and columns).
-        backend: as for :func:`sparse_io_attn.paper.attention`.
+        backend: as for :func:`sparse_io_attn.sparse_operands.attention`.
         generator: seeds the initialisation.
 
     :meth:`dense_weights` returns ``(X [H, E, E], Y [H, E, E])`` as dense tensors (zeros outside

@@ -47,7 +47,7 @@ def _product_macs(A, B, C, plans) -> int:
 
 def predict_dot_macs(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) -> dict:
     """``{kernel: multiply-adds issued by tl.dot}`` for the kernels of one
-    ``paper.attention(..., backend="triton")`` call (and its backward when ``backward``, all five
+    ``sparse_operands.attention(..., backend="triton")`` call (and its backward when ``backward``, all five
     gradients), summed over its ``(batch element, head)`` groups: the three attention kernels and
     the products, by report name."""
     blocks, _, _ = check_operands(A1, A2, A3, X, Y, qk_layout, 1.0, "triton")

@@ -2,7 +2,7 @@
 
 :func:`predict_traffic` returns a ``TrafficReport(source="predicted")`` with the same kernel and
 tensor names, byte for byte, as an :class:`~sparse_io_attn.accounting.IOCounter` around
-``paper.attention(..., backend="triton")`` (and its backward), computed from block patterns and
+``sparse_operands.attention(..., backend="triton")`` (and its backward), computed from block patterns and
 shapes only, so it reaches sizes the interpreter cannot run.
 
 Per-program terms (``rows(i)``/``keys(j)``: in-bounds rows of query/key block; ``w(S)``: in-bounds
@@ -217,7 +217,7 @@ def _renamed(op: Operand, name: str) -> Operand:
 
 
 def predict_traffic(A1, A2, A3, X, Y, *, qk_layout=None, backward: bool = True) -> TrafficReport:
-    """Predicted bytes of ``paper.attention(A1, A2, A3, X, Y, qk_layout=..., backend="triton")``
+    """Predicted bytes of ``sparse_operands.attention(A1, A2, A3, X, Y, qk_layout=..., backend="triton")``
     (plus its backward when ``backward``, all five gradients), per kernel and tensor, summed over
     every ``(batch element, head)`` group of a batched call. Operands as for
     :func:`~sparse_io_attn.sparse_operands.attention`; only their shapes, dtypes and block patterns

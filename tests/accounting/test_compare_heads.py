@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sparse_io_attn.bounds as B
-from sparse_io_attn import paper
+from sparse_io_attn import sparse_operands
 from sparse_io_attn.accounting import (HeadComparison, HeadTotal, IOCounter, TrafficReport, compare,
                                        compare_heads)
 from sparse_io_attn.accounting.compare import Comparison, per_head_comparison
@@ -64,7 +64,7 @@ def _group(ops, layout, b, h):
 # ---------------------------------------------------------------- compare() per head
 def test_per_head_rows_are_single_compares_and_total_sums():
     ops, qk = _case(2, 3, 48, 32, 16, (16, 16))
-    shares = paper.predict_traffic_per_head(*ops, qk_layout=qk)
+    shares = sparse_operands.predict_traffic_per_head(*ops, qk_layout=qk)
     bounds = head_nnz_stats(ops[0], ops[3], ops[1], qk).bounds(3000, dtype=torch.float32)
     hc = compare(shares, bounds)
     assert isinstance(hc, HeadComparison) and isinstance(hc.total, HeadTotal)
@@ -78,7 +78,7 @@ def test_per_head_rows_are_single_compares_and_total_sums():
     assert compare(shares, dict(reversed(list(zip(keys, bounds))))) == hc
     t = hc.total
     assert (t.source, t.dtype) == ("predicted", "float32")
-    assert t.measured_bytes == sum(r.total_bytes for r in shares.values()) == paper.predict_traffic(
+    assert t.measured_bytes == sum(r.total_bytes for r in shares.values()) == sparse_operands.predict_traffic(
         *ops, qk_layout=qk).total_bytes
     assert (t.bytes_read, t.bytes_written) == (sum(r.bytes_read for r in shares.values()),
                                                sum(r.bytes_written for r in shares.values()))
@@ -108,7 +108,7 @@ def test_total_floor_is_the_sum_of_the_heads_floors_when_they_bind_differently()
 
 def test_table_and_dict():
     ops, qk = _case(1, 2, 32, 32, 16, (16, 16), qk="per-head")
-    shares = paper.predict_traffic_per_head(*ops, qk_layout=qk)
+    shares = sparse_operands.predict_traffic_per_head(*ops, qk_layout=qk)
     hc = compare(shares, head_nnz_stats(ops[0], ops[3], ops[1], qk).bounds(2048), dtype=torch.float32)
     text = str(hc)
     lines = text.splitlines()
@@ -127,7 +127,7 @@ def test_table_and_dict():
 # ---------------------------------------------------------------- compare_heads: the one-call form
 @pytest.mark.parametrize("backward", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["fwd", "fwd-bwd"])
 def test_compare_heads_counted_report_equals_model_total(backward):
-    """The IOCounter report of paper.attention(..., backend="triton") (and its backward) with B=2,
+    """The IOCounter report of sparse_operands.attention(..., backend="triton") (and its backward) with B=2,
     H=2, n=64, blocks 16/32, fp32 through the interpreter equals the model's total; the total row
     shows the counted bytes and the table says the heads are the model's shares. The report is
     refused against the model of another call (with/without the backward)."""
@@ -137,7 +137,7 @@ def test_compare_heads_counted_report_equals_model_total(backward):
     for t in leaves:
         t.requires_grad_(backward)
     with IOCounter() as io:
-        o = paper.attention(*ops, qk_layout=qk, backend="triton")
+        o = sparse_operands.attention(*ops, qk_layout=qk, backend="triton")
         if backward:
             torch.autograd.grad(o, leaves, torch.randn_like(o))
     counted = io.report
@@ -153,7 +153,7 @@ def test_compare_heads_counted_report_equals_model_total(backward):
     assert lines[-1].startswith("total (counted)") and f"{counted.total_bytes:,}" in lines[-1]
     assert any("per-head rows: the traffic model's share" in ln for ln in lines)
     assert "per-head rows" not in predicted.table()
-    M = paper.kernel_fast_memory_words(*ops, qk_layout=qk)
+    M = sparse_operands.kernel_fast_memory_words(*ops, qk_layout=qk)
     assert all(c.bound.M == M for c in hc.values())
     with pytest.raises(ValueError, match="differs from the model of this call"):
         compare_heads(*ops, qk_layout=qk, report=counted, backward=not backward)
@@ -165,8 +165,8 @@ def test_compare_heads_rows_are_each_groups_own_problem(x):
     with Theorem 4.5 on that group's own operands and mask at the kernels' M."""
     ops, qk = _case(2, 2, 40, 32, 16, (16, 16), x=x)
     hc = compare_heads(*ops, qk_layout=qk)
-    shares = paper.predict_traffic_per_head(*ops, qk_layout=qk)
-    M = paper.kernel_fast_memory_words(*ops, qk_layout=qk)
+    shares = sparse_operands.predict_traffic_per_head(*ops, qk_layout=qk)
+    M = sparse_operands.kernel_fast_memory_words(*ops, qk_layout=qk)
     assert list(hc) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for (b, h), c in hc.items():
         (a1, a2, _, xh, _), lay = _group(ops, qk, b, h)
@@ -186,10 +186,10 @@ def test_compare_heads_single_head_and_operands_shared_along_an_axis():
     one = compare_heads(A1, A2, A3, X, Y, M="16KiB")
     st = B.nnz_stats(A1, X, A2)
     assert list(one) == [(0, 0)]
-    assert one[0, 0] == compare(paper.predict_traffic(A1, A2, A3, X, Y), st.bound(4096, dtype=torch.float32))
+    assert one[0, 0] == compare(sparse_operands.predict_traffic(A1, A2, A3, X, Y), st.bound(4096, dtype=torch.float32))
     Yh = torch.randn(3, d, 8)
     hc = compare_heads(A1, A2, A3, X, Yh)
-    M = paper.kernel_fast_memory_words(A1, A2, A3, X, Yh)
+    M = sparse_operands.kernel_fast_memory_words(A1, A2, A3, X, Yh)
     assert list(hc) == [(0, h) for h in range(3)]
     assert all(hc[k].bound == st.bound(M, dtype=torch.float32) for k in hc)
     grid = head_nnz_stats(A1, X, A2, grid=(2, 3))

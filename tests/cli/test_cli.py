@@ -251,7 +251,7 @@ def test_sweep_cache_counted_equals_model(tmp_path):
     runs = [(r[f"executor_{k}_run_at_count_n"], r[f"executor_{k}_closed_form_at_count_n"]) for r in rows
             for k in ("small", "large_faithful", "large_fa2") if r.get(f"executor_{k}_run_at_count_n") is not None]
     assert len(runs) >= len(rows) and all(a == b for a, b in runs)
-    from sparse_io_attn.bounds import pebble
+    from sparse_io_attn.experiments import pebble
     for r in rows:
         assert r["bound"] == pytest.approx(min(r["bound_large_cache"], r["bound_small_cache"]))
         assert r["executor_small"] == pebble.small_cache_io(256, d, r["M"])

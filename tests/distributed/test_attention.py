@@ -13,7 +13,8 @@ from helpers import FP32_TOL, free_port, spawn
 from sparse_io_attn import block_sparse_attention, patterns
 from sparse_io_attn.accounting import IOCounter, TrafficReport
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
-from sparse_io_attn.distributed import ContextParallelPlan, context_parallel, context_parallel_attention
+from sparse_io_attn.accounting.traffic import context_parallel
+from sparse_io_attn.distributed import ContextParallelPlan, context_parallel_attention
 from sparse_io_attn.layout import stack_layouts
 
 TIMEOUT_S = 120  # a hung rank fails the test instead of blocking the suite

@@ -10,8 +10,9 @@ from sparse_io_attn import plan as attention_plan
 from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn.block_sparse import torch_path
 from sparse_io_attn.block_sparse.reference import rel_err
-from sparse_io_attn.distributed import (ContextParallelPlan, causal_layout, context_parallel,
-                                        context_parallel_attention, merge_partials)
+from sparse_io_attn.accounting.traffic import context_parallel
+from sparse_io_attn.distributed import (ContextParallelPlan, causal_layout, context_parallel_attention,
+                                        merge_partials)
 from sparse_io_attn.distributed.plan import layout_digest
 from sparse_io_attn.layout import stack_layouts
 from sparse_io_attn.tally import count_network

@@ -1,5 +1,5 @@
 """nn.PaperAttention: the per-head products X = W_Q W_K^T and Y = W_V W_O as trainable block-sparse
-operands of paper.attention; output against a dense float64 computation with the same pruned
+operands of sparse_operands.attention; output against a dense float64 computation with the same pruned
 weights; gradients only on the patterns; patterns fixed by magnitude pruning or given."""
 import functools
 import math

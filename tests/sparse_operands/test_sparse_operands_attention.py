@@ -1,4 +1,4 @@
-"""paper.attention with block-sparse A1, X, A2: outputs and (masked) gradients against a float64 dense
+"""sparse_operands.attention with block-sparse A1, X, A2: outputs and (masked) gradients against a float64 dense
 reference, for the torch backend and the Triton kernels (interpreter); counted traffic == model;
 counted traffic >= compulsory and >= Theorem 4.5 at the kernels' fast-memory size; the multiply-adds
 the interpreter executes in the attention kernels == the model (absent head-dim tiles are skipped)."""
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from sparse_io_attn import bounds, paper
+from sparse_io_attn import bounds, sparse_operands
 from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.accounting.compare import compare
 from sparse_io_attn._triton.runtime import INTERPRET
@@ -70,7 +70,7 @@ def run(ops, qk, scale, do, backend):
         t.grad = None
     A1, A2, A3, X, Y = ops
     with IOCounter() as io:
-        o, lse = paper.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=scale, backend=backend, return_lse=True)
+        o, lse = sparse_operands.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=scale, backend=backend, return_lse=True)
         grads = torch.autograd.grad(o, leaves_of(ops), do)
     return o.detach(), lse, dict(zip(OPERANDS, grads)), io.report
 
@@ -190,7 +190,7 @@ def test_triton_matches_float64_reference(case_id):
 def test_counted_traffic_equals_model(case_id):
     ops, qk, _, (*_, counted) = triton_run(case_id)
     A1, A2, A3, X, Y = ops
-    predicted = paper.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
+    predicted = sparse_operands.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
     assert predicted.source == "predicted" and counted.source == "counted"
     assert counted == predicted, f"\n{counted}\n{predicted}"
     assert counted.total_bytes == predicted.total_bytes > 0
@@ -235,7 +235,7 @@ def test_counted_traffic_is_above_theorem_4_5(case_id):
     bound is small; test_sparse_operands_traffic.py checks the model, equal to the count, at n = 2048.)"""
     ops, qk, _, (*_, counted) = triton_run(case_id)
     A1, A2, A3, X, Y = ops
-    M = paper.kernel_fast_memory_words(A1, A2, A3, X, Y, qk_layout=qk)
+    M = sparse_operands.kernel_fast_memory_words(A1, A2, A3, X, Y, qk_layout=qk)
     st = bounds.nnz_stats(A1, X, A2, qk, level="element")
     assert st.Z_A == min(_nnz(A1), _nnz(A2)) and st.Z_X == _nnz(X)
     b = bounds.sparse(st.Z_A, st.Z_X, st.Z_AX, st.Z_AXA, M, n=A1.shape[0], d=X.shape[0], dtype=torch.float32)
@@ -270,10 +270,10 @@ def test_structurally_zero_rows_give_uniform_attention():
     A1 = BlockSparseMatrix.random(keep, 16, shape=(48, 32), generator=g)
     A2, A3 = torch.randn(48, 32, generator=g), torch.randn(48, 32, generator=g)
     X, Y = torch.randn(32, 32, generator=g), torch.randn(32, 32, generator=g)
-    o = paper.attention(A1, A2, A3, X, Y, backend="triton")
+    o = sparse_operands.attention(A1, A2, A3, X, Y, backend="triton")
     h_mean = (A3 @ Y).mean(dim=0)
     assert rel_err(o[16:32], h_mean.expand(16, -1)) < 1e-5
-    assert rel_err(o, paper.attention(A1, A2, A3, X, Y, backend="torch")) < 1e-5
+    assert rel_err(o, sparse_operands.attention(A1, A2, A3, X, Y, backend="torch")) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -327,7 +327,7 @@ def _ops(**over):
 def test_errors(over, kw, err, match):
     ops = _ops(**over)
     with pytest.raises(err, match=match):
-        paper.attention(ops["A1"], ops["A2"], ops["A3"], ops["X"], ops["Y"], **kw)
+        sparse_operands.attention(ops["A1"], ops["A2"], ops["A3"], ops["X"], ops["Y"], **kw)
 
 
 def test_auto_backend_is_torch_on_cpu_and_block_sparse_weights_train():
@@ -335,15 +335,15 @@ def test_auto_backend_is_torch_on_cpu_and_block_sparse_weights_train():
     pattern: SGD steps lower the loss and leave the pattern unchanged."""
     ops, qk, _ = make_case(64, 64, 32, 32, 32, 32, 16, 16, 16, (None, 0.5, None), 0.7, seed=9)
     A1, A2, A3, X, Y = ops
-    assert torch.equal(paper.attention(A1, A2, A3, X, Y, qk_layout=qk),
-                       paper.attention(A1, A2, A3, X, Y, qk_layout=qk, backend="torch"))
+    assert torch.equal(sparse_operands.attention(A1, A2, A3, X, Y, qk_layout=qk),
+                       sparse_operands.attention(A1, A2, A3, X, Y, qk_layout=qk, backend="torch"))
     X.values = torch.nn.Parameter(X.values.detach().clone())
     target = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     opt = torch.optim.SGD([X.values], lr=0.5)
     losses = []
     for _ in range(5):
         opt.zero_grad()
-        loss = ((paper.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=0.2) - target) ** 2).mean()
+        loss = ((sparse_operands.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=0.2) - target) ** 2).mean()
         loss.backward()
         opt.step()
         losses.append(loss.item())
@@ -416,7 +416,7 @@ def test_empty_problems_give_the_reference_result(kind, backend):
     assert report.total_bytes == 0                                     # no kernel ran
     ops, _ = _empty_case("H0", torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"X and Y hold 0 heads \(X of shape \(0, 32, 32\)"):
-        paper.attention(*ops, backend=backend)
+        sparse_operands.attention(*ops, backend=backend)
 
 
 def test_scale_follows_block_sparse_attention_rules():
@@ -427,13 +427,13 @@ def test_scale_follows_block_sparse_attention_rules():
     ops, qk, do = make_case(40, 40, 32, 32, 32, 32, 16, 16, 16, (None, None, None), 0.6, seed=3)
     ref_o = reference(ops, qk, float(np.float32(0.3)), do)[0]
     for scale in (np.float32(0.3), torch.tensor(0.3, dtype=torch.float32)):
-        o = paper.attention(*ops[:3], *ops[3:], qk_layout=qk, scale=scale, backend="torch")
+        o = sparse_operands.attention(*ops[:3], *ops[3:], qk_layout=qk, scale=scale, backend="torch")
         assert rel_err(o, ref_o) < 1e-5, type(scale)
-    assert rel_err(paper.attention(*ops, qk_layout=qk, scale=np.float64(0.3), backend="torch"),
+    assert rel_err(sparse_operands.attention(*ops, qk_layout=qk, scale=np.float64(0.3), backend="torch"),
                    reference(ops, qk, 0.3, do)[0]) < 1e-5
     for bad in (float("nan"), float("inf"), -np.inf, np.float32("nan")):
         with pytest.raises(ValueError, match=r"scale must be a finite number, got (nan|-?inf)"):
-            paper.attention(*ops, qk_layout=qk, scale=bad)
+            sparse_operands.attention(*ops, qk_layout=qk, scale=bad)
     for bad in (None, "1", True, torch.ones(2), 1j):
         with pytest.raises(TypeError, match="scale must be a finite real number"):
-            paper.attention(*ops, qk_layout=qk, scale=bad)
+            sparse_operands.attention(*ops, qk_layout=qk, scale=bad)

@@ -1,4 +1,4 @@
-"""paper.attention with ``A1``, ``A2``, ``A3`` given as lists of ``B`` BlockSparseMatrix (a block pattern
+"""sparse_operands.attention with ``A1``, ``A2``, ``A3`` given as lists of ``B`` BlockSparseMatrix (a block pattern
 per batch element), mixed with per-head X/Y lists, shared and 3-D dense operands and per-batch/per-head
 QK layouts: outputs and every list element's ``values.grad`` against the float64 reference on both
 backends, counted traffic == the model, the per-group models equal the single-group calls, plans once
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from sparse_io_attn import paper
+from sparse_io_attn import sparse_operands
 from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.bounds import nnz_stats
@@ -83,7 +83,7 @@ def _leaves(t) -> list:
 
 
 def run_and_check(ops, qk, do, backend, tol):
-    """Forward + backward through ``paper.attention``; output, lse and every leaf's ``.grad``
+    """Forward + backward through ``sparse_operands.attention``; output, lse and every leaf's ``.grad``
     against the float64 reference. Returns the counted traffic."""
     A1, A2, A3, X, Y = ops
     named = dict(zip(OPERANDS, (A1, X, A2, A3, Y)))
@@ -92,7 +92,7 @@ def run_and_check(ops, qk, do, backend, tol):
             leaf.requires_grad_(True)
             leaf.grad = None
     with IOCounter() as io:
-        o, lse = paper.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=0.5, backend=backend, return_lse=True)
+        o, lse = sparse_operands.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=0.5, backend=backend, return_lse=True)
         o.backward(do)
     ref_o, ref_lse, ref_g = attention_reference(A1, A2, A3, X, Y, qk_layout=qk, scale=0.5, do=do)
     assert o.shape == ref_o.shape and not torch.isnan(o).any()
@@ -139,9 +139,9 @@ def test_triton_lists_match_reference_and_traffic_model(B, H, nq, nk, d, dv, blk
     ops, qk, do = make(B, H, nq, nk, d, dv, blk, kinds, seed=B * 13 + H, **kw)
     counted = run_and_check(ops, qk, do, "triton", 1e-4)
     assert all(kt.launches == 1 for kt in counted.kernels.values()), counted
-    predicted = paper.predict_traffic(*ops, qk_layout=qk)
+    predicted = sparse_operands.predict_traffic(*ops, qk_layout=qk)
     assert counted == predicted, f"\n{counted}\n{predicted}"
-    shares = paper.predict_traffic_per_head(*ops, qk_layout=qk)
+    shares = sparse_operands.predict_traffic_per_head(*ops, qk_layout=qk)
     assert set(shares) == {(b, h) for b in range(B) for h in range(H)}
     assert sum(r.total_bytes for r in shares.values()) == predicted.total_bytes
 
@@ -152,7 +152,7 @@ def test_empty_block_row_gives_structurally_zero_scores():
     ops, _, _ = make(2, 1, 32, 24, 16, 16, 16, dict(A1="list", X="dense2", Y="dense2"), empty_row={("A1", 0)})
     A1, A2, A3, X, Y = ops
     for backend in ("torch", "triton"):
-        o = paper.attention(A1, A2, A3, X, Y, backend=backend)
+        o = sparse_operands.attention(A1, A2, A3, X, Y, backend=backend)
         mean_h = (A3[0].double() @ Y.double()).mean(dim=0)
         assert torch.allclose(o[0, 0, :16].double(), mean_h.expand(16, -1), atol=1e-5), backend
         ref = attention_reference(A1, A2, A3, X, Y)[0]
@@ -164,8 +164,8 @@ def test_lists_equal_the_same_matrices_as_dense_batches():
     where both are exact products of the same numbers up to fp32 rounding)."""
     ops, qk, _ = make(3, 2, 24, 24, 16, 8, 8, dict(A1="list", A2="list", A3="list", X="list"), qk="per-batch")
     stacked = [torch.stack([m.to_dense() for m in t]) for t in ops[:4]] + [ops[4]]
-    a = paper.attention(*ops, qk_layout=qk, backend="torch")
-    b = paper.attention(*stacked, qk_layout=qk, backend="torch")
+    a = sparse_operands.attention(*ops, qk_layout=qk, backend="torch")
+    b = sparse_operands.attention(*stacked, qk_layout=qk, backend="torch")
     assert torch.allclose(a, b, atol=1e-6)
 
 
@@ -178,16 +178,16 @@ def test_group_shares_equal_single_group_calls():
     ops, qk, _ = make(B, H, nq, nk, d, dv, blk, kinds, qk="per-batch-head", seed=7,
                       empty_row={("A1", b) for b in range(B)})
     A1, A2, A3, X, Y = ops
-    shares = paper.predict_traffic_per_head(*ops, qk_layout=qk)
-    macs = paper.predict_dot_macs(*ops, qk_layout=qk)
+    shares = sparse_operands.predict_traffic_per_head(*ops, qk_layout=qk)
+    macs = sparse_operands.predict_dot_macs(*ops, qk_layout=qk)
     mask = qk.to_block_mask()
     want_macs: dict = {}
     for b in range(B):
         for h in range(H):
             lay = BlockSparseLayout.from_block_mask(mask[b, h], blk, (nq, nk))
             single = (A1[b], A2[b], A3[b], X[h], Y[h])
-            assert shares[(b, h)] == paper.predict_traffic(*single, qk_layout=lay), (b, h)
-            for k, v in paper.predict_dot_macs(*single, qk_layout=lay).items():
+            assert shares[(b, h)] == sparse_operands.predict_traffic(*single, qk_layout=lay), (b, h)
+            for k, v in sparse_operands.predict_dot_macs(*single, qk_layout=lay).items():
                 want_macs[k] = want_macs.get(k, 0) + v
     assert macs == want_macs
 
@@ -224,7 +224,7 @@ def test_plans_built_once_per_distinct_pattern(monkeypatch):
     A1 = [BlockSparseMatrix.random(p, 16, shape=(40, 32), generator=g) for p in (p0, p1, p0, p1)]
     ops = (A1, torch.randn(4, 48, 32, generator=g), torch.randn(48, 32, generator=g),
            torch.randn(32, 32, generator=g) / 6, torch.randn(32, 16, generator=g))
-    predicted = paper.predict_traffic(*ops)
+    predicted = sparse_operands.predict_traffic(*ops)
     assert sum(1 for k in cache.entries if k[0] == "attention") == 2
     blocks, _, _ = check_operands(*ops, None, 1.0, "triton")
     p = build_problem(*ops, None, blocks, check_batch(*ops, None))
@@ -295,4 +295,4 @@ def test_bad_lists_raise(over, kw, err, match):
              Y=torch.randn(4, 16, 8, generator=g))
     d.update(over)
     with pytest.raises(err, match=match):
-        paper.attention(d["A1"], d["A2"], d["A3"], d["X"], d["Y"], **{"backend": "torch", **kw})
+        sparse_operands.attention(d["A1"], d["A2"], d["A3"], d["X"], d["Y"], **{"backend": "torch", **kw})

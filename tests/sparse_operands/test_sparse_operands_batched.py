@@ -1,4 +1,4 @@
-"""paper.attention in the batched, multi-head form: ``A [B, n, d]``, per-head ``X``/``Y`` (dense
+"""sparse_operands.attention in the batched, multi-head form: ``A [B, n, d]``, per-head ``X``/``Y`` (dense
 ``[H, ...]``, one shared BlockSparseMatrix, or a per-head list), QK layouts shared or per batch/head.
 Outputs and gradients (block-sparse ones on their own pattern) against the float64 reference, which
 is itself checked against the single-head reference run per ``(b, h)``; the 2-D call is unchanged."""
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sparse_io_attn import paper
+from sparse_io_attn import sparse_operands
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
@@ -68,7 +68,7 @@ def run(ops, qk, scale, do, backend):
     for ls in flat.values():
         for t in ls:
             t.requires_grad_(True)
-    o, lse = paper.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=scale, backend=backend, return_lse=True)
+    o, lse = sparse_operands.attention(A1, A2, A3, X, Y, qk_layout=qk, scale=scale, backend=backend, return_lse=True)
     order = [t for n in OPERANDS for t in flat[n]]
     gs = iter(torch.autograd.grad(o, order, do))
     grads = {n: [next(gs) for _ in flat[n]] for n in OPERANDS}
@@ -148,8 +148,8 @@ def test_two_d_call_unchanged_and_equal_to_batched_of_one():
     g = torch.Generator().manual_seed(5)
     A1, A2, A3 = (torch.randn(30, 16, generator=g) for _ in range(3))
     X, Y = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
-    o2 = paper.attention(A1, A2, A3, X, Y, backend="torch")
-    o4 = paper.attention(A1[None], A2[None], A3[None], X[None], Y[None], backend="torch")
+    o2 = sparse_operands.attention(A1, A2, A3, X, Y, backend="torch")
+    o4 = sparse_operands.attention(A1[None], A2[None], A3[None], X[None], Y[None], backend="torch")
     assert o2.shape == (30, 8) and o4.shape == (1, 1, 30, 8)
     assert torch.allclose(o4[0, 0], o2, atol=1e-6)
 
@@ -173,7 +173,7 @@ def test_batched_errors(over, err, match):
              Y=torch.randn(4, 16, 8, generator=g))
     d.update(over)
     with pytest.raises(err, match=match):
-        paper.attention(d["A1"], d["A2"], d["A3"], d["X"], d["Y"], backend="torch")
+        sparse_operands.attention(d["A1"], d["A2"], d["A3"], d["X"], d["Y"], backend="torch")
 
 
 def test_head_nnz_stats_per_head_and_summed():
@@ -260,19 +260,19 @@ def test_batched_models_are_sums_of_single_head_models():
     of the single-head models; the per-program fast memory is the single head's."""
     ops, qk, _ = make_batched(2, 3, 45, 38, 32, 16, 16, x="list", y="list", qk="per-batch-head", seed=11)
     A1, A2, A3, X, Y = ops
-    macs = paper.predict_dot_macs(*ops, qk_layout=qk)
-    per = paper.predict_traffic_per_head(*ops, qk_layout=qk)
-    assert paper.predict_traffic(*ops, qk_layout=qk).total_bytes == sum(r.total_bytes for r in per.values())
+    macs = sparse_operands.predict_dot_macs(*ops, qk_layout=qk)
+    per = sparse_operands.predict_traffic_per_head(*ops, qk_layout=qk)
+    assert sparse_operands.predict_traffic(*ops, qk_layout=qk).total_bytes == sum(r.total_bytes for r in per.values())
     mask = qk.to_block_mask()
     want: dict = {}
     single = {}
     for b in range(2):
         for h in range(3):
             lay = BlockSparseLayout.from_block_mask(mask[b, h], 16, (45, 38))
-            for k, v in paper.predict_dot_macs(A1[b], A2[b], A3[b], X[h], Y[h], qk_layout=lay).items():
+            for k, v in sparse_operands.predict_dot_macs(A1[b], A2[b], A3[b], X[h], Y[h], qk_layout=lay).items():
                 want[k] = want.get(k, 0) + v
-            single[(b, h)] = paper.predict_traffic(A1[b], A2[b], A3[b], X[h], Y[h], qk_layout=lay)
+            single[(b, h)] = sparse_operands.predict_traffic(A1[b], A2[b], A3[b], X[h], Y[h], qk_layout=lay)
     assert macs == want
     assert per == single  # every group has a structurally zero score block here: its share is its own call
-    assert paper.kernel_fast_memory_words(*ops, qk_layout=qk) == paper.kernel_fast_memory_words(
+    assert sparse_operands.kernel_fast_memory_words(*ops, qk_layout=qk) == sparse_operands.kernel_fast_memory_words(
         A1[0], A2[0], A3[0], X[0], Y[0], qk_layout=BlockSparseLayout.from_block_mask(mask[0, 0], 16, (45, 38)))

@@ -8,7 +8,7 @@ row, batched with per-head X."""
 import pytest
 import torch
 
-from sparse_io_attn import paper
+from sparse_io_attn import sparse_operands
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.sparse_operands.reference import OPERANDS
@@ -39,7 +39,7 @@ def test_sliced_dkv_matches_reference_and_models(nq, nk, dens, qk_d, empty):
         assert not torch.isnan(grads[name]).any(), name
         assert rel_err(grads[name], ref_g[name]) < 1e-5, (name, rel_err(grads[name], ref_g[name]))
     A1, A2, A3, X, Y = ops
-    predicted = paper.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
+    predicted = sparse_operands.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
     assert counted == predicted, f"\n{counted}\n{predicted}"
     if INTERPRET:
         model = predict_dot_macs(A1, A2, A3, X, Y, qk_layout=qk)

@@ -3,7 +3,7 @@ exactly: test_sparse_operands_attention.py; Theorem 4.5 against it: tests/experi
 the multiply-add model, plan caching."""
 import torch
 
-from sparse_io_attn import paper
+from sparse_io_attn import sparse_operands
 from sparse_io_attn.sparse_operands import plan as plan_mod
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
@@ -14,10 +14,10 @@ def test_dense_and_fully_stored_operands_move_the_same_bytes():
     n, d, b = 256, 64, 16
     A1, A2, A3, X, Y = (torch.randn(s, generator=g) for s in ((n, d), (n, d), (n, d), (d, d), (d, d)))
     full = lambda t, blk: BlockSparseMatrix.from_dense(t, blk)  # noqa: E731
-    qk_free = paper.predict_traffic(full(A1, (64, b)), full(A2, (64, b)), A3, full(X, (b, b)), Y)
-    dense = paper.predict_traffic(A1, A2, A3, X, Y)  # dense: tiles 64 (n) and 64 (d): other d tiles
+    qk_free = sparse_operands.predict_traffic(full(A1, (64, b)), full(A2, (64, b)), A3, full(X, (b, b)), Y)
+    dense = sparse_operands.predict_traffic(A1, A2, A3, X, Y)  # dense: tiles 64 (n) and 64 (d): other d tiles
     assert qk_free.source == dense.source == "predicted"
-    same_tiles = paper.predict_traffic(A1, A2, A3, full(X, (b, b)), Y)  # X fixes the d tiles at 16
+    same_tiles = sparse_operands.predict_traffic(A1, A2, A3, full(X, (b, b)), Y)  # X fixes the d tiles at 16
     # the attention kernels move the same bytes; the A1 X product re-reads differ only by tile shape
     for k in ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "paper_attn_bwd_preprocess"):
         assert qk_free.kernels[k]._key()[1:] == same_tiles.kernels[k]._key()[1:], k
@@ -28,7 +28,7 @@ def test_dense_forward_matches_closed_form():
     """All dense, n a multiple of the blocks: every query block reads all of A2 and h once."""
     n, d, dv, bm = 512, 64, 32, 64
     t = lambda *s: torch.randn(*s)  # noqa: E731
-    rep = paper.predict_traffic(t(n, d), t(n, d), t(n, dv), t(d, d), t(dv, dv), backward=False)
+    rep = sparse_operands.predict_traffic(t(n, d), t(n, d), t(n, dv), t(d, d), t(dv, dv), backward=False)
     fwd = rep.kernels["paper_attn_fwd"]
     nqb = n // bm
     assert fwd.reads["q"] == 4 * n * d and fwd.reads["a2"] == 4 * nqb * n * d and fwd.reads["h"] == 4 * nqb * n * dv
@@ -48,11 +48,11 @@ def test_plans_are_computed_once_and_cached(monkeypatch):
     X = BlockSparseMatrix.random(torch.rand(2, 2, generator=g) < 0.7, 16, generator=g)
     A3, Y = torch.randn(128, 32, generator=g), torch.randn(32, 32, generator=g)
     qk = BlockSparseLayout.from_block_mask(torch.rand(4, 4, generator=g) < 0.5, 32, (128, 128))
-    paper.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
+    sparse_operands.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
     assert {k[0] for k in cache.entries} == {"product", "attention"}
     assert cache.misses == len(cache.entries)
     first, lookups = dict(cache.entries), cache.misses + cache.hits
-    paper.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
+    sparse_operands.predict_traffic(A1, A2, A3, X, Y, qk_layout=qk)
     assert cache.misses == len(first) and cache.hits == lookups + (lookups - len(first))
     assert cache.entries.keys() == first.keys()
     assert all(cache.entries[k] is v for k, v in first.items())
@@ -89,14 +89,14 @@ def test_dot_mac_model_closed_forms():
     n, d, dv, bm, bd = 256, 64, 32, 64, 16
     A1, A2, A3, X, Y = (torch.randn(s, generator=g) for s in ((n, d), (n, d), (n, d), (d, d), (d, dv)))
     nb, nt, tile, pv = n // bm, d // bd, bm * bm * bd, bm * bm * dv
-    dense = paper.predict_dot_macs(A1, A2, A3, BlockSparseMatrix.from_dense(X, (bd, bd)), Y)
+    dense = sparse_operands.predict_dot_macs(A1, A2, A3, BlockSparseMatrix.from_dense(X, (bd, bd)), Y)
     assert {k: dense[k] for k in ("paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq")} == {
             "paper_attn_fwd": nb * nb * (nt * tile + pv),
             "paper_attn_bwd_dkv": nb * nb * (2 * nt * tile + 2 * pv),
             "paper_attn_bwd_dq": nb * nb * (2 * nt * tile + pv)}
     Xs = X.clone()
     Xs[:, -bd:] = 0
-    sparse = paper.predict_dot_macs(A1, A2, A3, BlockSparseMatrix.from_dense(Xs, (bd, bd)), Y)
+    sparse = sparse_operands.predict_dot_macs(A1, A2, A3, BlockSparseMatrix.from_dense(Xs, (bd, bd)), Y)
     assert sparse["paper_attn_fwd"] == dense["paper_attn_fwd"] - nb * nb * tile
     assert sparse["paper_attn_bwd_dkv"] == dense["paper_attn_bwd_dkv"] - 2 * nb * nb * tile
     assert sparse["paper_attn_bwd_dq"] == dense["paper_attn_bwd_dq"] - 2 * nb * nb * tile

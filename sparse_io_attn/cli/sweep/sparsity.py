@@ -34,7 +34,7 @@ def run(args, sweeps):
         import sparse_io_attn._triton.runtime  # noqa: F401  (interpreter set-up before triton is imported)
     header = common.machine_header(torch.float32)
     header.update({"n": args.seq_len, "d": args.head_dim, "block_n": args.block_n, "block_d": args.block_d,
-                   "M": "kernel per-program fast memory (paper.traffic.kernel_fast_memory_words)"})
+                   "M": "kernel per-program fast memory (sparse_operands.traffic.kernel_fast_memory_words)"})
     # after the header, which records the environment as the command found it
 
     with common.progress(len(axes) * len(densities), "sweep sparsity", enabled=not args.no_progress) as bar:
