@@ -19,6 +19,7 @@ import torch
 
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout._args import as_pair
+from sparse_io_attn.layout._assemble import words_at
 from sparse_io_attn.layout._csr import csr_row_ids, from_relative_offsets, to_relative_offsets, validate_csr
 from sparse_io_attn.layout.causal import causal_blocks, mask_offsets
 
@@ -415,3 +416,51 @@ def _torch_blocks(t, what: str):
     flat = csr_row_ids(crow2)
     vals = values.reshape(-1, bq, bk).cpu() != 0
     return lead, flat // R, flat % R, col2.to(torch.int64), vals, (R, C), (bq, bk)
+
+
+# ------------------------------------------------------------------------------- row ranges, algebra
+def row_blocks(layout, start: int, stop: int) -> Blocks:
+    """The blocks of query positions ``[start, stop)`` of ``layout`` against every key, element-exact
+    (what :meth:`~sparse_io_attn.BlockSparseLayout.rows` assembles)."""
+    sq = layout.seqlen_q
+    if isinstance(start, bool) or isinstance(stop, bool) or not isinstance(start, int) \
+            or not isinstance(stop, int) or not 0 <= start < stop <= sq:
+        raise ValueError(f"rows(start, stop) needs ints 0 <= start < stop <= seqlen_q = {sq}, got "
+                         f"({start!r}, {stop!r})")
+    (bq, bk), sk = layout.block_size, layout.seqlen_k
+    lid, r, c = layout.entries()
+    sel = ((r + 1) * bq > start) & (r * bq < stop)               # block rows overlapping the range
+    lid, r, c = lid[sel], r[sel], c[sel]
+    elems = _bits.unpack(layout.entry_words()[sel], bk)          # [E, bq, bk]
+    i_abs = r[:, None] * bq + torch.arange(bq, device=r.device)  # [E, bq]
+    inside = (i_abs >= start) & (i_abs < stop)
+    e, i = inside.nonzero(as_tuple=True)
+    new = i_abs[e, i] - start
+    R = math.ceil((stop - start) / bq)
+    key = (lid[e] * R + new // bq) * layout.num_kv_blocks + c[e]
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    out = torch.zeros(uniq.numel(), bq, bk, dtype=torch.bool, device=r.device)
+    out[inverse, new % bq] = elems[e, i]
+    new_c, rest = uniq % layout.num_kv_blocks, uniq // layout.num_kv_blocks
+    return Blocks(rest // R, rest % R, new_c, _bits.pack(out), None, layout.block_size, (stop - start, sk),
+                  layout.layout_batch, layout.layout_heads)
+
+
+def combined_blocks(a, b, union: bool) -> Blocks:
+    """The element-level union (``union``) or intersection of two layouts of one block size and
+    seqlen; their masks broadcast over batch and heads."""
+    if a.block_size != b.block_size or a.seqlen != b.seqlen:
+        raise ValueError(f"layouts must share block_size and seqlen to combine: "
+                         f"{a.block_size}/{a.seqlen} vs {b.block_size}/{b.seqlen}")
+    b = b.to(a.device)
+    ta, tb = a.block_table(), b.block_table()
+    if any(x != y and 1 not in (x, y) for x, y in zip(ta.shape[:2], tb.shape[:2])):
+        raise ValueError(f"layout batch/heads do not broadcast: {tuple(ta.shape[:2])} vs {tuple(tb.shape[:2])}")
+    lb, lh = max(ta.shape[0], tb.shape[0]), max(ta.shape[1], tb.shape[1])
+    R, C = a.num_q_blocks, a.num_kv_blocks
+    ta, tb = ta.expand(lb, lh, R, C).reshape(-1, R, C), tb.expand(lb, lh, R, C).reshape(-1, R, C)
+    keep = (ta >= -1) | (tb >= -1) if union else (ta >= -1) & (tb >= -1)
+    lid, r, c = keep.nonzero(as_tuple=True)
+    wa = words_at(ta[lid, r, c], a.partial_masks, r, c, a.block_size, a.seqlen)
+    wb = words_at(tb[lid, r, c], b.partial_masks, r, c, a.block_size, a.seqlen)
+    return Blocks(lid, r, c, wa | wb if union else wa & wb, None, a.block_size, a.seqlen, lb, lh)

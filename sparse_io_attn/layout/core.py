@@ -478,30 +478,8 @@ class BlockSparseLayout:
         """The layout of query positions ``[start, stop)`` against every key: element-exact, the
         same block size, ``seqlen = (stop - start, seqlen_k)`` (query ``i`` of the result is query
         ``start + i`` here). What decoding with a KV cache and chunked prefill need: the rows of
-        the current query positions."""
-        sq = self.seqlen_q
-        if isinstance(start, bool) or isinstance(stop, bool) or not isinstance(start, int) \
-                or not isinstance(stop, int) or not 0 <= start < stop <= sq:
-            raise ValueError(f"rows(start, stop) needs ints 0 <= start < stop <= seqlen_q = {sq}, got "
-                             f"({start!r}, {stop!r})")
-        (bq, bk), sk = self.block_size, self.seqlen_k
-        lid, r, c = self.entries()
-        sel = ((r + 1) * bq > start) & (r * bq < stop)               # block rows overlapping the range
-        lid, r, c = lid[sel], r[sel], c[sel]
-        elems = _bits.unpack(self.entry_words()[sel], bk)            # [E, bq, bk]
-        i_abs = r[:, None] * bq + torch.arange(bq, device=r.device)  # [E, bq]
-        inside = (i_abs >= start) & (i_abs < stop)
-        e, i = inside.nonzero(as_tuple=True)
-        new = i_abs[e, i] - start
-        key = (lid[e] * math.ceil((stop - start) / bq) + new // bq) * self.num_kv_blocks + c[e]
-        uniq, inverse = torch.unique(key, return_inverse=True)
-        out = torch.zeros(uniq.numel(), bq, bk, dtype=torch.bool, device=r.device)
-        out[inverse, new % bq] = elems[e, i]
-        R = math.ceil((stop - start) / bq)
-        new_c, rest = uniq % self.num_kv_blocks, uniq // self.num_kv_blocks
-        return assemble(rest // R, rest % R, new_c, _bits.pack(out), block_size=self.block_size,
-                        seqlen=(stop - start, sk), layout_batch=self.layout_batch,
-                        layout_heads=self.layout_heads, name=f"{self.name}[{start}:{stop}]")
+        the current query positions (:func:`sparse_io_attn.layout.convert.row_blocks`)."""
+        return assemble(**convert.row_blocks(self, start, stop)._asdict(), name=f"{self.name}[{start}:{stop}]")
 
     def _check_broadcast(self, batch: int, num_heads_q: int) -> None:
         if self.layout_batch not in (1, batch):
@@ -560,23 +538,7 @@ class BlockSparseLayout:
         """Element-level union / intersection; masks broadcast over batch and heads."""
         if not isinstance(other, BlockSparseLayout):
             raise TypeError(f"expected a BlockSparseLayout, got {type(other).__name__}")
-        if self.block_size != other.block_size or self.seqlen != other.seqlen:
-            raise ValueError(f"layouts must share block_size and seqlen to combine: "
-                             f"{self.block_size}/{self.seqlen} vs {other.block_size}/{other.seqlen}")
-        other = other.to(self.device)
-        ta, tb = self.block_table(), other.block_table()
-        if any(x != y and 1 not in (x, y) for x, y in zip(ta.shape[:2], tb.shape[:2])):
-            raise ValueError(f"layout batch/heads do not broadcast: {tuple(ta.shape[:2])} vs "
-                             f"{tuple(tb.shape[:2])}")
-        lb, lh = max(ta.shape[0], tb.shape[0]), max(ta.shape[1], tb.shape[1])
-        R, C = self.num_q_blocks, self.num_kv_blocks
-        ta, tb = ta.expand(lb, lh, R, C).reshape(-1, R, C), tb.expand(lb, lh, R, C).reshape(-1, R, C)
-        keep = (ta >= -1) | (tb >= -1) if union else (ta >= -1) & (tb >= -1)
-        lid, r, c = keep.nonzero(as_tuple=True)
-        wa = words_at(ta[lid, r, c], self.partial_masks, r, c, self.block_size, self.seqlen)
-        wb = words_at(tb[lid, r, c], other.partial_masks, r, c, self.block_size, self.seqlen)
-        return assemble(lid, r, c, wa | wb if union else wa & wb, block_size=self.block_size,
-                        seqlen=self.seqlen, layout_batch=lb, layout_heads=lh,
+        return assemble(**convert.combined_blocks(self, other, union)._asdict(),
                         name=f"({self.name} {symbol} {other.name})")
 
     def union(self, other: "BlockSparseLayout") -> "BlockSparseLayout":
