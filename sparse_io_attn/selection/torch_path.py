@@ -190,11 +190,11 @@ def _sum_into(dst: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, spare: i
     start = torch.ones(n, dtype=torch.bool, device=ids.device)
     start[1:] = dest[1:] != dest[:-1]
     run = torch.cumsum(start, 0) - 1                                   # the run (destination) of each pair
-    lengths = torch.zeros(n, dtype=torch.int64, device=ids.device)
-    lengths.scatter_add_(0, run, torch.ones_like(run))                 # runs past the last: length 0, sum 0
+    end = torch.searchsorted(run, torch.arange(n, device=ids.device), right=True)   # pairs in runs <= r
+    begin = torch.cat([end.new_zeros(1), end[:-1]])
+    lengths = end - begin                                              # runs past the last: length 0, sum 0
     sums = torch.segment_reduce(vals, "sum", lengths=lengths, unsafe=True)
-    # the destination of each run (every pair of a run writes the same value); runs past the last: spare
-    target = torch.full((n,), spare, dtype=torch.int64, device=ids.device).scatter_(0, run, dest)
+    target = torch.where(lengths > 0, dest[begin.clamp(max=n - 1)], spare)     # distinct, but spare
     dst.index_add_(0, target, sums.view(n, *dst.shape[1:]))
 
 
