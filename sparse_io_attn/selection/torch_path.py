@@ -215,21 +215,50 @@ def _backward_query_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows,
 
 
 # ------------------------------------------------------------------------------------- key-major
-def _tile_rows(plan: SelectionPlan) -> int:
-    """``M``: query tokens per tile, near the mean tokens per key block (8 .. 64)."""
-    mean = plan.seqlen[0] * plan.max_blocks / max(plan.num_kv_blocks, 1)
+class _Group(NamedTuple):
+    """Rows of selections ``[l0, l1)`` (every unit of each) and tokens ``[t0, t1)``: what one set of
+    slot partials holds."""
+    l0: int
+    l1: int
+    t0: int
+    t1: int
+    rows: torch.Tensor      # int64 [R]: the global row (unit * Nq + t) of each group row, in group order
+
+
+def _groups(plan: SelectionPlan, units_of: torch.Tensor, Gu: int, D: int, device):
+    """Groups of rows whose slot partials (``K`` outputs per row) fit the budget: whole selections
+    when one fits, else token ranges of one selection (at least one token)."""
+    L, (Nq, _), K = plan.num_layouts, plan.seqlen, plan.max_blocks
+    n_ul = units_of.shape[1]
+    fit = max(1, _budget(device) // (K * Gu * (D + 2)))            # (unit, token) rows per group
+    lg, span = (min(L, max(1, fit // (n_ul * Nq))), Nq) if n_ul * Nq <= fit else (1, max(1, fit // n_ul))
+    for l0 in range(0, L, lg):
+        l1 = min(l0 + lg, L)
+        for t0 in range(0, Nq, span):
+            t1 = min(t0 + span, Nq)
+            t = torch.arange(t0, t1, device=device)
+            yield _Group(l0, l1, t0, t1, (units_of[l0:l1].reshape(-1, 1) * Nq + t).reshape(-1))
+
+
+def _tile_rows(plan: SelectionPlan, tokens: int) -> int:
+    """``M``: query tokens per tile, near the mean tokens per key block of ``tokens`` rows (8 .. 64)."""
+    mean = tokens * plan.max_blocks / max(plan.num_kv_blocks, 1)
     return min(64, max(8, 1 << max(0, math.ceil(mean) - 1).bit_length()))
 
 
-def _selection_groups(plan: SelectionPlan, units_per_selection: int, Gu: int, D: int, device) -> int:
-    """Selections per group: the slot partials (``K`` outputs of each row) within the budget."""
-    per_selection = units_per_selection * plan.seqlen[0] * plan.max_blocks * Gu * (D + 2)
-    return max(1, min(plan.num_layouts, _budget(device) // max(per_selection, 1)))
+def _pair_keys(plan: SelectionPlan) -> torch.Tensor:
+    """``int64 [L * Nq * K]``: ``(l * num_kv_blocks + c) * Nq + t`` of each entry of the key lists
+    (ascending: the lists are sorted by ``(l, c)``, tokens ascending), the largest key past the last."""
+    keys, Nq = plan.keys(), plan.seqlen[0]
+    S = plan.num_layouts * plan.num_kv_blocks
+    pos = torch.arange(keys.col_query.numel(), device=plan.device)
+    seg = torch.searchsorted(keys.col_ptr[:, 1:].contiguous().view(-1).to(torch.int64), pos, right=True)
+    return torch.where(seg < S, seg * Nq + keys.col_query.to(torch.int64), S * Nq)
 
 
 class _Tiles(NamedTuple):
-    """The items of one group of selections: a tile (``M`` tokens that chose block ``c``) x a unit of
-    its selection. Padding rows have token ``-1``; tiles past the last read the zero block."""
+    """The items of one group: a tile (up to ``M`` of the group's tokens that chose block ``c``) x a
+    unit of its selection. Padding rows have token ``-1``; tiles past the last read the zero block."""
     block: torch.Tensor     # int64 [I]: the key block read, in the padded key blocks
     allowed: torch.Tensor   # bool [TB, M, 1, block_size]: the keys each tile row may use (item i: tile i // units)
     units: int              # items per tile: the units of a selection
@@ -241,58 +270,54 @@ class _Tiles(NamedTuple):
         return self.allowed.index_select(0, torch.arange(a, b, device=self.block.device) // self.units)
 
 
-def _tiles(plan: SelectionPlan, rows: _Rows, units_of: torch.Tensor, l0: int, l1: int, M: int) -> _Tiles:
-    """Tiles of selections ``[l0, l1)`` from the key lists: tensor operations sized by the shapes."""
+def _tiles(plan: SelectionPlan, rows: _Rows, units_of: torch.Tensor, pair_keys: torch.Tensor, g: _Group,
+           M: int) -> _Tiles:
+    """The tiles of group ``g`` from the key lists: tensor operations sized by the shapes."""
     keys = plan.keys()
     (Nq, Nk), K, bs, nkb = plan.seqlen, plan.max_blocks, plan.block_size, plan.num_kv_blocks
     dev = plan.device
-    lg, n_ul = l1 - l0, units_of.shape[1]
-    S, cap = lg * nkb, lg * Nq * K
-    ptr = keys.col_ptr[l0:l1].to(torch.int64)                               # [lg, nkb + 1], absolute
-    seg_start, seg_end = ptr[:, :-1].reshape(-1), ptr[:, 1:].contiguous().view(-1)   # segments (l, c)
-    tile_end = torch.cumsum((seg_end - seg_start + M - 1) // M, 0)
-    tile_base = tile_end - (seg_end - seg_start + M - 1) // M
+    lg, span, n_ul = g.l1 - g.l0, g.t1 - g.t0, units_of.shape[1]
+    S, cap = lg * nkb, lg * span * K                                         # segments (l, c), pairs at most
+    seg_ids = torch.arange(g.l0 * nkb, g.l1 * nkb, device=dev)
+    first = torch.searchsorted(pair_keys, seg_ids * Nq + g.t0)              # each segment's tokens in [t0, t1)
+    count = torch.searchsorted(pair_keys, seg_ids * Nq + g.t1) - first
+    count_end = torch.cumsum(count, 0)
+    tiles = (count + M - 1) // M
+    tile_end = torch.cumsum(tiles, 0)
     TB = -(-cap // M) + S                                                     # tiles, at most
-    pos = ptr[0, 0] + torch.arange(cap, device=dev)                           # the group's pairs
-    seg = torch.searchsorted(seg_end, pos, right=True).clamp(max=S - 1)
-    rank = pos - seg_start[seg]
-    spot = torch.where(pos < ptr[-1, -1], (tile_base[seg] + rank // M) * M + rank % M, TB * M)
-    src = pos.clamp(max=keys.col_query.numel() - 1)
+    j = torch.arange(cap, device=dev)                                         # the group's pairs, in order
+    seg = torch.searchsorted(count_end, j, right=True).clamp(max=S - 1)
+    rank = j - (count_end - count)[seg]                                       # place in the segment's part
+    spot = torch.where(j < count_end[-1], (tile_end - tiles)[seg] * M + rank, TB * M)
+    src = (first[seg] + rank).clamp(max=keys.col_query.numel() - 1)
     token = torch.full((TB * M + 1,), -1, dtype=torch.int64, device=dev)
     token = token.scatter_(0, spot, keys.col_query[src].to(torch.int64))[:-1].view(TB, 1, M)
     slot = torch.zeros(TB * M + 1, dtype=torch.int64, device=dev)
     slot = slot.scatter_(0, spot, keys.col_slot[src].to(torch.int64))[:-1].view(TB, 1, M)
     tseg = torch.searchsorted(tile_end, torch.arange(TB, device=dev), right=True)   # S past the last tile
     lid, c = (tseg // nkb).clamp(max=lg - 1), tseg % nkb
-    unit = units_of[l0 + lid]                                                 # [TB, n_ul]
+    unit = units_of[g.l0 + lid]                                               # [TB, n_ul]
     local = lid[:, None] * n_ul + torch.arange(n_ul, device=dev)              # the unit's place in the group
     block = rows.unit_kv[unit] * (nkb + 1) + torch.where(tseg < S, c, nkb)[:, None]
-    token = token.expand(TB, n_ul, M)
     pad = token < 0
-    qrow = torch.where(pad, rows.num_units * Nq, unit[:, :, None] * Nq + token)
-    dest = torch.where(pad, lg * n_ul * Nq * K, (local[:, :, None] * Nq + token) * K + slot)
+    qrow = torch.where(pad, rows.num_units * Nq, unit[:, :, None] * Nq + token)              # [TB, n_ul, M]
+    dest = torch.where(pad, lg * n_ul * span * K, (local[:, :, None] * span + token - g.t0) * K + slot)
     key = c[:, None, None] * bs + torch.arange(bs, device=dev)                # [TB, 1, bs]
-    allowed = (token[:, 0, :, None] >= 0) & (key < Nk)                        # [TB, M, bs]
+    allowed = ~pad[:, 0, :, None] & (key < Nk)                                # [TB, M, bs]
     if plan.causal_offset is not None:
         allowed &= key <= token[:, 0, :, None] + plan.causal_offset
     I = TB * n_ul
     return _Tiles(block.reshape(I), allowed.view(TB, M, 1, bs), n_ul, qrow.reshape(I, M), dest.reshape(I * M))
 
 
-def _key_major_groups(plan: SelectionPlan, rows: _Rows, D: int, device, per_item: int):
-    """``(l0, l1, tiles, window, group_rows)`` for each group of selections: its tiles, the items per
-    window and the global rows ``unit * Nq + t`` of its rows in group order."""
-    L, Nq = plan.num_layouts, plan.seqlen[0]
-    n_ul = rows.num_units // L
-    units_of = torch.argsort(rows.unit_lid, stable=True).view(L, n_ul)      # the units of each selection
-    M = _tile_rows(plan)
-    lg = _selection_groups(plan, n_ul, rows.heads, D, device)
-    window = max(1, _budget(device) // (per_item * M))
-    t = torch.arange(Nq, device=device)
-    for l0 in range(0, L, lg):
-        l1 = min(l0 + lg, L)
-        group_rows = (units_of[l0:l1].reshape(-1, 1) * Nq + t).reshape(-1)
-        yield l0, l1, _tiles(plan, rows, units_of, l0, l1, M), window, group_rows
+def _key_major_work(plan: SelectionPlan, rows: _Rows, D: int, device, per_item: int):
+    """``(group, tiles, window)`` for each group of rows: its tiles and the items per window."""
+    L = plan.num_layouts
+    units_of = torch.argsort(rows.unit_lid, stable=True).view(L, rows.num_units // L)   # each selection's units
+    pair_keys = _pair_keys(plan)
+    for g in _groups(plan, units_of, rows.heads, D, device):
+        M = _tile_rows(plan, g.t1 - g.t0)
+        yield g, _tiles(plan, rows, units_of, pair_keys, g, M), max(1, _budget(device) // (per_item * M))
 
 
 def _forward_key_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, log2_sum):
@@ -301,8 +326,8 @@ def _forward_key_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, log2
     dev = qu.device
     qpad = torch.cat([qu.view(NR, Gu * D), qu.new_zeros(1, Gu * D)])          # row NR: padding
     per_item = 3 * Gu * D + 3 * Gu * bs + 2 * bs * D                            # per tile row
-    for l0, l1, tiles, window, group_rows in _key_major_groups(plan, rows, D, dev, per_item):
-        R = group_rows.numel()
+    for g, tiles, window in _key_major_work(plan, rows, D, dev, per_item):
+        R = g.rows.numel()
         o_part = torch.zeros(R * K + 1, Gu * D, dtype=torch.float32, device=dev)          # spare slot last
         m_part = torch.full((R * K + 1, Gu), float("-inf"), dtype=torch.float32, device=dev)
         l_part = torch.zeros(R * K + 1, Gu, dtype=torch.float32, device=dev)
@@ -326,9 +351,9 @@ def _forward_key_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, log2
         w = torch.exp2(mp - m.masked_fill(m == float("-inf"), 0.0)[:, None])   # 0 on empty slots
         l = (w * l_part[:-1].view(R, K, Gu)).sum(dim=1)                        # >= 1 unless the row is empty
         o = (w[..., None] * o_part[:-1].view(R, K, Gu, D)).sum(dim=1).div_(l.clamp(min=1.0)[..., None])
-        out.index_copy_(0, group_rows, o)
+        out.index_copy_(0, g.rows, o)
         for dst, val in zip((lse, row_max, log2_sum), _stats_rows(m, l)):
-            dst.index_copy_(0, group_rows, val)
+            dst.index_copy_(0, g.rows, val)
 
 
 def _backward_key_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows, sm_scale, dq, dk, dv):
@@ -339,8 +364,8 @@ def _backward_key_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows, s
     qpad, dopad = pad(qu, 0.0), pad(dou, 0.0)
     m_pad, l2_pad, delta_pad = pad(row_max, float("inf")), pad(log2_sum, 0.0), pad(delta, 0.0)
     per_item = 4 * Gu * D + 3 * Gu * bs + 4 * bs * D
-    for l0, l1, tiles, window, group_rows in _key_major_groups(plan, rows, D, dev, per_item):
-        R = group_rows.numel()
+    for g, tiles, window in _key_major_work(plan, rows, D, dev, per_item):
+        R = g.rows.numel()
         dq_part = torch.zeros(R * K + 1, Gu * D, dtype=torch.float32, device=dev)
         M = tiles.qrow.shape[1]
         for a in range(0, tiles.block.numel(), window):
@@ -360,7 +385,7 @@ def _backward_key_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows, s
             dq_part.index_copy_(0, tiles.dest[a * M:b * M], torch.bmm(ds, kt).view(n * M, Gu * D))
             _sum_into(dk, tiles.block[a:b], torch.bmm(ds.transpose(1, 2), qt).view(n, bs * D), spare=nkb)
             _sum_into(dv, tiles.block[a:b], torch.bmm(p.transpose(1, 2), dot).view(n, bs * D), spare=nkb)
-        dq.index_copy_(0, group_rows, dq_part[:-1].view(R, K, Gu, D).sum(dim=1))     # slot order
+        dq.index_copy_(0, g.rows, dq_part[:-1].view(R, K, Gu, D).sum(dim=1))     # slot order
 
 
 # ------------------------------------------------------------------------------------ the backend

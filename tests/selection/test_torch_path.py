@@ -56,6 +56,19 @@ def test_chunks_spanning_units_and_selections(path, dk_sum, budget, monkeypatch)
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("B,G,Hkv", [(1, 4, 2), (3, 1, 2)], ids=["per-head", "shared-by-batch-and-heads"])
+def test_key_major_groups_of_token_ranges(dk_sum, B, G, Hkv, monkeypatch):
+    """A budget below one selection's slot partials: key-major groups of 3 (or 1) tokens of one
+    selection, each with its own tiles (a block's token list cut at the range ends)."""
+    Hq, Nq, Nk, D, bs, K = 4, 10, 50, 8, 16, 3
+    Gu = min(Hq // G, Hq // Hkv)
+    monkeypatch.setitem(torch_path.CHUNK_ELEMENTS, "cpu", 3 * B * K * Gu * (D + 2))
+    idx = random_indices((G,), Nq, Nk, K, bs, causal=True)
+    q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D)
+    got = run_selection(q, k, v, do, idx, block_size=bs, backend="torch", causal=True)
+    check_close(got, selection_reference(q, k, v, Selection(idx, bs), causal=True, do=do))
+
+
 @pytest.mark.parametrize("G", [1, 2, 4])
 def test_forward_and_backward_never_synchronise(path, dk_sum, G):
     """Plan, forward and backward: tensor operations sized by the shapes only (``check=False``)."""
