@@ -9,16 +9,18 @@ never read. Two shapes of work, both over the plan's normalised lists (distinct 
 
 * **Query-major** (``block_size < KEY_MAJOR_MIN_BLOCK``: single tokens, micro-blocks): chunks of rows,
   sized to a memory budget, each row gathering the blocks of ``plan.rows`` (``[T, K * block_size,
-  D]``); one softmax per row over all its keys.
+  D]``: every row copies its keys, fine for small blocks); one softmax per row over all its keys.
 * **Key-major** (larger blocks, as MoBA's and FlashMoBA's kernels): the key lists ``plan.keys()``
   cut into **tiles** of up to ``M`` query tokens that chose the same block ``c`` (a block's list
-  spans ``ceil(len / M)`` tiles; at most ``pairs / M + L * num_kv_blocks`` tiles, a bound fixed by
-  the shapes), each tile run against every unit of its selection: dense products of ``[M * Gu, D]``
-  gathered queries by one ``[block_size, D]`` key block. Forward writes each (row, slot) pair's
-  partial result (unnormalised output, max, sum) to its slot and merges a row's slots in slot order;
-  backward writes each pair's dQ to its slot (summed in slot order) and sums dK/dV per tile. Rows of a
-  group of selections at a time (the partials hold ``K`` outputs per row), tiles in windows sized to
-  the memory budget.
+  spans ``ceil(len / M)`` tiles: at most ``pairs / M + segments`` tiles, a bound fixed by the
+  shapes), each tile run against every unit of its selection: dense products of ``[M * Gu, D]``
+  gathered queries by one ``[block_size, D]`` key block, read once per tile. Forward writes each
+  (row, slot) pair's partial result (unnormalised output, max, sum) to its slot and merges a row's
+  slots in slot order (ascending block); backward writes each pair's dQ to its slot (summed in slot
+  order) and sums dK/dV per tile. The rows run in groups whose slot partials (``K`` per row) fit the
+  budget: whole selections, or token ranges of one (a block's token list cut at the range ends);
+  tiles in windows sized to the budget. (MoBA-shaped, block 64, K 8: ~4x faster than query-major
+  forward and backward on CPU; blocks of 8 and less run faster query-major.)
 
 Masks per element: keys past ``seqlen_k`` in the ragged last block, causality (``s <= t + delta``)
 inside blocks that straddle the diagonal, empty slots and tile padding. Scores in base 2 as every
@@ -27,8 +29,8 @@ backend forms them: ``(q . k) * sm_scale * log2(e)`` in fp32, saturated to the f
 
 Backward recomputes ``P = exp2((S - m) - log2 l)`` from the forward's ``stats``: ``dS = P * (dO V^T -
 delta)`` with ``delta = rowsum(dO * O)``; ``dQ = sm_scale dS K``; ``dK = sm_scale dS^T Q`` and ``dV =
-P^T dO``, summed into fp32 ``[B * Hkv * key blocks, block_size * D]`` buffers chunk after chunk in a
-fixed order (GQA groups sum there). The sum inside a chunk (:func:`_sum_into`):
+P^T dO``, summed into fp32 ``[B * Hkv * key blocks, block_size * D]`` buffers chunk (window) after
+chunk in a fixed order (GQA groups sum there). The sum inside a chunk (:func:`_sum_into`):
 
 * CPU: ``index_add_``, which adds the entries one after the other in order (deterministic).
 * other devices (CUDA's ``index_add_`` adds with atomics, in no fixed order): the entries are sorted
@@ -165,6 +167,7 @@ class _Chunk(NamedTuple):
 
 
 def _query_chunk(plan: SelectionPlan, rows: _Rows, r0: int, r1: int) -> _Chunk:
+    """What rows ``[r0, r1)`` read: their blocks (empty slots: the zero block) and allowed keys."""
     bs, nkb, (Nq, Nk), K = plan.block_size, plan.num_kv_blocks, plan.seqlen, plan.max_blocks
     f = torch.arange(r0, r1, device=plan.device)
     u, t = f // Nq, f % Nq
