@@ -115,6 +115,8 @@ BAD_CALLS = [  # (call, exception, message)
     pytest.param(lambda: _call(indices=plan_selection(Selection(_idx(HKV), BS), NK), block_size=None, causal=True),
                  ValueError, r"causal offset None but the call has \(12, 20\) and causal=True \(offset 0\)",
                  id="plan-other-causal"),
+    pytest.param(lambda: _call(indices=plan_selection(Selection(_idx(HKV).to("meta"), BS), NK), block_size=None),
+                 ValueError, r"the plan is on meta but q on cpu", id="plan-device"),
 ]
 
 
