@@ -19,7 +19,7 @@ never read. Two shapes of work, both over the plan's normalised lists (distinct 
   slots in slot order (ascending block); backward writes each pair's dQ to its slot (summed in slot
   order) and sums dK/dV per tile. The rows run in groups whose slot partials (``K`` per row) fit the
   budget: whole selections, or token ranges of one (a block's token list cut at the range ends);
-  tiles in windows sized to the budget. (MoBA-shaped, block 64, K 8: ~4x faster than query-major
+  tiles in windows sized to the budget. (MoBA-shaped, block 64, K 8: 3-6x faster than query-major
   forward and backward on CPU; blocks of 8 and less run faster query-major.)
 
 Masks per element: keys past ``seqlen_k`` in the ragged last block, causality (``s <= t + delta``)
