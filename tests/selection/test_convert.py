@@ -151,8 +151,8 @@ def test_round_trip_selection_layout_selection():
 
 
 @pytest.mark.parametrize("call,exc,match", [
-    pytest.param(lambda: selection_from_layout(torch.zeros(2, 2)), TypeError, r"expected a BlockSparseLayout, got Tensor",
-                 id="not-a-layout"),
+    pytest.param(lambda: selection_from_layout(torch.zeros(2, 2)), TypeError,
+                 r"expected a BlockSparseLayout, got Tensor", id="not-a-layout"),
     pytest.param(lambda: selection_from_layout(patterns.dense(32, 8), max_blocks=0), ValueError,
                  r"max_blocks \(key blocks per query row\) must be a positive int, got 0", id="max-blocks-0"),
     pytest.param(lambda: layout_from_selection(torch.zeros(1, 4, 2, dtype=torch.int64), 8, block_size_q=2),
