@@ -6,6 +6,8 @@ One folder per capability (map in ``docs/ARCHITECTURE.md``):
   and :class:`BlockSparseMatrix` (block-sparse operands).
 * :mod:`.block_sparse`: :func:`block_sparse_attention` with its backends (``cpu/``: the C++ kernel,
   ``triton/``, ``torch_path/``), float64 ``reference``, kernel ``tiles`` and exact ``traffic`` model.
+* :mod:`.selection`: :func:`selection_attention`, each query token attending the key blocks it
+  selected (a :class:`Selection`), with its backends and float64 ``reference``.
 * :mod:`.dense`: the paper's dense form with its two regime-specific backward kernels.
 * :mod:`.sparse_operands`: the paper's form with block-sparse operands A1, X, A2.
 * :mod:`.accounting`: byte counters, traffic reports, ``compare`` with a bound.
@@ -32,13 +34,13 @@ if torch.version.cuda is None and getattr(torch.version, "hip", None) is None an
 
 from sparse_io_attn import accounting, bounds  # noqa: E402
 from sparse_io_attn.block_sparse import AttentionPlan, block_sparse_attention, plan, reference  # noqa: E402
-from sparse_io_attn.layout import BlockSparseLayout, BlockSparseMatrix, patterns, stack_layouts  # noqa: E402
+from sparse_io_attn.layout import BlockSparseLayout, BlockSparseMatrix, Selection, patterns, stack_layouts  # noqa: E402
+from sparse_io_attn.selection import selection_attention  # noqa: E402
 
 __version__ = "0.1.0"
 
 # imported on first use
-_LAZY = {"dense": "dense", "sparse_operands": "sparse_operands", "selection": "selection", "nn": "nn",
-         "distributed": "distributed"}
+_LAZY = {"dense": "dense", "sparse_operands": "sparse_operands", "nn": "nn", "distributed": "distributed"}
 
 
 def __getattr__(name):
@@ -47,6 +49,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AttentionPlan", "BlockSparseLayout", "BlockSparseMatrix", "stack_layouts", "block_sparse_attention", "plan",
+__all__ = ["AttentionPlan", "BlockSparseLayout", "BlockSparseMatrix", "Selection", "stack_layouts",
+           "block_sparse_attention", "plan", "selection_attention",
            "accounting", "bounds", "patterns", "reference", "dense", "sparse_operands", "nn",
            "__version__"]

@@ -14,6 +14,15 @@ call asks for it. Negative entries are empty slots; a block listed twice counts 
 ``counts [B, G, Nq]`` (or ``[G, Nq]``) only the first ``counts`` entries of a row count. Entries
 ``>= ceil(seqlen_k / block_size)`` are refused by a checked call and count as empty slots
 otherwise (no kernel reads outside its tensors either way).
+
+Conversions with :class:`~sparse_io_attn.layout.core.BlockSparseLayout`, exact and on the device
+(tensor operations, shapes fixed by the inputs' shapes, no host synchronisation):
+
+* :func:`selection_from_layout`: a block layout is a selection whose query tokens share their
+  query block's kept key blocks (``block_size = BLOCK_SIZE_KV``, ``G = layout_heads``).
+* :func:`layout_from_selection`: a selection re-blocked into query blocks of ``block_size_q`` rows,
+  each kept block carrying the element mask of the tokens that chose it (fixed capacity), e.g. for
+  FlexAttention export or the context-parallel plan.
 """
 from __future__ import annotations
 
@@ -21,6 +30,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from sparse_io_attn.layout._args import positive_int
+from sparse_io_attn.layout._bits import WORD_BITS, num_words
+from sparse_io_attn.layout._csr import INDEX_DTYPE, _absolute_crow, check_index_capacity, slot_entries
+from sparse_io_attn.layout.causal import causal_offset
+from sparse_io_attn.layout.core import BlockSparseLayout, inrange_words
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -43,6 +58,10 @@ class Selection:
 
     Construction checks types and shapes only (no read of the data, so building one on a device
     never synchronises); :meth:`check` reads the values.
+
+    :func:`selection_from_layout` turns a :class:`~sparse_io_attn.layout.core.BlockSparseLayout` into
+    a selection and :func:`layout_from_selection` a selection into a layout with per-row element
+    masks, both exact and on the device.
     """
     indices: torch.Tensor
     block_size: int
@@ -126,4 +145,157 @@ class Selection:
                 f"block_size={self.block_size}, {lead}, counts={'yes' if self.counts is not None else 'no'})")
 
 
-__all__ = ["Selection"]
+# ------------------------------------------------------------------------------------- conversions
+def selection_from_layout(layout: BlockSparseLayout, *, max_blocks: int | None = None,
+                          check: bool = True) -> Selection:
+    """The selection that computes exactly ``layout``: every query token of query-block row ``r``
+    selects the kept key blocks of row ``r`` (``block_size = BLOCK_SIZE_KV``, ``G = layout_heads``;
+    ``indices [layout_batch, G, seqlen_q, K]``, or ``[G, seqlen_q, K]`` when the layout is shared by
+    the batch). ``selection_attention(q, k, v, sel, causal=c)`` then equals
+    ``block_sparse_attention(q, k, v, layout, causal=c)``.
+
+    A partial block is converted only when its element mask is, for each query row of the block,
+    every in-range key or none (the token then selects the block or skips it); any other mask has
+    no per-token block form, and ``ValueError`` says where. That check reads the masks (one host
+    synchronisation on CUDA) and runs only when the layout stores element masks
+    (``partial_masks.shape[0] > 0``); layouts of whole blocks convert without any synchronisation.
+
+    ``K`` (slots per token) comes from the shapes: ``min(num_kv_blocks, stored slots)`` (each row's
+    blocks fit, unused slots are ``-1``), or ``max_blocks`` when given: a tighter bound the caller
+    knows (e.g. the ``k`` of a top-k layout). ``check=True`` verifies that no row keeps more than
+    ``max_blocks`` blocks (one read of ``crow_indices``); ``check=False`` trusts it (a longer row
+    would keep its first ``max_blocks`` blocks). Each token's blocks are ascending, ``-1`` in the
+    slots of blocks it skips and after the row's last block. The result is on the layout's device.
+    """
+    if not isinstance(layout, BlockSparseLayout):
+        raise TypeError(f"expected a BlockSparseLayout, got {type(layout).__name__}")
+    (bq, bk), (sq, _) = layout.block_size, layout.seqlen
+    L, R, C = layout.num_layouts, layout.num_q_blocks, layout.num_kv_blocks
+    n = layout.col_slots.numel()
+    if max_blocks is None:
+        K = max(1, min(C, n))
+    else:
+        K = positive_int(max_blocks, "max_blocks (key blocks per query row)")
+        if check and n and not torch.compiler.is_compiling():
+            longest = int((layout.crow_indices[:, 1:] - layout.crow_indices[:, :-1]).max())
+            if longest > K:
+                raise ValueError(f"a query-block row of the layout keeps {longest} key blocks but max_blocks is "
+                                 f"{K}; pass max_blocks >= {longest} (or leave it out)")
+    dev = layout.device
+    crow = layout.crow_indices.to(torch.int64)
+    used, lid, r = slot_entries(crow, n)
+    slot = torch.arange(n, device=dev)
+    rank = slot - crow[lid.clamp(max=L - 1), r]                     # place of the block in its row
+    keep = used & (rank < K)
+    dest = torch.where(keep, (lid * R + r) * K + rank, L * R * K)   # row list position, spare slot last
+    c = layout.col_slots.to(torch.int64)
+    cols = torch.full((L * R * K + 1,), -1, dtype=INDEX_DTYPE, device=dev)
+    cols = cols.scatter_(0, dest, c.to(INDEX_DTYPE))[:-1].view(L, R, K)
+    t = torch.arange(sq, device=dev)
+    indices = cols[:, t // bq]                                      # [L, sq, K]
+    masks = layout.partial_masks
+    if masks.shape[0]:
+        pid = layout.partial_id_slots.to(torch.int64)
+        part = used & (pid >= 0)
+        inr = inrange_words(r, c, (bq, bk), layout.seqlen)                          # [n, bq, W]
+        words = masks[pid.clamp(min=0, max=masks.shape[0] - 1)] & inr
+        none, every = (words == 0).all(-1), (words == inr).all(-1)                    # [n, bq]
+        mixed = part[:, None] & ~(none | every)
+        if bool(mixed.any()):                                                         # the one read
+            e, i = (int(x) for x in mixed.nonzero()[0])
+            raise ValueError(
+                f"the layout's partial block (query-block row {int(r[e])}, key block {int(c[e])}) of stored mask "
+                f"{int(lid[e])} lets query {int(r[e]) * bq + i} attend some but not all of the block's keys; a "
+                f"selection picks whole key blocks per token, so only masks whose every row allows all or "
+                f"none of the block's keys convert; run this layout with block_sparse_attention, or rebuild it "
+                f"with key blocks that its mask columns do not split")
+        skips = part[:, None] & none                                                  # [n, bq]
+        skip_list = torch.zeros(L * R * K + 1, bq, dtype=torch.bool, device=dev)
+        skip_list = skip_list.index_copy_(0, dest, skips)[:-1].view(L, R, K, bq)
+        skip = skip_list.transpose(2, 3).reshape(L, R * bq, K)[:, :sq]                  # [L, sq, K]
+        indices = torch.where(skip, -1, indices)
+    lead = (layout.layout_batch, layout.layout_heads) if layout.layout_batch > 1 else (layout.layout_heads,)
+    return Selection(indices.reshape(*lead, sq, K).contiguous(), bk)
+
+
+def _causal_words(r: torch.Tensor, c: torch.Tensor, block_size, delta: int) -> torch.Tensor:
+    """``int32 [E, bq, W]`` (:mod:`._bits` format): element ``(a, b)`` of block ``(r[e], c[e])`` set iff
+    key ``c * bk + b <= query r * bq + a + delta``."""
+    bq, bk = block_size
+    W = num_words(bk)
+    last = (r * bq - c * bk + delta)[:, None] + torch.arange(bq, device=r.device)        # [E, bq]: last key b
+    count = (last[:, :, None] + 1 - WORD_BITS * torch.arange(W, device=r.device)).clamp(0, WORD_BITS)
+    word = (torch.ones((), dtype=torch.int64, device=r.device) << count) - 1
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def layout_from_selection(selection: Selection, seqlen_k: int, *, block_size_q: int,
+                          causal=False) -> BlockSparseLayout:
+    """The layout that computes exactly ``selection`` against ``seqlen_k`` keys: block size
+    ``(block_size_q, selection.block_size)``, one stored mask per selection (``layout_batch`` the
+    selection's batch or 1, ``layout_heads = G``).
+
+    Block ``(r, c)`` is kept iff some token of query block ``r`` selected ``c`` (a valid entry inside
+    ``counts``; out-of-range entries are empty slots, as for ``check=False``: call
+    :meth:`Selection.check` first to refuse them); row ``t`` of its element mask allows the block's
+    in-range keys iff token ``t`` selected ``c``, intersected with causality when ``causal`` is given
+    (``False``, ``True``/``"top_left"``, ``"bottom_right"``, as the attention call's). So
+    ``block_sparse_attention(q, k, v, layout, causal=c)`` equals ``selection_attention(q, k, v,
+    selection, causal=c)``; pass the same ``causal`` to both.
+
+    Fixed capacity (see :class:`BlockSparseLayout`): ``min(block_size_q * K, num_kv_blocks)`` slots
+    per query-block row, each row's distinct blocks ascending at the front of the storage; one
+    element mask per slot (not deduplicated: that would read the data); a block whose mask allows
+    every in-range element is full, and no kept block has an empty mask. Built on the selection's
+    device with tensor operations only (no host synchronisation) and valid by construction.
+    """
+    if not isinstance(selection, Selection):
+        raise TypeError(f"expected a Selection, got {type(selection).__name__}")
+    if isinstance(seqlen_k, bool) or not isinstance(seqlen_k, int) or seqlen_k < 1:
+        raise ValueError(f"seqlen_k must be a positive int (keys the selection's blocks index), got {seqlen_k!r}")
+    bq = positive_int(block_size_q, "block_size_q (query rows per block)")
+    bk, sq, sk = selection.block_size, selection.seqlen_q, seqlen_k
+    if sq == 0:
+        raise ValueError("the selection has no query rows (seqlen_q = 0); a layout needs at least one")
+    delta = causal_offset(causal, sq, sk)
+    lb, G, K = selection.batch or 1, selection.num_selections, selection.max_blocks
+    L, R, nkb = lb * G, math.ceil(sq / bq), math.ceil(sk / bk)
+    cap = max(1, min(bq * K, nkb))
+    check_index_capacity(L * R * cap)
+    dev = selection.device
+    idx = selection.indices.reshape(L, sq, K).to(torch.int64)
+    valid = (idx >= 0) & (idx < nkb)
+    if selection.counts is not None:
+        valid &= torch.arange(K, device=dev) < selection.counts.reshape(L, sq, 1).to(torch.int64)
+    if delta is not None:          # blocks wholly in a token's causal future: nothing to allow
+        valid &= idx * bk <= torch.arange(sq, device=dev)[:, None] + delta
+    cand = torch.full((L, R * bq, K), nkb, dtype=torch.int64, device=dev)
+    cand[:, :sq] = torch.where(valid, idx, nkb)
+    ordered, order = torch.sort(cand.view(L * R, bq * K), dim=1, stable=True)          # invalid last
+    first = ordered < nkb
+    first[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+    rank = torch.cumsum(first, 1) - 1                            # the block's place among the row's blocks
+    flat = torch.zeros(L * R + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(first.sum(1), 0, out=flat[1:])
+    n = L * R * cap
+    slot = torch.where(ordered < nkb, flat[:-1, None] + rank, n)                      # spare slot n
+    col = torch.zeros(n + 1, dtype=INDEX_DTYPE, device=dev)
+    col = col.scatter_(0, slot.view(-1), ordered.view(-1).to(INDEX_DTYPE))[:-1]       # equal values per slot
+    chose = torch.zeros((n + 1) * bq, dtype=torch.bool, device=dev)                   # [slot, token row]
+    chose = chose.index_fill_(0, (slot * bq + order // K).view(-1), True).view(n + 1, bq)[:-1]
+    crow = _absolute_crow(flat, L, R).to(INDEX_DTYPE)
+    used, _, r = slot_entries(crow, n)
+    c = col.to(torch.int64)
+    inr = inrange_words(r, c, (bq, bk), (sq, sk))
+    words = torch.where(chose[:, :, None] & used[:, None, None], inr, 0)
+    if delta is not None:
+        words &= _causal_words(r, c, (bq, bk), delta)
+    full = (words == inr).all(-1).all(-1)
+    pid = torch.where(used & ~full, torch.arange(n, device=dev), -1).to(INDEX_DTYPE)
+    layout = BlockSparseLayout(crow, col, block_size=(bq, bk), seqlen=(sq, sk), layout_batch=lb, layout_heads=G,
+                               name=f"selection(block_size={bk})", validate=False, partial_ids=pid,
+                               partial_masks=words, fixed_capacity=True)
+    return layout._mark_checked()
+
+
+__all__ = ["Selection", "layout_from_selection", "selection_from_layout"]
