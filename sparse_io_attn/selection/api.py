@@ -1,6 +1,8 @@
 """`selection_attention`: attention where each query token attends the key blocks it selected.
 
-Backends share one interface (inputs validated, the plan on the inputs' device):
+The call validates its inputs, plans the selection (:class:`~.plan.SelectionPlan`: normalised rows,
+key-major lists on demand) and calls the custom op of :mod:`.op`, the one path of eager and
+compiled code. Backends share one interface (inputs validated, the plan on the inputs' device):
 
 * ``forward(q, k, v, plan, *, sm_scale) -> (out, lse, stats)``
 * ``backward(do, q, k, v, out, stats, plan, *, sm_scale) -> (dq, dk, dv)``
@@ -16,33 +18,12 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn.block_sparse.api import _SUPPORTED_DTYPES, _resolve_sm_scale
-from sparse_io_attn.block_sparse.op import no_double_backward
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.selection import Selection
-from sparse_io_attn.selection import torch_path
+from sparse_io_attn.selection.op import cpu_backend, selection_attn_fwd
 from sparse_io_attn.selection.plan import SelectionPlan
 
 BACKENDS = ("auto", "torch", "triton", "cpu")
-
-
-def _cpu_backend():
-    """Backend ``"cpu"`` (the C++ kernels, built on first use)."""
-    from sparse_io_attn.selection import cpu
-    return cpu
-
-
-def _triton_backend():
-    """Backend ``"triton"``, imported on first use (importing Triton is slow and optional)."""
-    from sparse_io_attn.selection.triton import launch
-    return launch
-
-
-def _backend(name: str):
-    if name == "cpu":
-        return _cpu_backend()
-    if name == "triton":
-        return _triton_backend()
-    return torch_path
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -50,7 +31,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         if device.type == "cuda":
             return "triton"
-        if device.type == "cpu" and _cpu_backend().available_for_auto():
+        if device.type == "cpu" and cpu_backend().available_for_auto():
             return "cpu"
         return "torch"
     if backend not in BACKENDS:
@@ -107,7 +88,10 @@ def prepare(q, k, v, indices, *, block_size=None, counts=None, causal=False, sm_
     Nk = k.shape[2]
     delta = causal_offset(causal, Nq, Nk)
     if isinstance(indices, SelectionPlan):
-        plan = indices
+        plan = indices.register()
+        if block_size is not None or counts is not None:
+            raise ValueError("a SelectionPlan carries its block_size and counts; leave block_size= and counts= "
+                             "out when passing a plan")
         if plan.seqlen != (Nq, Nk) or plan.causal_offset != delta:
             raise ValueError(f"the plan was built for seqlen {plan.seqlen} with causal offset {plan.causal_offset} "
                              f"but the call has ({Nq}, {Nk}) and causal={causal!r} (offset {delta}); build it for "
@@ -121,29 +105,11 @@ def prepare(q, k, v, indices, *, block_size=None, counts=None, causal=False, sm_
             raise ValueError(f"indices are on {selection.device} but q on {q.device}; move them to q's device")
         if check and not torch.compiler.is_compiling():
             selection.check(Nk)
-        plan = SelectionPlan(selection, Nk, delta)
+        plan = SelectionPlan(selection, Nk, delta).register()
     if plan.device != q.device:
         raise ValueError(f"the plan is on {plan.device} but q on {q.device}")
     plan.head_map(B, Hq, k.shape[1])
     return plan, _resolve_sm_scale(sm_scale, D), resolve_backend(backend, q.device)
-
-
-class _SelectionAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan, sm_scale, backend):
-        out, lse, stats = _backend(backend).forward(q, k, v, plan, sm_scale=sm_scale)
-        ctx.save_for_backward(q, k, v, out, stats)
-        ctx.plan, ctx.sm_scale, ctx.backend = plan, sm_scale, backend
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        no_double_backward("selection_attention")
-        q, k, v, out, stats = ctx.saved_tensors
-        dq, dk, dv = _backend(ctx.backend).backward(do.contiguous(), q, k, v, out, stats, ctx.plan,
-                                                    sm_scale=ctx.sm_scale)
-        return dq, dk, dv, None, None, None
 
 
 def selection_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices, *, block_size: int | None = None,
@@ -178,7 +144,8 @@ def selection_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indic
     """
     plan, scale, backend = prepare(q, k, v, indices, block_size=block_size, counts=counts, causal=causal,
                                    sm_scale=sm_scale, backend=backend, check=check)
-    out, lse = _SelectionAttention.apply(q, k, v, plan, scale, backend)
+    out, lse, _ = selection_attn_fwd(q, k, v, plan.rows, plan.row_counts, list(plan.meta), plan.causal_offset, scale,
+                                     backend)
     return (out, lse) if return_lse else out
 
 

@@ -21,9 +21,11 @@ of the user's indices, and every backend walks each row's blocks in the same ord
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from sparse_io_attn.layout._csr import INDEX_DTYPE, check_index_capacity, group_offsets
 from sparse_io_attn.layout.selection import Selection
@@ -83,6 +85,13 @@ def key_lists(rows: torch.Tensor, num_kv_blocks: int) -> KeyLists:
     return KeyLists(col_ptr, ((order // K) % Nq).to(INDEX_DTYPE), (order % K).to(INDEX_DTYPE))
 
 
+#: the integers of :attr:`SelectionPlan.meta`, in order (how a plan crosses the custom op's boundary)
+META_FIELDS = ("block_size", "seqlen_q", "seqlen_k", "num_selections", "layout_batch", "batched", "checked")
+
+# the plans whose rows a custom op received: rows tensor -> weakref(plan)
+_BY_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 class SelectionPlan:
     """One selection planned for ``seqlen = (Nq, Nk)`` and a causal offset (``None`` or the ``delta``
     of ``s <= t + delta``): the normalised rows now, the key-major lists on first use.
@@ -109,7 +118,65 @@ class SelectionPlan:
         counts = None if selection.counts is None else selection.counts.reshape(L, Nq)
         self.rows, self.row_counts = normalize_rows(selection.indices.reshape(L, Nq, K), counts,
                                                     self.num_kv_blocks, self.block_size, causal_offset)
+        self.checked = True              # normalised here: every entry in range, rows ascending and unique
         self._keys: KeyLists | None = None
+
+    @property
+    def meta(self) -> tuple:
+        """The plan's integers (:data:`META_FIELDS`): with :attr:`rows`, :attr:`row_counts` and the
+        causal offset, what the custom op receives."""
+        return (self.block_size, self.seqlen[0], self.seqlen[1], self.num_selections, self.layout_batch,
+                int(self.batched), int(self.checked))
+
+    def register(self) -> "SelectionPlan":
+        """Make this plan findable from its ``rows`` tensor (what the custom op receives)."""
+        if not torch.compiler.is_compiling():
+            _BY_ROWS[self.rows] = weakref.ref(self)
+        return self
+
+    @classmethod
+    def from_op(cls, rows: torch.Tensor, row_counts: torch.Tensor, meta, causal_offset: int | None) -> "SelectionPlan":
+        """The plan behind a custom op's arguments: the plan whose ``rows`` these are when it is still
+        alive (its key lists kept), else a plan over them (validated once unless its meta says it was
+        built by :class:`SelectionPlan`)."""
+        ref = _BY_ROWS.get(rows)
+        hit = ref() if ref is not None else None
+        if hit is not None and hit.row_counts is row_counts and hit.meta[:-1] == tuple(meta)[:-1] \
+                and hit.causal_offset == causal_offset:
+            return hit
+        m = dict(zip(META_FIELDS, (int(x) for x in meta)))
+        plan = cls.__new__(cls)
+        plan.selection = None
+        plan.block_size = m["block_size"]
+        plan.seqlen = (m["seqlen_q"], m["seqlen_k"])
+        plan.num_kv_blocks = math.ceil(plan.seqlen[1] / plan.block_size)
+        plan.causal_offset = causal_offset
+        plan.num_selections, plan.layout_batch, plan.batched = m["num_selections"], m["layout_batch"], bool(m["batched"])
+        plan.rows, plan.row_counts, plan.checked = rows, row_counts, bool(m["checked"])
+        plan._keys = None
+        L = plan.layout_batch * plan.num_selections
+        if tuple(rows.shape[:2]) != (L, plan.seqlen[0]) or tuple(row_counts.shape) != (L, plan.seqlen[0]):
+            raise ValueError(f"selection plan: rows {tuple(rows.shape)} and row_counts {tuple(row_counts.shape)} do not "
+                             f"match {L} selections of {plan.seqlen[0]} query rows")
+        if not plan.checked:
+            plan.validate()
+        return plan.register()
+
+    def validate(self) -> "SelectionPlan":
+        """Check normalised rows from outside (a direct op call): entries in ``[-1, num_kv_blocks)``,
+        each row's first ``row_counts`` entries ascending and valid, ``-1`` after (``ValueError``)."""
+        K = self.rows.shape[-1]
+        r = self.rows.to(torch.int64)
+        n = self.row_counts.to(torch.int64)
+        used = torch.arange(K, device=r.device) < n[..., None]
+        ok = bool(((n >= 0) & (n <= K)).all()) and bool(torch.where(used, (r >= 0) & (r < self.num_kv_blocks),
+                                                                      r == -1).all())
+        ok = ok and bool(((r[..., 1:] > r[..., :-1]) | ~used[..., 1:]).all())
+        if not ok:
+            raise ValueError(f"selection plan rows must hold, per row, row_counts ascending key blocks in "
+                             f"[0, {self.num_kv_blocks}) then -1; a direct op call passed other values")
+        self.checked = True
+        return self
 
     @property
     def device(self) -> torch.device:

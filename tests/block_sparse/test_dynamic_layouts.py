@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from sparse_io_attn import BlockSparseLayout, patterns
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
 from sparse_io_attn.block_sparse.reference import attention_reference
 
 from helpers import BACKENDS, check_close, make_inputs, run
@@ -92,3 +92,25 @@ def test_in_place_edits_rebuild_every_cache(backend, which):
     assert not torch.equal(before, layout.to_dense_mask())
     check_close(run(q, k, v, do, layout, True, backend=backend),
                 attention_reference(q, k, v, layout, causal=True, do=do))
+
+
+def test_writes_that_bypass_version_counters_need_mark_edited():
+    """A refill through ``.numpy()`` is invisible to the version counters: the cached plan serves the
+    old blocks until ``layout.mark_edited()``, after which every backend sees the new ones (and a
+    plan held from before the edit is refused as stale)."""
+    from sparse_io_attn import plan
+    nkb = 3
+    layout = BlockSparseLayout.from_kv_indices(torch.randint(-1, nkb, (2, 3, 2)), 32, 96)
+    other = BlockSparseLayout.from_kv_indices(torch.randint(-1, nkb, (2, 3, 2)), 32, 96)
+    q, k, v, do = make_inputs(1, 2, 2, 96, 96, 16)
+    held = plan(layout, causal=True)
+    check_close(run(q, k, v, do, layout, True, backend="cpu"), attention_reference(q, k, v, layout, causal=True, do=do))
+    layout.crow_indices.numpy()[:] = other.crow_indices.numpy()
+    layout.col_slots.numpy()[:] = other.col_slots.numpy()
+    layout.mark_edited()
+    assert layout.to_dense_mask().equal(other.to_dense_mask())
+    for backend in BACKENDS:
+        check_close(run(q, k, v, do, layout, True, backend=backend),
+                    attention_reference(q, k, v, other, causal=True, do=do))
+    with pytest.raises(ValueError, match="edited in place after the plan was built"):
+        block_sparse_attention(q, k, v, held, causal=True)
