@@ -50,9 +50,9 @@ LAZY: dict[tuple[str, str], str] = {
         "the dense Triton kernels: only when a sweep runs (handed to the sweep's run)",
     ("sparse_io_attn.block_sparse.op", "sparse_io_attn.block_sparse.cpu"):
         "the C++ build module marks available_for_auto for torch.compile, which imports torch._dynamo and Triton",
-    ("sparse_io_attn.selection.api", "sparse_io_attn.selection.triton.launch"):
+    ("sparse_io_attn.selection.op", "sparse_io_attn.selection.triton.launch"):
         "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
-    ("sparse_io_attn.selection.api", "sparse_io_attn.selection.cpu"):
+    ("sparse_io_attn.selection.op", "sparse_io_attn.selection.cpu"):
         "the C++ build module marks available_for_auto for torch.compile, which imports torch._dynamo and Triton",
     ("sparse_io_attn.cli.bench", "sparse_io_attn.block_sparse.cpu"):
         "the C++ build module imports torch._dynamo and Triton: only when --backends names cpu",
