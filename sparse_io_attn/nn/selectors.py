@@ -202,11 +202,12 @@ class MoBASelector:
     def gate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """MoBA's gate, float32 ``[B, Hq, Nq, Nk // chunk_size]``: ``q . mean(k of chunk n)`` over the
         whole chunks, ``-inf`` where chunk ``n`` does not end before the query (not a candidate)."""
-        gate, candidate = self._gate(q, k)
+        gate, candidate, _ = self._gate(q, k)
         return gate.masked_fill(~candidate, -math.inf)
 
-    def _gate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(gate [B, Hq, Nq, nf] float32, candidate bool [Nq, nf])``."""
+    def _gate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(gate [B, Hq, Nq, nf] float32, candidate bool [Nq, nf], own chunk int64 [Nq])``; the own
+        chunk is ``-1`` for a row without one (a position before the keys, or past them)."""
         _check_qk(q, k, "the moba selector")
         B, Hq, Nq, D = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
@@ -217,21 +218,19 @@ class MoBASelector:
         pos = _positions(self.causal, Nq, Nk, q.device)
         own = torch.div(pos, c, rounding_mode="floor")
         candidate = torch.arange(nf, device=q.device) < own[:, None]                  # ends before the query
-        return gate.view(B, Hq, Nq, nf), candidate
+        own = torch.where((pos >= 0) & (own < math.ceil(Nk / c)), own, -1)
+        return gate.view(B, Hq, Nq, nf), candidate, own
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> Selection:
         with torch.no_grad():
-            gate, candidate = self._gate(q, k)
+            gate, candidate, own = self._gate(q, k)
             B, Hq, Nq, nf = gate.shape
-            Nk, c = k.shape[2], self.chunk_size
-            pos = _positions(self.causal, Nq, Nk, q.device)
-            own = torch.div(pos, c, rounding_mode="floor")
-            own = torch.where((pos >= 0) & (own < math.ceil(Nk / c)), own, -1).expand(B, Hq, Nq)[..., None]
+            own = own.expand(B, Hq, Nq)[..., None]
             past = min(self.top_k - 1, nf)
             if past == 0:
-                return Selection(own.contiguous(), c)
+                return Selection(own.contiguous(), self.chunk_size)
             chosen = ranked_topk(gate, past, eligible=candidate, ties="higher")
-            return Selection(torch.cat([own, chosen], -1), c)
+            return Selection(torch.cat([own, chosen], -1), self.chunk_size)
 
     def __repr__(self) -> str:
         return f"moba(chunk_size={self.chunk_size}, top_k={self.top_k}, causal={self.causal!r})"
@@ -304,23 +303,24 @@ class NSASelector:
         scale = D ** -0.5 if self.sm_scale is None else self.sm_scale
         k_cmp = whole_block_means(k, bs)                                              # fla's mean_pooling
         attn = (q.view(B, Hkv, Hq // Hkv, Nq, D) @ k_cmp[:, :, None].transpose(-1, -2)) * scale
-        pos = _positions("bottom_right", Nq, Nk, q.device)[:, None]
-        col = torch.arange(nc, device=q.device)
-        complete = (col[:nf] + 1) * bs - 1 <= pos                                     # [Nq, nf]
-        probs = torch.nan_to_num(torch.softmax(attn.masked_fill(~complete, -math.inf), dim=-1), nan=0.0)
-        scores = F.pad(probs.mean(2), (0, nc - nf))                                     # [B, Hkv, Nq, nc]
-        own = torch.div(pos, bs, rounding_mode="floor")
-        forced = ((col == own) | (col == 0) | (col == own - 1)) & (pos >= 0)
+        complete, forced = self._blocks(Nq, Nk, q.device)
+        probs = torch.softmax(attn.masked_fill(~complete[:, :nf], -math.inf), dim=-1)
+        scores = F.pad(torch.nan_to_num(probs, nan=0.0).mean(2), (0, nc - nf))      # [B, Hkv, Nq, nc]
         return torch.where(forced, 1.0, scores)
 
-    def allowed(self, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
-        """bool ``[Nq, ceil(Nk / block_size)]``: the blocks a row may keep (complete or forced)."""
+    def _blocks(self, seqlen_q: int, seqlen_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """bool ``[Nq, ceil(Nk / block_size)]`` each: ``(complete, forced)`` (block 0, own - 1, own)."""
         bs = self.block_size
         pos = _positions("bottom_right", seqlen_q, seqlen_k, device)[:, None]
         col = torch.arange(math.ceil(seqlen_k / bs), device=device)
         own = torch.div(pos, bs, rounding_mode="floor")
-        forced = (col == own) | (col == 0) | (col == own - 1)
-        return (((col + 1) * bs - 1 <= pos) | forced) & (pos >= 0)
+        forced = ((col == own) | (col == 0) | (col == own - 1)) & (pos >= 0)
+        return (col + 1) * bs - 1 <= pos, forced
+
+    def allowed(self, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+        """bool ``[Nq, ceil(Nk / block_size)]``: the blocks a row may keep (complete or forced)."""
+        complete, forced = self._blocks(seqlen_q, seqlen_k, device)
+        return complete | forced
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> Selection:
         with torch.no_grad():

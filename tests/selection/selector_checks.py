@@ -2,9 +2,17 @@
 and runs of ``selection_attention`` against a reference on the backend's device."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparse_io_attn.block_sparse.reference import rel_err
+
+
+def with_backends(cases: list, backends, *, triton_cases: int = 1) -> list:
+    """``pytest.param(backend, *case)`` for every case and backend, but only the first
+    ``triton_cases`` cases on ``"triton"`` (Triton's interpreter on CPU: a few tiny fp32 cases)."""
+    return [pytest.param(b, *c.values, id=f"{c.id}-{b}") for i, c in enumerate(cases) for b in backends
+            if b != "triton" or i < triton_cases]
 
 
 def chosen_mask(indices: torch.Tensor, width: int) -> torch.Tensor:

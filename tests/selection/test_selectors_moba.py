@@ -11,7 +11,7 @@ import torch
 from sparse_io_attn import selection_attention
 from sparse_io_attn.nn import selectors
 
-from .selector_checks import assert_valid_topk, chosen_mask, close
+from .selector_checks import assert_valid_topk, chosen_mask, close, with_backends
 from .test_correctness import SELECTION_BACKENDS, _cpu_kernel_present, device_of  # noqa: F401 (autouse fixture)
 from .transcribed import moba
 
@@ -55,8 +55,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", SELECTION_BACKENDS)
-@pytest.mark.parametrize("B,Hq,Hkv,N,chunk,top_k", CASES)
+@pytest.mark.parametrize("backend,B,Hq,Hkv,N,chunk,top_k", with_backends(CASES, SELECTION_BACKENDS, triton_cases=2))
 def test_moba_matches_moba_attn_varlen_naive(backend, B, Hq, Hkv, N, chunk, top_k):
     q, k, v = _inputs(B, Hq, Hkv, N)
     do = torch.randn_like(q)

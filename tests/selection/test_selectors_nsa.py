@@ -14,7 +14,7 @@ import torch
 from sparse_io_attn import selection_attention
 from sparse_io_attn.nn import NativeSparseAttention, selectors
 
-from .selector_checks import assert_valid_topk, chosen_mask, close
+from .selector_checks import assert_valid_topk, chosen_mask, close, with_backends
 from .test_correctness import SELECTION_BACKENDS, _cpu_kernel_present, device_of  # noqa: F401 (autouse fixture)
 from .transcribed import nsa as fla
 
@@ -125,8 +125,7 @@ LAYER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", SELECTION_BACKENDS)
-@pytest.mark.parametrize("T,E,HQ,H,D,BS,S,window", LAYER_CASES)
+@pytest.mark.parametrize("backend,T,E,HQ,H,D,BS,S,window", with_backends(LAYER_CASES, SELECTION_BACKENDS))
 def test_layer_matches_fla_layer_reference(backend, T, E, HQ, H, D, BS, S, window):
     layer, cfg, x = _layer_and_reference(T, E, HQ, H, D, BS, S, window, backend)
     dev = device_of(backend)
@@ -141,7 +140,7 @@ def test_layer_matches_fla_layer_reference(backend, T, E, HQ, H, D, BS, S, windo
     ref, idx = fla.nsa_layer_reference_from_state_dict(xr, sd, return_block_indices=True, **cfg)
     ref = (ref, *torch.autograd.grad(ref, [xr] + [sd[n] for n, _ in layer.named_parameters()], do.cpu()))
     names = ["out", "dx"] + [f"d{n}" for n, _ in layer.named_parameters()]
-    errs = {n: close([g], [r])for n, g, r in zip(names, got, ref)}
+    errs = {n: close([g], [r]) for n, g, r in zip(names, got, ref)}
     assert not any(errs.values()), errs
     assert layer.selected_blocks == 1 << (S - 1).bit_length()
     TC = math.ceil(T / BS)

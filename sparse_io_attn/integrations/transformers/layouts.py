@@ -16,7 +16,7 @@ from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.integrations.transformers.config import CONFIG_ATTR, LayerPattern, layer_pattern, module_pattern
 from sparse_io_attn.layout import patterns
 from sparse_io_attn.layout.core import BlockSparseLayout
-from sparse_io_attn.selection.reference import selection_mask
+from sparse_io_attn.layout.selection import layout_from_selection
 
 _SQUARE_CACHE_SIZE = 64     # (pattern, n) -> square layout, shared by every model and layer (LRU)
 _MODULE_CACHE_SIZE = 256    # (seqlen_q, seqlen_k, device) -> layout, per attention module (cleared when full)
@@ -318,7 +318,8 @@ def selection_layout_with_mask(selector, mask: torch.Tensor, query: torch.Tensor
             first = False
             end = positions[r1 - 1] + 1
             sub = selector(query[b:b + 1, :, r0:r1], key[b:b + 1, :, a:end])
-            chosen[b, :, r0:r1, a:end] = selection_mask(sub, 1, Hq, end - a, causal="bottom_right")[0]
+            rows = layout_from_selection(sub, end - a, block_size_q=r1 - r0, causal="bottom_right").to_dense_mask()
+            chosen[b, :, r0:r1, a:end] = rows[0].repeat_interleave(Hq // sub.num_selections, 0)
     layout = BlockSparseLayout.from_dense_mask(chosen & allowed[:, None], block_size, name=f"{selector!r} & mask")
     plan(layout, causal=False)
     return layout
