@@ -7,7 +7,7 @@ blocks kept per query block; head dim 64, blocks of 64, float32, causal top-left
 process runs interleaved rounds (every method once per round, the starting method rotating) after
 one warm-up round, with 2 torch threads:
 
-* ``selection``: ``moba(64, k)(q, k)``, i.e. :meth:`MoBASelector.scores` (mean-pooled q times
+* ``selection``: ``pooled_topk(64, k)(q, k)``, i.e. :meth:`PooledTopKSelector.scores` (mean-pooled q times
   mean-pooled k, ``[B, H, Mq, Mk]``) and :func:`~sparse_io_attn.layout.patterns.topk`, which builds
   the layout with :meth:`BlockSparseLayout.from_kv_indices`;
 * ``schedule``: :meth:`sparse_io_attn.AttentionPlan.build` ``(layout, causal=True)`` on a layout
@@ -67,7 +67,7 @@ from sparse_io_attn.block_sparse import cpu as cpu_backend
 from sparse_io_attn.block_sparse.plan import AttentionPlan
 from sparse_io_attn.cli._common import format_header, format_table, machine_header, write_csv
 from sparse_io_attn.layout import BlockSparseLayout
-from sparse_io_attn.nn.selectors import moba
+from sparse_io_attn.nn.selectors import pooled_topk
 
 from _cpu_timing import fwd_bwd  # noqa: E402  (benchmarks/ on sys.path)
 
@@ -201,7 +201,7 @@ def bench_point(N: int, B: int, H: int, k: int, *, repeats: int, meta_calls: int
     start = time.perf_counter()
     torch.manual_seed(N + 31 * B * H + k)
     q, kk, v, do = (torch.randn(B, H, N, HEAD_DIM) for _ in range(4))
-    selector = moba(BLOCK, k)
+    selector = pooled_topk(BLOCK, k)
     layout = selector(q, kk)
     idx = kv_lists(layout, k)
     ours = lambda q_, k_, v_: block_sparse_attention(q_, k_, v_, layout, causal=True, backend="cpu")  # noqa: E731
@@ -318,7 +318,7 @@ def write_outputs(stem: Path, header: dict, rows: list) -> None:
           f"Target (metadata <= {TARGET_PCT:g}% of forward+backward at N >= {TARGET_MIN_N}): "
           f"{sum(r['target'] == 'met' for r in met)} of {len(met)} rows met with the two-thread metadata, "
           f"{sum(r['target_1t'] == 'met' for r in met)} of {len(met)} with the one-thread metadata.", "",
-          "Columns: metadata = selection (MoBA block scores + `patterns.topk`, which builds the layout "
+          "Columns: metadata = selection (pooled block scores, `nn.selectors.pooled_topk`, + `patterns.topk`, which builds the layout "
           "with `from_kv_indices`) + schedule (`schedule(layout, 0)` on a fresh layout: CSR and CSC "
           "lists, built once per step and shared by forward and backward). fwd / fwd+bwd: "
           "`block_sparse_attention(..., causal=True, backend=\"cpu\")` with the schedule already built. "

@@ -298,4 +298,54 @@ def layout_from_selection(selection: Selection, seqlen_k: int, *, block_size_q: 
     return layout._mark_checked()
 
 
-__all__ = ["Selection", "layout_from_selection", "selection_from_layout"]
+def selection_from_flashmla(indices: torch.Tensor, seqlen_k: int, *, topk_length: torch.Tensor | None = None,
+                            check: bool = True) -> Selection:
+    """FlashMLA's sparse index format (deepseek-ai/FlashMLA ``flash_mla_sparse_fwd``, reference
+    ``tests/ref.py::ref_sparse_attn_fwd`` at ``9241ae3e``) as a :class:`Selection` of single tokens.
+
+    Args:
+        indices: int32/int64 ``[s_q, h_kv, topk]``: key positions per query token and KV head; an
+            entry is invalid iff ``< 0`` or ``>= seqlen_k`` (FlashMLA's rule: any negative value, not
+            only -1).
+        seqlen_k: ``s_kv``, the keys the indices address.
+        topk_length: optional int ``[s_q]``: only the first ``topk_length[i]`` slots of row ``i`` count.
+        check: refuse (``ValueError``) a row that lists one valid key twice: FlashMLA gathers, so such
+            a key counts twice in its softmax, while a selection counts it once (reads the indices:
+            one host synchronisation on CUDA). ``check=False`` skips the check (and the
+            synchronisation); a repeated key then counts once.
+
+    Returns ``Selection(indices [h_kv, s_q, topk], block_size=1)`` (shared by the batch; ``G = h_kv``,
+    so with FlashMLA's ``h_kv = 1`` every query head uses it), invalid slots ``-1``. With FlashMLA's
+    ``q [s_q, h_q, d_qk]`` and ``kv [s_kv, h_kv, d_qk]`` (``V = kv[..., :d_v]``),
+    ``selection_attention(q.transpose(0, 1)[None], K, V, sel, causal=False, sm_scale=sm_scale)`` with
+    ``K = kv.transpose(0, 1)[None]`` and ``V`` zero-padded to ``d_qk`` (selection_attention takes
+    equal head dims; slice the output back to ``d_v``) computes FlashMLA's output. FlashMLA applies
+    no causal mask (the indices alone decide); ``causal=True`` adds one. Differences: a row without a
+    valid index has lse ``-inf`` here and ``+inf`` in FlashMLA (output 0 in both); ``attn_sink`` has
+    no counterpart.
+    """
+    idx = _int_tensor(indices, "indices")
+    if idx.dim() != 3:
+        raise ValueError(f"FlashMLA indices must have shape [s_q, h_kv, topk], got {tuple(idx.shape)}")
+    if isinstance(seqlen_k, bool) or not isinstance(seqlen_k, int) or seqlen_k < 1:
+        raise ValueError(f"seqlen_k must be a positive int (s_kv, the keys the indices address), got {seqlen_k!r}")
+    s_q, _, topk = idx.shape
+    valid = (idx >= 0) & (idx < seqlen_k)
+    if topk_length is not None:
+        length = _int_tensor(topk_length, "topk_length")
+        if tuple(length.shape) != (s_q,):
+            raise ValueError(f"topk_length must have shape [s_q] = [{s_q}], got {tuple(length.shape)}")
+        valid &= torch.arange(topk, device=idx.device) < length.to(idx.device)[:, None, None]
+    out = torch.where(valid, idx, -1).permute(1, 0, 2)
+    if check and topk > 1 and not torch.compiler.is_compiling():
+        ordered = torch.sort(out, dim=-1).values
+        repeated = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+        if bool(repeated.any()):
+            g, t = (int(x) for x in repeated.any(-1).nonzero()[0])
+            raise ValueError(f"FlashMLA indices list a key twice in row {t} (KV head {g}); FlashMLA counts it twice "
+                             f"(it gathers), a Selection once, so the converted call would differ; remove the "
+                             f"repeats, or pass check=False to count each key once")
+    return Selection(out.contiguous(), 1)
+
+
+__all__ = ["Selection", "layout_from_selection", "selection_from_flashmla", "selection_from_layout"]

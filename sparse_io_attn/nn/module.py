@@ -1,4 +1,5 @@
-"""`SparseSelfAttention`: a multi-head self-attention layer whose attention is block-sparse."""
+"""`SparseSelfAttention`: a multi-head self-attention layer whose attention is block-sparse (a layout)
+or chosen per query token (a selector returning a :class:`~sparse_io_attn.layout.selection.Selection`)."""
 from __future__ import annotations
 
 from typing import Callable, Union
@@ -12,16 +13,20 @@ from sparse_io_attn.block_sparse.plan import AttentionPlan, plan
 from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.selection.api import selection_attention
 
 LayoutOrPattern = Union[BlockSparseLayout, Callable[[int], BlockSparseLayout]]
-Selector = Callable[[torch.Tensor, torch.Tensor], BlockSparseLayout]
+Selector = Callable[[torch.Tensor, torch.Tensor], Union[BlockSparseLayout, Selection]]
 
 
 class SparseSelfAttention(nn.Module):
     r"""Multi-head self-attention over ``x [B, N, E]`` (batch first) with a block-sparse pattern.
 
     ``out = out_proj(attn(q_proj(x), k_proj(x), v_proj(x)))`` where ``attn`` is
-    :func:`sparse_io_attn.block_sparse_attention` (a ``torch.library`` custom op, so
+    :func:`sparse_io_attn.block_sparse_attention` for a layout, or
+    :func:`sparse_io_attn.selection_attention` for a selector that returns a per-token
+    :class:`~sparse_io_attn.Selection` (both ``torch.library`` custom ops, so
     ``torch.compile(model, fullgraph=True)`` works).
 
     Args:
@@ -33,11 +38,17 @@ class SparseSelfAttention(nn.Module):
             layer sees and cached per (length, device). Layouts may be shared by all heads or hold
             one mask per query head (``layout_heads == num_heads``) or per KV head. ``None`` when a
             ``selector`` is given.
-        selector: instead of a fixed layout, a callable ``(q, k) -> BlockSparseLayout`` evaluated at
-            every forward on the projected ``q [B, Hq, N, D]`` and ``k [B, Hkv, N, D]``: a layout
-            chosen from the activations (e.g. :func:`sparse_io_attn.nn.selectors.moba`). Built on
-            the device without host synchronisation, it compiles with ``fullgraph=True`` and a new
-            selection of the same shapes does not recompile.
+        selector: instead of a fixed layout, a callable ``(q, k)`` evaluated at every forward on the
+            projected ``q [B, Hq, N, D]`` and ``k [B, Hkv, N, D]``, returning either a
+            :class:`BlockSparseLayout` (run by ``block_sparse_attention``, e.g.
+            :func:`~sparse_io_attn.nn.selectors.pooled_topk`) or a per-token
+            :class:`~sparse_io_attn.Selection` with ``G`` in ``{1, Hkv, Hq}`` selections (run by
+            ``selection_attention``, e.g. :func:`~sparse_io_attn.nn.selectors.moba` or
+            :func:`~sparse_io_attn.nn.selectors.nsa`). The library's selectors build on the device
+            without host synchronisation: the layer compiles with ``fullgraph=True`` and a new
+            selection of the same shapes does not recompile. A selection is run with ``check=False``
+            (the selectors' indices are valid by construction; out-of-range entries would count as
+            empty slots).
         num_kv_heads: key/value heads ``Hkv`` (GQA/MQA); default ``num_heads``. Query head ``h``
             reads kv head ``h // (num_heads // num_kv_heads)``.
         causal: intersect the layout with a causal mask: ``True``/``"top_left"`` (key ``j`` allowed for
@@ -92,7 +103,7 @@ class SparseSelfAttention(nn.Module):
                 raise ValueError("pass either layout_or_pattern (a fixed layout or seqlen -> layout) or "
                                  "selector ((q, k) -> layout, chosen at every forward), not both")
             if not callable(selector):
-                raise TypeError(f"selector must be a callable (q, k) -> BlockSparseLayout, got "
+                raise TypeError(f"selector must be a callable (q, k) -> BlockSparseLayout or Selection, got "
                                 f"{type(selector).__name__}")
             if getattr(selector, "causal", causal) not in (False, None) and causal in (False, None):
                 raise ValueError(f"the selector {selector!r} selects causally; build the layer with causal=True "
@@ -164,7 +175,8 @@ class SparseSelfAttention(nn.Module):
             return self.project_out(F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
         if self.selector is not None:
             layout = self.selector(q, k)
-            self._check_layout(layout, N)
+            if not isinstance(layout, Selection):
+                self._check_layout(layout, N)
         else:
             layout = self.layout_for(N, x.device)     # planned when first built: the call finds its plan
         return self.project_out(self._attend(q, k, v, layout))
@@ -183,8 +195,11 @@ class SparseSelfAttention(nn.Module):
         return self.out_proj(out.transpose(1, 2).reshape(B, N, self.embed_dim))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                layout: BlockSparseLayout) -> torch.Tensor:
-        """Attention of ``q [B, Hq, N, D]``, ``k/v [B, Hkv, N, D]`` under ``layout`` -> ``[B, Hq, N, D]``."""
+                layout: BlockSparseLayout | Selection) -> torch.Tensor:
+        """Attention of ``q [B, Hq, N, D]``, ``k/v [B, Hkv, N, D]`` under ``layout`` (or a selection) ->
+        ``[B, Hq, N, D]``."""
+        if isinstance(layout, Selection):
+            return selection_attention(q, k, v, layout, causal=self.causal, backend=self.backend, check=False)
         return block_sparse_attention(q, k, v, layout, causal=self.causal, backend=self.backend)
 
     def extra_repr(self) -> str:

@@ -1,14 +1,37 @@
-"""Selectors: callables ``(q, k) -> BlockSparseLayout`` that choose a layout from the activations at
-every forward (:class:`~sparse_io_attn.nn.SparseSelfAttention`'s ``selector=``, the Hugging Face
-integration's ``"moba:..."`` specs).
+"""Selectors: callables ``(q, k)`` that choose, from the activations at every forward, which keys each
+query attends (:class:`~sparse_io_attn.nn.SparseSelfAttention`'s ``selector=``, the Hugging Face
+integration's ``"moba:..."`` and ``"pooled_topk:..."`` specs). They sit above the ops and below the
+layers: a selector returns what an op runs.
 
-A selector runs on the activations' device with tensor operations only (block pooling, a small
-matmul, :func:`~sparse_io_attn.layout.patterns.topk`), so it adds no host synchronisation and
-traces under ``torch.compile(fullgraph=True)``; a new selection with the same shapes does not
-recompile. The selection itself is not differentiable (as in MoBA, the gate is a hard top-k).
+Per query token (a :class:`~sparse_io_attn.layout.selection.Selection`, run by
+:func:`~sparse_io_attn.selection_attention`), reproducing published selectors from their authors'
+reference code (``docs/notes/reference_semantics.md``; the tests compare with transcriptions of it):
+
+* :func:`moba`: MoBA (MoonshotAI/MoBA ``moba_naive.py``), per query token and query head (``G = Hq``).
+* :func:`nsa`: Native Sparse Attention's block top-k (fla-org/flash-linear-attention
+  ``fla/ops/nsa/naive.py::naive_nsa_topk``), per query token and KV head (``G = Hkv``).
+* :func:`lightning_topk`: DeepSeek Sparse Attention's token top-k from lightning-indexer scores
+  (DeepSeek-V3.2-Exp ``inference/model.py::Indexer``), per query token, shared by all heads
+  (``G = 1``, ``block_size = 1``); :class:`~sparse_io_attn.nn.LightningIndexer` computes the scores.
+
+Per query block (a :class:`~sparse_io_attn.layout.core.BlockSparseLayout`, run by
+:func:`~sparse_io_attn.block_sparse_attention`):
+
+* :func:`pooled_topk`: this library's own pooled selection (mean-pooled query block times mean-pooled
+  key blocks, one choice per query block and KV head). It is *not* MoBA's or NSA's rule.
+
+Every selector runs on the activations' device with tensor operations of shapes fixed by the inputs'
+shapes (no host synchronisation), so it traces under ``torch.compile(fullgraph=True)`` and a new
+selection of the same shapes does not recompile. Selections carry no gradient (the references' gates
+are hard top-k choices): the selectors read ``q.detach()`` and ``k.detach()``. Among equal scores
+the per-token selectors keep the **higher** block (or token) index, the more recent keys, on every
+device (:func:`~sparse_io_attn.layout.patterns.ranked_topk` with ``ties="higher"``); the references
+call ``torch.topk``, whose order among equal values is unspecified (it differs between CPU and CUDA
+and with the row length), so any tie-break is one the reference may produce.
 """
 from __future__ import annotations
 
+import math
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +39,38 @@ import torch.nn.functional as F
 from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
-from sparse_io_attn.layout.patterns.selection import topk
+from sparse_io_attn.layout.patterns.selection import ranked_topk, topk
+from sparse_io_attn.layout.selection import Selection
 
 
+def _check_qk(q: torch.Tensor, k: torch.Tensor, who: str) -> None:
+    """``q [B, Hq, Nq, D]`` and ``k [B, Hkv, Nk, D]`` with ``Hq`` a multiple of ``Hkv``, nothing empty."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        raise TypeError(f"{who} takes tensors q and k, got {type(q).__name__} and {type(k).__name__}")
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] \
+            or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{who} takes q [B, Hq, Nq, D] and k [B, Hkv, Nk, D] with Hq a multiple of Hkv, "
+                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    if 0 in (q.shape[0], q.shape[2], k.shape[2]):
+        raise ValueError(f"{who} chooses for at least one query and key position and batch element, got q "
+                         f"{tuple(q.shape)} and k {tuple(k.shape)}; an empty batch or sequence has nothing to "
+                         f"select (SparseSelfAttention returns its empty output)")
+
+
+def _positions(causal, seqlen_q: int, seqlen_k: int, device) -> torch.Tensor:
+    """int64 ``[Nq]``: the key position of each query row (``t + delta`` of the causal offset)."""
+    return torch.arange(seqlen_q, device=device) + causal_offset(causal, seqlen_q, seqlen_k)
+
+
+def _causal_only(causal, who: str):
+    causal_offset(causal, 1, 1)   # ValueError naming the accepted modes
+    if causal is False or causal is None:
+        raise ValueError(f"{who} is causal by definition (its reference has no non-causal form): pass causal=True "
+                         f"('top_left') or 'bottom_right', or use pooled_topk(..., causal=False)")
+    return causal
+
+
+# ------------------------------------------------------------------------------------ pooled top-k
 def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     """``x [B, H, N, D]`` -> the mean of each block of ``block`` positions, ``[B, H, ceil(N / block), D]``
     (the last, ragged block averages the positions it has), in float32.
@@ -32,21 +84,41 @@ def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     return means.transpose(1, 2).unflatten(0, (B, H))
 
 
-class MoBASelector:
-    """MoBA-style block selection (Mixture of Block Attention, Lu et al. 2025): each query block reads
-    its own key block and the ``top_k - 1`` other key blocks whose mean-pooled keys score highest
-    against its mean-pooled queries, never a block wholly in the causal future.
+def whole_block_means(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fla's ``mean_pooling`` over the whole blocks of ``x [B, H, N, D]``: ``[B, H, N // block, D]``,
+    each a float32 mean of its ``block`` positions stored in x's dtype (differentiable). The ragged
+    last block, which fla also pools, is never attended or scored (it is never complete)."""
+    nf = x.shape[2] // block
+    return block_means(x[:, :, :nf * block], block).to(x.dtype)
 
-    Scores are per KV head (the query heads of a GQA group pool their queries together, as Native
-    Sparse Attention shares one selection per group), so the layout holds ``Hkv`` head masks and
-    every backend applies each to its group. Use it with ``causal=True`` on the attention (the
-    diagonal block is then masked element-wise); ``causal=False`` selects over every key block.
+
+class PooledTopKSelector:
+    """This library's pooled block top-k (not a published method's rule): each query *block* reads its
+    own key block and the ``top_k - 1`` other key blocks whose mean-pooled keys score highest against
+    the block's mean-pooled queries, never a block wholly in the causal future.
+
+    One choice per query block and **KV head**: the query heads of a GQA group pool their queries
+    together (the mean over the group), so the layout holds ``Hkv`` head masks and every backend
+    applies each to its group. Scores are float32, unscaled; ties go to the lower block index
+    (:func:`~sparse_io_attn.layout.patterns.topk`). Returns a :class:`BlockSparseLayout`; use it with
+    ``causal=True`` on the attention (the diagonal block is then masked element-wise); ``causal=False``
+    selects over every key block.
+
+    How it differs from MoBA (:func:`moba`), which it was once named after: MoBA chooses per query
+    *token* and per query *head*, with unpooled queries, and its own chunk is never scored.
     """
 
-    def __init__(self, block_size: int, top_k: int, *, causal: bool = True):
+    #: returns a per-query-block BlockSparseLayout (not a per-token Selection)
+    per_token = False
+
+    def __init__(self, block_size: int, top_k: int, *, causal=True):
         self.block_size, self.top_k = positive_int(block_size, "block_size"), positive_int(top_k, "top_k")
         causal_offset(causal, 1, 1)   # ValueError naming the accepted modes
         self.causal = causal
+
+    def with_causal(self, causal) -> "PooledTopKSelector":
+        """The same selector under another causal alignment."""
+        return PooledTopKSelector(self.block_size, self.top_k, causal=causal)
 
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Block scores ``[B, Hkv, Mq, Mk]``: pooled queries (averaged over each GQA group) times
@@ -58,46 +130,296 @@ class MoBASelector:
         return qb @ block_means(k.detach(), self.block_size).transpose(-1, -2)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> BlockSparseLayout:
-        if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] \
-                or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-            raise ValueError(f"the selector takes q [B, Hq, Nq, D] and k [B, Hkv, Nk, D] with Hq a multiple "
-                             f"of Hkv, got {tuple(q.shape)} and {tuple(k.shape)}")
-        if 0 in (q.shape[0], q.shape[2], k.shape[2]):
-            raise ValueError(f"the selector chooses a layout of at least one query and key position and batch "
-                             f"element, got q {tuple(q.shape)} and k {tuple(k.shape)}; an empty batch or "
-                             f"sequence has nothing to select (SparseSelfAttention returns its empty output)")
+        _check_qk(q, k, "the pooled_topk selector")
         with torch.no_grad():
             return topk(self.scores(q, k), self.top_k, self.block_size, (q.shape[2], k.shape[2]),
                         causal=self.causal, include_diagonal=True)
 
     def __repr__(self) -> str:
-        return f"moba(block_size={self.block_size}, top_k={self.top_k}, causal={self.causal!r})"
+        return f"pooled_topk(block_size={self.block_size}, top_k={self.top_k}, causal={self.causal!r})"
 
 
-def moba(block_size: int, top_k: int, *, causal: bool = True) -> MoBASelector:
-    """The MoBA-style selector: key blocks of ``block_size`` tokens, ``top_k`` kept per query block
-    (the own block included). See :class:`MoBASelector`."""
-    return MoBASelector(block_size, top_k, causal=causal)
+def pooled_topk(block_size: int, top_k: int, *, causal=True) -> PooledTopKSelector:
+    """The pooled block top-k selector: key blocks of ``block_size`` tokens, ``top_k`` kept per query
+    block and KV head (the own block included), from mean-pooled queries and keys. See
+    :class:`PooledTopKSelector`; for MoBA's own rule use :func:`moba`."""
+    return PooledTopKSelector(block_size, top_k, causal=causal)
 
+
+# ------------------------------------------------------------------------------------------- MoBA
+class MoBASelector:
+    """MoBA's chunk selection (Lu et al. 2025), as MoonshotAI/MoBA computes it
+    (``moba/moba_naive.py::moba_attn_varlen_naive``, ``moba_efficient.py::moba_attn_varlen``,
+    repository HEAD ``61e456bc``). Returns a :class:`Selection` with one selection per query token
+    **and per query head** (``indices [B, Hq, Nq, K]``, ``G = Hq``, ``block_size = chunk_size``,
+    ``K = min(top_k, Nk // chunk_size + 1)``, ``-1`` in unused slots):
+
+    * key chunk ``n`` holds keys ``n * chunk_size .. (n + 1) * chunk_size - 1``;
+    * gate ``q[t, h] . mean(k of chunk n)``, float32, unscaled, no softmax: the chunk mean is taken in
+      k's dtype (a bfloat16 mean for a bfloat16 model) and then cast to float32, as MoBA does; query
+      head ``h`` reads KV head ``h // (Hq // Hkv)`` (MoBA's wrapper repeats K per query head, so
+      each query head chooses on its own);
+    * candidates: the chunks that **end before** the query's position ``p`` (``(n + 1) * chunk_size
+      <= p``); the query's own chunk ``p // chunk_size`` is always selected (MoBA forces it with
+      ``+inf``) and counts toward ``top_k``, so a token reads its own chunk and the
+      ``min(top_k - 1, p // chunk_size)`` best past chunks;
+    * ties: among equal gates the **higher chunk index** (the more recent chunk) wins (MoBA's
+      ``torch.topk`` breaks them in an unspecified, device-dependent order; this is one of the
+      orders it may produce).
+
+    Run the selection with ``selection_attention(q, k, v, sel, causal=<the same alignment>)`` and the
+    default scale ``D ** -0.5``: one softmax over every kept key, causal inside the own chunk, which is
+    MoBA's attention. The gate carries no gradient (MoBA's does not either).
+
+    ``causal``: ``True``/``"top_left"`` (query row ``t`` at position ``t``) or ``"bottom_right"``
+    (position ``t + Nk - Nq``: the queries are the last ``Nq`` of the keys, as in decoding with a KV
+    cache). MoBA has no non-causal form; ``causal=False`` is refused.
+
+    Where this goes beyond the reference: MoBA's wrapper (``wrapper.py``) does not run MoBA for decode
+    steps (``q_len != kv_len``) but dense causal attention over the whole cache; here a decode row
+    selects exactly as the same row does in prefill (the selection of a row depends only on the keys
+    before it). MoBA's ``moba_topk == 1`` is the own chunk only, as in ``moba_naive.py`` (the
+    efficient path returns full causal attention for it instead).
+    """
+
+    #: returns a per-token Selection
+    per_token = True
+
+    def __init__(self, chunk_size: int, top_k: int, *, causal=True):
+        self.chunk_size = positive_int(chunk_size, "chunk_size (keys per MoBA chunk)")
+        self.top_k = positive_int(top_k, "top_k (chunks per query, the own chunk included)")
+        self.causal = _causal_only(causal, "moba")
+
+    @property
+    def block_size(self) -> int:
+        """The selection's key-block size: MoBA's chunk size."""
+        return self.chunk_size
+
+    def with_causal(self, causal) -> "MoBASelector":
+        """The same selector under another causal alignment."""
+        return MoBASelector(self.chunk_size, self.top_k, causal=causal)
+
+    def gate(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """MoBA's gate, float32 ``[B, Hq, Nq, Nk // chunk_size]``: ``q . mean(k of chunk n)`` over the
+        whole chunks, ``-inf`` where chunk ``n`` does not end before the query (not a candidate)."""
+        gate, candidate, _ = self._gate(q, k)
+        return gate.masked_fill(~candidate, -math.inf)
+
+    def _gate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(gate [B, Hq, Nq, nf] float32, candidate bool [Nq, nf], own chunk int64 [Nq])``; the own
+        chunk is ``-1`` for a row without one (a position before the keys, or past them)."""
+        _check_qk(q, k, "the moba selector")
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        c, nf = self.chunk_size, Nk // self.chunk_size
+        q, k = q.detach(), k.detach()
+        means = k[:, :, :nf * c].unflatten(2, (nf, c)).mean(3)                        # k's dtype, as MoBA
+        gate = q.float().view(B, Hkv, Hq // Hkv, Nq, D) @ means.float()[:, :, None].transpose(-1, -2)
+        pos = _positions(self.causal, Nq, Nk, q.device)
+        own = torch.div(pos, c, rounding_mode="floor")
+        candidate = torch.arange(nf, device=q.device) < own[:, None]                  # ends before the query
+        own = torch.where((pos >= 0) & (own < math.ceil(Nk / c)), own, -1)
+        return gate.view(B, Hq, Nq, nf), candidate, own
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> Selection:
+        with torch.no_grad():
+            gate, candidate, own = self._gate(q, k)
+            B, Hq, Nq, nf = gate.shape
+            own = own.expand(B, Hq, Nq)[..., None]
+            past = min(self.top_k - 1, nf)
+            if past == 0:
+                return Selection(own.contiguous(), self.chunk_size)
+            chosen = ranked_topk(gate, past, eligible=candidate, ties="higher")
+            return Selection(torch.cat([own, chosen], -1), self.chunk_size)
+
+    def __repr__(self) -> str:
+        return f"moba(chunk_size={self.chunk_size}, top_k={self.top_k}, causal={self.causal!r})"
+
+
+def moba(chunk_size: int, top_k: int, *, causal=True) -> MoBASelector:
+    """Exact MoBA (MoonshotAI/MoBA ``moba_naive.py``): per query token and query head, the own chunk
+    plus the ``top_k - 1`` past chunks of highest ``q . mean(k)``; returns a :class:`Selection`
+    (``block_size = chunk_size``). See :class:`MoBASelector`."""
+    return MoBASelector(chunk_size, top_k, causal=causal)
+
+
+# -------------------------------------------------------------------------------------------- NSA
+class NSASelector:
+    """Native Sparse Attention's block selection (Yuan et al. 2025) as fla computes it
+    (fla-org/flash-linear-attention ``fla/ops/nsa/naive.py::naive_nsa_topk``, commit ``19bb765f``).
+    Returns a :class:`Selection` with one selection per query token **and per KV head**, shared by
+    the query heads of its group (``indices [B, Hkv, Nq, num_blocks]``, ``G = Hkv``,
+    ``block_size``-key blocks), listed by decreasing score, ``-1`` padding after:
+
+    * compressed keys: the mean of each whole block of ``block_size`` keys (fla's ``mean_pooling``: a
+      float32 sum divided by the block's length, stored in k's dtype). Pass post-RoPE ``q`` and ``k``,
+      as fla's layer does;
+    * scores: per query head, ``softmax(sm_scale * q . k_cmp)`` over the **complete** blocks of the
+      query's position ``p`` (``(c + 1) * block_size - 1 <= p``, the own block included when ``p`` is
+      its last token), computed in q's dtype like fla's naive code (a row without a complete block
+      scores 0), then **averaged** over the group's query heads; ``sm_scale`` defaults to
+      ``head_dim ** -0.5``;
+    * forced blocks: block 0, the own block ``p // block_size`` and the one before it score 1.0 and
+      count toward ``num_blocks``;
+    * the top ``min(num_blocks, ceil(Nk / block_size))`` blocks by score; a slot is kept iff its
+      block is complete or forced (blocks in the future are never kept); ties go to the **higher
+      block index** (fla's ``torch.topk`` order among equal scores is unspecified; its Triton kernel
+      uses a bitonic sort). So when ``num_blocks < 3`` and three blocks are forced (all score 1.0)
+      the own block is kept first, then the previous one, then block 0.
+
+    Query row ``t`` sits at position ``t + Nk - Nq`` (bottom-right: prefill when ``Nq == Nk``, the
+    last rows of a longer key sequence in decoding); run the selection with
+    ``selection_attention(..., causal="bottom_right")`` (``True`` when ``Nq == Nk``) and the same
+    ``sm_scale``. A repeated block would count twice in fla's gathering references; this selection
+    never repeats one, so the two agree.
+
+    fla's layer calls ``parallel_nsa``, which rounds ``block_counts`` up to a power of two; this
+    selector takes ``num_blocks`` as given (as ``naive_nsa_topk``);
+    :class:`~sparse_io_attn.nn.NativeSparseAttention` applies the layer's rounding. A per-token
+    tensor ``block_counts`` is not supported.
+    """
+
+    causal = "bottom_right"
+    #: returns a per-token Selection
+    per_token = True
+
+    def __init__(self, block_size: int = 64, num_blocks: int = 16, *, sm_scale: float | None = None):
+        self.block_size = positive_int(block_size, "block_size (keys per selected and compressed block)")
+        self.num_blocks = positive_int(num_blocks, "num_blocks (blocks selected per token, forced ones included)")
+        if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
+                                     or not math.isfinite(sm_scale)):
+            raise ValueError(f"sm_scale must be a finite number or None (head_dim ** -0.5), got {sm_scale!r}")
+        self.sm_scale = sm_scale
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``[B, Hkv, Nq, ceil(Nk / block_size)]`` in q's dtype: the group-mean block probabilities over
+        complete blocks (0 elsewhere), 1.0 on forced blocks."""
+        _check_qk(q, k, "the nsa selector")
+        B, Hq, Nq, D = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        bs = self.block_size
+        nf, nc = Nk // bs, math.ceil(Nk / bs)
+        q, k = q.detach(), k.detach()
+        scale = D ** -0.5 if self.sm_scale is None else self.sm_scale
+        k_cmp = whole_block_means(k, bs)                                              # fla's mean_pooling
+        attn = (q.view(B, Hkv, Hq // Hkv, Nq, D) @ k_cmp[:, :, None].transpose(-1, -2)) * scale
+        complete, forced = self._blocks(Nq, Nk, q.device)
+        probs = torch.softmax(attn.masked_fill(~complete[:, :nf], -math.inf), dim=-1)
+        scores = F.pad(torch.nan_to_num(probs, nan=0.0).mean(2), (0, nc - nf))      # [B, Hkv, Nq, nc]
+        return torch.where(forced, 1.0, scores)
+
+    def _blocks(self, seqlen_q: int, seqlen_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """bool ``[Nq, ceil(Nk / block_size)]`` each: ``(complete, forced)`` (block 0, own - 1, own)."""
+        bs = self.block_size
+        pos = _positions("bottom_right", seqlen_q, seqlen_k, device)[:, None]
+        col = torch.arange(math.ceil(seqlen_k / bs), device=device)
+        own = torch.div(pos, bs, rounding_mode="floor")
+        forced = ((col == own) | (col == 0) | (col == own - 1)) & (pos >= 0)
+        return (col + 1) * bs - 1 <= pos, forced
+
+    def allowed(self, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+        """bool ``[Nq, ceil(Nk / block_size)]``: the blocks a row may keep (complete or forced)."""
+        complete, forced = self._blocks(seqlen_q, seqlen_k, device)
+        return complete | forced
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> Selection:
+        with torch.no_grad():
+            scores = self.scores(q, k)
+            nc = scores.shape[-1]
+            chosen = ranked_topk(scores, min(self.num_blocks, nc),
+                                 eligible=self.allowed(q.shape[2], k.shape[2], q.device), ties="higher")
+            if self.num_blocks > nc:
+                chosen = F.pad(chosen, (0, self.num_blocks - nc), value=-1)
+            return Selection(chosen, self.block_size)
+
+    def __repr__(self) -> str:
+        return f"nsa(block_size={self.block_size}, num_blocks={self.num_blocks}, sm_scale={self.sm_scale!r})"
+
+
+def nsa(block_size: int = 64, num_blocks: int = 16, *, sm_scale: float | None = None) -> NSASelector:
+    """NSA's block top-k exactly as fla's ``naive_nsa_topk``: ``sel(q, k) -> Selection`` with
+    ``indices [B, Hkv, Nq, num_blocks]`` (``-1`` padding; bottom-right when ``Nq < Nk``). See
+    :class:`NSASelector`."""
+    return NSASelector(block_size, num_blocks, sm_scale=sm_scale)
+
+
+# -------------------------------------------------------------------------------- DSA (lightning)
+def lightning_scores(index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor, *,
+                     head_chunk: int = 8) -> torch.Tensor:
+    """DeepSeek-V3.2's lightning-indexer score, float32 ``[B, Tq, Tk]``:
+    ``I[t, s] = sum_j weights[t, j] * ReLU(index_q[t, j] . index_k[s])`` (``fp8_index`` without the
+    FP8 scales, which are positive and would leave exact arithmetic unchanged).
+
+    ``index_q [B, H_I, Tq, d]`` (post-RoPE), ``index_k [B, Tk, d]`` (one key head shared by every
+    index head, post-RoPE), ``weights [B, H_I, Tq]`` (V3.2's ``weights_proj(x) * H_I ** -0.5 *
+    d ** -0.5``). No causal mask here. Summed over heads ``head_chunk`` at a time (memory
+    ``O(B * head_chunk * Tq * Tk)``)."""
+    if index_q.dim() != 4 or index_k.dim() != 3 or weights.dim() != 3 or index_q.shape[0] != index_k.shape[0] \
+            or index_q.shape[-1] != index_k.shape[-1] or tuple(weights.shape) != tuple(index_q.shape[:3]):
+        raise ValueError(f"lightning scores take index_q [B, H_I, Tq, d], index_k [B, Tk, d] and weights "
+                         f"[B, H_I, Tq], got {tuple(index_q.shape)}, {tuple(index_k.shape)} and "
+                         f"{tuple(weights.shape)}")
+    q, kt, w = index_q.detach().float(), index_k.detach().float().transpose(-1, -2)[:, None], weights.detach().float()
+    H = q.shape[1]
+    total = None
+    for h0 in range(0, H, head_chunk):
+        part = ((q[:, h0:h0 + head_chunk] @ kt).clamp_min_(0) * w[:, h0:h0 + head_chunk, :, None]).sum(1)
+        total = part if total is None else total + part
+    return total
+
+
+def lightning_topk(index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor, top_k: int, *,
+                   causal="bottom_right") -> Selection:
+    """DeepSeek Sparse Attention's selection (DeepSeek-V3.2-Exp ``inference/model.py``, ``Indexer`` and
+    ``MLA``'s index mask, commit ``3b99a535``): per query token the ``min(top_k, p + 1)`` keys of
+    highest :func:`lightning_scores` among the keys ``s <= p`` (``p`` the query's position), shared by
+    every attention head. Returns ``Selection(indices [B, 1, Tq, min(top_k, Tk)], block_size=1)``,
+    best first, ``-1`` in unused slots.
+
+    V3.2 takes ``topk(min(index_topk, end_pos))`` over all keys and removes future ones with MLA's
+    causal mask; the effective set is this one. Ties go to the **higher key index** (V3.2's
+    ``torch.topk`` order among equal scores is unspecified, and its FP8 inputs make near-ties
+    quantisation noise). ``causal``: ``"bottom_right"`` (default: query row ``t`` at position
+    ``t + Tk - Tq``, prefill and decode alike) or ``True``/``"top_left"``."""
+    causal = _causal_only(causal, "lightning_topk")
+    top_k = positive_int(top_k, "top_k (keys per query token)")
+    scores = lightning_scores(index_q, index_k, weights)
+    Tq, Tk = scores.shape[1], scores.shape[2]
+    pos = _positions(causal, Tq, Tk, scores.device)
+    eligible = torch.arange(Tk, device=scores.device) <= pos[:, None]
+    return Selection(ranked_topk(scores, min(top_k, Tk), eligible=eligible, ties="higher")[:, None], 1)
+
+
+# ------------------------------------------------------------------------------------------ specs
+#: the selector classes a spec string names (what ``config.sparse_attention`` of the Hugging Face
+#: integration accepts as an object, too)
+SPEC_TYPES = (MoBASelector, PooledTopKSelector)
 
 #: selector spec names -> (factory, parameter names in positional order, aliases)
-SPECS = {"moba": (moba, ("block_size", "top_k"), {"block": "block_size", "b": "block_size", "k": "top_k",
-                                                     "topk": "top_k"})}
+SPECS = {
+    "moba": (moba, ("chunk_size", "top_k"), {"block": "chunk_size", "block_size": "chunk_size", "chunk": "chunk_size",
+                                             "b": "chunk_size", "k": "top_k", "topk": "top_k"}),
+    "pooled_topk": (pooled_topk, ("block_size", "top_k"), {"block": "block_size", "b": "block_size", "k": "top_k",
+                                                           "topk": "top_k"}),
+}
 
 
 def is_spec(spec) -> bool:
-    """Whether ``spec`` is a selector spec string (``"moba:..."``) rather than a static pattern's."""
+    """Whether ``spec`` is a selector spec string (``"moba:..."``, ``"pooled_topk:..."``) rather than a
+    static pattern's."""
     return isinstance(spec, str) and spec.strip().split(":", 1)[0].strip() in SPECS
 
 
-def from_spec(spec: str, *, causal=True) -> MoBASelector:
-    """A selector from a spec string: ``"moba:block=64,top_k=8"`` (or positionally ``"moba:64,8"``;
-    keys ``block``/``block_size``, ``top_k``/``k``). ``ValueError`` naming the accepted form otherwise."""
+def from_spec(spec: str, *, causal=True):
+    """A selector from a spec string: ``"moba:block=64,top_k=8"`` (exact MoBA, :func:`moba`) or
+    ``"pooled_topk:block=64,top_k=8"`` (:func:`pooled_topk`), or positionally ``"moba:64,8"``; keys
+    ``block``/``block_size`` (``chunk`` for moba), ``top_k``/``k``. ``ValueError`` naming the accepted
+    form otherwise."""
     name, _, args = spec.strip().partition(":")
     if name.strip() not in SPECS:
         raise ValueError(f"unknown selector {name!r} in {spec!r}; available: {sorted(SPECS)}")
     factory, params, aliases = SPECS[name.strip()]
-    form = f"{name}:" + ",".join(f"{p}=<int>" for p in params)
+    form = f"{name.strip()}:" + ",".join(f"{p}=<int>" for p in params)
     values: dict = {}
     for i, arg in enumerate(a.strip() for a in args.split(",") if a.strip()):
         key, eq, value = arg.partition("=")
@@ -115,4 +437,5 @@ def from_spec(spec: str, *, causal=True) -> MoBASelector:
     return factory(**values, causal=causal)
 
 
-__all__ = ["MoBASelector", "block_means", "from_spec", "is_spec", "moba"]
+__all__ = ["MoBASelector", "NSASelector", "PooledTopKSelector", "SPEC_TYPES", "block_means", "from_spec",
+           "is_spec", "lightning_scores", "lightning_topk", "moba", "nsa", "pooled_topk", "whole_block_means"]

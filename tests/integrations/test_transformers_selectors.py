@@ -1,6 +1,12 @@
-"""Hugging Face integration with a data-dependent selection: ``config.sparse_attention =
-"moba:block=...,top_k=..."`` against `sdpa` under the element mask the selector chooses from the
-same queries and keys (prefill, padded batches, generation), and the spec's errors."""
+"""Hugging Face integration with data-dependent selections.
+
+``config.sparse_attention = "moba:block=...,top_k=..."`` runs exact MoBA: against MoBA's own prefill
+(the transcribed ``moba_attn_varlen_naive`` with K/V repeated per query head, as ``moba/wrapper.py``)
+registered as an attention implementation; padded (left and right) and packed batches against the
+same model run on each sequence alone (MoBA's varlen semantics: chunks restart per sequence);
+generation with the KV cache (decode rows, bottom-right) against generation that re-runs MoBA's
+prefill at every step. ``"pooled_topk:..."`` (the former ``"moba:..."`` selector) against ``sdpa``
+under the element mask the selector chooses. And the specs' errors."""
 from __future__ import annotations
 
 import pytest
@@ -9,13 +15,17 @@ from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from selection.transcribed import moba
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.integrations import transformers as sia_hf
+from sparse_io_attn.integrations.transformers.layouts import selection_layout_with_mask
 from sparse_io_attn.nn import selectors
 
 NAME = sia_hf.register()
 VOCAB = 97
-SPEC = "moba:block=8,top_k=2"
+POOLED = "pooled_topk:block=8,top_k=2"
+MOBA = "moba:block=8,top_k=3"
+MOBA_TORCH = {"pattern": MOBA, "backend": "torch"}   # selection_attention's torch backend (any machine)
 
 
 def _config(**kw):
@@ -23,11 +33,11 @@ def _config(**kw):
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **kw)
 
 
-def _moba_reference(module, query, key, value, attention_mask, **kwargs):
-    """`sdpa` under the selection's element mask: the selector on the same q/k (float64 scores do not
-    change the choice here), bottom-right causal, the model's own mask."""
+def _pooled_reference(module, query, key, value, attention_mask, **kwargs):
+    """`sdpa` under the pooled selection's element mask: the selector on the same q/k, bottom-right
+    causal, the model's own mask."""
     q, kv = query.shape[2], key.shape[2]
-    layout = selectors.moba(8, 2, causal="bottom_right")(query, key)
+    layout = selectors.pooled_topk(8, 2, causal="bottom_right")(query, key)
     group = query.shape[1] // key.shape[1]
     mask = layout.to_dense_mask().repeat_interleave(group, 1)          # [B, Hq, q, kv]
     i = torch.arange(kv - q, kv)[:, None]
@@ -38,41 +48,131 @@ def _moba_reference(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
 
 
-REF = "sdpa_moba_reference"
-AttentionInterface.register(REF, _moba_reference)
-AttentionMaskInterface.register(REF, sdpa_mask)
+def _moba_prefill_reference(module, query, key, value, attention_mask, **kwargs):
+    """MoBA's own prefill: moba/wrapper.py repeats K/V to the query heads and calls the kernel per
+    sequence (here the transcribed moba_attn_varlen_naive); no mask, q_len == kv_len only."""
+    assert attention_mask is None and query.shape[2] == key.shape[2], "MoBA's reference runs unpadded prefill"
+    B, Hq, N, D = query.shape
+    pack = lambda t: t.repeat_interleave(Hq // t.shape[1], 1).permute(0, 2, 1, 3).reshape(B * N, Hq, D)  # noqa: E731
+    cu = torch.arange(B + 1, dtype=torch.int32) * N
+    o = moba.moba_attn_varlen_naive(pack(query), pack(key), pack(value), cu, N, 8, 3)
+    return o.view(B, N, Hq, D), None
 
 
-def _pair():
+AttentionInterface.register("sdpa_pooled_reference", _pooled_reference)
+AttentionMaskInterface.register("sdpa_pooled_reference", sdpa_mask)
+AttentionInterface.register("moba_prefill_reference", _moba_prefill_reference)
+AttentionMaskInterface.register("moba_prefill_reference", lambda *args, **kwargs: None)
+
+
+def _pair(spec, reference):
     cfg = _config()
-    cfg.sparse_attention = SPEC
+    cfg.sparse_attention = spec
     sp = AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME)
-    ref = AutoModelForCausalLM.from_config(_config(), attn_implementation=REF)
+    ref = AutoModelForCausalLM.from_config(_config(), attn_implementation=reference)
     ref.load_state_dict(sp.state_dict())
     return ref.eval(), sp.eval()
 
 
-def test_moba_spec_matches_reference_logits_and_grads():
+def _logits_and_grads(model, ids, **kw):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, **kw).logits
+    (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------- exact MoBA
+def test_moba_spec_is_mobas_prefill():
     torch.manual_seed(0)
-    ref, sp = _pair()
-    ids = torch.randint(0, VOCAB, (2, 45))      # ragged: 45 tokens in blocks of 8
-    outs = []
-    for model in (ref, sp):
-        model.zero_grad(set_to_none=True)
-        logits = model(ids).logits
-        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
-        outs.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    assert rel_err(outs[1][0], outs[0][0]) < 1e-5
-    for name, g in outs[0][1].items():
-        assert rel_err(outs[1][1][name], g) < 1e-4, name
-    # without an element mask the selection is the layout: no static layout was built beside it
+    ref, sp = _pair(MOBA_TORCH, "moba_prefill_reference")
+    ids = torch.randint(0, VOCAB, (2, 45))      # ragged: 45 tokens in chunks of 8
+    (a, ga), (b, gb) = _logits_and_grads(sp, ids), _logits_and_grads(ref, ids)
+    assert rel_err(a, b) < 1e-5
+    for name, g in gb.items():
+        assert rel_err(ga[name], g) < 1e-4, name
     cached = [key for m in sp.modules() for key in getattr(m, "_sparse_io_attn_layouts", {})]
-    assert cached and all(key[0] == "selector" for key in cached), cached
+    assert cached and all(key[0] == "selector" for key in cached), cached       # no layout built beside it
 
 
-def test_moba_spec_with_padding_and_generation():
+def test_moba_spec_with_left_and_right_padding_is_moba_of_each_sequence():
+    """Padded rows: each sequence's chunks start at its first token (MoBA of the unpadded sequence)."""
     torch.manual_seed(1)
-    ref, sp = _pair()
+    ref, sp = _pair(MOBA_TORCH, "moba_prefill_reference")
+    ids = torch.randint(0, VOCAB, (2, 30))
+    am = torch.ones(2, 30, dtype=torch.long)
+    am[0, :5] = 0                                    # left padding
+    am[1, 22:] = 0                                   # right padding
+    with torch.no_grad():
+        got = sp(ids, attention_mask=am).logits
+        for b in range(2):
+            keep = am[b].bool()
+            want = ref(ids[b:b + 1, keep]).logits[0]
+            assert rel_err(got[b, keep], want) < 1e-4, b   # RoPE at shifted positions: rounding only
+
+
+def test_moba_spec_with_packed_sequences_is_mobas_varlen():
+    """position_ids restarting at 0 (packing: no attention_mask, no cache): MoBA's cu_seqlens semantics."""
+    torch.manual_seed(2)
+    ref, sp = _pair(MOBA_TORCH, "moba_prefill_reference")
+    lens = (17, 23)
+    ids = torch.randint(0, VOCAB, (1, sum(lens)))
+    pid = torch.cat([torch.arange(n) for n in lens])[None]
+    with torch.no_grad():
+        got = sp(ids, position_ids=pid, use_cache=False).logits[0]
+        want = torch.cat([ref(ids[:, :17]).logits[0], ref(ids[:, 17:]).logits[0]])
+    assert rel_err(got, want) < 1e-5
+
+
+def test_moba_spec_generates_as_mobas_prefill_at_every_step():
+    """Decode rows (bottom-right, over the KV cache) select as the same rows in prefill: greedy
+    generation with the cache equals generation that re-runs MoBA's prefill at every step, also for a
+    left-padded batch (the padded path, per sequence)."""
+    torch.manual_seed(3)
+    ref, sp = _pair(MOBA_TORCH, "moba_prefill_reference")
+    prompts = [torch.randint(0, VOCAB, (1, n)) for n in (20, 13)]
+    with torch.no_grad():
+        gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)      # no early end of sequence
+        want = [ref.generate(p, use_cache=False, **gen) for p in prompts]
+        assert torch.equal(sp.generate(prompts[0], **gen), want[0])
+        batch = torch.zeros(2, 20, dtype=torch.long)
+        am = torch.zeros(2, 20, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            batch[b, 20 - p.shape[1]:], am[b, 20 - p.shape[1]:] = p[0], 1
+        got = sp.generate(batch, attention_mask=am, pad_token_id=0, **gen)
+    for b, p in enumerate(prompts):
+        assert torch.equal(got[b, 20:], want[b][0, p.shape[1]:]), b
+
+
+def test_masks_without_per_sequence_meaning_are_refused():
+    sel = selectors.moba(4, 2, causal="bottom_right")
+    q, k = torch.randn(1, 2, 12, 8), torch.randn(1, 1, 12, 8)
+    i = torch.arange(12)
+    window = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4)          # a model's own sliding window
+    with pytest.raises(NotImplementedError, match="not one sequence"):
+        selection_layout_with_mask(sel, window[None, None], q, k, (4, 4))
+    with pytest.raises(NotImplementedError, match="after its own position"):
+        selection_layout_with_mask(sel, torch.ones(1, 1, 12, 12, dtype=torch.bool), q, k, (4, 4))
+    cfg = _config()
+    cfg.sparse_attention = MOBA
+    attn = AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME).model.layers[0].self_attn
+    with pytest.raises(ValueError, match="causal by definition"):
+        sia_hf.layouts.module_selector(attn, False)
+
+
+# ------------------------------------------------------------------------------------ pooled top-k
+def test_pooled_spec_matches_reference_logits_and_grads():
+    torch.manual_seed(0)
+    ref, sp = _pair(POOLED, "sdpa_pooled_reference")
+    ids = torch.randint(0, VOCAB, (2, 45))
+    (a, ga), (b, gb) = _logits_and_grads(sp, ids), _logits_and_grads(ref, ids)
+    assert rel_err(a, b) < 1e-5
+    for name, g in gb.items():
+        assert rel_err(ga[name], g) < 1e-4, name
+
+
+def test_pooled_spec_with_padding_and_generation():
+    torch.manual_seed(1)
+    ref, sp = _pair(POOLED, "sdpa_pooled_reference")
     ids = torch.randint(0, VOCAB, (2, 30))
     am = torch.ones(2, 30, dtype=torch.long)
     am[1, 22:] = 0                                   # right padding: the mask path intersects
@@ -89,18 +189,22 @@ def test_moba_spec_with_padding_and_generation():
 
 def test_selector_specs_and_errors():
     sel = selectors.from_spec("moba:64,8")
-    assert (sel.block_size, sel.top_k) == (64, 8)
+    assert isinstance(sel, selectors.MoBASelector) and (sel.chunk_size, sel.top_k) == (64, 8)
     assert selectors.from_spec(" moba : k=4, block=32").top_k == 4
-    assert selectors.is_spec("moba:block=64,top_k=8") and not selectors.is_spec("sliding_window:64")
+    pooled = selectors.from_spec("pooled_topk:block=16,top_k=2")
+    assert isinstance(pooled, selectors.PooledTopKSelector) and (pooled.block_size, pooled.top_k) == (16, 2)
+    assert selectors.is_spec("moba:block=64,top_k=8") and selectors.is_spec("pooled_topk:8,2")
+    assert not selectors.is_spec("sliding_window:64")
     for bad, match in (("moba:block=64", "misses"), ("moba:block=x,top_k=2", "must be an int"),
-                       ("moba:block=64,top_k=2,z=1", "unexpected"), ("moba:block=0,top_k=2", "positive")):
+                       ("moba:block=64,top_k=2,z=1", "unexpected"), ("moba:block=0,top_k=2", "positive"),
+                       ("nsa:64,16", "unknown selector")):
         with pytest.raises(ValueError, match=match):
             selectors.from_spec(bad)
     cfg = _config()
     cfg.sparse_attention = "moba:block=8"
     with pytest.raises(ValueError, match="config.sparse_attention: .*misses"):
         sia_hf.layer_pattern(cfg, 0)
-    cfg.sparse_attention = [SPEC, "sliding_window:16"]
+    cfg.sparse_attention = [MOBA, "sliding_window:16"]
     pat = sia_hf.layer_pattern(cfg, 0)
     assert pat.selector is not None and pat.is_dense and pat.block_size == (8, 8)
     assert sia_hf.layer_pattern(cfg, 1).selector is None

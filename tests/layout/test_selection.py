@@ -238,3 +238,27 @@ def test_user_built_fixed_capacity_layout_is_validated():
     assert not unchecked.checked
     with pytest.raises(ValueError, match="col_indices"):
         unchecked.check()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("ties", ["lower", "higher"])
+def test_ranked_topk_against_a_stable_sort(dtype, ties):
+    """``patterns.ranked_topk``: the best first, equal scores ordered by index (lower or higher first),
+    NaN as -inf, -0.0 as 0.0, ineligible entries never chosen (-1 slots trail); brute force: a
+    stable sort of (eligible, score, tie-break index) per row, in float64."""
+    scores = torch.randint(-3, 4, (5, 7, 11)).to(dtype)                    # many exact ties
+    scores[0, 0, :3] = torch.tensor([float("nan"), -0.0, 0.0], dtype=dtype)
+    eligible = torch.rand(5, 7, 11) < 0.7
+    got = patterns.ranked_topk(scores, 4, eligible=eligible, ties=ties)
+    assert got.shape == (5, 7, 4) and got.dtype == torch.int64
+    for row, s, e in zip(got.view(-1, 4), scores.view(-1, 11), eligible.view(-1, 11)):
+        key = [(-float("inf") if math.isnan(x) else x + 0.0, c if ties == "higher" else -c)
+               for c, x in enumerate(s.double().tolist())]
+        want = sorted((c for c in range(11) if e[c]), key=lambda c: key[c], reverse=True)[:4]
+        assert row.tolist() == want + [-1] * (4 - len(want))
+    x = torch.randn(6, 40)
+    assert torch.equal(patterns.ranked_topk(x, 7), torch.topk(x, 7).indices)     # no tie: torch.topk's set
+    with no_host_sync():
+        patterns.ranked_topk(x, 3, eligible=x > 0, ties="higher")
+    with pytest.raises(ValueError, match="ties must be"):
+        patterns.ranked_topk(x, 3, ties="first")

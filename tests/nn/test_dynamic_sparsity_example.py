@@ -1,6 +1,7 @@
-"""examples/train_dynamic_sparsity.py: the three attention methods (dense causal, static block window,
-MoBA-style selection) train the same model from the same initialisation, the window keeps MoBA's
-block budget, and with a budget covering every causal block the three runs coincide."""
+"""examples/train_dynamic_sparsity.py: the six attention methods (dense causal, static block window,
+pooled top-k, exact MoBA, NSA's selection, the NSA layer) train; the five SparseSelfAttention methods
+start from the same initialisation, the window, pooled top-k, MoBA and NSA's selection keep the same
+block budget per query, and with a budget covering every causal block those five runs coincide."""
 import importlib.util
 import math
 import sys
@@ -57,8 +58,9 @@ def test_static_methods_match_float64_reference(method):
     assert (out.double() - ref).norm() / ref.norm() < 1e-5
 
 
-def test_window_keeps_the_moba_budget_per_row():
-    """Row r of both layouts keeps min(top_k, r + 1) key blocks; the window's are r - top_k + 1 .. r."""
+def test_window_keeps_the_selectors_budget():
+    """Row r of the window keeps min(top_k, r + 1) key blocks (r - top_k + 1 .. r); pooled top-k per
+    query block, MoBA and NSA's selection per query token read as many."""
     top_k, block, n = 3, 8, 60
     window = dyn.block_window(n, block, top_k).to_block_mask()[0, 0]
     rows = torch.arange(8)
@@ -66,19 +68,28 @@ def test_window_keeps_the_moba_budget_per_row():
     r, c = rows[:, None], rows[None, :]
     assert torch.equal(window, (c <= r) & (c > r - top_k))
     q, k = torch.randn(2, 4, n, 16), torch.randn(2, 2, n, 16)
-    moba = dyn.selectors.moba(block, top_k)(q, k).to_block_mask()
-    assert torch.equal(moba.sum(-1), window.sum(-1).expand(2, 2, 8))
+    pooled = dyn.selectors.pooled_topk(block, top_k)(q, k).to_block_mask()
+    assert torch.equal(pooled.sum(-1), window.sum(-1).expand(2, 2, 8))
+    per_token = window.sum(-1).repeat_interleave(block)[:n].double().mean().item()
+    for name in ("moba", "nsa_select"):
+        sel = dyn.SELECTORS[name](block, top_k)(q, k)
+        assert dyn.selected_blocks_per_query(sel, n) == pytest.approx(per_token), name
 
 
-def test_three_methods_same_init_same_start_and_learn():
-    """One seed gives the three models identical parameters; each learns in 8 steps (finite losses,
-    validation loss falls), and the window and MoBA keep the same blocks per row, fewer than dense."""
+SAME_INIT = ("dense", "window", "pooled_topk", "moba", "nsa_select")
+
+
+def test_methods_same_init_same_start_and_learn():
+    """One seed gives the five SparseSelfAttention models identical parameters (nsa has its own); each
+    method learns in 8 steps (finite losses, validation loss falls), and the sparse ones read the same
+    blocks per query, fewer than dense."""
     cfg = dyn.Config(**TINY, steps=8)
     corpus = dyn.char_lm.Corpus()
-    states = [dyn.build_model(m, corpus.vocab_size, cfg, top_k=3).state_dict() for m in dyn.METHODS]
-    assert states[0].keys() == states[1].keys() == states[2].keys()
-    for name in states[0]:
-        assert torch.equal(states[0][name], states[1][name]) and torch.equal(states[0][name], states[2][name]), name
+    states = [dyn.build_model(m, corpus.vocab_size, cfg, top_k=3).state_dict() for m in SAME_INIT]
+    for other in states[1:]:
+        assert other.keys() == states[0].keys()
+        assert all(torch.equal(states[0][name], other[name]) for name in states[0])
+    assert "blocks.0.attn.g_proj.weight" in dyn.build_model("nsa", corpus.vocab_size, cfg, top_k=3).state_dict()
     runs = {m: dyn.run(m, corpus, cfg, top_k=3, eval_every=4, eval_batches=1) for m in dyn.METHODS}
     for m, r in runs.items():
         assert [s for s, *_ in r["rows"]] == [0, 4, 8], m
@@ -92,16 +103,19 @@ def test_three_methods_same_init_same_start_and_learn():
     starts = [r["rows"][0][2] for r in runs.values()]
     assert max(starts) - min(starts) < 0.05, starts
     assert runs["dense"]["kept_per_row"] == 36 / 8
-    assert runs["window"]["kept_per_row"] == runs["moba"]["kept_per_row"] == 21 / 8
+    assert runs["window"]["kept_per_row"] == runs["pooled_topk"]["kept_per_row"] == 21 / 8
+    for m in ("moba", "nsa_select", "nsa"):
+        k = 4 if m == "nsa" else 3                       # fla's layer rounds block_counts up to a power of two
+        assert runs[m]["kept_per_row"] == pytest.approx(sum(min(k, t // 8 + 1) for t in range(60)) / 60), m
 
 
-def test_budget_covering_every_causal_block_makes_the_three_coincide():
-    """top_k = blocks per row: the window and MoBA keep every causal block, so the three runs compute
-    the same attention and their training losses agree step by step."""
+def test_budget_covering_every_causal_block_makes_the_five_coincide():
+    """top_k = blocks per row: the window, pooled top-k, MoBA and NSA's selection keep every causal
+    block, so the five runs compute the same attention and their training losses agree step by step."""
     cfg = dyn.Config(**TINY, steps=6)
     corpus = dyn.char_lm.Corpus()
-    losses = {m: dyn.run(m, corpus, cfg, top_k=8, eval_every=0, eval_batches=1)["train"] for m in dyn.METHODS}
-    for m in ("window", "moba"):
+    losses = {m: dyn.run(m, corpus, cfg, top_k=8, eval_every=0, eval_batches=1)["train"] for m in SAME_INIT}
+    for m in SAME_INIT[1:]:
         for step, (a, b) in enumerate(zip(losses[m], losses["dense"])):
             assert abs(a - b) <= 1e-5 * abs(b), f"{m} step {step}: {a} vs dense {b}"
 

@@ -22,16 +22,17 @@ _DICT_KEYS = {"pattern", "block_size", "backend"}
 @dataclass(frozen=True)
 class LayerPattern:
     """The resolved pattern of one layer: ``pattern`` is ``None`` (dense), a spec string or a
-    callable ``(seqlen_q, seqlen_k, layer_idx) -> layout``; ``selector`` (a selector spec such as
-    ``"moba:block=64,top_k=8"``, or a :class:`~sparse_io_attn.nn.selectors.MoBASelector`) chooses
-    the layout from the activations at every forward, intersected with the model's mask (the static
+    callable ``(seqlen_q, seqlen_k, layer_idx) -> layout``; ``selector`` (from a selector spec such as
+    ``"moba:block=64,top_k=8"`` or ``"pooled_topk:block=64,top_k=8"``, or a
+    :class:`~sparse_io_attn.nn.selectors.MoBASelector` / ``PooledTopKSelector``) chooses what each
+    query attends from the activations at every forward, within the model's mask (the static
     ``pattern`` is then dense, ``block_size`` the selector's)."""
 
     pattern: Any
     block_size: tuple[int, int]
     backend: str
     layer_idx: Optional[int]
-    selector: Optional[selectors.MoBASelector] = None
+    selector: Optional[Any] = None
 
     @property
     def is_dense(self) -> bool:
@@ -66,9 +67,9 @@ def _entry(raw, block_size, backend, where: str):
         raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
     if raw is None:
         return None, block_size, backend
-    if isinstance(raw, selectors.MoBASelector) or selectors.is_spec(raw):
+    if isinstance(raw, selectors.SPEC_TYPES) or selectors.is_spec(raw):
         try:
-            selector = raw if isinstance(raw, selectors.MoBASelector) else selectors.from_spec(raw)
+            selector = raw if isinstance(raw, selectors.SPEC_TYPES) else selectors.from_spec(raw)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         return selector, (selector.block_size,) * 2, backend
@@ -84,7 +85,7 @@ def _entry(raw, block_size, backend, where: str):
     if callable(raw):
         return raw, block_size, backend
     raise TypeError(f"{where}: expected None, a pattern spec string (e.g. 'sliding_window:window=256'), a "
-                    f"selector spec (e.g. 'moba:block=64,top_k=8'), a "
+                    f"selector spec (e.g. 'moba:block=64,top_k=8' or 'pooled_topk:block=64,top_k=8'), a "
                     f"callable (seqlen_q, seqlen_k, layer_idx) -> BlockSparseLayout, a dict "
                     f"{{'pattern': ..., 'block_size': ...}} or a per-layer list; got {type(raw).__name__}")
 
@@ -108,7 +109,7 @@ def layer_pattern(config, layer_idx: Optional[int] = None) -> LayerPattern:
         where = f"{where}[{layer_idx}]"
         raw = raw[layer_idx]
     pattern, block_size, backend = _entry(raw, block_size, backend, where)
-    if isinstance(pattern, selectors.MoBASelector):
+    if isinstance(pattern, selectors.SPEC_TYPES):
         return LayerPattern(None, block_size, backend, layer_idx, selector=pattern)
     return LayerPattern(pattern, block_size, backend, layer_idx)
 

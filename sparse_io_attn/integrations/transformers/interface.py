@@ -14,8 +14,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
                       "pip install 'sparse-io-attn[hf]' (or pip install 'transformers>=5')") from exc
 
 from sparse_io_attn.integrations.transformers.layouts import (check_lengths, layout_no_mask, layout_with_mask,
-                                                              module_selector, remember_mask)
+                                                              module_selector, remember_mask,
+                                                              selection_layout_with_mask)
 from sparse_io_attn.block_sparse.api import block_sparse_attention
+from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.selection.api import selection_attention
 
 DEFAULT_NAME = "sparse_io_attn"
 
@@ -101,8 +104,15 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         if selector is not None:   # chosen from this call's queries and keys (the queries are the last q keys)
             check_lengths(q, kv)
             layout = selector(query, key)
+            if isinstance(layout, Selection):   # per token (exact MoBA): the selection op, no layout
+                out = selection_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend,
+                                          check=False)
+                return out.transpose(1, 2).contiguous(), None
         else:
             layout, backend = layout_no_mask(module, q, kv, device, causal)
+    elif selector is not None and selector.per_token:   # chosen per sequence of the padded or packed batch
+        layout = selection_layout_with_mask(selector, attention_mask, query, key, (selector.block_size,) * 2)
+        causal = False
     else:
         layout, backend = layout_with_mask(module, attention_mask, q, kv, kwargs.get("position_ids"), device)
         causal = False  # the element mask carries the model's causality

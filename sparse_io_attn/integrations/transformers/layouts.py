@@ -1,7 +1,9 @@
 """Layouts per call: the pattern on ``n`` positions (cached, shared by every model and layer), its
 rows and columns for a KV-cache call (queries at absolute positions ``q_start..``, keys at
 ``kv_start..``), and its intersection with the model's element mask (padding, packed documents,
-static caches, a model's own sliding window). Building is kept out of ``torch.compile`` graphs."""
+static caches, a model's own sliding window); a per-token selector's choice under an element mask,
+made per sequence (:func:`selection_layout_with_mask`). Building is kept out of ``torch.compile``
+graphs."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -12,9 +14,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.integrations.transformers.config import CONFIG_ATTR, LayerPattern, layer_pattern, module_pattern
-from sparse_io_attn.nn import selectors
 from sparse_io_attn.layout import patterns
 from sparse_io_attn.layout.core import BlockSparseLayout
+from sparse_io_attn.layout.selection import layout_from_selection
 
 _SQUARE_CACHE_SIZE = 64     # (pattern, n) -> square layout, shared by every model and layer (LRU)
 _MODULE_CACHE_SIZE = 256    # (seqlen_q, seqlen_k, device) -> layout, per attention module (cleared when full)
@@ -116,8 +118,8 @@ def _remember(module, key, value):
 
 def module_selector(module, causal):
     """``(selector, backend)``: the module's selector (``config.sparse_attention`` such as
-    ``"moba:block=64,top_k=8"``) with the model's causality, or ``None`` for a static pattern, and the
-    backend its layouts run on (cached on the module)."""
+    ``"moba:block=64,top_k=8"`` or ``"pooled_topk:block=64,top_k=8"``) with the model's causality, or
+    ``None`` for a static pattern, and the backend its attention runs on (cached on the module)."""
     cache = getattr(module, _MODULE_CACHE_ATTR, None)
     key = ("selector", causal)
     if cache is not None and key in cache:
@@ -131,7 +133,15 @@ def _build_selector(module, causal):
     pat = module_pattern(module)
     selector = pat.selector
     if selector is not None:
-        selector = selectors.moba(selector.block_size, selector.top_k, causal=causal)
+        try:
+            selector = selector.with_causal(causal)
+        except ValueError as exc:
+            raise ValueError(f"config.{CONFIG_ATTR}: {exc} (this model's attention is not causal)") from None
+        if selector.per_token and getattr(module, "sliding_window", None) is not None:
+            raise NotImplementedError(f"config.{CONFIG_ATTR}: {selector!r} under the model's own sliding window "
+                                      f"({module.sliding_window}) has no reference semantics (MoBA's chunks and gate "
+                                      f"see the whole sequence); set sliding_window=None on the config, or use "
+                                      f"'pooled_topk:...'")
     return _remember(module, ("selector", causal), (selector, pat.backend))
 
 
@@ -248,6 +258,71 @@ def layout_with_mask(module, mask: torch.Tensor, q: int, kv: int, position_ids, 
     entry = (_finish(layout, device, False), pat.backend)
     per_mask[key] = entry
     return entry
+
+
+def _runs(values: list) -> list[tuple[int, int, int]]:
+    """``[(value, start, stop)]``: the maximal runs of equal consecutive values."""
+    runs, r0 = [], 0
+    for t in range(1, len(values) + 1):
+        if t == len(values) or values[t] != values[r0]:
+            runs.append((values[r0], r0, t))
+            r0 = t
+    return runs
+
+
+@torch.compiler.disable(reason="sparse_io_attn: a per-token selection under a padded or packed mask is made per "
+                        "sequence and becomes a per-batch layout (data-dependent)")
+def selection_layout_with_mask(selector, mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                               block_size) -> BlockSparseLayout:
+    """The layout of a per-token selector's choice (a :class:`~sparse_io_attn.Selection`, e.g. exact
+    MoBA) under the model's element mask: each query row's sequence is the run of keys its mask
+    allows, from its first allowed key ``a`` to its own position ``p``; the selector runs on each
+    sequence alone (keys ``a..p``, bottom-right), as the reference does per sequence of a varlen
+    batch (MoBA's ``cu_seqlens``: chunks restart at every sequence start), and the choice is
+    intersected with the mask element by element. Exact for right and left padding, packed
+    documents (``position_ids`` restarting) and decoding over a padded cache.
+
+    Refused (``NotImplementedError``): a mask whose rows allow a key after the row's own position
+    (not causal) or one that does not follow a sequence (a row that starts a new run of keys not at
+    its own position, e.g. a model's own sliding window), and per-head masks. Cost: one
+    ``bool [B, Hq, Nq, Nk]`` element mask per call, and one selector call per sequence."""
+    q, kv = query.shape[2], key.shape[2]
+    B, Hq = query.shape[:2]
+    allowed = _element_mask(mask, q, kv)
+    if allowed.shape[1] != 1:
+        raise NotImplementedError(f"sparse_io_attn: {selector!r} under a per-head attention mask "
+                                  f"({allowed.shape[1]} heads) is not supported; pass a mask shared by the heads")
+    allowed = allowed[:, 0].expand(B, q, kv).to(query.device)
+    q_offset, kv_offset, _ = _MASK_INFO.get(mask, (kv - q, 0, False))
+    pos = torch.arange(q, device=query.device) + (int(q_offset) - int(kv_offset))   # key index of each row
+    live = allowed.any(-1)
+    start = torch.where(live, allowed.to(torch.int8).argmax(-1), -1)               # first allowed key
+    j = torch.arange(kv, device=query.device)
+    inside = (j >= start[..., None]) & (j <= pos[:, None])
+    if bool((allowed & ~inside).any()):
+        raise NotImplementedError(f"sparse_io_attn: {selector!r} under an attention mask that lets a query see a "
+                                  f"key after its own position is not supported (per-token selectors here are causal)")
+    chosen = torch.zeros(B, Hq, q, kv, dtype=torch.bool, device=query.device)
+    positions = pos.tolist()
+    for b in range(B):
+        first = True
+        for a, r0, r1 in _runs(start[b].tolist()):
+            if a < 0:
+                continue
+            if not first and a != positions[r0]:
+                raise NotImplementedError(
+                    f"sparse_io_attn: {selector!r} under this attention mask: query row {r0} of batch element {b} "
+                    f"starts its keys at {a}, not at its own position {positions[r0]}, so its keys are not one "
+                    f"sequence (a model's sliding window?); per-token selectors need causal masks of padded or "
+                    f"packed sequences")
+            first = False
+            end = positions[r1 - 1] + 1
+            sub = selector(query[b:b + 1, :, r0:r1], key[b:b + 1, :, a:end])
+            rows = layout_from_selection(sub, end - a, block_size_q=r1 - r0, causal="bottom_right").to_dense_mask()
+            chosen[b, :, r0:r1, a:end] = rows[0].repeat_interleave(Hq // sub.num_selections, 0)
+    layout = BlockSparseLayout.from_dense_mask(chosen & allowed[:, None], block_size, name=f"{selector!r} & mask")
+    plan(layout, causal=False)
+    return layout
 
 
 @torch.compiler.disable(reason="sparse_io_attn: remembering the offsets of a materialized mask")

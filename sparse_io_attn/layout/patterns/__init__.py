@@ -60,9 +60,9 @@ Keys accept the full parameter names and the short aliases in ``ALIASES`` (``w``
 from sparse_io_attn.layout.patterns._grid import MAX_SEQLEN
 from sparse_io_attn.layout.patterns.builders import (bigbird, block_diagonal, causal, dense, document, fixed,
                                                      longformer, prefix_lm, random, sliding_window, strided)
-from sparse_io_attn.layout.patterns.selection import topk
+from sparse_io_attn.layout.patterns.selection import ranked_topk, topk
 from sparse_io_attn.layout.patterns.spec import ALIASES, SPEC_PARAMS, available, from_spec, get, parse_spec
 
 __all__ = ["dense", "causal", "sliding_window", "strided", "fixed", "longformer", "bigbird", "random",
-           "document", "block_diagonal", "prefix_lm", "topk", "from_spec", "parse_spec", "get", "available",
+           "document", "block_diagonal", "prefix_lm", "topk", "ranked_topk", "from_spec", "parse_spec", "get", "available",
            "SPEC_PARAMS", "ALIASES", "MAX_SEQLEN"]

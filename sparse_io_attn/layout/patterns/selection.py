@@ -95,6 +95,66 @@ def topk(block_scores: torch.Tensor, k: int, block_size, seqlen, *, causal=False
     return BlockSparseLayout.from_kv_indices(chosen, (bq, bk), (sq, sk), check=False, name=name)
 
 
+def ranked_topk(scores: torch.Tensor, k: int, *, eligible: torch.Tensor | None = None,
+                ties: str = "lower") -> torch.Tensor:
+    """The indices of the ``k`` highest ``scores`` along the last dimension, best first, **ties broken
+    by the index**: the lower one first (``ties="lower"``) or the higher one (``ties="higher"``), the
+    same choice on every device and run (``torch.topk``'s own order among equal values is unspecified
+    and differs between CPU and CUDA).
+
+    Args:
+        scores: floating ``[..., M]``. NaN ranks as ``-inf``; ``-0.0`` equals ``0.0``.
+        k: a positive int; ``min(k, M)`` slots are returned.
+        eligible: optional bool, broadcastable to ``scores``: entries that may be chosen. An
+            ineligible entry is never chosen, whatever its score; a row with fewer than ``k``
+            eligible entries gets ``-1`` in its trailing slots.
+
+    Returns int64 ``[..., min(k, M)]``. float16/bfloat16/float32 scores are ranked exactly through
+    one int64 key per entry (the score's order-preserving bits, then the index), so one
+    ``torch.topk`` without ties does the work; float64 scores through two stable sorts. Tensor
+    operations only (no host synchronisation), shapes fixed by the inputs' shapes.
+    """
+    if not isinstance(scores, torch.Tensor) or not scores.is_floating_point():
+        got = scores.dtype if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise TypeError(f"scores must be a floating-point tensor, got {got}")
+    positive_int(k, "k (entries kept per row)")
+    if ties not in ("lower", "higher"):
+        raise ValueError(f"ties must be 'lower' or 'higher' (which index wins among equal scores), got {ties!r}")
+    M = scores.shape[-1]
+    kk = min(k, M)
+    if M == 0:
+        return torch.empty(*scores.shape[:-1], 0, dtype=torch.int64, device=scores.device)
+    dev = scores.device
+    if eligible is None:
+        eligible = torch.ones((), dtype=torch.bool, device=dev)
+    elif not isinstance(eligible, torch.Tensor) or eligible.dtype != torch.bool:
+        raise TypeError("eligible must be a torch.bool tensor broadcastable to scores")
+    column = torch.arange(M, device=dev)
+    if scores.dtype == torch.float64:
+        s = torch.nan_to_num(scores, nan=-math.inf) + 0.0
+        ok = torch.broadcast_to(eligible, scores.shape)
+        if ties == "higher":                              # stable sorts keep the first of equals: flip
+            s, ok = s.flip(-1), ok.flip(-1)
+        by_score = torch.sort(s, dim=-1, descending=True, stable=True).indices
+        ok = ok.gather(-1, by_score)
+        by_class = torch.sort(ok.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        chosen = by_score.gather(-1, by_class)[..., :kk]
+        if ties == "higher":
+            chosen = M - 1 - chosen
+        return torch.where(ok.gather(-1, by_class)[..., :kk], chosen, -1)
+    index_bits = max(1, (M - 1).bit_length())
+    if index_bits > 30:
+        raise ValueError(f"ranked_topk ranks at most 2**30 entries per row, got {M}")
+    s = torch.nan_to_num(scores.float(), nan=-math.inf).add_(0.0)                   # a copy; -0.0 is 0.0
+    rank = M - 1 - column if ties == "lower" else column                              # the tie-break, unique
+    key = _ordered_bits_(s).to(torch.int64).mul_(1 << index_bits).add_(rank)
+    floor = torch.iinfo(torch.int64).min
+    key = torch.where(eligible, key, floor)
+    top = torch.topk(key, kk, dim=-1, sorted=True).values
+    low = top & ((1 << index_bits) - 1)
+    return torch.where(top > floor, M - 1 - low if ties == "lower" else low, -1)
+
+
 def _ordered_bits_(x: torch.Tensor) -> torch.Tensor:
     """float32 -> int32 with the same order (``-inf`` lowest, ``x`` without NaN), in place in ``x``'s
     storage: the IEEE bits, with the 31 low bits flipped for negative numbers (their magnitude grows
