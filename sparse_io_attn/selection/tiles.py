@@ -25,7 +25,6 @@ import torch
 from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
 from sparse_io_attn.block_sparse.tiles import element_size, padded_head_dim
 
-MAX_HEAD_ROWS = 64  # BLOCK_H cap: more heads sharing a selection and a KV head take several programs
 KERNELS = ("fwd", "dq", "dkdv")
 
 
@@ -50,25 +49,39 @@ class SelectionTiles:
 
 # Candidates per kernel and padded-row class (HEAD_DIM * element bytes), the first the default
 # (interpreter, counting, SPARSE_IO_ATTN_NO_AUTOTUNE=1); on CUDA autotuning picks among all.
-# Chosen from sm_90 compiles (`sparse-io-attn compile-report --op selection`): no spills, the
-# gathered K/V (forward, dQ) and Q/dO (dK/dV) loads multi-buffered (cp.async).
-# (block_m, block_n, num_warps, num_stages):
+# Chosen from sm_90 compiles (`sparse-io-attn compile-report --op selection`, blocks 1, 4, 20, 32,
+# 64, 100, both head layouts of the report, causal and not): no spills, the gathered K/V (forward,
+# dQ) and Q/dO (dK/dV) tiles multi-buffered (cp.async). "heads": the BLOCK_H cap. Forward / dQ:
+# (block_n, num_warps, num_stages); dK/dV, per key-tile width (the block padded to 16, 32 or 64
+# keys): (block_m, num_warps, num_stages).
 _CONFIGS = {
-    128: {"fwd": [(0, 64, 4, 3), (0, 128, 4, 3), (0, 64, 4, 2), (0, 32, 4, 3)],
-          "dq": [(0, 64, 4, 3), (0, 128, 8, 3), (0, 32, 4, 3)],
-          "dkdv": [(64, 64, 4, 3), (32, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2)]},
-    256: {"fwd": [(0, 64, 4, 3), (0, 128, 8, 3), (0, 64, 4, 2), (0, 32, 4, 3)],
-          "dq": [(0, 64, 4, 3), (0, 64, 8, 3), (0, 32, 4, 3)],
-          "dkdv": [(32, 64, 4, 3), (64, 64, 8, 3), (32, 64, 8, 2), (16, 64, 4, 3)]},
-    512: {"fwd": [(0, 32, 4, 2), (0, 32, 8, 2)], "dq": [(0, 32, 4, 2)], "dkdv": [(16, 32, 4, 2), (32, 32, 8, 2)]},
-    1024: {"fwd": [(0, 32, 4, 2)], "dq": [(0, 32, 4, 2)], "dkdv": [(16, 32, 4, 2)]},
+    128: {"heads": 64, "fwd": [(64, 4, 3), (128, 4, 3), (64, 4, 2), (32, 4, 3)],
+          "dq": [(64, 4, 3), (128, 4, 3), (64, 8, 3), (32, 4, 3)],
+          "dkdv": {64: [(32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 3)],
+                   32: [(64, 8, 3), (16, 4, 3)],
+                   16: [(64, 8, 3), (64, 4, 3), (16, 4, 3)]}},
+    256: {"heads": 64, "fwd": [(64, 4, 3), (64, 8, 3), (32, 4, 3)],
+          "dq": [(64, 4, 3), (64, 8, 3), (32, 4, 3), (128, 4, 3)],
+          "dkdv": {64: [(32, 8, 3), (16, 8, 3), (32, 8, 2), (16, 4, 3)],
+                   32: [(32, 8, 3), (16, 8, 3), (32, 8, 2)],
+                   16: [(16, 4, 3), (16, 4, 2)]}},
+    512: {"heads": 32, "fwd": [(32, 4, 2), (32, 8, 2)], "dq": [(32, 4, 2)],
+          "dkdv": {32: [(16, 8, 2), (32, 8, 2)], 16: [(16, 4, 2)]}},
+    1024: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
 }
-# fp32 runs exact IEEE products on CUDA cores (no tensor cores): fewer elements per tile.
+# fp32 runs exact IEEE products on CUDA cores (no tensor cores): operands in registers, smaller tiles.
 _CONFIGS_FP32 = {
-    256: {"fwd": [(0, 32, 4, 2), (0, 64, 8, 2)], "dq": [(0, 32, 4, 2)], "dkdv": [(16, 32, 4, 2), (32, 32, 8, 2)]},
-    512: {"fwd": [(0, 32, 4, 2)], "dq": [(0, 32, 4, 2)], "dkdv": [(16, 32, 4, 2)]},
-    1024: {"fwd": [(0, 16, 4, 2)], "dq": [(0, 16, 4, 2)], "dkdv": [(16, 16, 4, 2)]},
+    256: {"heads": 32, "fwd": [(32, 8, 2), (32, 4, 2)], "dq": [(32, 8, 2)],
+          "dkdv": {32: [(16, 4, 3), (32, 8, 3)], 16: [(16, 4, 2)]}},
+    512: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
+    1024: {"heads": 16, "fwd": [(16, 4, 2)], "dq": [(16, 4, 2)], "dkdv": {16: [(16, 4, 2)]}},
 }
+
+
+def _table(head_dim: int, dtype: torch.dtype) -> dict:
+    wide = padded_head_dim(head_dim) * element_size(dtype)
+    table = _CONFIGS_FP32 if dtype == torch.float32 else _CONFIGS
+    return table[min(c for c in table if c >= wide)]
 
 
 def sel_heads(num_heads_q: int, num_heads_kv: int, num_selections: int) -> int:
@@ -77,9 +90,10 @@ def sel_heads(num_heads_q: int, num_heads_kv: int, num_selections: int) -> int:
     return min(num_heads_q // num_heads_kv, num_heads_q // num_selections)
 
 
-def head_rows(r: int) -> int:
-    """``BLOCK_H``: the forward/dQ tile rows for ``r`` heads (power of two, 16 to 64)."""
-    return min(MAX_HEAD_ROWS, max(MIN_TILE, next_pow2(r)))
+def head_rows(r: int, head_dim: int, dtype: torch.dtype) -> int:
+    """``BLOCK_H``: the forward/dQ tile rows for ``r`` heads (a power of two, at least 16, at most
+    64: 32 or 16 for wide rows and fp32); more heads take several programs."""
+    return min(_table(head_dim, dtype)["heads"], max(MIN_TILE, next_pow2(r)))
 
 
 def _pow2_divisor(n: int) -> int:
@@ -108,18 +122,19 @@ def key_tile(block_size: int, block_n: int) -> tuple[int, int]:
 
 def kernel_configs(kernel: str, block_size: int, head_dim: int, dtype: torch.dtype = torch.bfloat16
                    ) -> list[SelectionConfig]:
-    """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a head dim and
-    dtype: the default first, then the other autotuning candidates, duplicates (after fitting the
-    key width to ``block_size``) removed. Depends on shapes and dtype only."""
+    """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a block size, head
+    dim and dtype: the default first, then the other autotuning candidates (forward/dQ: key widths
+    fitted to ``block_size`` by :func:`key_step`, duplicates removed; dK/dV: the candidates of the
+    key-tile width :func:`key_tile` gives). Depends on shapes and dtype only."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    wide = padded_head_dim(head_dim) * element_size(dtype)
-    table = _CONFIGS_FP32 if dtype == torch.float32 else _CONFIGS
-    row_class = min(c for c in table if c >= wide)
+    configs = _table(head_dim, dtype)[kernel]
+    if kernel == "dkdv":
+        n = key_tile(block_size, max(configs))[0]
+        return [SelectionConfig(m, n, w, st) for m, w, st in configs[n]]
     out: list[SelectionConfig] = []
-    for m, n, w, st in table[row_class][kernel]:
-        n = key_tile(block_size, n)[0] if kernel == "dkdv" else key_step(block_size, n)[0]
-        cfg = SelectionConfig(m, n, w, st)
+    for n, w, st in configs:
+        cfg = SelectionConfig(0, key_step(block_size, n)[0], w, st)
         if cfg not in out:
             out.append(cfg)
     return out
@@ -129,7 +144,8 @@ def choose_tiles(block_size: int, head_dim: int, dtype: torch.dtype, r: int) -> 
     """The default tiles of every kernel for ``r`` = :func:`sel_heads` heads per tile: what the
     launcher uses under the interpreter, while counting and without autotuning."""
     c = {k: kernel_configs(k, block_size, head_dim, dtype)[0] for k in KERNELS}
-    return SelectionTiles(fwd=(head_rows(r), c["fwd"].block_n), dq=(head_rows(r), c["dq"].block_n),
+    h = head_rows(r, head_dim, dtype)
+    return SelectionTiles(fwd=(h, c["fwd"].block_n), dq=(h, c["dq"].block_n),
                           dkdv=(c["dkdv"].block_m, c["dkdv"].block_n))
 
 

@@ -119,6 +119,8 @@ def selection_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_hea
     keys, entries = _row_reads(plan, batch, num_heads_q, num_heads_kv, *tiles.fwd)
     rows = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
+    if not rows:            # an empty grid is not launched
+        return rep
     rep.add("selection_fwd", {"q": rows * D * es, "k": keys * D * es, "v": keys * D * es,
                               "plan": entries * INDEX_BYTES},
             {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
@@ -137,8 +139,9 @@ def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_he
     rows_q = batch * num_heads_q * Nq
     rows_k = batch * num_heads_kv * Nk
     rep = TrafficReport(source="predicted")
-    rep.add("selection_bwd_preprocess", {"o": rows_q * D * es, "do": rows_q * D * es},
-            {"delta": rows_q * STAT_BYTES})
+    if rows_q:              # (an empty grid is not launched)
+        rep.add("selection_bwd_preprocess", {"o": rows_q * D * es, "do": rows_q * D * es},
+                {"delta": rows_q * STAT_BYTES})
 
     # dK/dV: live key tiles per block (a tile starting inside the block and the sequence)
     block_m, block_n = tiles.dkdv
@@ -151,17 +154,20 @@ def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_he
     sel_slots = mult * (hps // R)        # (batch element, KV head, selection slot) triples per stored selection
     gathered = int((n * live).sum()) * sel_slots * R
     entries = int((2 * live[None, :] + n * live * per_entry).sum()) * sel_slots
-    rep.add("selection_bwd_dkdv",
-            {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
-             "delta": gathered * STAT_BYTES, "k": rows_k * D * es, "v": rows_k * D * es,
-             "plan": entries * INDEX_BYTES},
-            {"dk": rows_k * D * es, "dv": rows_k * D * es})
+    if rows_k:
+        rep.add("selection_bwd_dkdv",
+                {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
+                 "delta": gathered * STAT_BYTES, "k": rows_k * D * es, "v": rows_k * D * es,
+                 "plan": entries * INDEX_BYTES},
+                {"dk": rows_k * D * es, "dv": rows_k * D * es})
 
-    keys, entries = _row_reads(plan, batch, num_heads_q, num_heads_kv, *tiles.dq)
-    rep.add("selection_bwd_dq",
-            {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,
-             "delta": rows_q * STAT_BYTES, "k": keys * D * es, "v": keys * D * es, "plan": entries * INDEX_BYTES},
-            {"dq": rows_q * D * es})
+    if rows_q:
+        keys, entries = _row_reads(plan, batch, num_heads_q, num_heads_kv, *tiles.dq)
+        rep.add("selection_bwd_dq",
+                {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,
+                 "delta": rows_q * STAT_BYTES, "k": keys * D * es, "v": keys * D * es,
+                 "plan": entries * INDEX_BYTES},
+                {"dq": rows_q * D * es})
     return rep
 
 

@@ -91,7 +91,7 @@ def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
     """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
     B, Hq, Nq, D = q.shape
     common = _common(q, k, plan, sm_scale)
-    block_h = head_rows(common["SEL_HEADS"])
+    block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
@@ -126,7 +126,7 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
                     **_strides(dv, "dv"), num_kv_blocks=num_kv_blocks, stats_stride=B * Hq * Nq,
                     SEL_ROWS=next_pow2(common["SEL_HEADS"]), **common))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    block_h = head_rows(common["SEL_HEADS"])
+    block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
     grid = _row_grid(q, common, block_h)
     dq_call = Call("selection_bwd_dq", _sel_bwd_dq_kernel, lambda meta: grid, DQ_TENSORS,
                    _row_configs("dq", q, plan), dict(
