@@ -9,7 +9,8 @@ dims 64 and 128 in bf16 (causal) and fp16 (not causal), blocks of 1, 4, 32, 64 a
 token; 16 blocks gathered per key step; a 32-key dK/dV tile; one 64-key step per block; two steps
 of a block that is no multiple of the step), and fp32 at head dim 64.
 
-    TRITON_INTERPRET=0 python benchmarks/compile_report_selection.py   # writes benchmarks/results/compile_report_selection_sm90.{md,json}
+    TRITON_INTERPRET=0 python benchmarks/compile_report_selection.py
+    # writes benchmarks/results/compile_report_selection_sm90.{md,json}
 """
 from __future__ import annotations
 

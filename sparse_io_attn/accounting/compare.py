@@ -148,7 +148,8 @@ def selection_bound(plan: SelectionPlan, batch: int, num_heads_q: int, head_dim:
     z_qk = pairs // heads if pairs % heads == 0 else pairs / heads
     Nq, Nk = plan.seqlen
     square = dict(n=Nq, d=head_dim) if Nq == Nk else {}
-    note = "" if plan.num_selections == 1 else "Z_QK: allowed (query, key) pairs averaged over the (batch, head) problems"
+    note = "" if plan.num_selections == 1 else \
+        "Z_QK: allowed (query, key) pairs averaged over the (batch, head) problems"
     return sparse_informal(min(Nq, Nk) * head_dim, z_qk, M, dtype=dtype, heads=heads, note=note, **square)
 
 

@@ -55,7 +55,7 @@ class SelectionTiles:
 # (block_n, num_warps, num_stages); dK/dV, per key-tile width (the block padded to 16, 32 or 64
 # keys): (block_m, num_warps, num_stages).
 _CONFIGS = {
-    128: {"heads": 64, "fwd": [(64, 4, 3), (128, 4, 3), (64, 4, 2), (32, 4, 3)],
+    128: {"heads": 64, "fwd": [(64, 4, 3), (64, 8, 3), (64, 4, 2), (32, 4, 3)],
           "dq": [(64, 4, 3), (128, 4, 3), (64, 8, 3), (32, 4, 3)],
           "dkdv": {64: [(32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 3)],
                    32: [(64, 8, 3), (16, 4, 3)],

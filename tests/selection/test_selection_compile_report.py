@@ -64,7 +64,8 @@ def test_report_compiles_the_launchers_calls():
         assert set(c.name for c in calls) == set(KERNELS)
         fwd, _, dkdv, dq = calls
         assert fwd.kwargs["SEL_HEADS"] == sel_heads(Hq, Hkv, G) == min(Hq // Hkv, Hq // G)
-        assert fwd.kwargs["BLOCK_H"] == head_rows(sel_heads(Hq, Hkv, G), 96, torch.bfloat16) == {"gqa": 16, "mqa": 64}[shape]
+        block_h = head_rows(sel_heads(Hq, Hkv, G), 96, torch.bfloat16)
+        assert fwd.kwargs["BLOCK_H"] == block_h == {"gqa": 16, "mqa": 64}[shape]
         assert [c.kwargs["BLOCK_N"] for c in fwd.configs] == [c.block_n for c in kernel_configs("fwd", 4, 96)]
         assert all(c.kwargs["SLOTS"] * 4 == c.kwargs["BLOCK_N"] for c in fwd.configs + dq.configs)  # gathered blocks
         assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in dkdv.configs] == \

@@ -128,7 +128,8 @@ def _sel_bwd_dkdv_kernel(
         n = tl.load(col_ptr_ptr + col + 1, mask=live, other=0) - lo  # tokens that chose this block
         n_tiles = (n * SEL_ROWS + BLOCK_M - 1) // BLOCK_M
         if IS_CAUSAL:
-            n_masked = tl.where(ragged, n_tiles, (tl.maximum(tl.minimum(n, n_edge), 0) * SEL_ROWS + BLOCK_M - 1) // BLOCK_M)
+            edge_rows = tl.maximum(tl.minimum(n, n_edge), 0) * SEL_ROWS
+            n_masked = tl.where(ragged, n_tiles, (edge_rows + BLOCK_M - 1) // BLOCK_M)
         else:
             n_masked = tl.where(ragged, n_tiles, 0)
         q_base = q_ptr + off_z * stride_qz + off_h * stride_qh

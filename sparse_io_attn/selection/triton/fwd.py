@@ -1,8 +1,9 @@
 """Selection attention forward kernel (``@triton.jit`` only; the launcher is :mod:`.launch`).
 
 Query-major (NSA/DSA style): one program per (query token ``t``, batch x *head unit*), a head unit
-being the ``SEL_HEADS`` query heads that share one selection and one KV head (:func:`~sparse_io_attn.selection.tiles.sel_heads`;
-``BLOCK_H`` rows, padded, several programs when more than 64). The heads are the tile's rows; the
+being the ``SEL_HEADS`` query heads that share one selection and one KV head
+(:func:`~sparse_io_attn.selection.tiles.sel_heads`; ``BLOCK_H`` rows, padded, several programs past
+:func:`~sparse_io_attn.selection.tiles.head_rows`' cap). The heads are the tile's rows; the
 row's normalised blocks (``plan.rows[l, t, :plan.row_counts[l, t]]``, ascending) are walked in one
 flat loop of *key steps* of ``BLOCK_N`` gathered keys (:func:`_key_step`):
 
