@@ -109,3 +109,26 @@ def test_compare_against_theorem_1_2():
     assert c.ratio_to_floor >= 1
     with pytest.raises(TypeError, match="SelectionPlan"):
         selection_bound(sel, B, Hq, D, "16KiB")
+
+
+def test_model_follows_the_launched_tiles(monkeypatch):
+    """Other tiles (what autotuning may pick on CUDA): the model given ``launch.launched_tiles()``
+    still predicts the counts exactly (key steps of 16 over 40-key blocks: 3 steps, the last
+    ragged; dK/dV row tiles of 16 for 32 gathered rows per token)."""
+    from sparse_io_attn.selection.tiles import SelectionConfig
+
+    def configs(kernel, block_size, head_dim, dtype):
+        return [SelectionConfig(0, 16, 4, 2)] if kernel != "dkdv" else [SelectionConfig(16, 64, 4, 2)]
+
+    monkeypatch.setattr(launch, "kernel_configs", configs)
+    B, Hq, Hkv, Nq, Nk, D = 1, 32, 1, 4, 90, 16
+    _, plan = make_plan(B, 1, Nq, Nk, 40, 3, "bottom_right", shared=True)
+    q, do = (torch.randn(B, Hq, Nq, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Nk, D, device=DEVICE) for _ in range(2))
+    with IOCounter() as io:
+        out, _, stats = launch.forward(q, k, v, plan, sm_scale=D ** -0.5)
+        launch.backward(do, q, k, v, out, stats, plan, sm_scale=D ** -0.5)
+    tiles = launch.launched_tiles()
+    assert tiles.fwd == (32, 16) and tiles.dkdv == (16, 64)
+    assert io.report == traffic.selection(plan, B, Hq, Hkv, D, torch.float32, tiles=tiles)
+    assert io.report != traffic.selection(plan, B, Hq, Hkv, D, torch.float32)   # the default tiles differ
