@@ -42,10 +42,8 @@ LAZY: dict[tuple[str, str], str] = {
         "Triton and its interpreter switch: only when --backends names triton",
     ("sparse_io_attn.cli.sweep.sparsity", "sparse_io_attn._triton.runtime"):
         "Triton and its interpreter switch: only for sweep sparsity --count",
-    ("sparse_io_attn.cli.compile_report", "sparse_io_attn.block_sparse.triton.report"):
-        "imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
-    ("sparse_io_attn.cli.compile_report", "sparse_io_attn.sparse_operands.triton.report"):
-        "imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
+    ("sparse_io_attn.cli.compile_report", "sparse_io_attn.cli._compile_reports"):
+        "every op's report imports Triton after compile-report sets TRITON_INTERPRET=0 (compiles for a GPU)",
     ("sparse_io_attn.cli.sweep", "sparse_io_attn.experiments.sweeps"):
         "the dense Triton kernels: only when a sweep runs (handed to the sweep's run)",
     ("sparse_io_attn.block_sparse.op", "sparse_io_attn.block_sparse.cpu"):

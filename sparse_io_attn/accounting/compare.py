@@ -12,6 +12,11 @@ Per head: ``compare({(b, h): report}, bounds)`` with one ``Bound`` per ``(batch 
 one :class:`Comparison` per head and a :class:`HeadTotal`. The groups are independent problems, so
 the total's bound, compulsory traffic and floor are the sums of the heads' (each head needs its own
 ``max(compulsory, bound)``).
+
+Per-token selections: :func:`selection_bound` is Theorem 1.2 for a
+:class:`~sparse_io_attn.selection.plan.SelectionPlan`'s allowed ``(query, key)`` pairs, so
+``compare(counted_report, selection_bound(plan, B, Hq, D, M, dtype=...))`` sets a selection
+attention call's counted traffic against it.
 """
 from __future__ import annotations
 
@@ -19,8 +24,10 @@ import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sparse_io_attn.bounds.calculator import Bound, explicit_scope
+from sparse_io_attn.bounds.calculator import Bound, explicit_scope, sparse_informal
 from sparse_io_attn.bounds.units import dtype_name, itemsize
+from sparse_io_attn.selection.plan import SelectionPlan
+from sparse_io_attn.selection.traffic import selection_pairs
 from sparse_io_attn.tally.report import TrafficReport
 
 
@@ -120,6 +127,30 @@ def compare(report, bound, *, dtype=None):
                         f"TrafficReport or int}} (e.g. predict_traffic_per_head(...)), got "
                         f"{type(report).__name__}")
     return _compare_one(report, bound, dtype)
+
+
+def selection_bound(plan: SelectionPlan, batch: int, num_heads_q: int, head_dim: int, M, *, dtype=None) -> Bound:
+    """Theorem 1.2 (:func:`~sparse_io_attn.bounds.sparse_informal`) for one selection attention call
+    of ``batch * num_heads_q`` independent (batch, query head) problems: per head ``Z_input =
+    min(Nq, Nk) * head_dim`` (the smaller input matrix, as Theorem 4.5's ``Z_A``) and ``Z_QK`` = its
+    allowed ``(query, key)`` pairs (:func:`~sparse_io_attn.selection.traffic.selection_pairs`, the
+    mean over the heads: exact when every head has the same count, as with ``G = 1``; with per-group
+    or per-head selections the heads' mean stands in for each head's own count). ``n`` and ``d``
+    (the output term of the compulsory traffic) are passed when ``Nq == Nk``. ``M`` in words or a
+    size string, as the calculator takes it. Use with :func:`compare`."""
+    if not isinstance(plan, SelectionPlan):
+        raise TypeError(f"plan must be a SelectionPlan (sparse_io_attn.selection.plan_selection), got "
+                        f"{type(plan).__name__}")
+    heads = batch * num_heads_q
+    if heads < 1 or head_dim < 1:
+        raise ValueError(f"batch, num_heads_q and head_dim must be positive, got {batch}, {num_heads_q}, {head_dim}")
+    pairs = selection_pairs(plan, batch, num_heads_q)
+    z_qk = pairs // heads if pairs % heads == 0 else pairs / heads
+    Nq, Nk = plan.seqlen
+    square = dict(n=Nq, d=head_dim) if Nq == Nk else {}
+    note = "" if plan.num_selections == 1 else \
+        "Z_QK: allowed (query, key) pairs averaged over the (batch, head) problems"
+    return sparse_informal(min(Nq, Nk) * head_dim, z_qk, M, dtype=dtype, heads=heads, note=note, **square)
 
 
 def _compare_one(report, bound: Bound, dtype) -> Comparison:

@@ -4,7 +4,10 @@ without a GPU, and print per kernel and configuration: registers, spill bytes, s
 whether the main loops' loads are asynchronous. ``--op block-sparse`` (default): the block-sparse
 attention kernels (pipelined = ``cp.async`` or TMA in the PTX). ``--op sparse-operands``: every
 launch of one batched forward + backward of ``sparse_operands.attention`` (pipelined = the loop's 2-D operand
-tiles copied asynchronously, not only its indices)."""
+tiles copied asynchronously, not only its indices). ``--op selection``: the per-token selection kernels
+(:func:`~sparse_io_attn.selection.api.selection_attention`'s ``"triton"`` backend) for two head layouts
+(a selection per GQA group, one shared by 64 heads), every autotuning configuration (pipelined = the
+loop's gathered K/V or Q/dO tiles copied asynchronously)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +21,7 @@ EXAMPLES = """examples:
   sparse-io-attn compile-report --dtype fp16 --head-dim 64 --causal --json
   sparse-io-attn compile-report --dtype bf16 --head-dim 128 --ptx-dir /tmp/ptx --configs default
   sparse-io-attn compile-report --op sparse-operands --dtype fp16 --head-dim 128
+  sparse-io-attn compile-report --op selection --dtype bf16 --head-dim 64 --block 4 --causal
 
 Triton's bundled ptxas reads the PTX (registers, spills); no GPU is used. Runs Triton without its
 interpreter, so it must be the first use of Triton in the process."""
@@ -26,15 +30,16 @@ interpreter, so it must be the first use of Triton in the process."""
 def add_parser(sub) -> None:
     p = sub.add_parser("compile-report", help="registers, spills and pipelining of the compiled kernels",
                        epilog=EXAMPLES, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=("block-sparse", "sparse-operands"), default="block-sparse",
+    p.add_argument("--op", choices=("block-sparse", "sparse-operands", "selection"), default="block-sparse",
                    help="which op's kernels (default block-sparse)")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 (default bf16)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
     p.add_argument("--block", type=int, default=None,
-                   help="layout block size (default 128); sparse-operands: row block size (default 64)")
+                   help="layout block size (default 128); sparse-operands: row block size (default 64); "
+                        "selection: keys per selected block (default 64)")
     p.add_argument("--block-d", type=int, default=32,
                    help="sparse-operands only: head-dim (column) block size of X, Y (default 32)")
-    p.add_argument("--causal", action="store_true", help="compile the causal variants")
+    p.add_argument("--causal", action="store_true", help="compile the causal variants (block-sparse, selection)")
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: Hopper)")
     p.add_argument("--configs", choices=("all", "default"), default="all",
                    help="every autotuning configuration (default) or only the default one")
@@ -46,10 +51,13 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     dtype = parse_dtype(args.dtype)
     sparse_operands = args.op == "sparse-operands"
-    block = args.block if args.block is not None else (64 if sparse_operands else 128)
+    block = args.block if args.block is not None else (128 if args.op == "block-sparse" else 64)
     if args.head_dim < 1 or block < 1 or args.block_d < 1:
         raise ValueError(f"--head-dim, --block and --block-d must be positive, got {args.head_dim}, {block} "
                          f"and {args.block_d}")
+    if sparse_operands and args.causal:
+        raise ValueError("--causal applies to --op block-sparse and selection (the sparse-operand kernels keep "
+                         "whole QK blocks)")
     if args.ptx_dir is not None:
         os.makedirs(args.ptx_dir, exist_ok=True)
         if not os.access(args.ptx_dir, os.W_OK):
@@ -58,22 +66,24 @@ def run(args) -> int:
         raise ValueError("Triton was already imported with its interpreter in this process; run "
                          "compile-report in a fresh process")
     os.environ["TRITON_INTERPRET"] = "0"
-    if sparse_operands:
-        if args.causal:
-            raise ValueError("--causal applies to --op block-sparse only (the sparse-operand kernels keep whole "
-                             "QK blocks)")
-        from sparse_io_attn.sparse_operands.triton.report import COLUMNS, compile_report
+    from sparse_io_attn.cli._compile_reports import REPORTS
 
-        rows = compile_report(dtype, args.head_dim, block=block, block_d=args.block_d, arch=args.arch,
-                              ptx_dir=args.ptx_dir)
+    report = REPORTS[args.op]
+    if sparse_operands:
+        rows = report.compile_report(dtype, args.head_dim, block=block, block_d=args.block_d, arch=args.arch,
+                                     ptx_dir=args.ptx_dir)
         what = (f"sparse operands, {args.dtype}, head_dim {args.head_dim}, blocks {block} x {args.block_d}); "
                 f"pipelined = the loop's operand tiles copied asynchronously")
         loopless = "paper_attn_bwd_preprocess"
+    elif args.op == "selection":
+        rows = report.compile_report(dtype, args.head_dim, block, causal=args.causal, arch=args.arch,
+                                     configs=args.configs, ptx_dir=args.ptx_dir)
+        what = (f"per-token selection, {args.dtype}, head_dim {args.head_dim}, block {block}"
+                f"{', causal' if args.causal else ''}); pipelined = the loop's gathered tiles copied asynchronously")
+        loopless = report.LOOPLESS
     else:
-        from sparse_io_attn.block_sparse.triton.report import COLUMNS, compile_report
-
-        rows = compile_report(dtype, args.head_dim, block, causal=args.causal, arch=args.arch,
-                              configs=args.configs, ptx_dir=args.ptx_dir)
+        rows = report.compile_report(dtype, args.head_dim, block, causal=args.causal, arch=args.arch,
+                                     configs=args.configs, ptx_dir=args.ptx_dir)
         what = (f"{args.dtype}, head_dim {args.head_dim}, block {block}{', causal' if args.causal else ''}); "
                 f"pipelined = cp.async or TMA loads in the PTX")
         loopless = "attn_bwd_preprocess"
@@ -82,7 +92,7 @@ def run(args) -> int:
                        "causal": args.causal, "arch": args.arch, "rows": rows}))
         return 0
     print(f"compiled for sm_{args.arch} ({what}")
-    print(format_table(rows, [(c, c) for c in COLUMNS]))
+    print(format_table(rows, [(c, c) for c in report.COLUMNS]))
     spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
     unpiped = [r for r in rows if not r["pipelined"] and r["kernel"] != loopless]
     print(f"{len(rows)} kernel configurations; {len(spilled)} with register spills; "

@@ -1,0 +1,153 @@
+"""Kernel tiles of the selection Triton kernels, chosen from shapes and dtype only.
+
+The launcher (:mod:`.triton.launch`), the traffic model (:mod:`.traffic`) and the compile report
+all call :func:`kernel_configs` / :func:`choose_tiles`, so the model always describes the tiles
+actually launched.
+
+Vocabulary (``R``, ``BLOCK_H``, key steps):
+
+* ``R`` = :func:`sel_heads`: the query heads that share one selection *and* one KV head
+  (``min(Hq // Hkv, Hq // G)``); the forward and dQ kernels make them one tile's rows, padded to
+  ``BLOCK_H`` = :func:`head_rows` (a power of two, 16 to 64; more heads take several programs).
+* Forward / dQ walk a query row's selected blocks in *key steps* of ``BLOCK_N`` keys
+  (:func:`key_step`): ``SLOTS = BLOCK_N // block_size`` blocks gathered at once when blocks are
+  smaller than ``BLOCK_N``, else ``TILES = ceil(block_size / BLOCK_N)`` steps per block.
+* dK/dV: one program per key tile of ``BLOCK_N`` keys inside a block (:func:`key_tile`: the block
+  padded to at least 16 keys, at most the configuration's ``BLOCK_N``), gathered query rows in
+  tiles of ``BLOCK_M`` (token, head) rows, each token's ``R`` heads padded to ``next_pow2(R)`` rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
+from sparse_io_attn.block_sparse.tiles import element_size, padded_head_dim
+
+KERNELS = ("fwd", "dq", "dkdv")
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """One launch configuration: ``block_m`` (dK/dV: gathered query rows per tile; unused by the
+    forward and dQ, whose rows are the ``BLOCK_H`` heads), ``block_n`` (the configuration's key
+    width before :func:`key_step` / :func:`key_tile` fit it to the block size), warps, stages."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class SelectionTiles:
+    """The tiles a launch uses (elements): what the traffic model needs."""
+    fwd: tuple[int, int]   # (BLOCK_H, BLOCK_N) of selection_fwd
+    dq: tuple[int, int]    # (BLOCK_H, BLOCK_N) of selection_bwd_dq
+    dkdv: tuple[int, int]  # (BLOCK_M, BLOCK_N) of selection_bwd_dkdv
+
+
+# Candidates per kernel and padded-row class (HEAD_DIM * element bytes), the first the default
+# (interpreter, counting, SPARSE_IO_ATTN_NO_AUTOTUNE=1); on CUDA autotuning picks among all.
+# Chosen from sm_90 compiles (`sparse-io-attn compile-report --op selection`, blocks 1, 4, 20, 32,
+# 64, 100, both head layouts of the report, causal and not): no spills, the gathered K/V (forward,
+# dQ) and Q/dO (dK/dV) tiles multi-buffered (cp.async). "heads": the BLOCK_H cap. Forward / dQ:
+# (block_n, num_warps, num_stages); dK/dV, per key-tile width (the block padded to 16, 32 or 64
+# keys): (block_m, num_warps, num_stages).
+_CONFIGS = {
+    128: {"heads": 64, "fwd": [(64, 4, 3), (64, 8, 3), (64, 4, 2), (32, 4, 3)],
+          "dq": [(64, 4, 3), (128, 4, 3), (64, 8, 3), (32, 4, 3)],
+          "dkdv": {64: [(32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 3)],
+                   32: [(64, 8, 3), (16, 4, 3)],
+                   16: [(64, 8, 3), (64, 4, 3), (16, 4, 3)]}},
+    256: {"heads": 64, "fwd": [(64, 4, 3), (64, 8, 3), (32, 4, 3)],
+          "dq": [(64, 4, 3), (64, 8, 3), (32, 4, 3), (128, 4, 3)],
+          "dkdv": {64: [(32, 8, 3), (16, 8, 3), (32, 8, 2), (16, 4, 3)],
+                   32: [(32, 8, 3), (16, 8, 3), (32, 8, 2)],
+                   16: [(16, 4, 3), (16, 4, 2)]}},
+    512: {"heads": 32, "fwd": [(32, 4, 2), (32, 8, 2)], "dq": [(32, 4, 2)],
+          "dkdv": {32: [(16, 8, 2), (32, 8, 2)], 16: [(16, 4, 2)]}},
+    1024: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
+}
+# fp32 runs exact IEEE products on CUDA cores (no tensor cores): operands in registers, smaller tiles.
+_CONFIGS_FP32 = {
+    256: {"heads": 32, "fwd": [(32, 8, 2), (32, 4, 2)], "dq": [(32, 8, 2)],
+          "dkdv": {32: [(16, 4, 3), (32, 8, 3)], 16: [(16, 4, 2)]}},
+    512: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
+    1024: {"heads": 16, "fwd": [(16, 4, 2)], "dq": [(16, 4, 2)], "dkdv": {16: [(16, 4, 2)]}},
+}
+
+
+def _table(head_dim: int, dtype: torch.dtype) -> dict:
+    wide = padded_head_dim(head_dim) * element_size(dtype)
+    table = _CONFIGS_FP32 if dtype == torch.float32 else _CONFIGS
+    return table[min(c for c in table if c >= wide)]
+
+
+def sel_heads(num_heads_q: int, num_heads_kv: int, num_selections: int) -> int:
+    """``R``: query heads sharing one selection and one KV head (``G`` divides ``Hkv`` or ``Hkv``
+    divides ``G``, so the heads of a selection span whole GQA groups or lie inside one)."""
+    return min(num_heads_q // num_heads_kv, num_heads_q // num_selections)
+
+
+def head_rows(r: int, head_dim: int, dtype: torch.dtype) -> int:
+    """``BLOCK_H``: the forward/dQ tile rows for ``r`` heads (a power of two, at least 16, at most
+    64: 32 or 16 for wide rows and fp32); more heads take several programs."""
+    return min(_table(head_dim, dtype)["heads"], max(MIN_TILE, next_pow2(r)))
+
+
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def key_step(block_size: int, block_n: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, SLOTS, TILES)`` of a forward/dQ key step: a configuration's ``block_n`` fitted to
+    the block size (a power-of-two divisor of a block of at least 16 keys, so no step straddles a
+    block end; otherwise whole blocks per step, the lanes past them masked), ``SLOTS`` blocks per
+    step (``block_size < BLOCK_N``) or ``TILES`` steps per block."""
+    n = block_n
+    if block_size >= MIN_TILE and block_size % n and n % block_size and _pow2_divisor(block_size) >= MIN_TILE:
+        n = min(n, _pow2_divisor(block_size))
+    if block_size < n:
+        return n, n // block_size, 1
+    return n, 1, -(-block_size // n)
+
+
+def key_tile(block_size: int, block_n: int) -> tuple[int, int]:
+    """``(BLOCK_N, KEY_TILES)`` of the dK/dV kernel: one block padded to a power of two of at least
+    16 keys, capped at the configuration's ``block_n`` (``KEY_TILES`` programs per block)."""
+    n = min(block_n, max(MIN_TILE, next_pow2(block_size)))
+    return n, -(-block_size // n)
+
+
+def kernel_configs(kernel: str, block_size: int, head_dim: int, dtype: torch.dtype = torch.bfloat16
+                   ) -> list[SelectionConfig]:
+    """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a block size, head
+    dim and dtype: the default first, then the other autotuning candidates (forward/dQ: key widths
+    fitted to ``block_size`` by :func:`key_step`, duplicates removed; dK/dV: the candidates of the
+    key-tile width :func:`key_tile` gives). Depends on shapes and dtype only."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    configs = _table(head_dim, dtype)[kernel]
+    if kernel == "dkdv":
+        n = key_tile(block_size, max(configs))[0]
+        return [SelectionConfig(m, n, w, st) for m, w, st in configs[n]]
+    out: list[SelectionConfig] = []
+    for n, w, st in configs:
+        cfg = SelectionConfig(0, key_step(block_size, n)[0], w, st)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def choose_tiles(block_size: int, head_dim: int, dtype: torch.dtype, r: int) -> SelectionTiles:
+    """The default tiles of every kernel for ``r`` = :func:`sel_heads` heads per tile: what the
+    launcher uses under the interpreter, while counting and without autotuning."""
+    c = {k: kernel_configs(k, block_size, head_dim, dtype)[0] for k in KERNELS}
+    h = head_rows(r, head_dim, dtype)
+    return SelectionTiles(fwd=(h, c["fwd"].block_n), dq=(h, c["dq"].block_n),
+                          dkdv=(c["dkdv"].block_m, c["dkdv"].block_n))
+
+
+__all__ = ["SelectionConfig", "SelectionTiles", "choose_tiles", "head_rows", "kernel_configs", "key_step",
+           "key_tile", "sel_heads"]

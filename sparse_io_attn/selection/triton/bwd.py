@@ -1,0 +1,283 @@
+"""Selection attention backward kernels (``@triton.jit`` only; the launcher is :mod:`.launch`).
+
+Deterministic, no atomics on data:
+
+* ``delta = rowsum(dO * O)``: the block-sparse preprocess kernel
+  (:func:`~sparse_io_attn.block_sparse.triton.bwd._attn_bwd_preprocess_kernel`).
+* ``_sel_bwd_dkdv_kernel``: **key-major**, one program per (key tile of ``BLOCK_N`` keys inside key
+  block ``c``, batch x KV head ``j``). For every selection serving the query heads of group ``j``
+  it walks the key-major list of ``(l, c)`` (``plan.keys()``: the tokens that chose ``c``,
+  ascending) in one flat loop of tiles of ``BLOCK_M`` gathered rows, row ``r`` = (token
+  ``col_query[lo + r // SEL_ROWS]``, head ``r % SEL_ROWS`` of the selection's heads in the group;
+  ``SEL_ROWS = next_pow2(SEL_HEADS)``, the rows past ``SEL_HEADS`` padding). dK, dV stay in
+  registers and are written once. Only the list's first entries can see keys of the tile past
+  their diagonal (entry ``e`` holds a token ``>= c * BLOCK_SIZE - delta + e``): the tiles holding
+  the first ``last_key - c * BLOCK_SIZE`` entries apply the causal test (``MASKED``), the rest run
+  without one; a key tile past the sequence end or the block end masks every tile.
+* ``_sel_bwd_dq_kernel``: **query-major** like the forward (:mod:`.fwd`): one program per (query
+  token, batch x head unit), the heads as the tile's rows, the row's blocks in key steps.
+
+Probabilities are recomputed as the forward computed them, ``p = exp2((s - m) - log2_sum)`` from its
+``stats`` (scores by the shared :func:`~sparse_io_attn.block_sparse.triton.fwd._scores`; the dK/dV
+kernel transposes ``q @ k^T`` rather than forming ``k @ q^T``); empty and padded rows (``m = +inf``)
+get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
+"""
+from __future__ import annotations
+
+from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.block_sparse.triton.bwd import _load_stats
+from sparse_io_attn.block_sparse.triton.fwd import _scores
+from sparse_io_attn.selection.triton.fwd import _key_step
+from sparse_io_attn.selection.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_PLAN,
+                                                   DKDV_Q, DKDV_STATS, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ, DQ_K,
+                                                   DQ_PLAN, DQ_Q, DQ_STATS, DQ_V)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, n, i, offs_r, offs_n, offs_d, mask_d,
+                       mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh,
+                       stride_dom, stride_dod, seqlen_q, causal_offset, qk_scale,
+                       SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
+    """Gathered row tile ``i`` of one key-major list (``n`` tokens at ``query_ptr``; heads from
+    ``q_base``/``do_base``/``row_base``). ``MASKED``: disallowed elements (past the diagonal, keys
+    outside the tile) get ``p = 0``; otherwise every element of a real row is allowed (padding rows
+    have ``m = +inf``, so ``p = 0``). Returns ``(dk, dv)``."""
+    r = i * BLOCK_M + offs_r  # [BLOCK_M] gathered rows
+    e = r // SEL_ROWS  # the row's list entry
+    hh = r % SEL_ROWS  # its head among the selection's heads in this group
+    row_ok = e < n
+    if SEL_ROWS != SEL_HEADS:
+        row_ok = row_ok & (hh < SEL_HEADS)
+    tok = tl.load(query_ptr + e, mask=e < n, other=0)  # [BLOCK_M] query tokens
+    mask_md = row_ok[:, None] & mask_d[None, :]
+    q = tl.load(q_base + hh[:, None] * stride_qh + tok[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+    do = tl.load(do_base + hh[:, None] * stride_doh + tok[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+    rows = row_base + hh.to(tl.int64) * seqlen_q + tok  # [BLOCK_M] rows of stats / delta
+    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, rows, row_ok)  # [BLOCK_M] x2
+    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
+    sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+    if MASKED:
+        valid = mask_n[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M]
+        if IS_CAUSAL:
+            valid = valid & (offs_n[:, None] <= tok[None, :] + causal_offset)
+        pT = tl.math.exp2(tl.where(valid, (sT - m_row[None, :]) - log2_sum[None, :], float("-inf")))
+    else:
+        pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
+    dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+    dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
+    dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
+    dk = dot(dsT, q, dk, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+    return dk, dv
+
+
+@triton.jit
+def _sel_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, col_ptr_ptr, col_query_ptr, io_ptr,
+    stride_qz, stride_qh, stride_qm, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_doz, stride_doh, stride_dom, stride_dod,
+    stride_dkz, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvz, stride_dvh, stride_dvn, stride_dvd,
+    stride_lb, heads_per_selection, num_kv_blocks, stats_stride,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    pid_n = tl.program_id(0)  # (key block, key tile inside it)
+    pid_zg = tl.program_id(1)  # batch x kv head
+    blk = pid_n // KEY_TILES
+    off_z = (pid_zg // num_heads_kv).to(tl.int64)
+    off_g = (pid_zg % num_heads_kv).to(tl.int64)
+    group = num_heads_q // num_heads_kv
+    n_start = blk * BLOCK_SIZE + (pid_n % KEY_TILES) * BLOCK_N
+    key_end = tl.minimum(blk * BLOCK_SIZE + BLOCK_SIZE, seqlen_k)  # the block's keys: [blk * BLOCK_SIZE, key_end)
+    live = n_start < key_end
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_n = offs_n < key_end
+    mask_d = offs_d < head_dim
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+
+    k = tl.load(k_ptr + off_z * stride_kz + off_g * stride_kh + offs_n[:, None] * stride_kn
+                + offs_d[None, :] * stride_kd, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+    v = tl.load(v_ptr + off_z * stride_vz + off_g * stride_vh + offs_n[:, None] * stride_vn
+                + offs_d[None, :] * stride_vd, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * LOG2E
+    # list entries e < n_edge may see keys of this tile past their diagonal (every tile is masked
+    # when the key tile is ragged: past the block end or the sequence end)
+    n_edge = tl.minimum(n_start + BLOCK_N, key_end) - 1 - blk * BLOCK_SIZE
+    ragged = n_start + BLOCK_N > key_end
+    entries = tl.zeros([], dtype=tl.int64)
+
+    for i in range(0, group // SEL_HEADS):  # the selections serving this group, SEL_HEADS heads each
+        off_h = off_g * group + i * SEL_HEADS  # their first query head
+        off_l = off_z * stride_lb + off_h // heads_per_selection
+        col = off_l * (num_kv_blocks + 1) + blk
+        lo = tl.load(col_ptr_ptr + col, mask=live, other=0)
+        n = tl.load(col_ptr_ptr + col + 1, mask=live, other=0) - lo  # tokens that chose this block
+        n_tiles = (n * SEL_ROWS + BLOCK_M - 1) // BLOCK_M
+        if IS_CAUSAL:
+            edge_rows = tl.maximum(tl.minimum(n, n_edge), 0) * SEL_ROWS
+            n_masked = tl.where(ragged, n_tiles, (edge_rows + BLOCK_M - 1) // BLOCK_M)
+        else:
+            n_masked = tl.where(ragged, n_tiles, 0)
+        q_base = q_ptr + off_z * stride_qz + off_h * stride_qh
+        do_base = do_ptr + off_z * stride_doz + off_h * stride_doh
+        row_base = (off_z * num_heads_q + off_h) * seqlen_q  # stats / delta are contiguous [.., B, Hq, Nq]
+
+        # 1. the first entries (causal test) or a ragged key tile; 2. the rest: no mask
+        for t in range(0, n_masked):
+            dk, dv = _sel_bwd_dkdv_step(
+                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, n, t, offs_r, offs_n, offs_d, mask_d,
+                mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh, stride_dom,
+                stride_dod, seqlen_q, causal_offset, qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, IS_CAUSAL, DOT_DTYPE,
+                MASKED=True)
+        for t in range(n_masked, n_tiles):
+            dk, dv = _sel_bwd_dkdv_step(
+                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, n, t, offs_r, offs_n, offs_d, mask_d,
+                mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh, stride_dom,
+                stride_dod, seqlen_q, causal_offset, qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, IS_CAUSAL, DOT_DTYPE,
+                MASKED=False)
+        if COUNT_IO:
+            entries += n.to(tl.int64)
+
+    tl.store(dk_ptr + off_z * stride_dkz + off_g * stride_dkh + offs_n[:, None] * stride_dkn
+             + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_nd)
+    tl.store(dv_ptr + off_z * stride_dvz + off_g * stride_dvh + offs_n[:, None] * stride_dvn
+             + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
+
+    if COUNT_IO:
+        keys = tl.sum(mask_n.to(tl.int64))
+        row_bytes = head_dim * ELEM_BYTES
+        gathered = entries * SEL_HEADS  # (token, head) rows read
+        if SEL_ROWS > BLOCK_M:   # a tile inside one token's heads reads its entry once
+            reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * (SEL_ROWS // BLOCK_M)
+        else:                    # each entry once
+            reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries
+        io_add(io_ptr, DKDV_Q, gathered * row_bytes, 0)
+        io_add(io_ptr, DKDV_K, keys * row_bytes, 0)
+        io_add(io_ptr, DKDV_V, keys * row_bytes, 0)
+        io_add(io_ptr, DKDV_DO, gathered * row_bytes, 0)
+        io_add(io_ptr, DKDV_STATS, gathered * 8, 0)
+        io_add(io_ptr, DKDV_DELTA, gathered * 4, 0)
+        io_add(io_ptr, DKDV_DK, 0, keys * row_bytes)
+        io_add(io_ptr, DKDV_DV, 0, keys * row_bytes)
+        io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
+
+
+@triton.jit
+def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d,
+                     mask_d, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+                     keys_loaded, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr,
+                     TILES: tl.constexpr, MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
+    """One key step of dQ (:func:`~.fwd._key_step`; keys outside ``valid`` get ``p = 0``).
+    Returns ``(dq, keys_loaded)``."""
+    k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+                                  BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
+    sc = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
+    if MASKED:
+        p = tl.math.exp2(tl.where(valid[None, :], (sc - m_row[:, None]) - log2_sum[:, None], float("-inf")))
+        if COUNT_IO:
+            keys_loaded += keys
+    elif MASK_LANES:
+        p = tl.math.exp2(tl.where(valid[None, :], (sc - m_row[:, None]) - log2_sum[:, None], float("-inf")))
+    else:
+        p = tl.math.exp2((sc - m_row[:, None]) - log2_sum[:, None])  # [BLOCK_H, BLOCK_N]
+    dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
+    ds = p * (dp - delta[:, None])  # [BLOCK_H, BLOCK_N]
+    dq = dot(ds, k, dq, DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
+    return dq, keys_loaded
+
+
+@triton.jit
+def _sel_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dq_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    stride_qz, stride_qh, stride_qm, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_doz, stride_doh, stride_dom, stride_dod,
+    stride_dqz, stride_dqh, stride_dqm, stride_dqd,
+    stride_lb, heads_per_selection, max_blocks, stats_stride,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    COUNT_IO: tl.constexpr,
+):
+    CHUNKS: tl.constexpr = (SEL_HEADS + BLOCK_H - 1) // BLOCK_H
+    t = tl.program_id(0)  # the query token
+    pid = tl.program_id(1)  # (batch, head unit, chunk of BLOCK_H heads)
+    units = num_heads_q // SEL_HEADS
+    off_z = (pid // (units * CHUNKS)).to(tl.int64)
+    unit = (pid // CHUNKS) % units
+    chunk = pid % CHUNKS
+    offs_hh = tl.arange(0, BLOCK_H)
+    mask_h = offs_hh < SEL_HEADS - chunk * BLOCK_H
+    offs_h = (unit * SEL_HEADS + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
+    off_l = off_z * stride_lb + (unit * SEL_HEADS) // heads_per_selection
+    off_hkv = ((unit * SEL_HEADS) // (num_heads_q // num_heads_kv)).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+    t64 = t.to(tl.int64)
+
+    q = tl.load(q_ptr + off_z * stride_qz + offs_h[:, None] * stride_qh + t64 * stride_qm
+                + offs_d[None, :] * stride_qd, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
+    do = tl.load(do_ptr + off_z * stride_doz + offs_h[:, None] * stride_doh + t64 * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
+    rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of stats / delta
+    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, rows_out, mask_h)  # [BLOCK_H] x2
+    delta = tl.load(delta_ptr + rows_out, mask=mask_h, other=0.0)  # [BLOCK_H]
+    k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
+    v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
+
+    row = off_l * seqlen_q + t
+    cnt = tl.load(row_counts_ptr + row)
+    row_ptr = rows_ptr + row * max_blocks
+    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
+    n_full = tl.maximum(n_steps - TILES, 0)
+    qk_scale = sm_scale * LOG2E
+    dq = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    keys_loaded = tl.zeros([], dtype=tl.int64)
+
+    # 1. whole blocks: no per-element test; 2. the last block's steps: padding, causality, count
+    for s in range(0, n_full):
+        dq, keys_loaded = _sel_bwd_dq_step(
+            dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale, keys_loaded,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
+    for s in range(n_full, n_steps):
+        dq, keys_loaded = _sel_bwd_dq_step(
+            dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale, keys_loaded,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
+
+    tl.store(dq_ptr + off_z * stride_dqz + offs_h[:, None] * stride_dqh + t64 * stride_dqm
+             + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_hd)
+
+    if COUNT_IO:
+        heads = tl.sum(mask_h.to(tl.int64))
+        row_bytes = head_dim * ELEM_BYTES
+        keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE
+        io_add(io_ptr, DQ_Q, heads * row_bytes, 0)
+        io_add(io_ptr, DQ_K, keys_loaded * row_bytes, 0)
+        io_add(io_ptr, DQ_V, keys_loaded * row_bytes, 0)
+        io_add(io_ptr, DQ_DO, heads * row_bytes, 0)
+        io_add(io_ptr, DQ_STATS, heads * 8, 0)
+        io_add(io_ptr, DQ_DELTA, heads * 4, 0)
+        io_add(io_ptr, DQ_DQ, 0, heads * row_bytes)
+        io_add(io_ptr, DQ_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)

@@ -1,0 +1,201 @@
+"""Selection attention forward kernel (``@triton.jit`` only; the launcher is :mod:`.launch`).
+
+Query-major (NSA/DSA style): one program per (query token ``t``, batch x *head unit*), a head unit
+being the ``SEL_HEADS`` query heads that share one selection and one KV head
+(:func:`~sparse_io_attn.selection.tiles.sel_heads`; ``BLOCK_H`` rows, padded, several programs past
+:func:`~sparse_io_attn.selection.tiles.head_rows`' cap). The heads are the tile's rows; the
+row's normalised blocks (``plan.rows[l, t, :plan.row_counts[l, t]]``, ascending) are walked in one
+flat loop of *key steps* of ``BLOCK_N`` gathered keys (:func:`_key_step`):
+
+* ``SLOTS > 1`` (blocks smaller than ``BLOCK_N``): step ``s`` gathers slots ``s * SLOTS + i // BLOCK_SIZE``,
+  key ``rows[..] * BLOCK_SIZE + i % BLOCK_SIZE`` for lane ``i``;
+* ``TILES >= 1`` (blocks of ``BLOCK_N`` keys or more): step ``s`` is tile ``s % TILES`` of slot ``s // TILES``.
+
+Only the last block of a row can straddle the causal diagonal (rows are ascending and no block
+lies wholly in the future) or hold the ragged end of the keys (the largest block), and only the
+last step group can hold slots past the row's count: every step but the last ``TILES`` is
+unmasked (``MASKED=False``: no per-element test; ``MASK_LANES`` only when the block size and
+``BLOCK_N`` do not divide one another), the last ``TILES`` steps apply key padding, causality and
+the count (``MASKED=True``). Keys past the diagonal or the sequence are not loaded.
+
+Online softmax in base 2 (``sm_scale * LOG2E`` folded into one multiply, scores formed by the
+block-sparse kernels' :func:`~sparse_io_attn.block_sparse.triton.fwd._scores`, so every backend
+rounds them alike); writes ``o``, ``lse`` (natural log, ``-inf`` on empty rows) and ``stats``
+(base-2 row maximum, log2 row sum; ``+inf``/``0`` on empty rows). With ``COUNT_IO`` each program
+adds its bytes per tensor at its end.
+"""
+from __future__ import annotations
+
+from sparse_io_attn._triton.jit import LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.block_sparse.triton.fwd import _scores
+from sparse_io_attn.selection.triton.slots import FWD_K, FWD_LSE, FWD_O, FWD_PLAN, FWD_Q, FWD_STATS, FWD_V
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
+              stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
+              MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """``(k, v, valid, keys)`` of key step ``s`` of the query row ``row_ptr`` (``cnt`` blocks) for
+    query token ``query`` (forward and dQ). ``MASKED`` (the last block's steps): ``valid [BLOCK_N]``
+    marks the keys inside a listed block, inside the sequence and (``IS_CAUSAL``) at or before the
+    diagonal; only those are loaded and ``keys`` counts them. Otherwise every lane inside a block is
+    an allowed key (``valid`` marks those lanes when ``MASK_LANES``; ``keys`` is 0: the caller counts
+    whole blocks)."""
+    off = (s % TILES) * BLOCK_N + offs_n % BLOCK_SIZE  # [BLOCK_N] key offset inside its block
+    lane_ok = (offs_n < SLOTS * BLOCK_SIZE) & (off < BLOCK_SIZE)  # [BLOCK_N] lanes inside a block
+    if SLOTS == 1:
+        cols = tl.load(row_ptr + s // TILES) * BLOCK_SIZE + off  # [BLOCK_N]: one block per step
+    else:
+        slot = s * SLOTS + offs_n // BLOCK_SIZE  # [BLOCK_N] (TILES == 1): SLOTS blocks per step
+        if MASKED:
+            blk = tl.load(row_ptr + slot, mask=lane_ok & (slot < cnt), other=-1)
+        elif MASK_LANES:
+            blk = tl.load(row_ptr + slot, mask=lane_ok, other=-1)
+        else:
+            blk = tl.load(row_ptr + slot)
+        cols = blk * BLOCK_SIZE + off  # [BLOCK_N]; negative where no slot
+    if MASKED:
+        valid = lane_ok & (cols >= 0) & (cols < seqlen_k)
+        if IS_CAUSAL:
+            valid = valid & (cols <= query + causal_offset)
+        kv_mask = valid[:, None] & mask_d[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        keys = tl.sum(valid.to(tl.int64))
+    else:
+        if MASK_LANES:
+            valid = lane_ok
+            kv_mask = lane_ok[:, None] & mask_d[None, :]
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            valid = 0
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)  # [BLOCK_N, HEAD_DIM]
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)  # [BLOCK_N, HEAD_DIM]
+        else:
+            valid = 0
+            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                        mask=mask_d[None, :], other=0.0)
+            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                        mask=mask_d[None, :], other=0.0)
+        keys = 0
+    return k, v, valid, keys
+
+
+@triton.jit
+def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
+                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
+                  MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
+    """One key step of the online softmax (:func:`_key_step`; keys outside ``valid`` get
+    probability 0). Returns ``(acc, l_i, m_i, keys_loaded)``."""
+    k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+                                  BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
+    sc = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
+    if MASKED:
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))  # [BLOCK_H]
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # (never: a step keeps its block's first key)
+        if COUNT_IO:
+            keys_loaded += keys
+    else:
+        if MASK_LANES:
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))  # [BLOCK_H], finite: every block key is allowed
+        m_shift = m_new
+    p = tl.math.exp2(sc - m_shift[:, None])  # [BLOCK_H, BLOCK_N]
+    alpha = tl.math.exp2(m_i - m_shift)  # [BLOCK_H]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
+    return acc, l_i, m_new, keys_loaded
+
+
+@triton.jit
+def _sel_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    stride_qz, stride_qh, stride_qm, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_oz, stride_oh, stride_om, stride_od,
+    stride_lb, heads_per_selection, max_blocks, stats_stride,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    COUNT_IO: tl.constexpr,
+):
+    CHUNKS: tl.constexpr = (SEL_HEADS + BLOCK_H - 1) // BLOCK_H
+    t = tl.program_id(0)  # the query token
+    pid = tl.program_id(1)  # (batch, head unit, chunk of BLOCK_H heads)
+    units = num_heads_q // SEL_HEADS
+    off_z = (pid // (units * CHUNKS)).to(tl.int64)
+    unit = (pid // CHUNKS) % units
+    chunk = pid % CHUNKS
+    offs_hh = tl.arange(0, BLOCK_H)
+    mask_h = offs_hh < SEL_HEADS - chunk * BLOCK_H
+    offs_h = (unit * SEL_HEADS + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
+    off_l = off_z * stride_lb + (unit * SEL_HEADS) // heads_per_selection  # the heads' selection
+    off_hkv = ((unit * SEL_HEADS) // (num_heads_q // num_heads_kv)).to(tl.int64)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    mask_hd = mask_h[:, None] & mask_d[None, :]
+
+    q = tl.load(q_ptr + off_z * stride_qz + offs_h[:, None] * stride_qh + t.to(tl.int64) * stride_qm
+                + offs_d[None, :] * stride_qd, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
+    k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
+    v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
+
+    row = off_l * seqlen_q + t  # this token's row of the plan
+    cnt = tl.load(row_counts_ptr + row)
+    row_ptr = rows_ptr + row * max_blocks
+    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
+    n_full = tl.maximum(n_steps - TILES, 0)  # every step before the last block's
+
+    qk_scale = sm_scale * LOG2E  # scores in base-2 units
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    keys_loaded = tl.zeros([], dtype=tl.int64)
+
+    # 1. whole blocks: no per-element test; 2. the last block's steps: padding, causality, count
+    for s in range(0, n_full):
+        acc, l_i, m_i, keys_loaded = _sel_fwd_step(
+            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
+    for s in range(n_full, n_steps):
+        acc, l_i, m_i, keys_loaded = _sel_fwd_step(
+            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
+    row_max = tl.where(empty, float("inf"), m_i)
+    lse = tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2)
+    tl.store(o_ptr + off_z * stride_oz + offs_h[:, None] * stride_oh + t.to(tl.int64) * stride_om
+             + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=mask_hd)
+    rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats
+    tl.store(lse_ptr + rows_out, lse, mask=mask_h)
+    tl.store(stats_ptr + rows_out, row_max, mask=mask_h)
+    tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_h)
+
+    if COUNT_IO:
+        heads = tl.sum(mask_h.to(tl.int64))
+        row_bytes = head_dim * ELEM_BYTES
+        keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE  # whole blocks of the unmasked steps
+        io_add(io_ptr, FWD_Q, heads * row_bytes, 0)
+        io_add(io_ptr, FWD_K, keys_loaded * row_bytes, 0)
+        io_add(io_ptr, FWD_V, keys_loaded * row_bytes, 0)
+        io_add(io_ptr, FWD_O, 0, heads * row_bytes)
+        io_add(io_ptr, FWD_LSE, 0, heads * 4)
+        io_add(io_ptr, FWD_STATS, 0, heads * 8)
+        io_add(io_ptr, FWD_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)

@@ -1,0 +1,183 @@
+"""Backend ``"triton"`` of :func:`~sparse_io_attn.selection.api.selection_attention`: host launchers of
+the selection kernels.
+
+Implements the backend interface of :mod:`sparse_io_attn.selection.api` (inputs arrive validated, the
+plan on the tensors' device):
+
+* ``forward(q, k, v, plan, *, sm_scale) -> (out, lse, stats)``: ``lse`` fp32 ``[B, Hq, Nq]`` natural
+  log, ``-inf`` on rows with no allowed key (output 0); ``stats`` fp32 ``[2, B, Hq, Nq]``: base-2 row
+  maximum and log2 row sum (``+inf``/``0`` on empty rows), for backward.
+* ``backward(do, q, k, v, out, stats, plan, *, sm_scale) -> (dq, dk, dv)``: dk/dv summed over each
+  GQA group; deterministic (no atomics on data).
+
+The forward and dQ kernels are query-major (one program per query token and unit of heads sharing a
+selection and a KV head, :mod:`.fwd`), dK/dV key-major over ``plan.keys()`` (:mod:`.bwd`). Each launch
+is described once by a :class:`~sparse_io_attn.block_sparse.triton.launch.Call`
+(:func:`forward_calls`, :func:`backward_calls`), used by the launchers and by :mod:`.report`, which
+compiles the same calls for a GPU architecture. Configurations come from
+:func:`sparse_io_attn.selection.tiles.kernel_configs`: autotuned on CUDA, the first under the
+interpreter, while counting and with ``SPARSE_IO_ATTN_NO_AUTOTUNE=1`` (the tiles the traffic model
+assumes by default; :func:`launched_tiles` gives those the last launches used).
+"""
+from __future__ import annotations
+
+import torch
+
+from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
+from sparse_io_attn._triton.shapes import next_pow2
+from sparse_io_attn.block_sparse.tiles import padded_head_dim
+from sparse_io_attn.block_sparse.triton.bwd import _attn_bwd_preprocess_kernel
+from sparse_io_attn.block_sparse.triton.launch import PREPROCESS_CONFIG, Call
+from sparse_io_attn.selection.plan import SelectionPlan
+from sparse_io_attn.selection.tiles import (SelectionTiles, choose_tiles, head_rows, kernel_configs, key_step,
+                                            key_tile, sel_heads)
+from sparse_io_attn.selection.traffic import DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS, PREPROCESS_TENSORS
+from sparse_io_attn.selection.triton.bwd import _sel_bwd_dkdv_kernel, _sel_bwd_dq_kernel
+from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
+
+import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
+
+TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE", "SEL_HEADS", "max_blocks")
+PREPROCESS_BLOCK_M = 64
+_LAST_TILES: dict[str, tuple[int, int]] = {}
+
+
+def _strides(t: torch.Tensor, prefix: str) -> dict:
+    axes = "zh" + ("n" if prefix in ("k", "v", "dk", "dv") else "m") + "d"
+    return {f"stride_{prefix}{ax}": s for ax, s in zip(axes, t.stride())}
+
+
+def _row_configs(kind: str, q: torch.Tensor, plan: SelectionPlan) -> list:
+    """Forward / dQ configurations: ``BLOCK_N`` with its ``SLOTS``, ``TILES``, ``MASK_LANES``."""
+    out = []
+    bs = plan.block_size
+    for c in kernel_configs(kind, bs, q.shape[-1], q.dtype):
+        n, slots, tiles = key_step(bs, c.block_n)
+        out.append(triton.Config({"BLOCK_N": n, "SLOTS": slots, "TILES": tiles,
+                                  "MASK_LANES": slots * bs != n if slots > 1 else tiles * n != bs},
+                                 num_warps=c.num_warps, num_stages=c.num_stages))
+    return out
+
+
+def _dkdv_configs(q: torch.Tensor, plan: SelectionPlan) -> list:
+    out = []
+    for c in kernel_configs("dkdv", plan.block_size, q.shape[-1], q.dtype):
+        n, key_tiles = key_tile(plan.block_size, c.block_n)
+        out.append(triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": n, "KEY_TILES": key_tiles},
+                                 num_warps=c.num_warps, num_stages=c.num_stages))
+    return out
+
+
+def _common(q, k, plan: SelectionPlan, sm_scale: float) -> dict:
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    hm = plan.head_map(B, Hq, Hkv)
+    head_dim = padded_head_dim(D)
+    delta = plan.causal_offset
+    return dict(stride_lb=hm.stride_lb, heads_per_selection=hm.heads_per_selection, seqlen_q=Nq,
+                seqlen_k=k.shape[2], num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, sm_scale=float(sm_scale),
+                causal_offset=0 if delta is None else int(delta), BLOCK_SIZE=plan.block_size,
+                SEL_HEADS=sel_heads(Hq, Hkv, plan.num_selections), HEAD_DIM=head_dim, EVEN_D=head_dim == D,
+                IS_CAUSAL=delta is not None, DOT_DTYPE=dot_dtype(q.dtype), ELEM_BYTES=q.element_size())
+
+
+def _row_grid(q, common: dict, block_h: int):
+    B, Hq, Nq, _ = q.shape
+    r = common["SEL_HEADS"]
+    return (Nq, B * (Hq // r) * triton.cdiv(r, block_h))
+
+
+def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
+    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
+    B, Hq, Nq, D = q.shape
+    common = _common(q, k, plan, sm_scale)
+    block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
+    grid = _row_grid(q, common, block_h)
+    call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
+        row_counts_ptr=plan.row_counts, **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
+        **_strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
+    return call, out, lse, stats
+
+
+def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
+    """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    common = _common(q, k, plan, sm_scale)
+    keys = plan.keys()
+    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    pre = Call("selection_bwd_preprocess", _attn_bwd_preprocess_kernel, (triton.cdiv(Nq, PREPROCESS_BLOCK_M), B * Hq),
+               PREPROCESS_TENSORS, [PREPROCESS_CONFIG], dict(
+                   o_ptr=out, do_ptr=do, delta_ptr=delta, **_strides(out, "o"), **_strides(do, "do"),
+                   seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_M=PREPROCESS_BLOCK_M,
+                   HEAD_DIM=common["HEAD_DIM"], ELEM_BYTES=common["ELEM_BYTES"]))
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    num_kv_blocks = plan.num_kv_blocks
+    dkdv = Call("selection_bwd_dkdv", _sel_bwd_dkdv_kernel,
+                lambda meta: (num_kv_blocks * meta["KEY_TILES"], B * Hkv), DKDV_TENSORS, _dkdv_configs(q, plan), dict(
+                    q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
+                    col_ptr_ptr=keys.col_ptr, col_query_ptr=keys.col_query, **_strides(q, "q"),
+                    **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"), **_strides(dk, "dk"),
+                    **_strides(dv, "dv"), num_kv_blocks=num_kv_blocks, stats_stride=B * Hq * Nq,
+                    SEL_ROWS=next_pow2(common["SEL_HEADS"]), **common))
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
+    grid = _row_grid(q, common, block_h)
+    dq_call = Call("selection_bwd_dq", _sel_bwd_dq_kernel, lambda meta: grid, DQ_TENSORS,
+                   _row_configs("dq", q, plan), dict(
+                       q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
+                       rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **_strides(q, "q"), **_strides(k, "k"),
+                       **_strides(v, "v"), **_strides(do, "do"), **_strides(dq, "dq"), max_blocks=plan.max_blocks,
+                       stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
+    return [pre, dkdv, dq_call], dq, dk, dv
+
+
+def _run(call: Call, device) -> None:
+    if call.grid.__class__ is tuple:   # fixed tiles (preprocess): no autotuning
+        if 0 in call.grid:
+            return
+        launch(call.kernel, call.grid, call.name, call.tensors, device, **call.kwargs,
+               num_warps=call.configs[0].num_warps, num_stages=call.configs[0].num_stages)
+        return
+    if 0 in call.grid(dict(call.kwargs, **call.configs[0].kwargs)):
+        return
+    used = launch(call.kernel, call.grid, call.name, call.tensors, device, configs=call.configs, key=TUNE_KEY,
+                  **call.kwargs)
+    _LAST_TILES[call.name] = (used.kwargs.get("BLOCK_M", call.kwargs.get("BLOCK_H")), used.kwargs["BLOCK_N"])
+
+
+def tiles_for(q: torch.Tensor, k: torch.Tensor, plan: SelectionPlan) -> SelectionTiles:
+    """The default kernel tiles for these inputs (what the traffic model assumes by default)."""
+    return choose_tiles(plan.block_size, q.shape[-1], q.dtype, sel_heads(q.shape[1], k.shape[1], plan.num_selections))
+
+
+def launched_tiles() -> SelectionTiles | None:
+    """The tiles the last forward and backward launches used (autotuning's choice on CUDA), for
+    :func:`sparse_io_attn.selection.traffic.selection` ``(tiles=...)``; None before any launch."""
+    if not all(k in _LAST_TILES for k in ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")):
+        return None
+    return SelectionTiles(fwd=_LAST_TILES["selection_fwd"], dq=_LAST_TILES["selection_bwd_dq"],
+                          dkdv=_LAST_TILES["selection_bwd_dkdv"])
+
+
+def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float):
+    check_device(q, "backend 'triton'")
+    call, out, lse, stats = forward_calls(q, k, v, plan, sm_scale)
+    _run(call, q.device)
+    return out, lse, stats
+
+
+def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float):
+    check_device(q, "backend 'triton'")
+    calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), plan, sm_scale)
+    for call in calls:
+        _run(call, q.device)
+    return dq, dk, dv
+
+
+__all__ = ["backward", "backward_calls", "forward", "forward_calls", "launched_tiles", "tiles_for"]

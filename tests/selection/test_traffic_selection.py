@@ -1,0 +1,134 @@
+"""The selection traffic model predicts exactly the bytes the Triton kernels count (exact integer
+equality), its pair count is the reference mask's, and ``accounting.compare`` sets a counted
+selection call against Theorem 1.2 for that count."""
+import math
+
+import pytest
+import torch
+
+from sparse_io_attn._triton.runtime import INTERPRET
+from sparse_io_attn.accounting import IOCounter, compare, selection_bound, traffic
+from sparse_io_attn.bounds import sparse_informal
+from sparse_io_attn.layout.causal import causal_offset
+from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.selection.plan import plan_selection
+from sparse_io_attn.selection.reference import selection_mask
+from sparse_io_attn.selection.triton import launch
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def make_plan(B, G, Nq, Nk, bs, K, causal, *, shared=False, counts=False):
+    nkb = math.ceil(Nk / bs)
+    idx = torch.randint(-1, nkb, (G, Nq, K) if shared else (B, G, Nq, K), device=DEVICE)
+    if K > 1:
+        idx[..., 1] = idx[..., 0]                                  # repeats
+    cnt = torch.randint(0, K + 1, idx.shape[:-1], device=DEVICE) if counts else None
+    sel = Selection(idx, bs, cnt)
+    return sel, plan_selection(sel, Nk, causal_offset=causal_offset(causal, Nq, Nk))
+
+
+CASES = [  # (B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts, dtype)
+    pytest.param(1, 4, 2, 1, 8, 20, 16, 1, 5, True, True, False, torch.float32, id="G1-bs1-top_left"),
+    pytest.param(2, 4, 2, 2, 7, 22, 24, 4, 3, False, False, True, torch.bfloat16, id="Ghkv-bs4-ragged-counts-bf16"),
+    pytest.param(1, 2, 1, 2, 6, 100, 16, 64, 2, "bottom_right", False, False, torch.float16,
+                 id="Ghq-bs64-ragged-bottom_right-fp16"),
+    pytest.param(1, 2, 2, 2, 9, 30, 16, 3, 4, True, True, True, torch.float32, id="mha-bs3-lanes-counts"),
+    pytest.param(1, 2, 1, 1, 12, 8, 16, 2, 3, "bottom_right", False, False, torch.float32,
+                 id="bottom_right-Nq>Nk-empty-rows"),
+    pytest.param(1, 2, 2, 2, 5, 150, 16, 48, 3, True, False, False, torch.float32, id="bs48-steps-per-block"),
+    pytest.param(1, 2, 1, 1, 4, 230, 16, 100, 2, "bottom_right", True, False, torch.float32, id="bs100-ragged-tiles"),
+    pytest.param(1, 32, 1, 1, 4, 12, 16, 4, 2, True, True, False, torch.float32, id="32-heads-rows-past-BLOCK_M"),
+]
+
+
+@pytest.mark.parametrize("B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts, dtype", CASES)
+def test_counted_equals_predicted(B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts, dtype):
+    _, plan = make_plan(B, G, Nq, Nk, block, K, causal, shared=shared, counts=counts)
+    q, do = (torch.randn(B, Hq, Nq, D, device=DEVICE, dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Nk, D, device=DEVICE, dtype=dtype) for _ in range(2))
+    with IOCounter() as fwd_io:
+        out, _, stats = launch.forward(q, k, v, plan, sm_scale=D ** -0.5)
+    with IOCounter() as bwd_io:
+        launch.backward(do, q, k, v, out, stats, plan, sm_scale=D ** -0.5)
+    args = (plan, B, Hq, Hkv, D, dtype)
+    want_fwd, want_bwd = traffic.selection_forward(*args), traffic.selection_backward(*args)
+    assert fwd_io.report == want_fwd, f"{fwd_io.report}\n{want_fwd}"
+    assert bwd_io.report == want_bwd, f"{bwd_io.report}\n{want_bwd}"
+    assert (fwd_io.report + bwd_io.report).total_bytes == traffic.selection(*args).total_bytes
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize("G, shared, counts", [(1, True, False), (2, False, True), (4, False, False)])
+def test_pairs_are_the_reference_mask(causal, G, shared, counts):
+    B, Hq, Nq, Nk, bs = 2, 4, 13, 29, 3
+    sel, plan = make_plan(B, G, Nq, Nk, bs, 5, causal, shared=shared, counts=counts)
+    mask = selection_mask(sel, B, Hq, Nk, causal=causal)
+    assert traffic.selection_pairs(plan, B, Hq) == int(mask.sum())
+    assert traffic.selection_flops(plan, B, Hq, 64, backward=True) == 10 * 64 * int(mask.sum())
+
+
+def test_model_closed_form_at_scale():
+    """Every token selects every causally alive block (causal dense attention as a selection) at
+    N = 8192, G = 1, without running a kernel: the forward reads each allowed key once per tile of
+    R = Hq / Hkv heads, k bytes = B * Hkv * N (N + 1) / 2 * D * e; dK/dV reads each key once."""
+    B, Hq, Hkv, N, D, bs = 1, 8, 2, 8192, 64, 64
+    nkb = N // bs
+    idx = torch.arange(nkb).expand(1, N, nkb)
+    plan = plan_selection(Selection(idx, bs), N, causal_offset=0)
+    fwd = traffic.selection_forward(plan, B, Hq, Hkv, D, torch.bfloat16)
+    pairs = N * (N + 1) // 2
+    assert traffic.selection_pairs(plan, B, Hq) == B * Hq * pairs
+    R = Hq // Hkv
+    assert fwd.kernels["selection_fwd"].reads["k"] == B * (Hq // R) * pairs * D * 2
+    bwd = traffic.selection_backward(plan, B, Hq, Hkv, D, torch.bfloat16)
+    assert bwd.kernels["selection_bwd_dkdv"].reads["k"] == B * Hkv * N * D * 2
+    # each (token, block) pair gathers the token's R heads once (one 64-key tile per block)
+    token_blocks = sum(t // bs + 1 for t in range(N))
+    assert bwd.kernels["selection_bwd_dkdv"].reads["q"] == B * Hkv * R * token_blocks * D * 2
+
+
+def test_compare_against_theorem_1_2():
+    B, Hq, Hkv, N, D, bs = 1, 4, 2, 16, 16, 4
+    sel, plan = make_plan(B, 2, N, N, bs, 3, True)
+    q, do = (torch.randn(B, Hq, N, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, N, D, device=DEVICE) for _ in range(2))
+    with IOCounter() as io:
+        out, _, stats = launch.forward(q, k, v, plan, sm_scale=D ** -0.5)
+        launch.backward(do, q, k, v, out, stats, plan, sm_scale=D ** -0.5)
+    bound = selection_bound(plan, B, Hq, D, "16KiB", dtype=torch.float32)
+    pairs = int(selection_mask(sel, B, Hq, N, causal=True).sum())
+    assert bound.params["Z_input"] == N * D and bound.params["Z_QK"] * B * Hq == pairs and bound.heads == B * Hq
+    z_qk = bound.params["Z_QK"]
+    assert bound.value_words == sparse_informal(N * D, z_qk, "16KiB", dtype=torch.float32, n=N, d=D,
+                                                heads=B * Hq).value_words
+    c = compare(io.report, bound)
+    predicted = traffic.selection(plan, B, Hq, Hkv, D, torch.float32)
+    assert c.measured_bytes == io.report.total_bytes == predicted.total_bytes
+    assert c.compulsory_bytes == 4 * B * Hq * (N * D + N * D)      # inputs once + the n x d output, per head
+    assert c.ratio_to_floor >= 1
+    with pytest.raises(TypeError, match="SelectionPlan"):
+        selection_bound(sel, B, Hq, D, "16KiB")
+
+
+def test_model_follows_the_launched_tiles(monkeypatch):
+    """Other tiles (what autotuning may pick on CUDA): the model given ``launch.launched_tiles()``
+    still predicts the counts exactly (key steps of 16 over 40-key blocks: 3 steps, the last
+    ragged; dK/dV row tiles of 16 for 32 gathered rows per token)."""
+    from sparse_io_attn.selection.tiles import SelectionConfig
+
+    def configs(kernel, block_size, head_dim, dtype):
+        return [SelectionConfig(0, 16, 4, 2)] if kernel != "dkdv" else [SelectionConfig(16, 64, 4, 2)]
+
+    monkeypatch.setattr(launch, "kernel_configs", configs)
+    B, Hq, Hkv, Nq, Nk, D = 1, 32, 1, 4, 90, 16
+    _, plan = make_plan(B, 1, Nq, Nk, 40, 3, "bottom_right", shared=True)
+    q, do = (torch.randn(B, Hq, Nq, D, device=DEVICE) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Nk, D, device=DEVICE) for _ in range(2))
+    with IOCounter() as io:
+        out, _, stats = launch.forward(q, k, v, plan, sm_scale=D ** -0.5)
+        launch.backward(do, q, k, v, out, stats, plan, sm_scale=D ** -0.5)
+    tiles = launch.launched_tiles()
+    assert tiles.fwd == (32, 16) and tiles.dkdv == (16, 64)
+    assert io.report == traffic.selection(plan, B, Hq, Hkv, D, torch.float32, tiles=tiles)
+    assert io.report != traffic.selection(plan, B, Hq, Hkv, D, torch.float32)   # the default tiles differ
