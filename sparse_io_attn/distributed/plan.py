@@ -369,6 +369,7 @@ class ContextParallelPlan:
         tok = torch.zeros(W + 1, dtype=torch.int64)
         tok[1:] = torch.cumsum(torch.zeros(W, dtype=torch.int64).index_add_(0, owner, self.block_sizes), 0)
         self._token_offsets = tok
+        self._shard_tokens = (tok[1:] - tok[:-1]).tolist()                # host ints: asked every step
         self._rank_layouts: dict[int, RankLayouts] = {}
         self._token_index: dict[int, torch.Tensor] = {}
         self._exchange: dict[int, Exchange] = {}
@@ -453,7 +454,7 @@ class ContextParallelPlan:
     def num_tokens(self, rank: int) -> int:
         """Tokens of the shard of rank ``rank`` (``n_local``)."""
         self._check_rank(rank)
-        return int(self._token_offsets[rank + 1] - self._token_offsets[rank])
+        return self._shard_tokens[rank]
 
     def tokens(self, blocks: torch.Tensor) -> int:
         """Real tokens in ``blocks`` (the last block of the sequence may be ragged)."""

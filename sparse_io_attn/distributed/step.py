@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 
 import torch
 import torch.distributed as dist
@@ -315,8 +316,9 @@ def _from_selection(plan, selection: Selection, rank: int, num_heads_kv) -> Cont
 
 # ------------------------------------------------------------------------------------------- pieces
 def _digest(values) -> int:
+    """A 63-bit fingerprint (BLAKE2b) of Python ints."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(torch.tensor(values, dtype=torch.int64).numpy().tobytes())
+    h.update(struct.pack(f"<{len(values)}q", *values))
     return int.from_bytes(h.digest(), "little") >> 1
 
 
@@ -344,15 +346,20 @@ def _rank_tensor(plan, rank: int, what: str, device) -> torch.Tensor:
 
 def _take_rows(plan, rank: int, x: torch.Tensor) -> torch.Tensor:
     """The rank's tokens along dim 1 of ``x`` (``[L, seqlen, ...]``), in shard order: views of its
-    contiguous runs of blocks (one for contiguous ownership, two for zig-zag), concatenated."""
-    rows = plan.rows(rank).tolist()
-    B, N = plan.block_size, plan.seqlen
-    runs, start = [], rows[0]
-    for prev, row in zip(rows, rows[1:] + [None]):
-        if row != prev + 1:
-            runs.append(x.narrow(1, start * B, min((prev + 1) * B, N) - start * B))
-            start = row
-    return runs[0] if len(runs) == 1 else torch.cat(runs, 1)
+    contiguous runs of tokens (one for contiguous ownership, two for zig-zag), concatenated."""
+    t = plan.device_tensors("cpu")
+    key = ("token runs", rank)
+    if key not in t:                                                    # host ints, once per rank
+        rows = plan.rows(rank).tolist()
+        B, N = plan.block_size, plan.seqlen
+        runs, start = [], rows[0]
+        for prev, row in zip(rows, rows[1:] + [None]):
+            if row != prev + 1:
+                runs.append((start * B, min((prev + 1) * B, N) - start * B))
+                start = row
+        t[key] = runs
+    parts = [x.narrow(1, begin, length) for begin, length in t[key]]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def _unit_of_mask(Lb: int, G: int, Gk: int, device) -> torch.Tensor:
