@@ -244,22 +244,23 @@ def _from_layout(plan, layout: BlockSparseLayout, rank: int, num_heads_kv) -> Co
     local = t["owner"][c] == rank
     on_local, on_remote = valid & local, valid & ~local
     unit = _unit_of_mask(Lb, G, step.kv_groups, dev)[:, None, None]
-    slot_of = _exchange(step, _grid(step, unit.expand_as(c), c, on_remote), [(count > K).any()])
-    if step.overflow:
+    offsets = [_row_offsets(on_local), _row_offsets(on_remote)]
+    (overflow, n_loc, n_rem), slot_of = _exchange(step, _grid(step, unit.expand_as(c), c, on_remote),
+                                                  [(count > K).any(), offsets[0][-1], offsets[1][-1]])
+    if overflow:
         raise ValueError(f"the layout {layout.name!r} is marked fixed-capacity with {n} slots for {L} x {R} rows, "
                          f"but a row keeps more than {K} blocks; build it with from_kv_indices or without "
                          f"fixed_capacity")
     n_local = plan.num_tokens(rank)
-    mask_args = dict(partial_masks=layout.partial_masks)
 
-    def part(keep, col, n_keys, what):
-        crow_p, col_p, pid_p = _pack_rows(keep, col, pid)
+    def part(keep, flat, size, col, n_keys, what):
+        crow_p, col_p, pid_p = _pack_rows(keep, flat, size, col, pid)
         return BlockSparseLayout(crow_p, col_p, block_size=(B, B), seqlen=(n_local, n_keys), layout_batch=Lb,
                                  layout_heads=G, name=f"{layout.name}@rank{rank}.{what}", validate=False,
-                                 partial_ids=pid_p, fixed_capacity=True, **mask_args)._mark_checked()
-    step.local = part(on_local, t["local_index"][c], n_local, "local")
+                                 partial_ids=pid_p, partial_masks=layout.partial_masks)._mark_checked()
+    step.local = part(on_local, offsets[0], n_loc, t["local_index"][c], n_local, "local")
     if step.received_seqlen:
-        step.received = part(on_remote, slot_of[unit, c], step.received_seqlen, "received")
+        step.received = part(on_remote, offsets[1], n_rem, slot_of[unit, c], step.received_seqlen, "received")
     return step
 
 
@@ -281,36 +282,40 @@ def _from_selection(plan, selection: Selection, rank: int, num_heads_kv) -> Cont
                                num_heads_kv)
     dev = selection.device
     C, L, K = step.num_key_blocks, Lb * G, selection.max_blocks
-    owner_u, lstart, _ = _units(plan, bs, dev)
-    tokens = _rank_tensor(plan, rank, "tokens", dev)
-    idx = selection.indices.reshape(L, Nq, K)
-    counts = None if selection.counts is None else selection.counts.reshape(L, Nq)
-    if Nq != n_local:                                                        # the whole sequence's rows
-        idx = _take_rows(plan, rank, idx)
-        counts = None if counts is None else _take_rows(plan, rank, counts)
-    # normalise the rank's rows once: valid, causally alive, each block once, ascending
-    valid = (idx >= 0) & (idx < C)
-    if counts is not None:
-        valid &= torch.arange(K, device=dev) < counts[..., None]
-    if plan.causal:
-        valid &= idx <= (tokens // bs)[:, None]                             # a block wholly in the future: dropped
-    ordered = torch.sort(torch.where(valid, idx, C), dim=-1).values
-    keep = ordered < C
-    keep[..., 1:] &= ordered[..., 1:] != ordered[..., :-1]
-    c = torch.where(keep, ordered, 0).to(torch.int64)
-    local = owner_u[c] == rank
-    on_local, on_remote = keep & local, keep & ~local
-    unit = _unit_of_mask(Lb, G, step.kv_groups, dev)[:, None, None]
-    slot_of = _exchange(step, _grid(step, unit.expand_as(c), c, on_remote), [])
+    local_tab, remote_tab, block_tab = _selection_tables(plan, rank, bs, dev)
+    # the rank's rows, int32, normalised once: valid, causally alive, each block once, ascending
+    key = torch.empty((L, n_local, K), dtype=torch.int32, device=dev)
+    _take_rows(plan, rank, selection.indices.reshape(L, Nq, K), key, Nq != n_local)
+    bad = key < 0
+    bad |= key > _rank_tensor(plan, rank, ("last block", bs), dev)         # out of range or in the causal future
+    if selection.counts is not None:
+        counts = torch.empty((L, n_local), dtype=torch.int32, device=dev)
+        _take_rows(plan, rank, selection.counts.reshape(L, Nq), counts, Nq != n_local)
+        bad |= torch.arange(K, device=dev, dtype=torch.int32) >= counts[..., None]
+    key.masked_fill_(bad, C)                                                  # C: no block (sorts last)
+    key = torch.sort(key, dim=-1).values
+    key[..., 1:].masked_fill_(key[..., 1:] == key[..., :-1], C)               # each block once
+    on_local, on_remote = local_tab[key], remote_tab[key]                    # False for C
+    base = (_unit_of_mask(Lb, G, step.kv_groups, dev) * (C + 1)).to(torch.int32)[:, None, None]
+    flat = key + base                                                         # (unit group, block), C: a spare column
+    grid = torch.zeros(step.num_unit_groups * (C + 1), dtype=torch.bool, device=dev)
+    grid[flat] = True
+    grid = grid.view(-1, C + 1)[:, :C] & remote_tab[:C]
+    ranks = [torch.cumsum(on_local, -1, dtype=torch.int32), torch.cumsum(on_remote, -1, dtype=torch.int32)]
+    longest, slot_of = _exchange(step, grid, [r[..., -1].max() for r in ranks])
 
-    def part(flag, values, n_keys, delta):
-        rows, row_counts = _pack_front(flag, values)
+    def part(flag, rank_in_row, slots, values, n_keys, delta):
+        slots = max(slots, 1)
+        dest = torch.where(flag, rank_in_row - 1, slots).to(torch.int64)
+        rows = torch.full((L, n_local, slots + 1), -1, dtype=INDEX_DTYPE, device=dev).scatter_(-1, dest, values)
         meta = dict(block_size=bs, seqlen_q=n_local, seqlen_k=n_keys, num_selections=G, layout_batch=Lb,
                     batched=int(selection.batch is not None), checked=1)
-        return SelectionPlan.from_op(rows, row_counts, [meta[f] for f in META_FIELDS], delta)
-    step.local = part(on_local, lstart[c] // bs, n_local, 0 if plan.causal else None)
+        return SelectionPlan.from_op(rows[..., :slots].contiguous(), rank_in_row[..., -1].contiguous(),
+                                     [meta[f] for f in META_FIELDS], delta)
+    step.local = part(on_local, ranks[0], longest[0], block_tab[key], n_local, 0 if plan.causal else None)
     if step.received_seqlen:
-        step.received = part(on_remote, slot_of[unit, c], step.received_seqlen, None)
+        slots = torch.cat([slot_of, slot_of.new_zeros(slot_of.shape[0], 1)], 1).to(INDEX_DTYPE).view(-1)
+        step.received = part(on_remote, ranks[1], longest[1], slots[flat], step.received_seqlen, None)
     return step
 
 
@@ -335,18 +340,33 @@ def _units(plan, bs: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return t[key]
 
 
-def _rank_tensor(plan, rank: int, what: str, device) -> torch.Tensor:
-    """The rank's query-block rows (``"rows"``) or token positions (``"tokens"``) on ``device``, kept."""
+def _rank_tensor(plan, rank: int, what, device) -> torch.Tensor:
+    """Kept on ``device`` per rank: its query-block rows (``"rows"``), token positions
+    (``"tokens"``), or (``("last block", bs)``) the last key block of ``bs`` tokens each token may
+    read, int32 ``[n_local, 1]`` (its own under causality, else the sequence's last)."""
     t = plan.device_tensors(device)
     key = (what, rank)
     if key not in t:
-        t[key] = (plan.rows(rank) if what == "rows" else plan.token_index(rank)).to(device)
+        if what == "rows":
+            t[key] = plan.rows(rank).to(device)
+        elif what == "tokens":
+            t[key] = plan.token_index(rank).to(device)
+        else:
+            bs = what[1]
+            last = torch.full((plan.num_tokens(rank),), math.ceil(plan.seqlen / bs) - 1, dtype=torch.int64)
+            if plan.causal:
+                last = plan.token_index(rank) // bs
+            t[key] = last.to(device=device, dtype=torch.int32)[:, None]
     return t[key]
 
 
-def _take_rows(plan, rank: int, x: torch.Tensor) -> torch.Tensor:
-    """The rank's tokens along dim 1 of ``x`` (``[L, seqlen, ...]``), in shard order: views of its
-    contiguous runs of tokens (one for contiguous ownership, two for zig-zag), concatenated."""
+def _take_rows(plan, rank: int, x: torch.Tensor, out: torch.Tensor, whole: bool) -> None:
+    """Copy the rank's rows of ``x`` (``[L, rows, ...]``: the whole sequence's when ``whole``, else the
+    rank's already) into ``out`` (converting the dtype): the rank's contiguous runs of tokens, one for
+    contiguous ownership, two for zig-zag (no index per token)."""
+    if not whole:
+        out.copy_(x)
+        return
     t = plan.device_tensors("cpu")
     key = ("token runs", rank)
     if key not in t:                                                    # host ints, once per rank
@@ -358,8 +378,23 @@ def _take_rows(plan, rank: int, x: torch.Tensor) -> torch.Tensor:
                 runs.append((start * B, min((prev + 1) * B, N) - start * B))
                 start = row
         t[key] = runs
-    parts = [x.narrow(1, begin, length) for begin, length in t[key]]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    pos = 0
+    for begin, length in t[key]:
+        out[:, pos:pos + length].copy_(x[:, begin:begin + length])
+        pos += length
+
+
+def _selection_tables(plan, rank: int, bs: int, device):
+    """Per key block of ``bs`` tokens and one spare entry ``C`` (no block): whether the rank owns it,
+    whether another rank does, and its key-block index in the rank's shard (kept)."""
+    t = plan.device_tensors(device)
+    key = ("selection tables", rank, bs)
+    if key not in t:
+        owner, lstart, _ = _units(plan, bs, device)
+        mine = torch.cat([owner == rank, owner.new_zeros(1, dtype=torch.bool)])
+        other = torch.cat([owner != rank, owner.new_zeros(1, dtype=torch.bool)])
+        t[key] = (mine, other, torch.cat([lstart // bs, lstart.new_zeros(1)]).to(INDEX_DTYPE))
+    return t[key]
 
 
 def _unit_of_mask(Lb: int, G: int, Gk: int, device) -> torch.Tensor:
@@ -376,11 +411,11 @@ def _grid(step: ContextParallelStep, unit: torch.Tensor, c: torch.Tensor, remote
     return grid[:-1].view(U, C)
 
 
-def _exchange(step: ContextParallelStep, grid: torch.Tensor, checks: list) -> torch.Tensor:
+def _exchange(step: ContextParallelStep, grid: torch.Tensor, extra: list) -> tuple[list, torch.Tensor]:
     """From the flag grid: the received key space (each unit group's blocks ascending at slots 0, 1,
     ..., the ragged last block in the last slot), the counts per source rank and the requests; the
-    one host read (counts, slots, and ``checks``: device booleans, any true sets ``step.overflow``).
-    Returns ``slot_of [U, C]``."""
+    one host read (counts, slots, and ``extra``: device scalars the caller sizes its parts by).
+    Returns the ``extra`` values as Python ints and ``slot_of [U, C]`` (a received block's slot)."""
     plan, W = step.plan, step.world_size
     U, C, bs = step.num_unit_groups, step.num_key_blocks, step.block_size
     dev = grid.device
@@ -395,11 +430,10 @@ def _exchange(step: ContextParallelStep, grid: torch.Tensor, checks: list) -> to
     per_block = g.sum(0)
     units = torch.zeros(W, dtype=torch.int64, device=dev).index_add_(0, owner_u, per_block)
     tokens = torch.zeros(W, dtype=torch.int64, device=dev).index_add_(0, owner_u, per_block * tok)
-    flags = torch.stack([x.to(torch.int64) for x in checks]) if checks else units.new_zeros(0)
-    host = torch.cat([units, tokens, torch.stack([full_slots, rag_any]), flags]).tolist()
+    values = torch.stack([full_slots, rag_any] + [x.to(torch.int64) for x in extra])
+    host = torch.cat([units, tokens, values]).tolist()
     step.recv_units, step.recv_tokens = host[:W], host[W:2 * W]
     full, rag = host[2 * W], host[2 * W + 1]
-    step.overflow = any(host[2 * W + 2:])
     step.slots, step.full_slots = full + rag, full
     step.received_seqlen = full * bs + (step.last_tokens if rag else 0)
     n_req = sum(step.recv_units)
@@ -415,31 +449,25 @@ def _exchange(step: ContextParallelStep, grid: torch.Tensor, checks: list) -> to
     n = n_req - n_rag
     step.recv_regular = u[:n] * full + slot_of[u[:n], c[:n]]
     step.recv_ragged = u[n:]
-    return slot_of
+    return host[2 * W + 2:], slot_of
 
 
-def _pack_front(flag: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``[..., K]``, the ``values`` where ``flag`` packed at the front in order, ``-1`` after:
-    ``(rows int32 [L, M, K], counts int32 [L, M])``; no sort."""
-    K = flag.shape[-1]
-    f = flag.to(torch.int32)
-    dest = torch.where(flag, torch.cumsum(f, -1) - 1, K)
-    rows = torch.full((*flag.shape[:-1], K + 1), -1, dtype=INDEX_DTYPE, device=flag.device)
-    rows.scatter_(-1, dest.to(torch.int64), values.to(INDEX_DTYPE))
-    return rows[..., :K].contiguous(), f.sum(-1, dtype=torch.int32)
+def _row_offsets(keep: torch.Tensor) -> torch.Tensor:
+    """Flat CSR offsets ``[L * M + 1]`` (int64) of the kept entries of ``[L, M, K]`` per-row lists."""
+    flat = torch.zeros(keep.shape[0] * keep.shape[1] + 1, dtype=torch.int64, device=keep.device)
+    torch.cumsum(keep.sum(-1).reshape(-1), 0, out=flat[1:])
+    return flat
 
 
-def _pack_rows(keep: torch.Tensor, col: torch.Tensor, pid: torch.Tensor):
-    """Kept entries of ``[L, M, K]`` per-row lists (each row's kept entries in order) -> a
-    fixed-capacity CSR ``(crow int32 [L, M + 1], col_slots [L * M * K], partial_id_slots)``."""
-    L, M, K = keep.shape
-    cap = L * M * K
+def _pack_rows(keep: torch.Tensor, flat: torch.Tensor, size: int, col: torch.Tensor, pid: torch.Tensor):
+    """Kept entries of ``[L, M, K]`` per-row lists (each row's kept entries in order; ``flat`` from
+    :func:`_row_offsets`, ``size`` their number) -> a CSR ``(crow int32 [L, M + 1], col [size],
+    partial_ids [size])``."""
+    L, M, _ = keep.shape
     k = keep.to(torch.int64)
-    flat = torch.zeros(L * M + 1, dtype=torch.int64, device=keep.device)
-    torch.cumsum(k.sum(-1).reshape(-1), 0, out=flat[1:])
-    dest = torch.where(keep, flat[:-1].view(L, M, 1) + torch.cumsum(k, -1) - k, cap).reshape(-1)
-    cols = torch.zeros(cap + 1, dtype=INDEX_DTYPE, device=keep.device).scatter_(0, dest, col.reshape(-1).to(INDEX_DTYPE))
-    pids = torch.full((cap + 1,), -1, dtype=INDEX_DTYPE, device=keep.device).scatter_(0, dest, pid.reshape(-1).to(INDEX_DTYPE))
+    dest = torch.where(keep, flat[:-1].view(L, M, 1) + torch.cumsum(k, -1) - k, size).reshape(-1)
+    cols = torch.zeros(size + 1, dtype=INDEX_DTYPE, device=keep.device).scatter_(0, dest, col.reshape(-1).to(INDEX_DTYPE))
+    pids = torch.full((size + 1,), -1, dtype=INDEX_DTYPE, device=keep.device).scatter_(0, dest, pid.reshape(-1).to(INDEX_DTYPE))
     return _absolute_crow(flat, L, M).to(INDEX_DTYPE), cols[:-1], pids[:-1]
 
 
