@@ -127,8 +127,9 @@ def context_parallel(plan, *, batch: int, num_heads_kv: int, head_dim: int,
     owner, R = plan.owner, plan.owner.numel()
     dst = owner[rows]
     other = (dst != owner[cols]) & ~plan.spread[rows]
-    read = torch.unique(dst[other] * R + cols[other])                   # (reader, block), once each
-    floor = torch.zeros(W, dtype=torch.int64).index_add_(0, read // R, plan.block_sizes[read % R])
+    read = torch.zeros(W * R, dtype=torch.bool)                         # (reader, block), once each
+    read[(dst * R + cols)[other]] = True
+    floor = (read.view(W, R).to(torch.int64) * plan.block_sizes).sum(1)
     return ContextParallelTraffic(
         world_size=W, token_bytes=token, q_token_bytes=q_token, o_token_bytes=head_dim * 4 * batch * num_heads_q,
         stats_token_bytes=2 * 4 * batch * num_heads_q, send=send, recv=recv, q_send=q_send, q_recv=q_recv,
