@@ -308,8 +308,8 @@ def attention_estimate(args) -> dict:
     leaves = [t.requires_grad_() for t in (q, k, v)]
     fwd = _median_ms(lambda: block_sparse_attention(*leaves, layout, causal=True, backend="cpu"), 3)
     both = _median_ms(lambda: block_sparse_attention(*leaves, layout, causal=True, backend="cpu").backward(do), 3)
-    return {"n": n, "heads": H, "head_dim": D, "kept": layout.nnz_blocks, "forward_ms": fwd, "forward_backward_ms": both,
-            "threads": torch.get_num_threads()}
+    return {"n": n, "heads": H, "head_dim": D, "kept": layout.nnz_blocks, "forward_ms": fwd,
+            "forward_backward_ms": both, "threads": torch.get_num_threads()}
 
 
 # ---------------------------------------------------------------------------------------- measured
@@ -439,7 +439,8 @@ def _steps_lines(steps: dict, args) -> list:
         f"by every row (the mean query's norm is {sc['shared']:.1f}x the spread of the queries), so every "
         f"row ranks much the same few key blocks first and the union a rank reads stays small; the "
         f"selected earlier blocks lie {sc['distance_quartiles'][0]:.0f} / {sc['distance_quartiles'][1]:.0f} / "
-        f"{sc['distance_quartiles'][2]:.0f} blocks back (quartiles). *random earlier blocks*: own + 15 uniform earlier blocks "
+        f"{sc['distance_quartiles'][2]:.0f} blocks back (quartiles). *random earlier blocks*: own + 15 uniform "
+        f"earlier blocks "
         f"(the union a rank reads grows with its rows: the hard case). *recency window*: own + the 15 "
         f"before. *moba per token (G = 1)*: a per-token selection shared by the heads (token t of "
         f"block r takes head t mod 8's row r), 16.8M (token, block) entries; a unit is then a block of "

@@ -183,8 +183,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="CSV of the losses (default results/context_parallel_training"
                                                 "[_moba].csv)")
     args = ap.parse_args(argv)
-    out = args.out or str(Path(__file__).parent / "results" / ("context_parallel_training"
-                                                               + ("" if args.attention == "strided" else "_moba") + ".csv"))
+    name = "context_parallel_training" + ("" if args.attention == "strided" else "_moba") + ".csv"
+    out = args.out or str(Path(__file__).parent / "results" / name)
     cfg = small_config(steps=args.steps)
     corpus = Corpus()
     torch.set_num_threads(1)

@@ -220,7 +220,7 @@ class _Units(NamedTuple):
         """The full blocks at ``rows`` (``u * full + block``) and the tails of unit groups ``groups``,
         as rows ``[units, elements]`` (gathered: nothing else is copied)."""
         blocks, tail = self._split(kv, full)
-        out = [blocks[self._index(rows, full)].reshape(rows.numel(), -1)]
+        out = [blocks[self._index(rows, full)].reshape(rows.numel(), 2 * self.b * self.h * self.bs * self.D)]
         if self.last:
             elements = 2 * self.b * self.h * self.last * self.D
             out.append(tail[groups // self.Gk, groups % self.Gk].reshape(groups.numel(), elements)
@@ -641,7 +641,8 @@ def _disagreement(table: torch.Tensor) -> str | None:
     refused = [r for r in range(table.shape[0]) if table[r, 0]]
     if refused:
         r = refused[0]
-        text = table[r, nf:nf + _MESSAGE_BYTES // 8].contiguous().view(torch.uint8).numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
+        words = table[r, nf:nf + _MESSAGE_BYTES // 8].contiguous()
+        text = words.view(torch.uint8).numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
         who = (f"rank {r} refused its inputs" if len(refused) == 1 else
                f"ranks {', '.join(map(str, refused))} refused their inputs; rank {r}")
         return f"context_parallel_attention: {who}: {text} (no rank started the exchange)"

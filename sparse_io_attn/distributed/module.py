@@ -82,8 +82,8 @@ class ContextParallelSelfAttention(nn.Module):
             return ContextParallelPlan(layer.layout_for(seqlen), world_size, causal=layer.causal, **kwargs)
         block = kwargs.pop("block_size", getattr(layer.selector, "block_size", None))
         if block is None:
-            raise ValueError(f"the selector {layer.selector!r} has no block_size attribute; pass "
-                             f"plan_for(layer, seqlen, world_size, block_size=...) (the tokens per block each rank owns)")
+            raise ValueError(f"the selector {layer.selector!r} has no block_size attribute; pass plan_for(layer, "
+                             f"seqlen, world_size, block_size=...) (the tokens per block each rank owns)")
         return ContextParallelPlan.for_sequence(seqlen, block, world_size, causal=layer.causal, **kwargs)
 
     def rank(self) -> int:

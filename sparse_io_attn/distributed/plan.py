@@ -305,8 +305,8 @@ class ContextParallelPlan:
         if row_work is not None:
             if balance != "balanced":
                 raise ValueError(f"row_work weighs the rows of balance='balanced'; balance={balance!r} ignores it")
-            if not isinstance(row_work, torch.Tensor) or row_work.dtype.is_floating_point or row_work.dtype == torch.bool \
-                    or tuple(row_work.shape) != (R,) or bool((row_work < 0).any()):
+            if not isinstance(row_work, torch.Tensor) or row_work.dtype.is_floating_point \
+                    or row_work.dtype == torch.bool or tuple(row_work.shape) != (R,) or bool((row_work < 0).any()):
                 got = tuple(row_work.shape) if isinstance(row_work, torch.Tensor) else type(row_work).__name__
                 raise ValueError(f"row_work must be a non-negative int tensor of shape [{R}] (one weight per "
                                  f"query-block row), got {got}")
@@ -422,7 +422,8 @@ class ContextParallelPlan:
     def _require_layout(self, what: str) -> None:
         if self.layout is None:
             raise ValueError(f"{what} belongs to a plan built from a layout; this plan of a sequence length "
-                             f"(ContextParallelPlan.for_sequence) moves what each step selects: use plan.step(selection)")
+                             f"(ContextParallelPlan.for_sequence) moves what each step selects: use "
+                             f"plan.step(selection)")
 
     def check_source(self) -> "ContextParallelPlan":
         """Raise ``ValueError`` if the layout the plan was built from (``source_layout``) was edited
@@ -844,5 +845,5 @@ def _lpt(row_work: torch.Tensor, W: int) -> torch.Tensor:
 
 _ASSIGN = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
 
-__all__ = ["BALANCES", "ContextParallelPlan", "Exchange", "FULL_WORK", "PARTIAL_WORK", "RankLayouts", "SEQUENCE_BALANCES",
-           "SPREAD_FRACTION", "STRATEGIES", "causal_layout", "layout_digest"]
+__all__ = ["BALANCES", "ContextParallelPlan", "Exchange", "FULL_WORK", "PARTIAL_WORK", "RankLayouts",
+           "SEQUENCE_BALANCES", "SPREAD_FRACTION", "STRATEGIES", "causal_layout", "layout_digest"]

@@ -200,7 +200,8 @@ def build(plan, selection, *, rank: int | None = None, num_heads_kv: int | None 
     plan._check_rank(rank)
     if num_heads_kv is not None and (isinstance(num_heads_kv, bool) or not isinstance(num_heads_kv, int)
                                      or num_heads_kv < 1):
-        raise ValueError(f"num_heads_kv must be a positive int (the K/V heads of the call) or None, got {num_heads_kv!r}")
+        raise ValueError(f"num_heads_kv must be a positive int (the K/V heads of the call) or None, got "
+                         f"{num_heads_kv!r}")
     if isinstance(selection, BlockSparseLayout):
         return _from_layout(plan, selection, rank, num_heads_kv)
     if isinstance(selection, Selection):
@@ -466,8 +467,10 @@ def _pack_rows(keep: torch.Tensor, flat: torch.Tensor, size: int, col: torch.Ten
     L, M, _ = keep.shape
     k = keep.to(torch.int64)
     dest = torch.where(keep, flat[:-1].view(L, M, 1) + torch.cumsum(k, -1) - k, size).reshape(-1)
-    cols = torch.zeros(size + 1, dtype=INDEX_DTYPE, device=keep.device).scatter_(0, dest, col.reshape(-1).to(INDEX_DTYPE))
-    pids = torch.full((size + 1,), -1, dtype=INDEX_DTYPE, device=keep.device).scatter_(0, dest, pid.reshape(-1).to(INDEX_DTYPE))
+    cols = torch.zeros(size + 1, dtype=INDEX_DTYPE, device=keep.device)
+    pids = torch.full((size + 1,), -1, dtype=INDEX_DTYPE, device=keep.device)
+    cols.scatter_(0, dest, col.reshape(-1).to(INDEX_DTYPE))
+    pids.scatter_(0, dest, pid.reshape(-1).to(INDEX_DTYPE))
     return _absolute_crow(flat, L, M).to(INDEX_DTYPE), cols[:-1], pids[:-1]
 
 

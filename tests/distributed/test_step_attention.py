@@ -23,7 +23,7 @@ TIMEOUT_S = 120          # the process group's and the spawn's: a hung rank fail
 WORLDS = (2, 3, 4)
 #: the cases each world size runs (all of them at 2; at 3 and 4 every kind and alignment, fp32)
 RUNS = {2: None, 3: ("topk-kv-causal-gqa", "topk-shared-bottom_right", "selection-gqa-causal",
-                     "selection-per-query-head"), 4: ("topk-kv-causal-gqa", "topk-shared-bottom_right", "topk-batch",
+                     "selection-per-query-head", "own-and-first"), 4: ("topk-kv-causal-gqa", "topk-shared-bottom_right", "topk-batch",
                                                       "selection-gqa-causal", "selection-per-query-head")}
 N, BLOCK = 101, 8        # ragged: 13 blocks, the last of 5 tokens
 BF16_TOL = 2e-2
@@ -47,6 +47,8 @@ def _cases():
         ("selection-gqa-causal", Selection(sel, BLOCK), True, 1, 4, 2, None, torch.float32),
         ("selection-per-query-head", Selection(per_head, BLOCK // 2), "bottom_right", 1, 4, 2, 2, torch.float32),
         ("selection-bf16", Selection(sel[:1], BLOCK), True, 1, 2, 1, None, torch.bfloat16),
+        ("own-and-first", Selection(torch.stack([tokens // BLOCK, torch.zeros_like(tokens)], -1)[None], BLOCK),
+         True, 1, 2, 2, None, torch.float32),                           # rank 0 receives nothing, the others block 0
     ]
 
 
@@ -156,7 +158,8 @@ def test_steps_match_single_process(tmp_path):
                 assert _report(ranks[r][world, name][4]) == model.report(r), (name, world, r)
     for world in WORLDS:                                                  # deterministic backward
         for r in range(world):
-            for a, b in zip(ranks[r][world, "selection-gqa-causal"][:4], ranks[r][world, "selection-gqa-causal-rerun"][:4]):
+            first, again = ranks[r][world, "selection-gqa-causal"], ranks[r][world, "selection-gqa-causal-rerun"]
+            for a, b in zip(first[:4], again[:4]):
                 assert torch.equal(a, b), (world, r)
     bad = [ranks[r]["bad"] for r in range(3)]
     expected = {"wrong-rank": "rank 1 refused its inputs: the step was built for rank 2",

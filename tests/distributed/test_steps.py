@@ -12,7 +12,8 @@ from helpers import FP32_TOL
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns, selection_attention
 from sparse_io_attn.accounting.network import context_parallel_steps
 from sparse_io_attn.block_sparse.reference import rel_err
-from sparse_io_attn.distributed import ContextParallelPlan, ContextParallelStep, causal_layout, context_parallel_attention
+from sparse_io_attn.distributed import (ContextParallelPlan, ContextParallelStep, causal_layout,
+                                        context_parallel_attention)
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.selection.reference import selection_mask
 
