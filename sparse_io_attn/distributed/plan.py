@@ -411,7 +411,9 @@ class ContextParallelPlan:
         query head): the blocks a K/V head sends are then the union over its query heads.
 
         Built on the selection's device with tensor operations; one read of a small count tensor
-        (what the exchange's buffers are sized by) is its one host synchronisation."""
+        (what the exchange's buffers are sized by) is its one host synchronisation (a layout without
+        fixed capacity, i.e. not from ``topk``/``from_kv_indices``, adds one: its longest row).
+        Selection entries out of range count as empty slots (as ``selection_attention(check=False)``)."""
         return _step.build(self, selection, rank=rank, num_heads_kv=num_heads_kv)
 
     def _check_rank(self, rank: int, what: str = "rank") -> int:

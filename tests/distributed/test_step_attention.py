@@ -4,7 +4,8 @@ outputs and q/k/v gradients equal single-process `block_sparse_attention` / `sel
 on the unsharded tensors, for `patterns.topk` layouts and per-token selections, GQA, both causal
 alignments; the network bytes counted under `IOCounter` equal the model of the steps exactly and
 every rank receives that step's floor; backward is deterministic; a rank given bad input raises the
-same ValueError on every rank (the group stays usable)."""
+same ValueError on every rank (the group stays usable); `ContextParallelSelfAttention` with a selector
+returning a per-token `Selection` equals the layer in one process (outputs and parameter gradients)."""
 import datetime
 import math
 
@@ -16,8 +17,9 @@ from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns, 
 from sparse_io_attn.accounting import IOCounter, TrafficReport
 from sparse_io_attn.accounting.network import context_parallel_steps
 from sparse_io_attn.block_sparse.reference import rel_err
-from sparse_io_attn.distributed import ContextParallelPlan, context_parallel_attention
+from sparse_io_attn.distributed import ContextParallelPlan, ContextParallelSelfAttention, context_parallel_attention
 from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.nn import SparseSelfAttention
 
 TIMEOUT_S = 120          # the process group's and the spawn's: a hung rank fails the test
 WORLDS = (2, 3, 4)
@@ -95,6 +97,35 @@ def _bad(plan, rank, group):
     return out
 
 
+class TokenSelector:
+    """A per-token selector (one selection per K/V head): each query token's own key block, the first,
+    and one chosen from its query's sign pattern (so the choice follows the activations)."""
+    block_size = BLOCK
+    causal = True
+
+    def __call__(self, q, k):
+        B, Hq, n, _ = q.shape
+        own = torch.arange(n) // BLOCK
+        picked = (q[0].view(k.shape[1], Hq // k.shape[1], n, -1)[:, 0, :, :4] > 0).long()
+        other = (picked * torch.tensor([1, 2, 4, 8])).sum(-1) % (own + 1)            # an earlier block
+        return Selection(torch.stack([own.expand_as(other), torch.zeros_like(other), other], -1), BLOCK)
+
+
+def _layer():
+    torch.manual_seed(5)
+    return SparseSelfAttention(16, 4, selector=TokenSelector(), num_kv_heads=2, causal=True, backend="torch")
+
+
+def _module_rank(rank, world, group):
+    """The wrapped layer on this rank's tokens: its output and parameter gradients."""
+    layer = _layer()
+    plan = ContextParallelSelfAttention.plan_for(layer, N, world)
+    x = plan.shard(torch.randn(2, N, 16, generator=torch.Generator().manual_seed(6)), rank, 1)
+    out = ContextParallelSelfAttention(layer, plan, group=group)(x)
+    out.backward(plan.shard(torch.randn(2, N, 16, generator=torch.Generator().manual_seed(7)), rank, 1))
+    return out.detach(), {name: p.grad for name, p in layer.named_parameters()}
+
+
 def _worker(rank: int, port: int, path: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=max(WORLDS),
@@ -116,6 +147,8 @@ def _worker(rank: int, port: int, path: str):
                     results[world, name + "-rerun"] = _run_rank(plan, rank, source, causal, hkv, inputs, group)
             if world == 3:
                 results["bad"] = _bad(_plan(world, True), rank, group)
+            if world == 2:
+                results["module"] = _module_rank(rank, world, group)
         torch.save(results, f"{path}.rank{rank}")
         dist.barrier()
     finally:
@@ -161,6 +194,16 @@ def test_steps_match_single_process(tmp_path):
             first, again = ranks[r][world, "selection-gqa-causal"], ranks[r][world, "selection-gqa-causal-rerun"]
             for a, b in zip(first[:4], again[:4]):
                 assert torch.equal(a, b), (world, r)
+    layer = _layer()                    # the selector layer in one process (projections, selection_attention)
+    x = torch.randn(2, N, 16, generator=torch.Generator().manual_seed(6))
+    q, k, v = layer.project(x)
+    out = layer.project_out(selection_attention(q, k, v, layer.selector(q, k), causal=True, backend="torch"))
+    out.backward(torch.randn(2, N, 16, generator=torch.Generator().manual_seed(7)))
+    plan = ContextParallelSelfAttention.plan_for(layer, N, 2)
+    assert rel_err(plan.unshard([ranks[r]["module"][0] for r in range(2)], 1), out.detach()) <= FP32_TOL
+    for name, p in layer.named_parameters():     # gradients summed over the ranks (k_proj.bias's is 0: absolute)
+        got = ranks[0]["module"][1][name] + ranks[1]["module"][1][name]
+        assert (got - p.grad).abs().max() <= FP32_TOL * max(1.0, float(p.grad.abs().max())), name
     bad = [ranks[r]["bad"] for r in range(3)]
     expected = {"wrong-rank": "rank 1 refused its inputs: the step was built for rank 2",
                 "other-geometry": "ranks disagree: rank 2 has step digest 0x",
