@@ -286,12 +286,12 @@ def _from_selection(plan, selection: Selection, rank: int, num_heads_kv) -> Cont
     local_tab, remote_tab, block_tab = _selection_tables(plan, rank, bs, dev)
     # the rank's rows, int32, normalised once: valid, causally alive, each block once, ascending
     key = torch.empty((L, n_local, K), dtype=torch.int32, device=dev)
-    _take_rows(plan, rank, selection.indices.reshape(L, Nq, K), key, Nq != n_local)
+    _take_rows(plan, rank, selection.indices.reshape(L, Nq, K), key, Nq != n_local, (-1, C))
     bad = key < 0
     bad |= key > _rank_tensor(plan, rank, ("last block", bs), dev)         # out of range or in the causal future
     if selection.counts is not None:
         counts = torch.empty((L, n_local), dtype=torch.int32, device=dev)
-        _take_rows(plan, rank, selection.counts.reshape(L, Nq), counts, Nq != n_local)
+        _take_rows(plan, rank, selection.counts.reshape(L, Nq), counts, Nq != n_local, (0, K))
         bad |= torch.arange(K, device=dev, dtype=torch.int32) >= counts[..., None]
     key.masked_fill_(bad, C)                                                  # C: no block (sorts last)
     key = torch.sort(key, dim=-1).values
@@ -361,12 +361,15 @@ def _rank_tensor(plan, rank: int, what, device) -> torch.Tensor:
     return t[key]
 
 
-def _take_rows(plan, rank: int, x: torch.Tensor, out: torch.Tensor, whole: bool) -> None:
+def _take_rows(plan, rank: int, x: torch.Tensor, out: torch.Tensor, whole: bool, bounds: tuple) -> None:
     """Copy the rank's rows of ``x`` (``[L, rows, ...]``: the whole sequence's when ``whole``, else the
-    rank's already) into ``out`` (converting the dtype): the rank's contiguous runs of tokens, one for
-    contiguous ownership, two for zig-zag (no index per token)."""
+    rank's already) into the int32 ``out``: the rank's contiguous runs of tokens, one for contiguous
+    ownership, two for zig-zag (no index per token). int64 values are clamped to ``bounds`` first (what
+    lies outside means the same at the bounds; a value past int32 must not wrap into one that does not)."""
+    def copy(dst, src):
+        dst.copy_(src.clamp(*bounds) if src.dtype == torch.int64 else src)
     if not whole:
-        out.copy_(x)
+        copy(out, x)
         return
     t = plan.device_tensors("cpu")
     key = ("token runs", rank)
@@ -381,7 +384,7 @@ def _take_rows(plan, rank: int, x: torch.Tensor, out: torch.Tensor, whole: bool)
         t[key] = runs
     pos = 0
     for begin, length in t[key]:
-        out[:, pos:pos + length].copy_(x[:, begin:begin + length])
+        copy(out[:, pos:pos + length], x[:, begin:begin + length])
         pos += length
 
 

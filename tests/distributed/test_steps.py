@@ -22,6 +22,7 @@ def _selection_case(n, bs, L_batch, G, K, seed):
     g = torch.Generator().manual_seed(seed)
     shape = (L_batch, G, n, K) if L_batch else (G, n, K)
     idx = torch.randint(-2, math.ceil(n / bs) + 1, shape, generator=g)          # empty and out-of-range slots
+    idx[..., -1, -1] = 2 ** 32 + 1                                              # past int32: not block 1
     counts = torch.randint(0, K + 1, shape[:-1], generator=g) if seed % 2 else None
     return Selection(idx, bs, counts)
 
