@@ -11,7 +11,8 @@
 * ``traffic.sparse_operands``: block-sparse operands
   (:mod:`sparse_io_attn.sparse_operands.traffic`).
 * :func:`context_parallel`: the network bytes of context-parallel attention per rank
-  (:mod:`sparse_io_attn.accounting.network`; counted under ``IOCounter().network``).
+  (:mod:`sparse_io_attn.accounting.network`; counted under ``IOCounter().network``), and
+  :func:`context_parallel_steps` for a selection chosen every step.
 
 Every model returns a ``TrafficReport(source="predicted")`` equal, in bytes, to what
 :class:`~sparse_io_attn.accounting.IOCounter` records for the same launch.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from sparse_io_attn.block_sparse.traffic import (block_sparse, block_sparse_backward, block_sparse_flops,
                                                  block_sparse_forward, kept_elements)
-from sparse_io_attn.accounting.network import context_parallel
+from sparse_io_attn.accounting.network import context_parallel, context_parallel_steps
 from sparse_io_attn.dense import traffic as dense
 from sparse_io_attn.selection.traffic import (selection, selection_backward, selection_flops, selection_forward,
                                               selection_pairs)
@@ -28,6 +29,6 @@ from sparse_io_attn.sparse_operands import traffic as sparse_operands
 
 
 
-__all__ = ["context_parallel", "block_sparse", "block_sparse_forward", "block_sparse_backward", "block_sparse_flops",
-           "kept_elements", "dense", "sparse_operands", "selection", "selection_forward",
-           "selection_backward", "selection_flops", "selection_pairs"]
+__all__ = ["context_parallel", "context_parallel_steps", "block_sparse", "block_sparse_forward",
+           "block_sparse_backward", "block_sparse_flops", "kept_elements", "dense", "sparse_operands", "selection",
+           "selection_forward", "selection_backward", "selection_flops", "selection_pairs"]

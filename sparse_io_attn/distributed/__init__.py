@@ -2,7 +2,11 @@
 receiving exactly the K/V blocks its query rows read.
 
 * :class:`ContextParallelPlan` (:mod:`.plan`): which rank owns which query-block rows (and the K/V
-  blocks of the same tokens), balanced by kept work; ``shard``/``unshard``; ``send_blocks(src, dst)``.
+  blocks of the same tokens): per sequence length (:meth:`~ContextParallelPlan.for_sequence`) or
+  balanced by a layout known in advance (static: ``send_blocks(src, dst)``); ``shard``/``unshard``.
+* :class:`ContextParallelStep` (:mod:`.step`): ``plan.step(layout_or_selection)``, the per-step part
+  of a selection chosen every step (which units this rank asks of which rank, its local and
+  received parts), built on the device.
 * :func:`context_parallel_attention` (:mod:`.attention`): ranks agree on plan, shapes, dtypes and
   backward first (else the same ``ValueError`` on every rank); one ``all_to_all_single`` of K/V blocks in
   forward, of their dK/dV in backward, overlapped with the local part; exact.
@@ -14,6 +18,7 @@ The bytes each rank sends and receives, against all-gather, ring and the floor, 
 from sparse_io_attn.distributed.attention import context_parallel_attention, merge_partials
 from sparse_io_attn.distributed.module import ContextParallelSelfAttention
 from sparse_io_attn.distributed.plan import ContextParallelPlan, RankLayouts, causal_layout
+from sparse_io_attn.distributed.step import ContextParallelStep
 
-__all__ = ["ContextParallelPlan", "ContextParallelSelfAttention", "RankLayouts", "causal_layout",
-           "context_parallel_attention", "merge_partials"]
+__all__ = ["ContextParallelPlan", "ContextParallelSelfAttention", "ContextParallelStep", "RankLayouts",
+           "causal_layout", "context_parallel_attention", "merge_partials"]

@@ -19,6 +19,14 @@ received part's backward); the received keys' dK/dV and the foreign queries' dQ 
 owners in one reverse ``all_to_all_single`` started before the local part's backward, which runs
 while it is in flight; the owner adds what comes back in rank order (deterministic). Every part's
 backward uses the merged statistics and output, so every gradient is the one of the whole softmax.
+
+A step (:class:`~sparse_io_attn.distributed.step.ContextParallelStep`, a selection chosen this step)
+runs the same shape: the agreement's descriptors carry each rank's receive counts, the requested
+unit ids go to their owners (one small ``all_to_all_single``), the K/V units come back
+asynchronously while the local part computes, the received part runs on the received key space
+(its slots), through the block-sparse op for a layout or the selection op
+(:func:`sparse_io_attn.selection.op.forward`/``backward``) for a per-token selection, and merges
+through the row statistics; dK/dV of the received units go back in rank order.
 """
 from __future__ import annotations
 
@@ -29,11 +37,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from sparse_io_attn.accounting.network import BACKWARD, BACKWARD_INPUTS, FORWARD, PARTIALS
+from sparse_io_attn.accounting.network import BACKWARD, BACKWARD_INPUTS, FORWARD, PARTIALS, REQUESTS
 from sparse_io_attn.block_sparse import op
 from sparse_io_attn.block_sparse.api import Call, prepare
-from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.distributed.plan import ContextParallelPlan, Exchange
+from sparse_io_attn.distributed.step import ContextParallelStep
+from sparse_io_attn.layout.causal import causal_offset
+from sparse_io_attn.selection import api as selection_api
+from sparse_io_attn.selection import op as selection_op
+from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.tally.counter import count_network
 
 LN2 = math.log(2.0)
@@ -104,8 +116,8 @@ def _start(parts: list, call: _Call, collective: str):
     sent, received = {}, {}
     for p, f in zip(parts, feats):
         for name in p.names:
-            sent[name] = sum(p.send) * f * size // len(p.names)
-            received[name] = sum(p.recv) * f * size // len(p.names)
+            sent[name] = sent.get(name, 0) + sum(p.send) * f * size // len(p.names)
+            received[name] = received.get(name, 0) + sum(p.recv) * f * size // len(p.names)
     count_network(collective, sent, received)
 
     def finish() -> list:
@@ -136,6 +148,175 @@ def _rows(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
 def _tokens(rows: torch.Tensor, order: torch.Tensor, shape: tuple, dim: int) -> torch.Tensor:
     """Rows back to a tensor with tokens (taken in ``order``) along ``dim``; ``shape`` per token."""
     return rows.index_select(0, order.to(rows.device)).view(-1, *shape).movedim(0, dim).contiguous()
+
+
+class _Kernel(NamedTuple):
+    """One part of a step's call: the op's plain ``forward``/``backward`` (block-sparse or
+    selection) with the part's plan, scale and backend, validated before any collective."""
+    forward_fn: object
+    backward_fn: object
+    plan: object
+    sm_scale: float
+    backend: str
+
+    def forward(self, q, k, v):
+        return self.forward_fn(q, k, v, self.plan, self.sm_scale, self.backend)
+
+    def backward(self, do, q, k, v, out, stats):
+        return self.backward_fn(do, q, k, v, out, stats, self.plan, self.sm_scale, self.backend)
+
+
+class _StepCall(NamedTuple):
+    """One rank's call on a :class:`ContextParallelStep`, decided before any collective; the send
+    counts come from the agreement (every rank's receive counts)."""
+    local: _Kernel
+    received: _Kernel | None
+    step: ContextParallelStep
+    plan: ContextParallelPlan
+    rank: int
+    group: object
+    send_units: list                 # units each rank asks of this one
+    send_full: list                  # of which full blocks
+    send_ragged: list                # and ragged last blocks
+    recv_full: list                  # units this rank asks of each rank: full blocks
+    recv_ragged: list                # and ragged last blocks
+    received_full: int               # full blocks per unit group in the received key space
+    exchanges: bool                  # whether any rank receives anything (else no collective)
+
+
+class _Units(NamedTuple):
+    """K/V ``[2, B, Hkv, n, D]`` seen as units: the first ``full`` blocks of ``bs`` tokens as ``[Lb, Gk,
+    full]`` rows of ``2 * (B / Lb) * (Hkv / Gk) * bs * D`` elements (the batch elements and K/V heads
+    one unit group holds), and the tail, the sequence's ragged last key block of ``last`` tokens when
+    ``n`` holds it, as ``[Lb, Gk]`` rows. Units are gathered and placed whole: no index per token.
+    Exchanges move one part of full blocks and, when the sequence has a ragged last key block
+    (``last > 0``, the same on every rank), one part of tails (empty on the ranks without one)."""
+    Lb: int
+    Gk: int
+    b: int
+    h: int
+    D: int
+    bs: int
+    last: int
+
+    @classmethod
+    def of(cls, step: ContextParallelStep, B: int, Hkv: int, D: int) -> "_Units":
+        Lb, Gk = step.batch_groups, step.kv_groups
+        last = step.last_tokens if step.last_tokens < step.block_size else 0
+        return cls(Lb, Gk, B // Lb, Hkv // Gk, D, step.block_size, last)
+
+    def _split(self, kv: torch.Tensor, full: int):
+        """Views of ``kv [2, B, Hkv, n, D]``: ``[Lb, Gk, full, 2, b, h, bs, D]`` and ``[Lb, Gk, 2, b, h,
+        n - full * bs, D]``."""
+        v = kv.view(2, self.Lb, self.b, self.Gk, self.h, kv.shape[3], self.D)
+        blocks = v[:, :, :, :, :, :full * self.bs].unflatten(5, (full, self.bs)).permute(1, 3, 5, 0, 2, 4, 6, 7)
+        return blocks, v[:, :, :, :, :, full * self.bs:].permute(1, 3, 0, 2, 4, 5, 6)
+
+    def _index(self, rows: torch.Tensor, full: int):
+        u, i = rows // max(full, 1), rows % max(full, 1)
+        return u // self.Gk, u % self.Gk, i
+
+    def take(self, kv: torch.Tensor, full: int, rows: torch.Tensor, groups: torch.Tensor) -> list:
+        """The full blocks at ``rows`` (``u * full + block``) and the tails of unit groups ``groups``,
+        as rows ``[units, elements]`` (gathered: nothing else is copied)."""
+        blocks, tail = self._split(kv, full)
+        out = [blocks[self._index(rows, full)].reshape(rows.numel(), 2 * self.b * self.h * self.bs * self.D)]
+        if self.last:
+            elements = 2 * self.b * self.h * self.last * self.D
+            out.append(tail[groups // self.Gk, groups % self.Gk].reshape(groups.numel(), elements)
+                       if tail.shape[5] else kv.new_empty((0, elements)))
+        return out
+
+    def place(self, got: list, n: int, full: int, rows: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """Rows from :meth:`take` written into zero K/V ``[2, B, Hkv, n, D]``."""
+        kv = got[0].new_zeros((2, self.Lb * self.b, self.Gk * self.h, n, self.D))
+        blocks, tail = self._split(kv, full)
+        blocks[self._index(rows, full)] = got[0].view(rows.numel(), *blocks.shape[3:])
+        if tail.shape[5]:
+            tail[groups // self.Gk, groups % self.Gk] = got[1].view(groups.numel(), *tail.shape[2:])
+        return kv
+
+    def accumulate(self, got: list, n: int, full: int, rows: torch.Tensor, groups: torch.Tensor,
+                   splits: tuple) -> torch.Tensor:
+        """fp32 ``[2, B, Hkv, n, D]``: the rows of :meth:`take` added at their units, the chunks of each
+        rank in rank order (``splits``: full blocks and tails per rank; inside a chunk the units are
+        distinct): a deterministic sum."""
+        kv = torch.zeros((2, self.Lb * self.b, self.Gk * self.h, n, self.D), dtype=torch.float32,
+                         device=got[0].device)
+        blocks, tail = self._split(kv, full)
+        acc = [torch.zeros((self.Lb * self.Gk * full, got[0].shape[1]), dtype=torch.float32, device=kv.device),
+               torch.zeros((self.Lb * self.Gk, got[1].shape[1] if self.last else 0), dtype=torch.float32,
+                           device=kv.device)]
+        pos = [0, 0]
+        for counts in zip(*splits):                                        # rank order
+            for i, dest in enumerate((rows, groups)[:len(got)]):
+                if counts[i]:
+                    acc[i].index_add_(0, dest[pos[i]:pos[i] + counts[i]], got[i][pos[i]:pos[i] + counts[i]].float())
+                pos[i] += counts[i]
+        blocks.copy_(acc[0].view(blocks.shape))
+        if tail.shape[5]:
+            tail.copy_(acc[1].view(tail.shape))
+        return kv
+
+
+class _ContextParallelStepAttention(torch.autograd.Function):
+    """The attention of one step: the rank's rows against its own keys (local part) and against the
+    units it asked for (received part), merged through the row statistics."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: _StepCall):
+        step = call.step
+        B, _, n, D = q.shape
+        units = _Units.of(step, B, k.shape[1], D)
+        k_r = v_r = send_rows = send_groups = None
+        if call.exchanges:
+            asked, = _start([_Part(step.requests.view(-1, 1), step.recv_units, call.send_units, ("requests",))],
+                            call, REQUESTS)()
+            send_rows, send_groups = step.split_asked(asked.view(-1), sum(call.send_ragged))
+            rows = units.take(torch.stack([k, v]), n // step.block_size, send_rows, send_groups)
+            finish = _start([_Part(r, sends, recvs, ("k", "v")) for r, sends, recvs in zip(
+                rows, (call.send_full, call.send_ragged), (call.recv_full, call.recv_ragged))], call, FORWARD)
+        out, _, stats = call.local.forward(q, k, v)
+        if call.exchanges:
+            got = finish()
+            if call.received is not None:
+                kv = units.place(got, step.received_seqlen, call.received_full, step.recv_regular, step.recv_ragged)
+                k_r, v_r = kv[0], kv[1]
+                out2, _, stats2 = call.received.forward(q, k_r, v_r)
+                out, _, stats = merge_partials(out, stats, out2, stats2)
+        ctx.save_for_backward(q, k, v, k_r, v_r, out, stats, send_rows, send_groups)
+        ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        if torch.is_grad_enabled():
+            raise NotImplementedError("context_parallel_attention: double backward (create_graph=True) is "
+                                      "not supported: the backward kernels are not differentiable")
+        q, k, v, k_r, v_r, out, stats, send_rows, send_groups = ctx.saved_tensors
+        call = ctx.call
+        step = call.step
+        B, _, n, D = q.shape
+        units = _Units.of(step, B, k.shape[1], D)
+        do = do.contiguous()
+        dq_r = None
+        if call.exchanges:
+            if k_r is not None:
+                dq_r, dk_r, dv_r = call.received.backward(do, q, k_r, v_r, out, stats)
+                dkv_r = torch.stack([dk_r, dv_r]).to(k.dtype)
+            else:                                                           # nothing received: empty rows
+                dkv_r = k.new_zeros((2, B, k.shape[1], 0, D))
+            rows = units.take(dkv_r, call.received_full, step.recv_regular, step.recv_ragged)
+            finish = _start([_Part(r, sends, recvs, ("dk", "dv")) for r, sends, recvs in zip(
+                rows, (call.recv_full, call.recv_ragged), (call.send_full, call.send_ragged))], call, BACKWARD)
+        dq, dk, dv = call.local.backward(do, q, k, v, out, stats)
+        dq32, dkv = dq.float(), torch.stack([dk, dv]).float()
+        if dq_r is not None:
+            dq32 += dq_r.float()
+        if call.exchanges:
+            dkv += units.accumulate(finish(), n, n // step.block_size, send_rows, send_groups,
+                                    (call.send_full, call.send_ragged))
+        return dq32.to(dq.dtype), dkv[0].to(dk.dtype), dkv[1].to(dv.dtype), None
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -255,17 +436,11 @@ def _group_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_local(q, k, v, plan: ContextParallelPlan, world: int, rank: int, causal, sm_scale,
-                 backend) -> tuple[Call, Call | None, Call | None, Exchange | None]:
-    """Everything this rank's call can fail on, before any collective: the plan (type, world size,
-    an in-place edit of its layout), the shard lengths, :func:`prepare` of the local part and of the
-    parts on received keys / queries. Returns ``(local, received, foreign, exchange)``."""
-    if not isinstance(plan, ContextParallelPlan):
-        raise TypeError(f"plan must be a ContextParallelPlan, got {type(plan).__name__}")
+def _check_shards(q, k, v, plan: ContextParallelPlan, world: int, rank: int, causal) -> None:
+    """The checks a static plan and a step share: the group's size, the shard lengths, causality."""
     if world != plan.world_size:
         raise ValueError(f"the process group has {world} ranks but the plan was built for {plan.world_size}; "
-                         f"build ContextParallelPlan(layout, {world}) (or pass the matching group)")
-    plan.check_source()
+                         f"build the plan for {world} ranks (or pass the matching group)")
     n = plan.num_tokens(rank)
     for name, t in (("q_local", q), ("k_local", k), ("v_local", v)):
         if not isinstance(t, torch.Tensor):
@@ -278,6 +453,60 @@ def _check_local(q, k, v, plan: ContextParallelPlan, world: int, rank: int, caus
     if (causal_offset(causal, plan.seqlen, plan.seqlen) is not None) != plan.causal:
         raise ValueError(f"causal={causal!r} but the plan was built with causal={plan.causal}: the plan "
                          f"decides which blocks are sent; build it with the same causal")
+
+
+def _kernel(q, k, v, part, causal, sm_scale, backend) -> _Kernel:
+    """The validated kernel of one part of a step (a layout or a selection plan), its backend loaded
+    now (a build failure is this rank's refusal, not a failure mid-exchange)."""
+    if isinstance(part, SelectionPlan):
+        plan, scale, name = selection_api.prepare(q, k, v, part, causal=causal, sm_scale=sm_scale, backend=backend)
+        if name == "cpu":
+            load = getattr(selection_op.cpu_backend(), "load", None)
+            if load is not None:
+                load()
+        return _Kernel(selection_op.forward, selection_op.backward, plan, scale, name)
+    call = prepare(q, k, v, part, causal=causal, sm_scale=sm_scale, backend=backend)
+    if call.backend == "cpu":
+        op.cpu_backend().load()
+    return _Kernel(op.forward, op.backward, call.plan, call.sm_scale, call.backend)
+
+
+def _check_step(q, k, v, step: ContextParallelStep, world: int, rank: int, causal, sm_scale,
+                backend) -> tuple[_Kernel, _Kernel | None]:
+    """Everything this rank's call on a step can fail on, before any collective: the step's rank and
+    world, the shard lengths, the heads against the step's unit groups, the local and received
+    parts' kernels. Returns ``(local, received)``."""
+    plan = step.plan
+    if step.rank != rank:
+        raise ValueError(f"the step was built for rank {step.rank} but this process is rank {rank} of the group; "
+                         f"build it on each rank with plan.step(selection) (or rank={rank})")
+    _check_shards(q, k, v, plan, world, rank, causal)
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    step.check_heads(B, Hq, Hkv)
+    local = _kernel(q, k, v, step.local, plan.causal, sm_scale, backend)
+    if step.received is None:
+        return local, None
+    stand_in = lambda h, m: q.new_empty(()).expand(B, h, m, D)    # noqa: E731 (shapes only, no memory)
+    m = step.received_seqlen
+    return local, _kernel(stand_in(Hq, n), stand_in(Hkv, m), stand_in(Hkv, m), step.received, False,
+                          local.sm_scale, local.backend)
+
+
+def _check_local(q, k, v, plan: ContextParallelPlan, world: int, rank: int, causal, sm_scale,
+                 backend) -> tuple[Call, Call | None, Call | None, Exchange | None]:
+    """Everything this rank's call can fail on, before any collective: the plan (type, world size,
+    an in-place edit of its layout), the shard lengths, :func:`prepare` of the local part and of the
+    parts on received keys / queries. Returns ``(local, received, foreign, exchange)``."""
+    if not isinstance(plan, ContextParallelPlan):
+        raise TypeError(f"plan must be a ContextParallelPlan or a ContextParallelStep (plan.step(selection)), "
+                        f"got {type(plan).__name__}")
+    if not plan.is_static:
+        raise ValueError("this ContextParallelPlan of a sequence length fixes the ownership only; pass this "
+                         "step's part: context_parallel_attention(q, k, v, plan.step(layout_or_selection))")
+    plan.check_source()
+    _check_shards(q, k, v, plan, world, rank, causal)
+    n = plan.num_tokens(rank)
     lay = plan.rank_layouts(rank)
     local = prepare(q, k, v, lay.local, causal=False, sm_scale=sm_scale, backend=backend)
     if local.backend == "cpu":
@@ -301,14 +530,19 @@ def _check_local(q, k, v, plan: ContextParallelPlan, world: int, rank: int, caus
 
 #: what every rank describes before any exchange (one int64 each), in the order ranks compare them
 _FIELDS = ("error", "plan world size", "plan sequence length", "plan block size", "plan causality",
-           "plan layout digest", "plan assignment digest", "q dtype", "k dtype", "v dtype", "batch",
-           "query heads", "KV heads", "head dim", "backward", "backend", "sm_scale")
+           "plan layout digest", "plan assignment digest", "step digest", "q dtype", "k dtype", "v dtype",
+           "batch", "query heads", "KV heads", "head dim", "backward", "backend", "sm_scale")
 _DTYPES = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _BACKENDS = (None, "torch", "triton", "cpu")
 _MESSAGE_BYTES = 512                       # the refused rank's error text travels with its descriptor
 _UNKNOWN = -1
-#: bytes of one rank's agreement descriptor (each rank receives ``world_size`` of them)
-AGREEMENT_BYTES = 8 * len(_FIELDS) + _MESSAGE_BYTES
+
+
+def agreement_bytes(world_size: int) -> int:
+    """Bytes of one rank's agreement descriptor in a group of ``world_size`` ranks (each rank receives
+    ``world_size`` of them): the fields, the refused rank's error text and, for a step, the units and
+    tokens the rank receives from each rank (what tells every rank what it sends)."""
+    return 8 * (len(_FIELDS) + 2 * world_size) + _MESSAGE_BYTES
 
 _FIXES = {
     "plan": "every rank must build ContextParallelPlan(layout, world_size, causal=..., balance=..., "
@@ -318,6 +552,8 @@ _FIXES = {
              "tensors)",
     "backward": "every rank must build the backward alike (backward exchanges dK/dV between all ranks): "
                 "q/k/v requiring grad and torch.is_grad_enabled() the same on every rank",
+    "step": "every rank must pass its step of the same plan, built alike (plan.step of a layout or of a "
+            "Selection with the same key block, batch and head groups, and num_heads_kv)",
     "backend": "pass the same backend on every rank",
     "sm_scale": "pass the same sm_scale on every rank",
 }
@@ -340,22 +576,29 @@ def _runs_backward(bits: int) -> bool:
     return bool(bits & 8) and bool(bits & 7)
 
 
-def _describe(q, k, v, plan, local: Call | None, error: Exception | None) -> torch.Tensor:
-    """This rank's descriptor: int64 ``[len(_FIELDS) + _MESSAGE_BYTES // 8]`` (unknown fields -1)."""
+def _describe(q, k, v, plan, local: Call | _Kernel | None, error: Exception | None, world: int) -> torch.Tensor:
+    """This rank's descriptor: int64 ``[len(_FIELDS) + _MESSAGE_BYTES // 8 + 2 * world]`` (unknown
+    fields -1; the counts 0 unless this rank's step is built and its checks passed)."""
+    step = plan if isinstance(plan, ContextParallelStep) else None
+    plan = step.plan if step is not None else plan
     is_plan = isinstance(plan, ContextParallelPlan)
     pick = (lambda f: f(plan)) if is_plan else (lambda f: _UNKNOWN)           # noqa: E731
     shape = lambda t, i: t.shape[i] if isinstance(t, torch.Tensor) and t.dim() == 4 else _UNKNOWN  # noqa: E731
     scale = _UNKNOWN if local is None else struct.unpack("<q", struct.pack("<d", local.sm_scale))[0]
     fields = [int(error is not None), pick(lambda p: p.world_size), pick(lambda p: p.seqlen),
               pick(lambda p: p.block_size), pick(lambda p: int(p.causal)), pick(lambda p: p.layout_digest),
-              pick(lambda p: p.assignment_digest), _dtype_code(q), _dtype_code(k), _dtype_code(v),
+              pick(lambda p: p.assignment_digest), step.digest if step is not None else 0,
+              _dtype_code(q), _dtype_code(k), _dtype_code(v),
               shape(q, 0), shape(q, 1), shape(k, 1), shape(q, 3), _backward_bits(q, k, v),
               _UNKNOWN if local is None else _BACKENDS.index(local.backend), scale]
     text = b"" if error is None else str(error).encode("utf-8", "replace")
     if len(text) > _MESSAGE_BYTES:
         text = text[:_MESSAGE_BYTES - 3] + b"..."
     message = torch.frombuffer(bytearray(text.ljust(_MESSAGE_BYTES, b"\0")), dtype=torch.int64)
-    return torch.cat([torch.tensor(fields, dtype=torch.int64), message])
+    counts = [0] * (2 * world)
+    if step is not None and error is None and len(step.recv_units) == world:
+        counts = step.recv_units + step.recv_tokens
+    return torch.cat([torch.tensor(fields, dtype=torch.int64), message, torch.tensor(counts, dtype=torch.int64)])
 
 
 def _show(field: str, value: int) -> str:
@@ -381,6 +624,8 @@ def _show(field: str, value: int) -> str:
 def _fix(field: str) -> str:
     if field.startswith("plan"):
         return _FIXES["plan"]
+    if field.startswith("step"):
+        return _FIXES["step"]
     if field.endswith("dtype"):
         return _FIXES["dtype"]
     if field in ("batch", "query heads", "KV heads", "head dim"):
@@ -396,7 +641,8 @@ def _disagreement(table: torch.Tensor) -> str | None:
     refused = [r for r in range(table.shape[0]) if table[r, 0]]
     if refused:
         r = refused[0]
-        text = table[r, nf:].contiguous().view(torch.uint8).numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
+        words = table[r, nf:nf + _MESSAGE_BYTES // 8].contiguous()
+        text = words.view(torch.uint8).numpy().tobytes().rstrip(b"\0").decode("utf-8", "replace")
         who = (f"rank {r} refused its inputs" if len(refused) == 1 else
                f"ranks {', '.join(map(str, refused))} refused their inputs; rank {r}")
         return f"context_parallel_attention: {who}: {text} (no rank started the exchange)"
@@ -422,78 +668,110 @@ def _agreement_device(group) -> torch.device:
         else torch.device("cpu")
 
 
-def _agree(descriptor: torch.Tensor, error: Exception | None, group, world: int) -> None:
+def _agree(descriptor: torch.Tensor, error: Exception | None, group, world: int) -> torch.Tensor:
     """One ``all_gather`` of every rank's fixed-size descriptor; every rank compares all of them and
     raises the same ``ValueError`` if any rank refused its inputs or the ranks differ in what must
-    match (so no rank starts an exchange its peers do not, and none waits alone)."""
+    match (so no rank starts an exchange its peers do not, and none waits alone). Returns the
+    gathered descriptors ``[world, ...]`` on the CPU (one read: the agreement's and the counts')."""
     device = _agreement_device(group)
     gathered = [torch.empty_like(descriptor, device=device) for _ in range(world)]
     dist.all_gather(gathered, descriptor.to(device), group=group)
-    message = _disagreement(torch.stack(gathered).cpu())
+    table = torch.stack(gathered).cpu()
+    message = _disagreement(table)
     if message is not None:
         raise ValueError(message) from error
+    return table
 
 
-def _prepare(q, k, v, plan, group, causal, sm_scale, backend, error: Exception | None = None) -> _Call:
-    """This rank's call: every check, then (over more than one rank) the agreement. ``error``: a
-    failure the caller met before (carried into the agreement like the checks' own)."""
+def _prepare(q, k, v, plan, group, causal, sm_scale, backend, error: Exception | None = None) -> _Call | _StepCall:
+    """This rank's call: every check, then (over more than one rank) the agreement, which for a step
+    also tells each rank what every other asks of it. ``error``: a failure the caller met before
+    (carried into the agreement like the checks' own)."""
     world, rank = _group_rank(group)
+    is_step = isinstance(plan, ContextParallelStep)
     local = received = foreign = exchange = None
     if error is None:
         try:
-            local, received, foreign, exchange = _check_local(q, k, v, plan, world, rank, causal, sm_scale,
-                                                              backend)
+            if is_step:
+                local, received = _check_step(q, k, v, plan, world, rank, causal, sm_scale, backend)
+            else:
+                local, received, foreign, exchange = _check_local(q, k, v, plan, world, rank, causal, sm_scale,
+                                                                  backend)
         except Exception as exc:        # noqa: BLE001 (any failure is carried: no rank may wait alone)
             error = exc
+    table = None
     if world > 1:
-        _agree(_describe(q, k, v, plan, local, error), error, group, world)
+        table = _agree(_describe(q, k, v, plan, local, error, world), error, group, world)
     elif error is not None:
         raise error
-    return _Call(local, received, foreign, plan, rank, exchange, group)
+    if not is_step:
+        return _Call(local, received, foreign, plan, rank, exchange, group)
+    if table is None:
+        return _StepCall(local, received, plan, plan.plan, rank, group, [0], [0], [0], [0], [0], 0, False)
+    counts = table[:, len(_FIELDS) + _MESSAGE_BYTES // 8:]               # [world, 2 * world]: receive counts
+    send_units, send_tokens = counts[:, rank].tolist(), counts[:, world + rank].tolist()
+    send_ragged = plan.ragged_units(send_units, send_tokens)
+    recv_ragged = plan.ragged_units(plan.recv_units, plan.recv_tokens)
+    return _StepCall(local, received, plan, plan.plan, rank, group, send_units,
+                     [u - r for u, r in zip(send_units, send_ragged)], send_ragged,
+                     [u - r for u, r in zip(plan.recv_units, recv_ragged)], recv_ragged,
+                     plan.full_slots, bool(counts.any()))
 
 
 def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor,
-                               plan: ContextParallelPlan, *, group=None, causal=False,
+                               plan: ContextParallelPlan | ContextParallelStep, *, group=None, causal=False,
                                sm_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
-    """Block-sparse attention with the sequence sharded over the ranks of ``group``.
+    """Block-sparse (or per-token selection) attention with the sequence sharded over the ranks of
+    ``group``.
 
     Args:
         q_local, k_local, v_local: this rank's shards ``[B, H, n_local, D]`` as
             ``plan.shard(x, rank, dim=2)`` gives them (``Hq % Hkv == 0``: GQA/MQA).
-        plan: a :class:`~sparse_io_attn.distributed.plan.ContextParallelPlan` built with
-            ``world_size`` = the group's size, the same on every rank.
+        plan: a static :class:`~sparse_io_attn.distributed.plan.ContextParallelPlan` (built from a
+            layout known in advance, the same on every rank), or this rank's
+            :class:`~sparse_io_attn.distributed.step.ContextParallelStep` of a selection chosen this
+            step (``ContextParallelPlan.for_sequence(...).step(layout_or_selection)``, built on every
+            rank from the same plan). ``world_size`` = the group's size.
         group: the process group (default: the default group). Without ``torch.distributed``
             initialised, a one-rank plan runs locally.
         causal: must equal the plan's ``causal`` (``True``, ``"top_left"`` and ``"bottom_right"``
             coincide for self-attention); the plan already applies it.
-        sm_scale, backend: as for :func:`~sparse_io_attn.block_sparse_attention`.
+        sm_scale, backend: as for :func:`~sparse_io_attn.block_sparse_attention` (a step of a
+            per-token selection runs :func:`~sparse_io_attn.selection_attention`'s backends).
 
     Returns this rank's output ``[B, Hq, n_local, D]`` in shard order (``plan.unshard`` puts the
     ranks' outputs back in token order). Output and q/k/v gradients equal
-    ``block_sparse_attention`` of the unsharded tensors on ``plan.layout`` to fp32 rounding; dK/dV of
-    this rank's keys include the contributions of every rank that read them.
+    ``block_sparse_attention`` of the unsharded tensors on ``plan.layout`` (for a step:
+    ``block_sparse_attention`` or ``selection_attention`` on the step's selection) to fp32 rounding;
+    dK/dV of this rank's keys include the contributions of every rank that read them.
 
     Ranks agree before anything moves: every check this call can fail (the plan's world size and an
-    in-place edit of its layout, shard lengths, shapes, dtypes, devices, ``causal``, ``sm_scale``,
-    ``backend``) runs first, then one ``all_gather`` of a fixed-size int64 descriptor per rank
-    (:data:`AGREEMENT_BYTES` each) compares across ranks what must match: the plan (world size,
-    sequence length, block size, causality, the digest of its layout's contents and of its
-    assignment), the q/k/v dtypes, batch, query and KV heads, head dim, whether a backward will run
-    (q/k/v ``requires_grad`` and ``torch.is_grad_enabled()``), the backend and ``sm_scale``. A rank
-    whose checks failed, or any difference, raises the same ``ValueError`` on every rank, naming the
-    rank and what differs (``"rank 1 has q dtype torch.bfloat16, rank 0 torch.float32"``); no rank
-    has started an exchange, so the group stays usable. What the agreement cannot see, a rank that
-    stops between this forward and its backward (an exception in the caller's own code), leaves its
-    peers waiting in the backward's exchange until the process group's timeout: create the group
-    with one, ``init_process_group(..., timeout=datetime.timedelta(seconds=300))`` (a few times the
-    longest step; PyTorch's default is 10 minutes for NCCL and 30 for gloo).
+    in-place edit of its layout, the step's rank and head groups, shard lengths, shapes, dtypes,
+    devices, ``causal``, ``sm_scale``, ``backend``) runs first, then one ``all_gather`` of a
+    fixed-size int64 descriptor per rank (:func:`agreement_bytes` each) compares across ranks what
+    must match: the plan (world size, sequence length, block size, causality, the digest of its
+    layout's contents and of its assignment), the step's digest (its plan, kind, key block, batch
+    and head groups), the q/k/v dtypes, batch, query and KV heads, head dim, whether a backward will
+    run (q/k/v ``requires_grad`` and ``torch.is_grad_enabled()``), the backend and ``sm_scale``; for
+    a step it also carries the units and tokens each rank receives from each other, so every rank
+    learns what it sends. A rank whose checks failed, or any difference, raises the same
+    ``ValueError`` on every rank, naming the rank and what differs (``"rank 1 has q dtype
+    torch.bfloat16, rank 0 torch.float32"``); no rank has started an exchange, so the group stays
+    usable. What the agreement cannot see, a rank that stops between this forward and its backward
+    (an exception in the caller's own code), leaves its peers waiting in the backward's exchange
+    until the process group's timeout: create the group with one, ``init_process_group(...,
+    timeout=datetime.timedelta(seconds=300))`` (a few times the longest step; PyTorch's default is
+    10 minutes for NCCL and 30 for gloo).
 
-    Collectives after the agreement: one ``all_to_all_single`` of the K/V blocks (and spread rows'
-    queries) in forward and one of their dK/dV (and dQ) in backward, skipped when the plan sends
-    nothing; with spread rows, one more each way (partial results in forward,
-    ``do``/``out``/statistics in backward). Their bytes (not the agreement's) are counted under
+    Collectives after the agreement, static plan: one ``all_to_all_single`` of the K/V blocks (and
+    spread rows' queries) in forward and one of their dK/dV (and dQ) in backward, skipped when the
+    plan sends nothing; with spread rows, one more each way (partial results in forward,
+    ``do``/``out``/statistics in backward). Step: one ``all_to_all_single`` of the requested unit
+    ids, one of the K/V units in forward and one of their dK/dV in backward, skipped when no rank
+    receives anything. Their bytes (not the agreement's) are counted under
     :class:`~sparse_io_attn.tally.IOCounter` (``io.network``) and predicted by
-    :func:`sparse_io_attn.accounting.network.context_parallel`.
+    :func:`sparse_io_attn.accounting.network.context_parallel` (static) and
+    :func:`sparse_io_attn.accounting.network.context_parallel_steps` (steps).
     """
     return _run(q_local, k_local, v_local, plan, group, causal, sm_scale, backend)
 
@@ -504,7 +782,9 @@ def _run(q_local, k_local, v_local, plan, group, causal, sm_scale, backend, erro
     every rank through the agreement."""
     call = _prepare(q_local, k_local, v_local, plan, group, causal, sm_scale, backend, error)
     q, k, v = (t.contiguous() for t in (q_local, k_local, v_local))
+    if isinstance(call, _StepCall):
+        return _ContextParallelStepAttention.apply(q, k, v, call)
     return _ContextParallelAttention.apply(q, k, v, call)
 
 
-__all__ = ["AGREEMENT_BYTES", "context_parallel_attention", "merge_partials"]
+__all__ = ["agreement_bytes", "context_parallel_attention", "merge_partials"]

@@ -14,7 +14,7 @@ from helpers import FP32_TOL, free_port, spawn
 from sparse_io_attn import patterns
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 from sparse_io_attn.distributed import ContextParallelPlan, ContextParallelSelfAttention, context_parallel_attention
-from sparse_io_attn.distributed.attention import AGREEMENT_BYTES, _FIELDS, _check_local, _describe, _disagreement
+from sparse_io_attn.distributed.attention import _FIELDS, _check_local, _describe, _disagreement, agreement_bytes
 from sparse_io_attn.layout.patterns import topk
 from sparse_io_attn.nn import SparseSelfAttention
 
@@ -148,7 +148,7 @@ def test_disagreeing_ranks_raise_the_same_error_on_every_rank(tmp_path):
 def _descriptor(q, plan, sm_scale=None):
     """A one-process rank's descriptor (its local checks as a rank runs them, on a 1-rank plan)."""
     local = _check_local(q, q, q, plan, plan.world_size, 0, plan.causal, sm_scale, "torch")[0]
-    return _describe(q, q, q, plan, local, None)
+    return _describe(q, q, q, plan, local, None, 3)
 
 
 @pytest.mark.parametrize("field, change, expected", [
@@ -181,9 +181,9 @@ def test_a_refused_rank_sends_its_error_text():
     a rank whose inputs are not even tensors still describes itself."""
     plan = ContextParallelPlan(patterns.sliding_window(N, BLOCK, 4), 1)
     q = torch.randn(1, 2, N, D)
-    good = _describe(q, q, q, plan, None, None)
-    assert good.numel() * 8 == AGREEMENT_BYTES
-    bad = _describe(None, [], 3, "not a plan", None, ValueError("é" + "x" * 1000))
+    good = _describe(q, q, q, plan, None, None, 2)
+    assert good.numel() * 8 == agreement_bytes(2) == agreement_bytes(0) + 16 * 2
+    bad = _describe(None, [], 3, "not a plan", None, ValueError("é" + "x" * 1000), 2)
     message = _disagreement(torch.stack([good, bad]))
     assert message.startswith("context_parallel_attention: rank 1 refused its inputs: éxxx"), message
     assert message.endswith("xx... (no rank started the exchange)") and len(message) < 600, message
@@ -191,5 +191,5 @@ def test_a_refused_rank_sends_its_error_text():
 
 def test_docs_state_the_agreement_bytes():
     root = Path(__file__).resolve().parents[2]
-    assert f"({AGREEMENT_BYTES} bytes per rank" in (root / "README.md").read_text()
-    assert f"a {AGREEMENT_BYTES}-byte int64 descriptor" in (root / "docs" / "ARCHITECTURE.md").read_text()
+    assert f"({agreement_bytes(0)} + 16 W bytes per rank" in (root / "README.md").read_text()
+    assert f"a {agreement_bytes(0)} + 16 W-byte int64 descriptor" in (root / "docs" / "ARCHITECTURE.md").read_text()
