@@ -1,8 +1,9 @@
 """Eager per-call cost of ``block_sparse_attention`` at a small shape, where Python overhead shows.
 
-B 1, H 4, N 256, D 64, fp32, blocks of 64, ``backend="cpu"``, 2 threads: forward, and forward +
-backward, for a sliding window and a causal layout; the median over ``--repeats`` interleaved calls
-of each. Run it on two checkouts (``PYTHONPATH=<checkout>``) to compare versions; the committed
+B 1, H 4, N 256, D 64, fp32, blocks of 64, ``backend="cpu"``, ``--threads`` torch threads (1 by
+default: with 2, another process on a 2-core machine makes OpenMP's waits dominate): forward, and
+forward + backward, for a sliding window and a causal layout; the median over ``--repeats``
+interleaved calls of each. Run it on two checkouts (``PYTHONPATH=<checkout>``) to compare versions; the committed
 numbers are in ``benchmarks/results/eager_overhead.md``.
 """
 from __future__ import annotations
@@ -22,10 +23,11 @@ from sparse_io_attn import block_sparse_attention, patterns
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeats", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     B, H, N, D = 1, 4, 256, 64
     q, k, v, do = (torch.randn(B, H, N, D) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

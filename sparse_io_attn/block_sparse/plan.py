@@ -31,7 +31,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from sparse_io_attn.layout import _bits
 from sparse_io_attn.layout._csr import INDEX_DTYPE, csc_order, front_slots, group_offsets, pack_front, slot_entries
@@ -134,8 +133,9 @@ def _build_parts(layout: BlockSparseLayout, delta: int | None) -> dict:
     return parts
 
 
-# the plans whose packed index a custom op received: index tensor -> weakref(plan)
-_BY_INDEX: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: the attribute of a plan's ``index`` tensor holding a weak reference to the plan (how the custom op
+#: finds the plan object, with what it derived, from the tensor it receives)
+PLAN_ATTR = "_sparse_io_attn_plan"
 
 
 class AttentionPlan:
@@ -197,9 +197,10 @@ class AttentionPlan:
         """The plan behind a custom op's ``(index, meta, causal_offset)``: the plan that packed this
         ``index`` tensor when it is still alive, else a plan rebuilt over it (validated once unless
         its meta says it was built checked)."""
-        ref = _BY_INDEX.get(index)
+        ref = getattr(index, PLAN_ATTR, None)
         hit = ref() if ref is not None else None
-        if hit is not None and hit.meta == tuple(meta) and hit.causal_offset == causal_offset_:
+        if hit is not None and hit.index is index and hit.meta[:-1] == tuple(meta)[:-1] \
+                and hit.causal_offset == causal_offset_:
             return hit
         m = dict(zip(META_FIELDS, meta))
         delta_causal = _causal_for_offset(causal_offset_, m["seqlen_q"], m["seqlen_k"])
@@ -210,9 +211,10 @@ class AttentionPlan:
         return plan
 
     def register(self) -> "AttentionPlan":
-        """Make this plan findable from its ``index`` tensor (what the custom op receives)."""
+        """Make this plan findable from its ``index`` tensor (what the custom op receives): a weak
+        reference in an attribute of the tensor, so the plan lives as long as its holders do."""
         if not torch.compiler.is_compiling():
-            _BY_INDEX[self.index] = weakref.ref(self)
+            setattr(self.index, PLAN_ATTR, weakref.ref(self))
         return self
 
     # ------------------------------------------------------------------ views

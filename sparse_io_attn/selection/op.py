@@ -77,14 +77,18 @@ def _(q, k, v, rows, row_counts, meta, causal_offset, sm_scale, backend):
             q.new_empty((2, B, Hq, Nq), dtype=torch.float32))
 
 
+def _bwd(do, q, k, v, out, stats, rows, row_counts, meta, causal_offset, sm_scale, backend):
+    plan = _plan(q, k, rows, row_counts, meta, causal_offset)
+    dq, dk, dv = backward(do, q, k, v, out, stats, plan, sm_scale, backend)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
 @torch.library.custom_op("sparse_io_attn::selection_attn_bwd", mutates_args=())
 def selection_attn_bwd(do: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, stats: Tensor, rows: Tensor,
                        row_counts: Tensor, meta: list[int], causal_offset: Optional[int], sm_scale: float,
                        backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: ``(dq, dk, dv)`` shaped like q, k, v (dk/dv summed over each GQA group)."""
-    plan = _plan(q, k, rows, row_counts, meta, causal_offset)
-    dq, dk, dv = backward(do, q, k, v, out, stats, plan, sm_scale, backend)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return _bwd(do, q, k, v, out, stats, rows, row_counts, meta, causal_offset, sm_scale, backend)
 
 
 @selection_attn_bwd.register_fake
@@ -103,7 +107,11 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse, _dstats):
     no_double_backward("sparse_io_attn::selection_attn_fwd")
     q, k, v, out, stats, rows, row_counts = ctx.saved_tensors
-    dq, dk, dv = selection_attn_bwd(dout.contiguous(), q, k, v, out, stats, rows, row_counts, *ctx.args)
+    dout = dout.contiguous()
+    if all(type(t) is Tensor for t in (dout, q, k, v)):    # eager: the backward op's implementation, one dispatch less
+        dq, dk, dv = _bwd(dout, q, k, v, out, stats, rows, row_counts, *ctx.args)
+    else:                                                  # traced: the opaque op, so the graph holds it
+        dq, dk, dv = selection_attn_bwd(dout, q, k, v, out, stats, rows, row_counts, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -25,7 +25,6 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from sparse_io_attn.layout._csr import INDEX_DTYPE, check_index_capacity, group_offsets
 from sparse_io_attn.layout.selection import Selection
@@ -88,8 +87,9 @@ def key_lists(rows: torch.Tensor, num_kv_blocks: int) -> KeyLists:
 #: the integers of :attr:`SelectionPlan.meta`, in order (how a plan crosses the custom op's boundary)
 META_FIELDS = ("block_size", "seqlen_q", "seqlen_k", "num_selections", "layout_batch", "batched", "checked")
 
-# the plans whose rows a custom op received: rows tensor -> weakref(plan)
-_BY_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: the attribute of a plan's ``rows`` tensor holding a weak reference to the plan (how the custom op
+#: finds the plan object, with its key lists, from the tensor it receives)
+PLAN_ATTR = "_sparse_io_attn_plan"
 
 
 class SelectionPlan:
@@ -131,7 +131,7 @@ class SelectionPlan:
     def register(self) -> "SelectionPlan":
         """Make this plan findable from its ``rows`` tensor (what the custom op receives)."""
         if not torch.compiler.is_compiling():
-            _BY_ROWS[self.rows] = weakref.ref(self)
+            setattr(self.rows, PLAN_ATTR, weakref.ref(self))
         return self
 
     @classmethod
@@ -139,9 +139,9 @@ class SelectionPlan:
         """The plan behind a custom op's arguments: the plan whose ``rows`` these are when it is still
         alive (its key lists kept), else a plan over them (validated once unless its meta says it was
         built by :class:`SelectionPlan`)."""
-        ref = _BY_ROWS.get(rows)
+        ref = getattr(rows, PLAN_ATTR, None)
         hit = ref() if ref is not None else None
-        if hit is not None and hit.row_counts is row_counts and hit.meta[:-1] == tuple(meta)[:-1] \
+        if hit is not None and hit.rows is rows and hit.row_counts is row_counts and hit.meta[:-1] == tuple(meta)[:-1] \
                 and hit.causal_offset == causal_offset:
             return hit
         m = dict(zip(META_FIELDS, (int(x) for x in meta)))
