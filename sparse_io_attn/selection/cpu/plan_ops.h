@@ -1,0 +1,248 @@
+// The selection plan's two normalisations in C++ (sparse_io_attn/selection/plan.py holds the torch
+// versions, the reference; results are identical element for element):
+//
+// * selection_rows(indices [L, Nq, K], counts [L, Nq]?, num_kv_blocks, block_size, causal_offset?)
+//   -> (rows int32 [L, Nq, K], row_counts int32 [L, Nq]): each row's valid entries (0 <= c < nkb, slot
+//   j < counts, not wholly in the causal future c * block_size <= t + delta), each block once,
+//   ascending, at the front, -1 after. Per row: the valid entries set bits of a bitmap (words spanning
+//   the row's smallest to largest entry), the words are scanned in ascending order and cleared; a row
+//   whose entries spread over many more words than it has entries is sorted instead (same result).
+// * selection_keys(rows [L, Nq, K], num_kv_blocks) -> (col_ptr int32 [L, nkb + 1] absolute offsets,
+//   col_query int32 [L*Nq*K], col_slot int32 [L*Nq*K]): the key-major view of normalised rows, a
+//   counting sort by (l, c) that keeps the (t, j) order inside each list; the unused capacity after
+//   the last list holds the unused slots (t, j) in flat order, as the torch version's stable sort
+//   leaves them. Work is split by (l, range of KEY_RANGE key blocks): each task walks every row's
+//   entries inside its range (a cursor per row found in one pass), so its writes go to KEY_RANGE
+//   list heads at a time (cache-resident) instead of all of them.
+// Part of kernel.cpp's translation unit.
+#pragma once
+
+#include "tiles.h"
+
+namespace sia {
+namespace sel {
+
+constexpr int64_t KEY_RANGE = 256;  // key blocks per counting-sort task
+
+template <typename F>
+static void dispatch_index(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kInt: f(int32_t{}); break;
+    case at::kLong: f(int64_t{}); break;
+    default: TORCH_CHECK(false, "sparse_io_attn cpu: indices must be int32 or int64, got ", t);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> selection_rows(const at::Tensor& indices, const std::optional<at::Tensor>& counts,
+                                                  int64_t num_kv_blocks, int64_t block_size,
+                                                  std::optional<int64_t> causal_offset) {
+  TORCH_CHECK(indices.device().is_cpu() && indices.dim() == 3,
+              "sparse_io_attn cpu: selection_rows expects CPU indices [L, Nq, K], got ", indices.sizes());
+  TORCH_CHECK(num_kv_blocks >= 0 && block_size >= 1, "sparse_io_attn cpu: selection_rows needs num_kv_blocks >= 0 ",
+              "and block_size >= 1, got ", num_kv_blocks, " and ", block_size);
+  TORCH_CHECK(num_kv_blocks <= std::numeric_limits<int32_t>::max(),
+              "sparse_io_attn cpu: num_kv_blocks must fit int32, got ", num_kv_blocks);
+  const int64_t L = indices.size(0), Nq = indices.size(1), K = indices.size(2);
+  const auto idx = indices.contiguous();
+  at::Tensor cnt;
+  if (counts.has_value()) {
+    TORCH_CHECK(counts->device().is_cpu() && counts->dim() == 2 && counts->size(0) == L && counts->size(1) == Nq,
+                "sparse_io_attn cpu: selection_rows expects counts [L, Nq] = [", L, ", ", Nq, "] on the CPU, got ",
+                counts->sizes());
+    TORCH_CHECK(counts->scalar_type() == at::kInt || counts->scalar_type() == at::kLong,
+                "sparse_io_attn cpu: counts must be int32 or int64");
+    cnt = counts->to(at::kLong).contiguous();
+  }
+  auto rows = at::empty({L, Nq, K}, indices.options().dtype(at::kInt));
+  auto row_counts = at::empty({L, Nq}, indices.options().dtype(at::kInt));
+  if (L * Nq == 0) return {rows, row_counts};
+  const int64_t* cp = cnt.defined() ? cnt.data_ptr<int64_t>() : nullptr;
+  int32_t* out = rows.data_ptr<int32_t>();
+  int32_t* oc = row_counts.data_ptr<int32_t>();
+  const bool causal = causal_offset.has_value();
+  const int64_t delta = causal_offset.value_or(0), nkb = num_kv_blocks;
+  dispatch_index(idx.scalar_type(), [&](auto tag) {
+    using index_t = decltype(tag);
+    const index_t* src = idx.data_ptr<index_t>();
+    at::parallel_for(0, L * Nq, 256, [&](int64_t lo, int64_t hi) {
+      std::vector<uint64_t> bits(static_cast<size_t>(cdiv(std::max<int64_t>(nkb, 1), 64)), 0);
+      std::vector<int32_t> vals(static_cast<size_t>(K));
+      for (int64_t r = lo; r < hi; ++r) {
+        const int64_t t = r % Nq;
+        int64_t n = K;
+        if (cp != nullptr) n = std::max<int64_t>(0, std::min<int64_t>(K, cp[r]));
+        int64_t lim = nkb;  // valid blocks [0, lim)
+        if (causal) {
+          const int64_t last = t + delta;  // last allowed key
+          lim = last < 0 ? 0 : std::min<int64_t>(nkb, last / block_size + 1);
+        }
+        const index_t* row = src + r * K;
+        int64_t nv = 0, cmin = lim, cmax = -1;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t c = static_cast<int64_t>(row[j]);
+          if (c < 0 || c >= lim) continue;
+          vals[nv++] = static_cast<int32_t>(c);
+          cmin = std::min(cmin, c);
+          cmax = std::max(cmax, c);
+        }
+        int32_t* o = out + r * K;
+        int64_t m = 0;
+        if (nv > 0) {
+          const int64_t w0 = cmin >> 6, w1 = cmax >> 6;
+          if ((w1 - w0 + 1) > 4 * nv + 16) {  // sparse spread: sort and drop repeats
+            std::sort(vals.begin(), vals.begin() + nv);
+            for (int64_t j = 0; j < nv; ++j)
+              if (m == 0 || vals[j] != o[m - 1]) o[m++] = vals[j];
+          } else {
+            for (int64_t j = 0; j < nv; ++j) bits[vals[j] >> 6] |= uint64_t(1) << (vals[j] & 63);
+            for (int64_t w = w0; w <= w1; ++w) {
+              uint64_t x = bits[w];
+              bits[w] = 0;
+              while (x) {
+                o[m++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(x));
+                x &= x - 1;
+              }
+            }
+          }
+        }
+        for (int64_t j = m; j < K; ++j) o[j] = -1;
+        oc[r] = static_cast<int32_t>(m);
+      }
+    });
+  });
+  return {rows, row_counts};
+}
+
+// Row lengths of normalised rows (entries strictly ascending in [0, nkb), then -1 only), or an error.
+static std::vector<int32_t> normalised_counts(const int32_t* rows, int64_t LN, int64_t K, int64_t nkb) {
+  std::vector<int32_t> cnt(static_cast<size_t>(LN));
+  std::atomic<int64_t> bad{-1};
+  at::parallel_for(0, LN, 1024, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const int32_t* row = rows + r * K;
+      int64_t m = 0;
+      while (m < K && row[m] >= 0) ++m;
+      bool ok = m == 0 || row[m - 1] < nkb;
+      for (int64_t j = 1; j < m && ok; ++j) ok = row[j - 1] < row[j];
+      for (int64_t j = m; j < K && ok; ++j) ok = row[j] == -1;
+      cnt[r] = static_cast<int32_t>(m);
+      if (!ok) {
+        int64_t expect = -1;
+        bad.compare_exchange_strong(expect, r);
+      }
+    }
+  });
+  TORCH_CHECK(bad.load() < 0, "sparse_io_attn cpu: selection_keys expects normalised rows (valid blocks in [0, ",
+              nkb, ") strictly ascending at the front, -1 after); row ", bad.load(), " is not");
+  return cnt;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_keys(const at::Tensor& rows_in, int64_t num_kv_blocks) {
+  TORCH_CHECK(rows_in.device().is_cpu() && rows_in.dim() == 3 && rows_in.scalar_type() == at::kInt,
+              "sparse_io_attn cpu: selection_keys expects CPU int32 rows [L, Nq, K], got ", rows_in.scalar_type(), " ",
+              rows_in.sizes());
+  TORCH_CHECK(num_kv_blocks >= 0, "sparse_io_attn cpu: num_kv_blocks must be >= 0");
+  const auto rows = rows_in.contiguous();
+  const int64_t L = rows.size(0), Nq = rows.size(1), K = rows.size(2), nkb = num_kv_blocks;
+  const int64_t n = L * Nq * K;
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(), "sparse_io_attn cpu: selection: at most ",
+              std::numeric_limits<int32_t>::max(), " stored blocks fit int32 indices, got ", n, "; use larger blocks");
+  auto opt = rows.options();
+  auto col_ptr = at::empty({L, nkb + 1}, opt);
+  auto col_query = at::empty({n}, opt);
+  auto col_slot = at::empty({n}, opt);
+  int32_t* ptr = col_ptr.data_ptr<int32_t>();
+  if (L == 0) return {col_ptr, col_query, col_slot};
+  const int32_t* rp = rows.data_ptr<int32_t>();
+  int32_t* cq = col_query.data_ptr<int32_t>();
+  int32_t* cs = col_slot.data_ptr<int32_t>();
+  const std::vector<int32_t> cnt = normalised_counts(rp, L * Nq, K, nkb);
+
+  // cursors: begin[(l * NR + g) * Nq + t] = first slot of row (l, t) at or past key block g * KEY_RANGE
+  const int64_t NR = std::max<int64_t>(1, cdiv(nkb, KEY_RANGE));
+  std::vector<int32_t> begin(static_cast<size_t>(L * NR * Nq));
+  at::parallel_for(0, L * Nq, 1024, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t l = r / Nq, t = r % Nq;
+      const int32_t* row = rp + r * K;
+      int64_t j = 0;
+      for (int64_t g = 0; g < NR; ++g) {
+        while (j < cnt[r] && row[j] < g * KEY_RANGE) ++j;
+        begin[(l * NR + g) * Nq + t] = static_cast<int32_t>(j);
+      }
+    }
+  });
+  // counts per list (each task its own key range), then absolute offsets
+  std::vector<int64_t> sizes(static_cast<size_t>(L * nkb + 1), 0);
+  auto walk = [&](int64_t task, auto&& emit) {
+    const int64_t l = task / NR, g = task % NR, c_hi = std::min(nkb, (g + 1) * KEY_RANGE);
+    const int32_t* b = begin.data() + task * Nq;
+    for (int64_t t = 0; t < Nq; ++t) {
+      const int64_t r = l * Nq + t;
+      const int32_t* row = rp + r * K;
+      for (int64_t j = b[t]; j < cnt[r] && row[j] < c_hi; ++j) emit(l, t, j, row[j]);
+    }
+  };
+  at::parallel_for(0, L * NR, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task)
+      walk(task, [&](int64_t l, int64_t, int64_t, int32_t c) { ++sizes[l * nkb + c]; });
+  });
+  int64_t total = 0;
+  for (int64_t x = 0; x < L * nkb; ++x) {
+    const int64_t s = sizes[x];
+    sizes[x] = total;
+    total += s;
+  }
+  sizes[L * nkb] = total;
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t c = 0; c <= nkb; ++c) ptr[l * (nkb + 1) + c] = static_cast<int32_t>(sizes[l * nkb + c]);
+  at::parallel_for(0, L * NR, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t l = task / NR, g = task % NR;
+      const int64_t c_lo = g * KEY_RANGE, c_hi = std::min(nkb, c_lo + KEY_RANGE);
+      std::vector<int64_t> head(sizes.begin() + l * nkb + c_lo, sizes.begin() + l * nkb + c_hi);
+      walk(task, [&](int64_t, int64_t t, int64_t j, int32_t c) {
+        const int64_t e = head[c - c_lo]++;
+        cq[e] = static_cast<int32_t>(t);
+        cs[e] = static_cast<int32_t>(j);
+      });
+    }
+  });
+  // unused capacity: the slots j >= count of every row, in flat order
+  const int64_t CH = 4096, nch = cdiv(L * Nq, CH);
+  std::vector<int64_t> start(static_cast<size_t>(nch + 1), 0);
+  for (int64_t x = 0; x < nch; ++x) {
+    int64_t s = 0;
+    for (int64_t r = x * CH; r < std::min(L * Nq, (x + 1) * CH); ++r) s += K - cnt[r];
+    start[x + 1] = start[x] + s;
+  }
+  at::parallel_for(0, nch, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t x = lo; x < hi; ++x) {
+      int64_t e = total + start[x];
+      for (int64_t r = x * CH; r < std::min(L * Nq, (x + 1) * CH); ++r)
+        for (int64_t j = cnt[r]; j < K; ++j) {
+          cq[e] = static_cast<int32_t>(r % Nq);
+          cs[e] = static_cast<int32_t>(j);
+          ++e;
+        }
+    }
+  });
+  return {col_ptr, col_query, col_slot};
+}
+
+// Shapes only (torch.compile traces the ops through these).
+std::tuple<at::Tensor, at::Tensor> selection_rows_meta(const at::Tensor& indices, const std::optional<at::Tensor>&,
+                                                       int64_t, int64_t, std::optional<int64_t>) {
+  auto opt = indices.options().dtype(at::kInt);
+  return {at::empty({indices.size(0), indices.size(1), indices.size(2)}, opt),
+          at::empty({indices.size(0), indices.size(1)}, opt)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_keys_meta(const at::Tensor& rows, int64_t num_kv_blocks) {
+  auto opt = rows.options().dtype(at::kInt);
+  const int64_t n = rows.size(0) * rows.size(1) * rows.size(2);
+  return {at::empty({rows.size(0), num_kv_blocks + 1}, opt), at::empty({n}, opt), at::empty({n}, opt)};
+}
+
+}  // namespace sel
+}  // namespace sia
