@@ -11,18 +11,40 @@
 //   col_query int32 [L*Nq*K], col_slot int32 [L*Nq*K]): the key-major view of normalised rows, a
 //   counting sort by (l, c) that keeps the (t, j) order inside each list; the unused capacity after
 //   the last list holds the unused slots (t, j) in flat order, as the torch version's stable sort
-//   leaves them. Work is split by (l, range of KEY_RANGE key blocks): each task walks every row's
-//   entries inside its range (a cursor per row found in one pass), so its writes go to KEY_RANGE
-//   list heads at a time (cache-resident) instead of all of them.
+//   leaves them. Tasks are blocks of ROW_BLOCK tokens of one selection, read twice: a histogram of
+//   their key blocks, then (after one prefix sum over (l, c, row block)) the scatter, KEY_RANGE
+//   key blocks at a time so that the lists being written stay in cache.
+// Large outputs are backed by transparent huge pages when the system grants them on request.
 // Part of kernel.cpp's translation unit.
 #pragma once
 
 #include "tiles.h"
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 namespace sia {
 namespace sel {
 
-constexpr int64_t KEY_RANGE = 256;  // key blocks per counting-sort task
+constexpr int64_t ROW_BLOCK = 1024;  // query tokens per counting-sort task
+constexpr int64_t KEY_RANGE = 512;   // key blocks whose lists a counting-sort task writes at a time
+
+// at::empty, with large buffers backed by transparent huge pages where the system allows them on
+// request (first touch of a fresh 100 MB output costs more in 4 KiB page faults than the work)
+static at::Tensor empty_huge(at::IntArrayRef sizes, const at::TensorOptions& opt) {
+  auto t = at::empty(sizes, opt);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  constexpr uintptr_t HUGE_PAGE = uintptr_t(2) << 20;
+  if (bytes >= 4 * HUGE_PAGE) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const uintptr_t a = (p + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), e = (p + bytes) & ~(HUGE_PAGE - 1);
+    if (e > a) madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);  // advice only: errors ignored
+  }
+#endif
+  return t;
+}
 
 template <typename F>
 static void dispatch_index(at::ScalarType t, F&& f) {
@@ -53,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> selection_rows(const at::Tensor& indices, con
                 "sparse_io_attn cpu: counts must be int32 or int64");
     cnt = counts->to(at::kLong).contiguous();
   }
-  auto rows = at::empty({L, Nq, K}, indices.options().dtype(at::kInt));
+  auto rows = empty_huge({L, Nq, K}, indices.options().dtype(at::kInt));
   auto row_counts = at::empty({L, Nq}, indices.options().dtype(at::kInt));
   if (L * Nq == 0) return {rows, row_counts};
   const int64_t* cp = cnt.defined() ? cnt.data_ptr<int64_t>() : nullptr;
@@ -113,30 +135,6 @@ std::tuple<at::Tensor, at::Tensor> selection_rows(const at::Tensor& indices, con
   return {rows, row_counts};
 }
 
-// Row lengths of normalised rows (entries strictly ascending in [0, nkb), then -1 only), or an error.
-static std::vector<int32_t> normalised_counts(const int32_t* rows, int64_t LN, int64_t K, int64_t nkb) {
-  std::vector<int32_t> cnt(static_cast<size_t>(LN));
-  std::atomic<int64_t> bad{-1};
-  at::parallel_for(0, LN, 1024, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const int32_t* row = rows + r * K;
-      int64_t m = 0;
-      while (m < K && row[m] >= 0) ++m;
-      bool ok = m == 0 || row[m - 1] < nkb;
-      for (int64_t j = 1; j < m && ok; ++j) ok = row[j - 1] < row[j];
-      for (int64_t j = m; j < K && ok; ++j) ok = row[j] == -1;
-      cnt[r] = static_cast<int32_t>(m);
-      if (!ok) {
-        int64_t expect = -1;
-        bad.compare_exchange_strong(expect, r);
-      }
-    }
-  });
-  TORCH_CHECK(bad.load() < 0, "sparse_io_attn cpu: selection_keys expects normalised rows (valid blocks in [0, ",
-              nkb, ") strictly ascending at the front, -1 after); row ", bad.load(), " is not");
-  return cnt;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_keys(const at::Tensor& rows_in, int64_t num_kv_blocks) {
   TORCH_CHECK(rows_in.device().is_cpu() && rows_in.dim() == 3 && rows_in.scalar_type() == at::kInt,
               "sparse_io_attn cpu: selection_keys expects CPU int32 rows [L, Nq, K], got ", rows_in.scalar_type(), " ",
@@ -149,63 +147,80 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_keys(const at::Tensor& 
               std::numeric_limits<int32_t>::max(), " stored blocks fit int32 indices, got ", n, "; use larger blocks");
   auto opt = rows.options();
   auto col_ptr = at::empty({L, nkb + 1}, opt);
-  auto col_query = at::empty({n}, opt);
-  auto col_slot = at::empty({n}, opt);
+  auto col_query = empty_huge({n}, opt);
+  auto col_slot = empty_huge({n}, opt);
   int32_t* ptr = col_ptr.data_ptr<int32_t>();
   if (L == 0) return {col_ptr, col_query, col_slot};
   const int32_t* rp = rows.data_ptr<int32_t>();
   int32_t* cq = col_query.data_ptr<int32_t>();
   int32_t* cs = col_slot.data_ptr<int32_t>();
-  const std::vector<int32_t> cnt = normalised_counts(rp, L * Nq, K, nkb);
-
-  // cursors: begin[(l * NR + g) * Nq + t] = first slot of row (l, t) at or past key block g * KEY_RANGE
-  const int64_t NR = std::max<int64_t>(1, cdiv(nkb, KEY_RANGE));
-  std::vector<int32_t> begin(static_cast<size_t>(L * NR * Nq));
-  at::parallel_for(0, L * Nq, 1024, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const int64_t l = r / Nq, t = r % Nq;
-      const int32_t* row = rp + r * K;
-      int64_t j = 0;
-      for (int64_t g = 0; g < NR; ++g) {
-        while (j < cnt[r] && row[j] < g * KEY_RANGE) ++j;
-        begin[(l * NR + g) * Nq + t] = static_cast<int32_t>(j);
+  // Row blocks: TB tokens of one selection. Pass 1 checks each row (blocks strictly ascending in
+  // [0, nkb), then -1 only), records its length and counts the block's entries per key block:
+  // hist[x * nkb + c]; after one prefix sum over (l, c, row block) it holds where block x's entries
+  // of c go. Pass 2 writes them, one range of KEY_RANGE key blocks at a time (a cursor per row), so
+  // that the lists being written stay in cache.
+  const int64_t TB = ROW_BLOCK, nbl = cdiv(Nq, TB), NX = L * nbl;
+  std::vector<int32_t> cnt(static_cast<size_t>(L * Nq));
+  std::vector<int64_t> hist(static_cast<size_t>(NX * nkb), 0);
+  std::atomic<int64_t> bad{-1};
+  at::parallel_for(0, NX, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t x = lo; x < hi; ++x) {
+      const int64_t l = x / nbl, t0 = (x % nbl) * TB, t1 = std::min(Nq, t0 + TB);
+      int64_t* h = hist.data() + x * nkb;
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t r = l * Nq + t;
+        const int32_t* row = rp + r * K;
+        int64_t m = 0;
+        int32_t prev = -1;
+        for (; m < K && row[m] >= 0; ++m) {
+          if (row[m] <= prev || row[m] >= nkb) break;
+          prev = row[m];
+          ++h[prev];
+        }
+        bool ok = m == K || row[m] == -1;
+        for (int64_t j = m + 1; j < K && ok; ++j) ok = row[j] == -1;
+        cnt[r] = static_cast<int32_t>(m);
+        if (!ok) {
+          int64_t expect = -1;
+          bad.compare_exchange_strong(expect, r);
+        }
       }
     }
   });
-  // counts per list (each task its own key range), then absolute offsets
-  std::vector<int64_t> sizes(static_cast<size_t>(L * nkb + 1), 0);
-  auto walk = [&](int64_t task, auto&& emit) {
-    const int64_t l = task / NR, g = task % NR, c_hi = std::min(nkb, (g + 1) * KEY_RANGE);
-    const int32_t* b = begin.data() + task * Nq;
-    for (int64_t t = 0; t < Nq; ++t) {
-      const int64_t r = l * Nq + t;
-      const int32_t* row = rp + r * K;
-      for (int64_t j = b[t]; j < cnt[r] && row[j] < c_hi; ++j) emit(l, t, j, row[j]);
-    }
-  };
-  at::parallel_for(0, L * NR, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t task = lo; task < hi; ++task)
-      walk(task, [&](int64_t l, int64_t, int64_t, int32_t c) { ++sizes[l * nkb + c]; });
-  });
+  TORCH_CHECK(bad.load() < 0, "sparse_io_attn cpu: selection_keys expects normalised rows (valid blocks in [0, ",
+              nkb, ") strictly ascending at the front, -1 after); row ", bad.load(), " is not");
   int64_t total = 0;
-  for (int64_t x = 0; x < L * nkb; ++x) {
-    const int64_t s = sizes[x];
-    sizes[x] = total;
-    total += s;
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t c = 0; c < nkb; ++c) {
+      ptr[l * (nkb + 1) + c] = static_cast<int32_t>(total);
+      for (int64_t xb = 0; xb < nbl; ++xb) {
+        int64_t& h = hist[(l * nbl + xb) * nkb + c];
+        const int64_t s = h;
+        h = total;
+        total += s;
+      }
+    }
+    ptr[l * (nkb + 1) + nkb] = static_cast<int32_t>(total);
   }
-  sizes[L * nkb] = total;
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t c = 0; c <= nkb; ++c) ptr[l * (nkb + 1) + c] = static_cast<int32_t>(sizes[l * nkb + c]);
-  at::parallel_for(0, L * NR, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t l = task / NR, g = task % NR;
-      const int64_t c_lo = g * KEY_RANGE, c_hi = std::min(nkb, c_lo + KEY_RANGE);
-      std::vector<int64_t> head(sizes.begin() + l * nkb + c_lo, sizes.begin() + l * nkb + c_hi);
-      walk(task, [&](int64_t, int64_t t, int64_t j, int32_t c) {
-        const int64_t e = head[c - c_lo]++;
-        cq[e] = static_cast<int32_t>(t);
-        cs[e] = static_cast<int32_t>(j);
-      });
+  at::parallel_for(0, NX, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<int32_t> pos(static_cast<size_t>(TB));
+    for (int64_t x = lo; x < hi; ++x) {
+      const int64_t l = x / nbl, t0 = (x % nbl) * TB, t1 = std::min(Nq, t0 + TB);
+      int64_t* head = hist.data() + x * nkb;
+      std::fill(pos.begin(), pos.end(), 0);
+      for (int64_t c_hi = KEY_RANGE; c_hi < nkb + KEY_RANGE; c_hi += KEY_RANGE) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t r = l * Nq + t, m = cnt[r];
+          const int32_t* row = rp + r * K;
+          int64_t j = pos[t - t0];
+          for (; j < m && row[j] < c_hi; ++j) {
+            const int64_t e = head[row[j]]++;
+            cq[e] = static_cast<int32_t>(t);
+            cs[e] = static_cast<int32_t>(j);
+          }
+          pos[t - t0] = static_cast<int32_t>(j);
+        }
+      }
     }
   });
   // unused capacity: the slots j >= count of every row, in flat order
