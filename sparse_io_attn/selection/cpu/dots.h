@@ -1,5 +1,5 @@
 // Small-block building blocks: 16 dot products of one row with 16 gathered rows at once, and row
-// updates acc[0..D) += sum_j w[j] y_j over gathered rows y_j.
+// updates acc[0..D) += sum_j w[j] y_j over gathered rows y_j (rows base + idx[j] * ld).
 // Part of kernel.cpp's translation unit (see kernel.cpp for the overview).
 //
 // dot(x, y_i) accumulates 16 lane sums along D (one fused multiply-add per 16 elements, in order;
@@ -28,25 +28,32 @@ static inline float tree16(const float* x) {  // the lane tree, one product
 template <int NC>
 struct Kern;
 
+// Rows are addressed as base + idx[i] * ld (idx: int32 row numbers, e.g. the plan's own lists).
 template <>
 struct Kern<0> {
-  static void dots(const float* x, const float* const* y, int64_t D, float* out) {
+  static void dots(const float* x, const float* base, int64_t ld, const int32_t* idx, int64_t D, float* out) {
     for (int i = 0; i < DOTS; ++i) {
+      const float* y = base + idx[i] * ld;
       float lanes[16] = {0.f};
       for (int64_t d = 0; d < D; d += 16)
-        for (int64_t k = 0; k < 16 && d + k < D; ++k) lanes[k] = std::fma(x[d + k], y[i][d + k], lanes[k]);
+        for (int64_t k = 0; k < 16 && d + k < D; ++k) lanes[k] = std::fma(x[d + k], y[d + k], lanes[k]);
       out[i] = tree16(lanes);
     }
   }
-  static void axpy(float* acc, const float* w, int64_t n, const float* const* y, int64_t D) {
-    for (int64_t j = 0; j < n; ++j) {
-      const Vec vw(w[j]);
-      int64_t d = 0;
-      for (; d + VL <= D; d += VL) at::vec::fmadd(vw, Vec::loadu(y[j] + d), Vec::loadu(acc + d)).store(acc + d);
-      for (; d < D; ++d) acc[d] = std::fma(w[j], y[j][d], acc[d]);
+  static void axpy(float* acc, const float* w, int64_t n, const float* base, int64_t ld, const int32_t* idx,
+                   int64_t D) {
+    for (int64_t d = 0; d < D; ++d) {
+      float a = acc[d], b = 0.f;
+      int64_t j = 0;
+      for (; j + 1 < n; j += 2) {
+        a = std::fma(w[j], base[idx[j] * ld + d], a);
+        b = std::fma(w[j + 1], base[idx[j + 1] * ld + d], b);
+      }
+      if (j < n) a = std::fma(w[j], base[idx[j] * ld + d], a);
+      acc[d] = a + b;
     }
   }
-  static void prefetch(const float* const*, int64_t, int64_t) {}
+  static void prefetch(const float*, int64_t, const int32_t*, int64_t) {}
 };
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -79,31 +86,49 @@ struct Kern {
     const int64_t r = D - 16 * (NC - 1);
     return static_cast<__mmask16>(r >= 16 ? 0xFFFFu : (1u << r) - 1u);
   }
-  __attribute__((always_inline)) static inline void dots(const float* x, const float* const* y, int64_t D,
-                                                         float* out) {
+  __attribute__((always_inline)) static inline void dots(const float* x, const float* base, int64_t ld,
+                                                         const int32_t* idx, int64_t D, float* out) {
     const __mmask16 tail = tail_mask(D);
     __m512 xr[NC], acc[16];
     for (int c = 0; c < NC; ++c) xr[c] = load(x, c, tail);
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-    for (int c = 0; c < NC; ++c)
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(xr[c], load(y[i], c, tail), acc[i]);
+    for (int i = 0; i < 16; ++i) {  // row by row: one row address live at a time
+      const float* yi = base + idx[i] * ld;
+      acc[i] = _mm512_mul_ps(xr[0], load(yi, 0, tail));
+      for (int c = 1; c < NC; ++c) acc[i] = _mm512_fmadd_ps(xr[c], load(yi, c, tail), acc[i]);
+    }
     _mm512_storeu_ps(out, tree16(acc));
   }
-  __attribute__((always_inline)) static inline void axpy(float* acc, const float* w, int64_t n,
-                                                         const float* const* y, int64_t D) {
+  // acc += sum_j w[j] y_j as (acc + sum over even j) + (sum over odd j): two dependency chains
+  __attribute__((always_inline)) static inline void axpy(float* acc, const float* w, int64_t n, const float* base,
+                                                         int64_t ld, const int32_t* idx, int64_t D) {
     const __mmask16 tail = tail_mask(D);
-    __m512 a[NC];
-    for (int c = 0; c < NC; ++c) a[c] = load(acc, c, tail);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 vw = _mm512_set1_ps(w[j]);
-      for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(vw, load(y[j], c, tail), a[c]);
+    __m512 a[NC], b[NC];
+    for (int c = 0; c < NC; ++c) {
+      a[c] = load(acc, c, tail);
+      b[c] = _mm512_setzero_ps();
     }
-    for (int c = 0; c + 1 < NC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-    _mm512_mask_storeu_ps(acc + 16 * (NC - 1), tail, a[NC - 1]);
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      const float* y0 = base + idx[j] * ld;
+      const float* y1 = base + idx[j + 1] * ld;
+      const __m512 w0 = _mm512_set1_ps(w[j]), w1 = _mm512_set1_ps(w[j + 1]);
+      for (int c = 0; c < NC; ++c) {
+        a[c] = _mm512_fmadd_ps(w0, load(y0, c, tail), a[c]);
+        b[c] = _mm512_fmadd_ps(w1, load(y1, c, tail), b[c]);
+      }
+    }
+    if (j < n) {
+      const float* y0 = base + idx[j] * ld;
+      const __m512 w0 = _mm512_set1_ps(w[j]);
+      for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(w0, load(y0, c, tail), a[c]);
+    }
+    for (int c = 0; c + 1 < NC; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
+    _mm512_mask_storeu_ps(acc + 16 * (NC - 1), tail, _mm512_add_ps(a[NC - 1], b[NC - 1]));
   }
-  static void prefetch(const float* const* y, int64_t n, int64_t) {
+  // every other cache line of each row (the adjacent-line prefetcher brings the one beside it)
+  static void prefetch(const float* base, int64_t ld, const int32_t* idx, int64_t n) {
     for (int64_t i = 0; i < n; ++i)
-      for (int c = 0; c < NC; ++c) _mm_prefetch(reinterpret_cast<const char*>(y[i] + 16 * c), _MM_HINT_T0);
+      for (int c = 0; c < NC; c += 2) _mm_prefetch(reinterpret_cast<const char*>(base + idx[i] * ld + 16 * c), _MM_HINT_T0);
   }
 };
 

@@ -166,12 +166,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
     scalar_t* dk_p = dk.data_ptr<scalar_t>();
     scalar_t* dv_p = dv.data_ptr<scalar_t>();
     if (P.family == QUERY_MAJOR) {
+      const bool group = P.Gq > 1;  // per-head dK/dV sums, reduced over the GQA group in head order
+      Buf pk(group ? B * Hq * Nk * D : 1), pv(group ? B * Hq * Nk * D : 1);
       dispatch_dim(D, [&](auto kern) {
         run_tasks(P.units() * nchunk, [&] { return std::make_unique<QState>(P); },
                   [&](int64_t t, QState& w) { qm_dq_task<scalar_t>(kern, P, in, dq_p, t, w); });
-        run_tasks(B * Hkv * cdiv(P.nkb, qm_blocks_per_task(P)), [&] { return std::make_unique<KVState>(P); },
-                  [&](int64_t t, KVState& w) { qm_dkv_task<scalar_t>(kern, P, in, dk_p, dv_p, t, w); });
+        run_tasks(B * Hq * cdiv(P.nkb, qm_blocks_per_task(P)), [&] { return std::make_unique<KVState>(P); },
+                  [&](int64_t t, KVState& w) {
+                    qm_dkv_task<scalar_t>(kern, P, in, dk_p, dv_p, group ? pk.p : nullptr, group ? pv.p : nullptr, t, w);
+                  });
       });
+      if (group)
+        run_tasks(B * Hkv * cdiv(Nk, QM_KEYS), [&] { return std::make_unique<Buf>(QM_KEYS * D); },
+                  [&](int64_t t, Buf& w) { qm_dkv_reduce<scalar_t>(P, pk.p, pv.p, dk_p, dv_p, t, w); });
       return;
     }
     Buf kt(B * Hkv * P.nkb * D * P.bs), vt(B * Hkv * P.nkb * D * P.bs);

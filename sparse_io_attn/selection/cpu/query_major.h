@@ -1,7 +1,9 @@
 // Query-major family (small blocks): forward and dQ per (unit, chunk of query tokens) over each
-// token's gathered keys, 16 keys at a time (online softmax in the forward); dK/dV per (b, kv head,
-// run of key blocks) over the gathered query rows that chose them (the plan's key lists), 16 rows at
-// a time, so every key's gradient is summed by one task and no accumulator is shared.
+// token's gathered keys; dK/dV per (b, query head, run of key blocks) over the query rows that chose
+// them (the plan's key lists), so every key's gradient is summed by one task and no accumulator is
+// shared. Rows are addressed by int32 row numbers (for single-token blocks the plan's rows and key
+// lists themselves), QCH at a time: their dot products (16 per call), then the exponentials, then
+// the row updates.
 // Part of kernel.cpp's translation unit (see kernel.cpp for the overview).
 #pragma once
 
@@ -11,60 +13,54 @@
 namespace sia {
 namespace sel {
 
-constexpr int64_t QM_TOKENS = 16;  // query tokens per query-major task (and per merge/reduce task)
-constexpr int64_t QM_KEYS = 64;    // keys per dK/dV task (whole blocks, at least one)
+constexpr int64_t QM_TOKENS = 16;        // query tokens per query-major task (and per merge/reduce task)
+constexpr int64_t QM_KEYS = 64;          // keys per dK/dV task (whole blocks, at least one)
+constexpr int64_t QM_TOKEN_TILE = 1024;  // tokens per dK/dV sweep (their q, dO rows reused from cache)
+constexpr int64_t QCH = 64;              // rows per step: dot products, then exponentials, then updates
+constexpr int64_t AHEAD = QCH;           // rows prefetched one step ahead
 
 struct Inputs {        // fp32 rows of the operands (views or packed copies)
   Rows Q, K, V, dO;
   const float* st = nullptr;  // [B*Hq*Nq, 4]: per query row m, log2 l (the forward's stats), delta, 0
 };
 
-static int64_t max_keys(const Problem& P) { return P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1)); }
+// idx + i, or (the last, partial group of 16 of a list of n) a copy padded with idx[0]: dot16 reads
+// whole groups, and a list may end where its storage does.
+static inline const int32_t* group16(const int32_t* idx, int64_t i, int64_t n, int32_t* pad) {
+  if (i + DOTS <= n) return idx + i;
+  for (int64_t z = 0; z < DOTS; ++z) pad[z] = i + z < n ? idx[i + z] : idx[0];
+  return pad;
+}
 
-// The keys query t of selection l may use, as row pointers into K and V, in order (ascending
-// block, then key), with DOTS spare copies of the first at the end.
-struct KeyRows {
-  std::vector<const float*> k, v;
+// The keys query t of selection l may use (ascending block, then key): the row itself for single
+// tokens, else expanded into `buf`.
+struct Keys {
+  std::vector<int32_t> buf;
+  const int32_t* idx = nullptr;
   int64_t n = 0;
-  explicit KeyRows(const Problem& P) : k(static_cast<size_t>(max_keys(P) + DOTS)), v(k.size()) {}
-  void gather(const Problem& P, const Inputs& in, int64_t b, int64_t kv, int64_t l, int64_t t) {
-    n = 0;
+  explicit Keys(const Problem& P) : buf(P.bs > 1 ? P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1)) : 0) {}
+  void gather(const Problem& P, int64_t l, int64_t t) {
     const int32_t* row = P.rows + (l * P.Nq + t) * P.K;
-    const int64_t cnt = P.counts[l * P.Nq + t];
-    const float* kb = in.K.at(b, kv, 0);
-    const float* vb = in.V.at(b, kv, 0);
-    const int64_t ldk = in.K.ld, ldv = in.V.ld, bs = P.bs;
+    const int64_t cnt = P.counts[l * P.Nq + t], bs = P.bs;
     const int64_t lim = P.causal ? std::min(P.Nk, t + P.delta + 1) : P.Nk;  // keys [0, lim) allowed
     if (bs == 1) {
       int64_t m = cnt;
       while (m > 0 && row[m - 1] >= lim) --m;
-      for (int64_t j = 0; j < m; ++j) {
-        k[j] = kb + row[j] * ldk;
-        v[j] = vb + row[j] * ldv;
-      }
+      idx = row;
       n = m;
-    } else {
-      for (int64_t j = 0; j < cnt; ++j) {
-        const int64_t c = row[j];
-        const int64_t na = std::min(bs, lim - c * bs);
-        const float* kp = kb + c * bs * ldk;
-        const float* vp = vb + c * bs * ldv;
-        for (int64_t i = 0; i < na; ++i) {
-          k[n] = kp + i * ldk;
-          v[n] = vp + i * ldv;
-          ++n;
-        }
-      }
+      return;
     }
-    for (int64_t i = 0; i < DOTS; ++i) {
-      k[n + i] = n > 0 ? k[0] : kb;
-      v[n + i] = n > 0 ? v[0] : vb;
+    n = 0;
+    for (int64_t j = 0; j < cnt; ++j) {
+      const int64_t k0 = row[j] * bs, na = std::min(bs, lim - k0);
+      for (int64_t i = 0; i < na; ++i) buf[n++] = static_cast<int32_t>(k0 + i);
     }
+    idx = buf.data();
   }
 };
 
 struct QState {
-  KeyRows keys;
+  Keys keys;
   Buf acc;
   std::vector<float> m, l;
   explicit QState(const Problem& P) : keys(P), acc(P.R * P.D), m(P.R), l(P.R) {}
@@ -78,31 +74,34 @@ static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, T* out, fl
   const int64_t u = task / nchunk, t0 = (task % nchunk) * QM_TOKENS, t1 = std::min(P.Nq, t0 + QM_TOKENS);
   const int64_t b = P.unit_b(u), kv = P.unit_kv(u), h0 = P.unit_h0(u), l = P.unit_l(u);
   const int64_t R = P.R, D = P.D;
+  const float* kb = in.K.at(b, kv, 0);
+  const float* vb = in.V.at(b, kv, 0);
+  const int64_t ldk = in.K.ld, ldv = in.V.ld;
   float* acc = w.acc.p;
-  alignas(64) float sb[DOTS];
+  alignas(64) float sb[QCH + DOTS];
+  int32_t pad[DOTS];
   const Vec vc(P.c2);
   for (int64_t t = t0; t < t1; ++t) {
-    w.keys.gather(P, in, b, kv, l, t);
+    w.keys.gather(P, l, t);
     const int64_t n = w.keys.n;
-    const float* const* kp = w.keys.k.data();
-    const float* const* vp = w.keys.v.data();
+    const int32_t* ki = w.keys.idx;
     std::fill(acc, acc + R * D, 0.f);
     std::fill(w.m.begin(), w.m.end(), NEG_INF);
     std::fill(w.l.begin(), w.l.end(), 0.f);
-    Kn::prefetch(kp, std::min(DOTS, n), D);
-    Kn::prefetch(vp, std::min(DOTS, n), D);
-    for (int64_t j0 = 0; j0 < n; j0 += DOTS) {
-      const int64_t nb = std::min(DOTS, n - j0);
-      if (j0 + DOTS < n) {
-        Kn::prefetch(kp + j0 + DOTS, std::min(DOTS, n - j0 - DOTS), D);
-        Kn::prefetch(vp + j0 + DOTS, std::min(DOTS, n - j0 - DOTS), D);
+    Kn::prefetch(kb, ldk, ki, std::min(AHEAD, n));
+    Kn::prefetch(vb, ldv, ki, std::min(AHEAD, n));
+    for (int64_t j0 = 0; j0 < n; j0 += QCH) {
+      const int64_t nc = std::min(QCH, n - j0), ncv = round_up(nc, VL);
+      if (j0 + AHEAD < n) {
+        Kn::prefetch(kb, ldk, ki + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
+        Kn::prefetch(vb, ldv, ki + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
       }
       for (int64_t r = 0; r < R; ++r) {
-        Kn::dots(in.Q.at(b, h0 + r, t), kp + j0, D, sb);
+        const float* qr = in.Q.at(b, h0 + r, t);
+        for (int64_t i = 0; i < nc; i += DOTS) Kn::dots(qr, kb, ldk, group16(ki, j0 + i, n, pad), D, sb + i);
         Vec vmax(NEG_INF);
-        for (int64_t i = 0; i < DOTS; i += VL) {
-          Vec x = saturate(Vec::loadu(sb + i) * vc);
-          if (nb < DOTS) x = keep_bits(x, len_bits(nb - i));
+        for (int64_t i = 0; i < ncv; i += VL) {
+          const Vec x = keep_bits(saturate(Vec::loadu(sb + i) * vc), len_bits(nc - i));
           x.store(sb + i);
           vmax = at::vec::maximum(vmax, x);
         }
@@ -115,14 +114,14 @@ static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, T* out, fl
         }
         const Vec vm(mn == NEG_INF ? 0.f : mn);
         Vec vsum(0.f);
-        for (int64_t i = 0; i < DOTS; i += VL) {
+        for (int64_t i = 0; i < ncv; i += VL) {
           const Vec p = vexp2(Vec::loadu(sb + i) - vm);
           p.store(sb + i);
           vsum = vsum + p;
         }
         w.l[r] += hsum(vsum);
         w.m[r] = mn;
-        Kn::axpy(ar, sb, nb, vp + j0, D);
+        Kn::axpy(ar, sb, nc, vb, ldv, ki + j0, D);
       }
     }
     for (int64_t r = 0; r < R; ++r) {
@@ -153,35 +152,42 @@ static void qm_dq_task(Kern<NC>, const Problem& P, const Inputs& in, T* dq, int6
   const int64_t u = task / nchunk, t0 = (task % nchunk) * QM_TOKENS, t1 = std::min(P.Nq, t0 + QM_TOKENS);
   const int64_t b = P.unit_b(u), kv = P.unit_kv(u), h0 = P.unit_h0(u), l = P.unit_l(u);
   const int64_t R = P.R, D = P.D;
+  const float* kb = in.K.at(b, kv, 0);
+  const float* vb = in.V.at(b, kv, 0);
+  const int64_t ldk = in.K.ld, ldv = in.V.ld;
   float* acc = w.acc.p;
-  alignas(64) float sb[DOTS], pb[DOTS];
+  alignas(64) float sb[QCH + DOTS], pb[QCH + DOTS];
+  int32_t pad[DOTS];
   const Vec vc(P.c2);
   for (int64_t t = t0; t < t1; ++t) {
-    w.keys.gather(P, in, b, kv, l, t);
+    w.keys.gather(P, l, t);
     const int64_t n = w.keys.n;
-    const float* const* kp = w.keys.k.data();
-    const float* const* vp = w.keys.v.data();
+    const int32_t* ki = w.keys.idx;
     std::fill(acc, acc + R * D, 0.f);
-    Kn::prefetch(kp, std::min(DOTS, n), D);
-    Kn::prefetch(vp, std::min(DOTS, n), D);
-    for (int64_t j0 = 0; j0 < n; j0 += DOTS) {
-      const int64_t nb = std::min(DOTS, n - j0);
-      if (j0 + DOTS < n) {
-        Kn::prefetch(kp + j0 + DOTS, std::min(DOTS, n - j0 - DOTS), D);
-        Kn::prefetch(vp + j0 + DOTS, std::min(DOTS, n - j0 - DOTS), D);
+    Kn::prefetch(kb, ldk, ki, std::min(AHEAD, n));
+    Kn::prefetch(vb, ldv, ki, std::min(AHEAD, n));
+    for (int64_t j0 = 0; j0 < n; j0 += QCH) {
+      const int64_t nc = std::min(QCH, n - j0), ncv = round_up(nc, VL);
+      if (j0 + AHEAD < n) {
+        Kn::prefetch(kb, ldk, ki + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
+        Kn::prefetch(vb, ldv, ki + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t row = (b * P.Hq + h0 + r) * P.Nq + t;
-        Kn::dots(in.Q.at(b, h0 + r, t), kp + j0, D, sb);
-        Kn::dots(in.dO.at(b, h0 + r, t), vp + j0, D, pb);
+        const float* qr = in.Q.at(b, h0 + r, t);
+        const float* gr = in.dO.at(b, h0 + r, t);
+        for (int64_t i = 0; i < nc; i += DOTS) {
+          const int32_t* g = group16(ki, j0 + i, n, pad);
+          Kn::dots(qr, kb, ldk, g, D, sb + i);
+          Kn::dots(gr, vb, ldv, g, D, pb + i);
+        }
         const Vec vm(in.st[row * 4]), vl(in.st[row * 4 + 1]), vd(in.st[row * 4 + 2]);
-        for (int64_t i = 0; i < DOTS; i += VL) {
-          Vec x = saturate(Vec::loadu(sb + i) * vc);
-          if (nb < DOTS) x = keep_bits(x, len_bits(nb - i));
+        for (int64_t i = 0; i < ncv; i += VL) {
+          const Vec x = keep_bits(saturate(Vec::loadu(sb + i) * vc), len_bits(nc - i));
           const Vec p = vexp2((x - vm) - vl);
           (p * (Vec::loadu(pb + i) - vd)).store(sb + i);
         }
-        Kn::axpy(acc + r * D, sb, nb, kp + j0, D);
+        Kn::axpy(acc + r * D, sb, nc, kb, ldk, ki + j0, D);
       }
     }
     for (int64_t r = 0; r < R; ++r) {
@@ -191,115 +197,146 @@ static void qm_dq_task(Kern<NC>, const Problem& P, const Inputs& in, T* dq, int6
   }
 }
 
-// dK/dV of a run of key blocks. The query rows of a block: for each selection serving this kv head
-// (in order), the tokens of its list (ascending), each with the selection's heads here; for each key
-// of the block, the rows allowed to use it, 16 at a time, their (p, dS) from the dot products with
-// the key, summed into the key's dK, dV in row order.
+// dK/dV, one query head at a time (its rows, q and dO, are what the pass gathers: one head's stay
+// in cache where a whole GQA group's would not): a task per (b, query head h, run of key blocks,
+// QM_KEYS keys). Key n0 + i of block c is used by the tokens of h's selection that chose c (the key
+// list, ascending) from the first one allowed to use it on: a suffix of the list. The task sweeps
+// the tokens in tiles of QM_TOKEN_TILE: in each tile every key of the run takes its tokens there
+// (QCH at a time: dot products with the key, P and dS, then dK += dS q, dV += P dO), so a tile's q
+// and dO rows come from memory once and are reused from cache by the run's other keys. Each key
+// sums over its tokens in list order either way. With several query heads per kv head the per-head
+// sums go to fp32 buffers and qm_dkv_reduce adds them in head order.
+struct KeyCursor {
+  const int32_t* t;  // the key's tokens (a suffix of its block's list)
+  int64_t n, cur;
+};
+
 struct KVState {
-  std::vector<const float*> q, g, q2, g2;  // per row: q and dO rows (DOTS spare copies at the end)
-  std::vector<float> st, st2;              // per row: m, log2 l, delta (three arrays of the row count)
-  std::vector<int32_t> na;                 // per row: keys of the block it may use
-  Buf dk, dv;
-  explicit KVState(const Problem& P) : dk(P.D), dv(P.D) {}
+  std::vector<KeyCursor> keys;
+  Buf acc;  // [keys, 2, D]: dK, dV sums
+  explicit KVState(const Problem& P) : acc(2 * std::max(QM_KEYS, P.bs) * P.D) {}
 };
 
 static inline int64_t qm_blocks_per_task(const Problem& P) { return std::max<int64_t>(1, QM_KEYS / P.bs); }
 
+// m, log2 l and delta of 16 query rows (tokens t[0..16) of one head: rows of st, 4 floats apart)
+static inline void row_stats(const float* st, const int32_t* t, float* m, float* l, float* d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i x = _mm512_slli_epi32(_mm512_loadu_si512(t), 2);
+  _mm512_storeu_ps(m, _mm512_i32gather_ps(x, st, 4));
+  _mm512_storeu_ps(l, _mm512_i32gather_ps(x, st + 1, 4));
+  _mm512_storeu_ps(d, _mm512_i32gather_ps(x, st + 2, 4));
+#else
+  for (int64_t i = 0; i < DOTS; ++i) {
+    m[i] = st[t[i] * 4];
+    l[i] = st[t[i] * 4 + 1];
+    d[i] = st[t[i] * 4 + 2];
+  }
+#endif
+}
+
+// dk, dv: the outputs ([B, Hkv, Nk, D], scaled, in T) when one query head uses each kv head, else
+// fp32 [B, Hq, Nk, D] per-head sums (unscaled), reduced by qm_dkv_reduce.
 template <typename T, int NC>
-static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* dv, int64_t task,
-                        KVState& w) {
+static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* dv, float* pk, float* pv,
+                        int64_t task, KVState& w) {
   using Kn = Kern<NC>;
   const int64_t cpt = qm_blocks_per_task(P), ntask_c = cdiv(P.nkb, cpt);
-  const int64_t bk = task / ntask_c, c_lo = (task % ntask_c) * cpt, c_hi = std::min(P.nkb, c_lo + cpt);
-  const int64_t b = bk / P.Hkv, kv = bk % P.Hkv, D = P.D;
+  const int64_t bh = task / ntask_c, c_lo = (task % ntask_c) * cpt, c_hi = std::min(P.nkb, c_lo + cpt);
+  const int64_t b = bh / P.Hq, h = bh % P.Hq, kv = h / P.Gq, l = b * P.slb + h / P.hps, D = P.D;
+  const int64_t n0 = c_lo * P.bs, nkeys = std::min(c_hi * P.bs, P.Nk) - n0;
   const Vec vc(P.c2);
-  alignas(64) float sb[DOTS], pb[DOTS];
+  alignas(64) float sb[QCH + DOTS], pb[QCH + DOTS], ms[QCH + DOTS], ls[QCH + DOTS], ds[QCH + DOTS];
+  int32_t pad[DOTS];
+  const float* qh = in.Q.at(b, h, 0);
+  const float* gh = in.dO.at(b, h, 0);
+  const int64_t ldq = in.Q.ld, ldg = in.dO.ld;
+  const float* sth = in.st + (b * P.Hq + h) * P.Nq * 4;
+  w.keys.clear();
+  int64_t t_first = P.Nq;
   for (int64_t c = c_lo; c < c_hi; ++c) {
-    const int64_t n0 = c * P.bs, nblk = std::min(P.bs, P.Nk - n0);
-    // the block's rows
-    int64_t nrows = 0;
-    for (int64_t s = 0; s < P.spk; ++s) {
-      const int32_t* ptr = P.col_ptr + P.unit_l((b * P.Hkv + kv) * P.spk + s) * (P.nkb + 1) + c;
-      nrows += static_cast<int64_t>(ptr[1] - ptr[0]) * P.R;
-    }
-    const size_t cap = static_cast<size_t>(nrows + DOTS);
-    if (w.q.size() < cap) {
-      w.q.resize(cap), w.g.resize(cap), w.q2.resize(cap), w.g2.resize(cap), w.na.resize(cap);
-      w.st.resize(3 * cap), w.st2.resize(3 * cap);
-    }
-    float *sm = w.st.data(), *sl = sm + cap, *sd = sl + cap;
-    int64_t x = 0, min_na = P.bs;
-    for (int64_t s = 0; s < P.spk; ++s) {
-      const int64_t u = (b * P.Hkv + kv) * P.spk + s;
-      const int64_t l = P.unit_l(u), h0 = P.unit_h0(u);
-      const int32_t* ptr = P.col_ptr + l * (P.nkb + 1) + c;
-      for (int64_t e = ptr[0]; e < ptr[1]; ++e) {
-        const int64_t t = P.col_query[e], na = P.allowed(t, c);
-        min_na = std::min(min_na, na);
-        for (int64_t r = 0; r < P.R; ++r, ++x) {
-          const int64_t row = (b * P.Hq + h0 + r) * P.Nq + t;
-          w.q[x] = in.Q.at(b, h0 + r, t);
-          w.g[x] = in.dO.at(b, h0 + r, t);
-          const float* st = in.st + row * 4;
-          sm[x] = st[0];
-          sl[x] = st[1];
-          sd[x] = st[2];
-          w.na[x] = static_cast<int32_t>(na);
-        }
-      }
-    }
-    for (int64_t i = 0; i < DOTS; ++i, ++x) {  // spare rows for whole groups of 16 (results dropped)
-      w.q[x] = nrows > 0 ? w.q[0] : in.Q.at(b, 0, 0);
-      w.g[x] = nrows > 0 ? w.g[0] : in.dO.at(b, 0, 0);
-      sm[x] = sl[x] = sd[x] = 0.f;
-    }
+    const int32_t* ptr = P.col_ptr + l * (P.nkb + 1) + c;
+    const int32_t* tl = P.col_query + ptr[0];
+    const int64_t len = ptr[1] - ptr[0], nblk = std::min(P.bs, P.Nk - c * P.bs);
+    int64_t first = 0;
     for (int64_t key = 0; key < nblk; ++key) {
-      // rows allowed to use this key (all of them, except where the block straddles the diagonal)
-      const float* const* qs = w.q.data();
-      const float* const* gs = w.g.data();
-      const float *ms = sm, *ls = sl, *ds = sd;
-      int64_t n = nrows;
-      if (min_na <= key) {
-        float *m2 = w.st2.data(), *l2 = m2 + cap, *d2 = l2 + cap;
-        n = 0;
-        for (int64_t i = 0; i < nrows + DOTS; ++i) {
-          if (i < nrows && w.na[i] <= key) continue;
-          w.q2[n] = w.q[i], w.g2[n] = w.g[i], m2[n] = sm[i], l2[n] = sl[i], d2[n] = sd[i];
-          ++n;
-        }
-        n -= DOTS;
-        qs = w.q2.data(), gs = w.g2.data(), ms = m2, ls = l2, ds = d2;
-      }
+      while (first < len && P.allowed(tl[first], c) <= key) ++first;  // tokens ascending: a prefix
+      w.keys.push_back(KeyCursor{tl + first, len - first, 0});
+      if (first < len) t_first = std::min<int64_t>(t_first, tl[first]);
+    }
+  }
+  float* acc = w.acc.p;
+  std::fill(acc, acc + nkeys * 2 * D, 0.f);
+  for (int64_t tc = t_first; tc < P.Nq; tc += QM_TOKEN_TILE) {
+    const int64_t t_end = tc + QM_TOKEN_TILE;
+    for (int64_t key = 0; key < nkeys; ++key) {
+      KeyCursor& kc = w.keys[key];
+      int64_t end = kc.cur;
+      while (end < kc.n && kc.t[end] < t_end) ++end;
+      const int32_t* ti = kc.t + kc.cur;
+      const int64_t n = end - kc.cur;
+      kc.cur = end;
+      if (n == 0) continue;
       const float* kr = in.K.at(b, kv, n0 + key);
       const float* vr = in.V.at(b, kv, n0 + key);
-      std::fill(w.dk.p, w.dk.p + D, 0.f);
-      std::fill(w.dv.p, w.dv.p + D, 0.f);
-      Kn::prefetch(qs, std::min(DOTS, n), D);
-      Kn::prefetch(gs, std::min(DOTS, n), D);
-      for (int64_t i0 = 0; i0 < n; i0 += DOTS) {
-        const int64_t nb = std::min(DOTS, n - i0);
-        if (i0 + DOTS < n) {
-          Kn::prefetch(qs + i0 + DOTS, std::min(DOTS, n - i0 - DOTS), D);
-          Kn::prefetch(gs + i0 + DOTS, std::min(DOTS, n - i0 - DOTS), D);
+      float* dkr = acc + key * 2 * D;
+      float* dvr = dkr + D;
+      Kn::prefetch(qh, ldq, ti, std::min(AHEAD, n));
+      Kn::prefetch(gh, ldg, ti, std::min(AHEAD, n));
+      for (int64_t i0 = 0; i0 < n; i0 += QCH) {
+        const int64_t nc = std::min(QCH, n - i0), ncv = round_up(nc, VL);
+        if (i0 + AHEAD < n) {
+          Kn::prefetch(qh, ldq, ti + i0 + AHEAD, std::min(QCH, n - i0 - AHEAD));
+          Kn::prefetch(gh, ldg, ti + i0 + AHEAD, std::min(QCH, n - i0 - AHEAD));
         }
-        Kn::dots(kr, qs + i0, D, sb);
-        Kn::dots(vr, gs + i0, D, pb);
-        for (int64_t i = 0; i < DOTS; i += VL) {  // P and dS, the forward's arithmetic
+        for (int64_t i = 0; i < nc; i += DOTS) {
+          const int32_t* g = group16(ti, i0 + i, n, pad);
+          Kn::dots(kr, qh, ldq, g, D, sb + i);
+          Kn::dots(vr, gh, ldg, g, D, pb + i);
+          row_stats(sth, g, ms + i, ls + i, ds + i);
+        }
+        for (int64_t i = 0; i < ncv; i += VL) {  // P and dS, the forward's arithmetic
           const Vec xv = saturate(Vec::loadu(sb + i) * vc);
-          const Vec p = vexp2((xv - Vec::loadu(ms + i0 + i)) - Vec::loadu(ls + i0 + i));
-          (p * (Vec::loadu(pb + i) - Vec::loadu(ds + i0 + i))).store(pb + i);
+          const Vec p = vexp2((xv - Vec::loadu(ms + i)) - Vec::loadu(ls + i));
+          (p * (Vec::loadu(pb + i) - Vec::loadu(ds + i))).store(pb + i);
           p.store(sb + i);
         }
-        Kn::axpy(w.dk.p, pb, nb, qs + i0, D);
-        Kn::axpy(w.dv.p, sb, nb, gs + i0, D);
+        Kn::axpy(dkr, pb, nc, qh, ldq, ti + i0, D);
+        Kn::axpy(dvr, sb, nc, gh, ldg, ti + i0, D);
       }
+    }
+  }
+  for (int64_t key = 0; key < nkeys; ++key) {
+    const float* dkr = acc + key * 2 * D;
+    const float* dvr = dkr + D;
+    if (pk == nullptr) {
       T* okr = dk + ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
       T* ovr = dv + ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
       for (int64_t d = 0; d < D; ++d) {
-        okr[d] = static_cast<T>(w.dk.p[d] * P.sm_scale);
-        ovr[d] = static_cast<T>(w.dv.p[d]);
+        okr[d] = static_cast<T>(dkr[d] * P.sm_scale);
+        ovr[d] = static_cast<T>(dvr[d]);
       }
+    } else {
+      std::memcpy(pk + ((b * P.Hq + h) * P.Nk + n0 + key) * D, dkr, D * sizeof(float));
+      std::memcpy(pv + ((b * P.Hq + h) * P.Nk + n0 + key) * D, dvr, D * sizeof(float));
     }
+  }
+}
+
+// dK, dV of QM_KEYS keys of (b, kv head): the per-head sums added in head order
+template <typename T>
+static void qm_dkv_reduce(const Problem& P, const float* pk, const float* pv, T* dk, T* dv, int64_t task,
+                          Buf& acc) {
+  const int64_t nt = cdiv(P.Nk, QM_KEYS);
+  const int64_t bk = task / nt, k0 = (task % nt) * QM_KEYS, k1 = std::min(P.Nk, k0 + QM_KEYS);
+  const int64_t b = bk / P.Hkv, kv = bk % P.Hkv, D = P.D, n = (k1 - k0) * D;
+  for (int64_t which = 0; which < 2; ++which) {
+    const float* src = which == 0 ? pk : pv;
+    std::memcpy(acc.p, src + ((b * P.Hq + kv * P.Gq) * P.Nk + k0) * D, n * sizeof(float));
+    for (int64_t j = 1; j < P.Gq; ++j) add_row(acc.p, src + ((b * P.Hq + kv * P.Gq + j) * P.Nk + k0) * D, n);
+    T* o = (which == 0 ? dk : dv) + (bk * P.Nk + k0) * D;
+    const float sc = which == 0 ? P.sm_scale : 1.f;
+    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(acc.p[i] * sc);
   }
 }
 
