@@ -81,11 +81,12 @@ struct KState {
   std::vector<RowRef> refs;
   int64_t lds;
   explicit KState(const Problem& P, bool backward)
-      : qg(TM * P.D), gg(backward ? TM * P.D : 1), s(TM * (std::min(P.bs, KEY_CHUNK) + 16)),
-        dp(backward ? TM * (std::min(P.bs, KEY_CHUNK) + 16) : 1),
-        t1(backward ? std::min(P.bs, KEY_CHUNK) * (TM + 16) : 1), acc(TM * P.D),
+      : qg(TM * P.D), gg(backward ? TM * P.D : 1), s(TM * stride(P)), dp(backward ? TM * stride(P) : 1),
+        t1(backward ? std::min(P.bs, BWD_KEYS) * (TM + 16) : 1), acc(TM * P.D),
         dk(backward ? P.bs * P.D : 1), dv(backward ? P.bs * P.D : 1), stat(8 * (TM + 16)), refs(TM),
-        lds(round_up(std::min(P.bs, KEY_CHUNK), 16) + 16) {}
+        lds(stride(P)) {}
+  // leading dimension of the score tiles: whole vectors of the widest key chunk, plus 16
+  static int64_t stride(const Problem& P) { return round_up(std::min(P.bs, KEY_CHUNK), 16) + 16; }
 };
 
 // ------------------------------------------------------------------------------ forward
