@@ -56,7 +56,7 @@ static void run_forward(const Problem& P, const at::Tensor& q, const at::Tensor&
     scalar_t* o = out.data_ptr<scalar_t>();
     if (P.family == QUERY_MAJOR) {
       dispatch_dim(P.D, [&](auto kern) {
-        run_tasks(P.units() * nchunk, [&] { return std::make_unique<QState>(P); },
+        run_tasks(qm_tasks(P), [&] { return std::make_unique<QState>(P); },
                   [&](int64_t t, QState& w) { qm_fwd_task<scalar_t>(kern, P, in, o, lse, st_m, st_l, t, w); });
       });
       return;
@@ -169,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
       const bool group = P.Gq > 1;  // per-head dK/dV sums, reduced over the GQA group in head order
       Buf pk(group ? B * Hq * Nk * D : 1), pv(group ? B * Hq * Nk * D : 1);
       dispatch_dim(D, [&](auto kern) {
-        run_tasks(P.units() * nchunk, [&] { return std::make_unique<QState>(P); },
+        run_tasks(qm_tasks(P), [&] { return std::make_unique<QState>(P); },
                   [&](int64_t t, QState& w) { qm_dq_task<scalar_t>(kern, P, in, dq_p, t, w); });
         run_tasks(B * Hq * cdiv(P.nkb, qm_blocks_per_task(P)), [&] { return std::make_unique<KVState>(P); },
                   [&](int64_t t, KVState& w) {

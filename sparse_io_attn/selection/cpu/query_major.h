@@ -13,7 +13,9 @@
 namespace sia {
 namespace sel {
 
-constexpr int64_t QM_TOKENS = 16;        // query tokens per query-major task (and per merge/reduce task)
+constexpr int64_t QM_TOKENS = 16;        // query tokens per merge/reduce task
+constexpr int64_t QM_TILE = 64;          // query tokens per query-major forward/dQ task
+constexpr int64_t QM_KEY_RANGE = 1024;   // keys per forward/dQ sweep (their K, V rows reused from cache)
 constexpr int64_t QM_KEYS = 64;          // keys per dK/dV task (whole blocks, at least one)
 constexpr int64_t QM_TOKEN_TILE = 1024;  // tokens per dK/dV sweep (their q, dO rows reused from cache)
 constexpr int64_t QCH = 64;              // rows per step: dot products, then exponentials, then updates
@@ -32,169 +34,210 @@ static inline const int32_t* group16(const int32_t* idx, int64_t i, int64_t n, i
   return pad;
 }
 
-// The keys query t of selection l may use (ascending block, then key): the row itself for single
-// tokens, else expanded into `buf`.
-struct Keys {
+// The key lists of a tile of tokens [t0, t1) of selection l (each ascending: block, then key; the
+// plan's rows themselves for single tokens, else expanded into `buf`), walked one key range of
+// QM_KEY_RANGE keys at a time: every token of the tile takes its keys inside the range (a cursor
+// per token), so the range's K and V rows are read from memory once per tile and reused from cache
+// by its other tokens. A token's keys are visited in order either way.
+struct TokenTile {
   std::vector<int32_t> buf;
-  const int32_t* idx = nullptr;
-  int64_t n = 0;
-  explicit Keys(const Problem& P) : buf(P.bs > 1 ? P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1)) : 0) {}
-  void gather(const Problem& P, int64_t l, int64_t t) {
-    const int32_t* row = P.rows + (l * P.Nq + t) * P.K;
-    const int64_t cnt = P.counts[l * P.Nq + t], bs = P.bs;
-    const int64_t lim = P.causal ? std::min(P.Nk, t + P.delta + 1) : P.Nk;  // keys [0, lim) allowed
-    if (bs == 1) {
-      int64_t m = cnt;
-      while (m > 0 && row[m - 1] >= lim) --m;
-      idx = row;
-      n = m;
-      return;
+  std::vector<const int32_t*> idx;
+  std::vector<int64_t> n, cur;
+  int64_t tokens = 0, k_end = 0, stride = 0;
+  explicit TokenTile(const Problem& P)
+      : buf(P.bs > 1 ? qm_tile(P) * P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1)) : 0),
+        idx(qm_tile(P)), n(qm_tile(P)), cur(qm_tile(P)), stride(P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1))) {}
+  // tokens per query-major task: 64, fewer where expanded key lists would pass 4 MiB
+  static int64_t qm_tile(const Problem& P) {
+    const int64_t keys = P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1));
+    return P.bs == 1 ? QM_TILE : std::max<int64_t>(1, std::min<int64_t>(QM_TILE, (int64_t(1) << 20) / std::max<int64_t>(keys, 1)));
+  }
+  void build(const Problem& P, int64_t l, int64_t t0, int64_t t1) {
+    tokens = t1 - t0;
+    k_end = 0;
+    for (int64_t i = 0; i < tokens; ++i) {
+      const int64_t t = t0 + i;
+      const int32_t* row = P.rows + (l * P.Nq + t) * P.K;
+      const int64_t cnt = P.counts[l * P.Nq + t], bs = P.bs;
+      const int64_t lim = P.causal ? std::min(P.Nk, t + P.delta + 1) : P.Nk;  // keys [0, lim) allowed
+      int64_t m = 0;
+      if (bs == 1) {
+        m = cnt;
+        while (m > 0 && row[m - 1] >= lim) --m;
+        idx[i] = row;
+      } else {
+        int32_t* out = buf.data() + i * stride;
+        for (int64_t j = 0; j < cnt; ++j) {
+          const int64_t k0 = row[j] * bs, na = std::min(bs, lim - k0);
+          for (int64_t z = 0; z < na; ++z) out[m++] = static_cast<int32_t>(k0 + z);
+        }
+        idx[i] = out;
+      }
+      n[i] = m;
+      cur[i] = 0;
+      if (m > 0) k_end = std::max<int64_t>(k_end, idx[i][m - 1] + 1);
     }
-    n = 0;
-    for (int64_t j = 0; j < cnt; ++j) {
-      const int64_t k0 = row[j] * bs, na = std::min(bs, lim - k0);
-      for (int64_t i = 0; i < na; ++i) buf[n++] = static_cast<int32_t>(k0 + i);
+  }
+  // f(i, j0, nc): token i's keys [j0, j0 + nc) (one range's), ranges ascending, tokens ascending
+  template <typename F>
+  void sweep(F&& f) {
+    for (int64_t k_lo = 0; k_lo < k_end; k_lo += QM_KEY_RANGE) {
+      const int64_t k_hi = k_lo + QM_KEY_RANGE;
+      for (int64_t i = 0; i < tokens; ++i) {
+        int64_t e = cur[i];
+        while (e < n[i] && idx[i][e] < k_hi) ++e;
+        if (e > cur[i]) f(i, cur[i], e - cur[i]);
+        cur[i] = e;
+      }
     }
-    idx = buf.data();
   }
 };
 
 struct QState {
-  Keys keys;
+  TokenTile tile;
   Buf acc;
   std::vector<float> m, l;
-  explicit QState(const Problem& P) : keys(P), acc(P.R * P.D), m(P.R), l(P.R) {}
+  explicit QState(const Problem& P)
+      : tile(P), acc(TokenTile::qm_tile(P) * P.R * P.D), m(TokenTile::qm_tile(P) * P.R), l(m.size()) {}
 };
+
+static inline int64_t qm_tasks(const Problem& P) { return P.units() * cdiv(P.Nq, TokenTile::qm_tile(P)); }
 
 template <typename T, int NC>
 static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, T* out, float* lse, float* st_m,
                         float* st_l, int64_t task, QState& w) {
   using Kn = Kern<NC>;
-  const int64_t nchunk = cdiv(P.Nq, QM_TOKENS);
-  const int64_t u = task / nchunk, t0 = (task % nchunk) * QM_TOKENS, t1 = std::min(P.Nq, t0 + QM_TOKENS);
+  const int64_t TT = TokenTile::qm_tile(P), nchunk = cdiv(P.Nq, TT);
+  const int64_t u = task / nchunk, t0 = (task % nchunk) * TT, t1 = std::min(P.Nq, t0 + TT);
   const int64_t b = P.unit_b(u), kv = P.unit_kv(u), h0 = P.unit_h0(u), l = P.unit_l(u);
   const int64_t R = P.R, D = P.D;
   const float* kb = in.K.at(b, kv, 0);
   const float* vb = in.V.at(b, kv, 0);
   const int64_t ldk = in.K.ld, ldv = in.V.ld;
-  float* acc = w.acc.p;
   alignas(64) float sb[QCH + DOTS];
   int32_t pad[DOTS];
   const Vec vc(P.c2);
-  for (int64_t t = t0; t < t1; ++t) {
-    w.keys.gather(P, l, t);
-    const int64_t n = w.keys.n;
-    const int32_t* ki = w.keys.idx;
-    std::fill(acc, acc + R * D, 0.f);
-    std::fill(w.m.begin(), w.m.end(), NEG_INF);
-    std::fill(w.l.begin(), w.l.end(), 0.f);
-    Kn::prefetch(kb, ldk, ki, std::min(AHEAD, n));
-    Kn::prefetch(vb, ldv, ki, std::min(AHEAD, n));
-    for (int64_t j0 = 0; j0 < n; j0 += QCH) {
-      const int64_t nc = std::min(QCH, n - j0), ncv = round_up(nc, VL);
-      if (j0 + AHEAD < n) {
-        Kn::prefetch(kb, ldk, ki + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
-        Kn::prefetch(vb, ldv, ki + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
+  TokenTile& tile = w.tile;
+  tile.build(P, l, t0, t1);
+  std::fill(w.acc.p, w.acc.p + tile.tokens * R * D, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + tile.tokens * R, NEG_INF);
+  std::fill(w.l.begin(), w.l.begin() + tile.tokens * R, 0.f);
+  tile.sweep([&](int64_t i, int64_t s0, int64_t ns) {
+    const int64_t t = t0 + i, n = tile.n[i];
+    const int32_t* ki = tile.idx[i];
+    Kn::prefetch(kb, ldk, ki + s0, std::min(AHEAD, ns));
+    Kn::prefetch(vb, ldv, ki + s0, std::min(AHEAD, ns));
+    for (int64_t j0 = s0; j0 < s0 + ns; j0 += QCH) {
+      const int64_t nc = std::min(QCH, s0 + ns - j0), ncv = round_up(nc, VL);
+      if (j0 + AHEAD < s0 + ns) {
+        Kn::prefetch(kb, ldk, ki + j0 + AHEAD, std::min(QCH, s0 + ns - j0 - AHEAD));
+        Kn::prefetch(vb, ldv, ki + j0 + AHEAD, std::min(QCH, s0 + ns - j0 - AHEAD));
       }
       for (int64_t r = 0; r < R; ++r) {
         const float* qr = in.Q.at(b, h0 + r, t);
-        for (int64_t i = 0; i < nc; i += DOTS) Kn::dots(qr, kb, ldk, group16(ki, j0 + i, n, pad), D, sb + i);
+        for (int64_t z = 0; z < nc; z += DOTS) Kn::dots(qr, kb, ldk, group16(ki, j0 + z, n, pad), D, sb + z);
         Vec vmax(NEG_INF);
-        for (int64_t i = 0; i < ncv; i += VL) {
-          const Vec x = keep_bits(saturate(Vec::loadu(sb + i) * vc), len_bits(nc - i));
-          x.store(sb + i);
+        for (int64_t z = 0; z < ncv; z += VL) {
+          const Vec x = keep_bits(saturate(Vec::loadu(sb + z) * vc), len_bits(nc - z));
+          x.store(sb + z);
           vmax = at::vec::maximum(vmax, x);
         }
-        const float mo = w.m[r], mn = std::max(mo, hmax(vmax));
-        float* ar = acc + r * D;
+        float& mr = w.m[i * R + r];
+        float& lr = w.l[i * R + r];
+        float* ar = w.acc.p + (i * R + r) * D;
+        const float mo = mr, mn = std::max(mo, hmax(vmax));
         if (mn > mo && mo != NEG_INF) {  // the running maximum grew: rescale
           const float alpha = std::exp2(mo - mn);
-          w.l[r] *= alpha;
+          lr *= alpha;
           scale_row(ar, D, alpha);
         }
         const Vec vm(mn == NEG_INF ? 0.f : mn);
         Vec vsum(0.f);
-        for (int64_t i = 0; i < ncv; i += VL) {
-          const Vec p = vexp2(Vec::loadu(sb + i) - vm);
-          p.store(sb + i);
+        for (int64_t z = 0; z < ncv; z += VL) {
+          const Vec p = vexp2(Vec::loadu(sb + z) - vm);
+          p.store(sb + z);
           vsum = vsum + p;
         }
-        w.l[r] += hsum(vsum);
-        w.m[r] = mn;
+        lr += hsum(vsum);
+        mr = mn;
         Kn::axpy(ar, sb, nc, vb, ldv, ki + j0, D);
       }
     }
+  });
+  for (int64_t i = 0; i < tile.tokens; ++i)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t row = (b * P.Hq + h0 + r) * P.Nq + t;
+      const int64_t row = (b * P.Hq + h0 + r) * P.Nq + t0 + i;
       T* o = out + row * D;
-      const float lsum = w.l[r];
+      const float lsum = w.l[i * R + r], m = w.m[i * R + r];
+      const float* ar = w.acc.p + (i * R + r) * D;
       if (lsum == 0.f) {
         std::fill(o, o + D, static_cast<T>(0.f));
         lse[row] = NEG_INF;
         st_m[row] = POS_INF;
         st_l[row] = 0.f;
       } else {
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] / lsum);
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(ar[d] / lsum);
         const float log2l = std::log2(lsum);
-        lse[row] = (w.m[r] + log2l) * LN2;
-        st_m[row] = w.m[r];
+        lse[row] = (m + log2l) * LN2;
+        st_m[row] = m;
         st_l[row] = log2l;
       }
     }
-  }
 }
 
-// dQ of a chunk of tokens: P and dS recomputed against the gathered keys, dq_r = sum_j dS_rj k_j
+// dQ of a tile of tokens: P and dS recomputed against the gathered keys, dq_r = sum_j dS_rj k_j
 template <typename T, int NC>
 static void qm_dq_task(Kern<NC>, const Problem& P, const Inputs& in, T* dq, int64_t task, QState& w) {
   using Kn = Kern<NC>;
-  const int64_t nchunk = cdiv(P.Nq, QM_TOKENS);
-  const int64_t u = task / nchunk, t0 = (task % nchunk) * QM_TOKENS, t1 = std::min(P.Nq, t0 + QM_TOKENS);
+  const int64_t TT = TokenTile::qm_tile(P), nchunk = cdiv(P.Nq, TT);
+  const int64_t u = task / nchunk, t0 = (task % nchunk) * TT, t1 = std::min(P.Nq, t0 + TT);
   const int64_t b = P.unit_b(u), kv = P.unit_kv(u), h0 = P.unit_h0(u), l = P.unit_l(u);
   const int64_t R = P.R, D = P.D;
   const float* kb = in.K.at(b, kv, 0);
   const float* vb = in.V.at(b, kv, 0);
   const int64_t ldk = in.K.ld, ldv = in.V.ld;
-  float* acc = w.acc.p;
   alignas(64) float sb[QCH + DOTS], pb[QCH + DOTS];
   int32_t pad[DOTS];
   const Vec vc(P.c2);
-  for (int64_t t = t0; t < t1; ++t) {
-    w.keys.gather(P, l, t);
-    const int64_t n = w.keys.n;
-    const int32_t* ki = w.keys.idx;
-    std::fill(acc, acc + R * D, 0.f);
-    Kn::prefetch(kb, ldk, ki, std::min(AHEAD, n));
-    Kn::prefetch(vb, ldv, ki, std::min(AHEAD, n));
-    for (int64_t j0 = 0; j0 < n; j0 += QCH) {
-      const int64_t nc = std::min(QCH, n - j0), ncv = round_up(nc, VL);
-      if (j0 + AHEAD < n) {
-        Kn::prefetch(kb, ldk, ki + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
-        Kn::prefetch(vb, ldv, ki + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
+  TokenTile& tile = w.tile;
+  tile.build(P, l, t0, t1);
+  std::fill(w.acc.p, w.acc.p + tile.tokens * R * D, 0.f);
+  tile.sweep([&](int64_t i, int64_t s0, int64_t ns) {
+    const int64_t t = t0 + i, n = tile.n[i];
+    const int32_t* ki = tile.idx[i];
+    Kn::prefetch(kb, ldk, ki + s0, std::min(AHEAD, ns));
+    Kn::prefetch(vb, ldv, ki + s0, std::min(AHEAD, ns));
+    for (int64_t j0 = s0; j0 < s0 + ns; j0 += QCH) {
+      const int64_t nc = std::min(QCH, s0 + ns - j0), ncv = round_up(nc, VL);
+      if (j0 + AHEAD < s0 + ns) {
+        Kn::prefetch(kb, ldk, ki + j0 + AHEAD, std::min(QCH, s0 + ns - j0 - AHEAD));
+        Kn::prefetch(vb, ldv, ki + j0 + AHEAD, std::min(QCH, s0 + ns - j0 - AHEAD));
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t row = (b * P.Hq + h0 + r) * P.Nq + t;
         const float* qr = in.Q.at(b, h0 + r, t);
         const float* gr = in.dO.at(b, h0 + r, t);
-        for (int64_t i = 0; i < nc; i += DOTS) {
-          const int32_t* g = group16(ki, j0 + i, n, pad);
-          Kn::dots(qr, kb, ldk, g, D, sb + i);
-          Kn::dots(gr, vb, ldv, g, D, pb + i);
+        for (int64_t z = 0; z < nc; z += DOTS) {
+          const int32_t* g = group16(ki, j0 + z, n, pad);
+          Kn::dots(qr, kb, ldk, g, D, sb + z);
+          Kn::dots(gr, vb, ldv, g, D, pb + z);
         }
         const Vec vm(in.st[row * 4]), vl(in.st[row * 4 + 1]), vd(in.st[row * 4 + 2]);
-        for (int64_t i = 0; i < ncv; i += VL) {
-          const Vec x = keep_bits(saturate(Vec::loadu(sb + i) * vc), len_bits(nc - i));
+        for (int64_t z = 0; z < ncv; z += VL) {
+          const Vec x = keep_bits(saturate(Vec::loadu(sb + z) * vc), len_bits(nc - z));
           const Vec p = vexp2((x - vm) - vl);
-          (p * (Vec::loadu(pb + i) - vd)).store(sb + i);
+          (p * (Vec::loadu(pb + z) - vd)).store(sb + z);
         }
-        Kn::axpy(acc + r * D, sb, nc, kb, ldk, ki + j0, D);
+        Kn::axpy(w.acc.p + (i * R + r) * D, sb, nc, kb, ldk, ki + j0, D);
       }
     }
+  });
+  for (int64_t i = 0; i < tile.tokens; ++i)
     for (int64_t r = 0; r < R; ++r) {
-      T* o = dq + ((b * P.Hq + h0 + r) * P.Nq + t) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[r * D + d] * P.sm_scale);
+      T* o = dq + ((b * P.Hq + h0 + r) * P.Nq + t0 + i) * D;
+      const float* ar = w.acc.p + (i * R + r) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(ar[d] * P.sm_scale);
     }
-  }
 }
 
 // dK/dV, one query head at a time (its rows, q and dO, are what the pass gathers: one head's stay
