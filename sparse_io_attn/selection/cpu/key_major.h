@@ -50,6 +50,25 @@ static Chunks make_chunks(const Problem& P, int64_t chunk) {
   return C;
 }
 
+// dst[0..n) = src[0..n): a pair's partial row, read back only by the merge/reduce pass much later,
+// so written around the cache (no read for ownership) where dst is 64-byte aligned
+static inline void store_stream(float* dst, const float* src, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if ((reinterpret_cast<uintptr_t>(dst) & 63) == 0 && n % 16 == 0) {
+    for (int64_t d = 0; d < n; d += 16) _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+// the task's streamed stores, ordered before whatever the pool's barrier publishes
+static inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm_sfence();
+#endif
+}
+
 // One gathered row: query head, token, slot of the pair, keys of the block it may use.
 struct RowRef {
   int64_t h, t, j, na;
@@ -151,11 +170,12 @@ static void km_fwd_task(const Problem& P, const Inputs& in, const float* KT, con
     }
     for (int64_t i = 0; i < tm; ++i) {
       const int64_t slot = ((b * P.Hq + ref[i].h) * P.Nq + ref[i].t) * P.K + ref[i].j;
-      std::memcpy(out.o + slot * D, acc + i * D, D * sizeof(float));
+      store_stream(out.o + slot * D, acc + i * D, D);
       out.m[slot] = mi[i];
       out.l[slot] = li[i];
     }
   }
+  stream_fence();
 }
 
 // out, lse, stats of query rows [t0, t1) of (b, h): the pair partials merged in slot order
@@ -268,9 +288,10 @@ static void km_bwd_task(const Problem& P, const Inputs& in, const KBwd& kb, cons
     }
     for (int64_t i = 0; i < tm; ++i) {
       const int64_t slot = ((b * P.Hq + ref[i].h) * P.Nq + ref[i].t) * P.K + ref[i].j;
-      std::memcpy(kb.dqp + slot * D, dQ + i * D, D * sizeof(float));
+      store_stream(kb.dqp + slot * D, dQ + i * D, D);
     }
   }
+  stream_fence();
   if (C.first[x + 1] - C.first[x] == 1) {
     const int64_t obase = ((b * P.Hkv + kv) * P.Nk + n0) * D;
     for (int64_t i = 0; i < nblk * D; ++i) {

@@ -4,9 +4,10 @@
 // * selection_rows(indices [L, Nq, K], counts [L, Nq]?, num_kv_blocks, block_size, causal_offset?)
 //   -> (rows int32 [L, Nq, K], row_counts int32 [L, Nq]): each row's valid entries (0 <= c < nkb, slot
 //   j < counts, not wholly in the causal future c * block_size <= t + delta), each block once,
-//   ascending, at the front, -1 after. Per row: the valid entries set bits of a bitmap (words spanning
-//   the row's smallest to largest entry), the words are scanned in ascending order and cleared; a row
-//   whose entries spread over many more words than it has entries is sorted instead (same result).
+//   ascending, at the front, -1 after. Per row: the valid entries set bits of a bitmap, the words
+//   they touched are scanned in ascending order and cleared; rows whose allowed blocks span many
+//   more bitmap words than the row has slots (few picks among very many blocks) are sorted instead
+//   (same result).
 // * selection_keys(rows [L, Nq, K], num_kv_blocks) -> (col_ptr int32 [L, nkb + 1] absolute offsets,
 //   col_query int32 [L*Nq*K], col_slot int32 [L*Nq*K]): the key-major view of normalised rows, a
 //   counting sort by (l, c) that keeps the (t, j) order inside each list; the unused capacity after
@@ -86,7 +87,8 @@ std::tuple<at::Tensor, at::Tensor> selection_rows(const at::Tensor& indices, con
   dispatch_index(idx.scalar_type(), [&](auto tag) {
     using index_t = decltype(tag);
     const index_t* src = idx.data_ptr<index_t>();
-    at::parallel_for(0, L * Nq, 256, [&](int64_t lo, int64_t hi) {
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(K, 1));
+    at::parallel_for(0, L * Nq, grain, [&](int64_t lo, int64_t hi) {
       std::vector<uint64_t> bits(static_cast<size_t>(cdiv(std::max<int64_t>(nkb, 1), 64)), 0);
       std::vector<int32_t> vals(static_cast<size_t>(K));
       for (int64_t r = lo; r < hi; ++r) {
@@ -99,33 +101,34 @@ std::tuple<at::Tensor, at::Tensor> selection_rows(const at::Tensor& indices, con
           lim = last < 0 ? 0 : std::min<int64_t>(nkb, last / block_size + 1);
         }
         const index_t* row = src + r * K;
-        int64_t nv = 0, cmin = lim, cmax = -1;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t c = static_cast<int64_t>(row[j]);
-          if (c < 0 || c >= lim) continue;
-          vals[nv++] = static_cast<int32_t>(c);
-          cmin = std::min(cmin, c);
-          cmax = std::max(cmax, c);
-        }
         int32_t* o = out + r * K;
         int64_t m = 0;
-        if (nv > 0) {
-          const int64_t w0 = cmin >> 6, w1 = cmax >> 6;
-          if ((w1 - w0 + 1) > 4 * nv + 16) {  // sparse spread: sort and drop repeats
-            std::sort(vals.begin(), vals.begin() + nv);
-            for (int64_t j = 0; j < nv; ++j)
-              if (m == 0 || vals[j] != o[m - 1]) o[m++] = vals[j];
-          } else {
-            for (int64_t j = 0; j < nv; ++j) bits[vals[j] >> 6] |= uint64_t(1) << (vals[j] & 63);
-            for (int64_t w = w0; w <= w1; ++w) {
-              uint64_t x = bits[w];
-              bits[w] = 0;
-              while (x) {
-                o[m++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(x));
-                x &= x - 1;
-              }
+        if (cdiv(lim, 64) <= 4 * K + 16) {  // few words: set bits, scan the touched words in order
+          int64_t w0 = lim, w1 = -1;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t c = static_cast<int64_t>(row[j]);
+            if (static_cast<uint64_t>(c) >= static_cast<uint64_t>(lim)) continue;  // negative or past lim
+            bits[c >> 6] |= uint64_t(1) << (c & 63);
+            w0 = std::min(w0, c >> 6);
+            w1 = std::max(w1, c >> 6);
+          }
+          for (int64_t w = w0; w <= w1; ++w) {
+            uint64_t x = bits[w];
+            bits[w] = 0;
+            while (x) {
+              o[m++] = static_cast<int32_t>(w * 64 + __builtin_ctzll(x));
+              x &= x - 1;
             }
           }
+        } else {  // blocks spread over many words: sort and drop repeats
+          int64_t nv = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t c = static_cast<int64_t>(row[j]);
+            if (static_cast<uint64_t>(c) < static_cast<uint64_t>(lim)) vals[nv++] = static_cast<int32_t>(c);
+          }
+          std::sort(vals.begin(), vals.begin() + nv);
+          for (int64_t j = 0; j < nv; ++j)
+            if (m == 0 || vals[j] != o[m - 1]) o[m++] = vals[j];
         }
         for (int64_t j = m; j < K; ++j) o[j] = -1;
         oc[r] = static_cast<int32_t>(m);
@@ -163,7 +166,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_keys(const at::Tensor& 
   std::vector<int32_t> cnt(static_cast<size_t>(L * Nq));
   std::vector<int64_t> hist(static_cast<size_t>(NX * nkb), 0);
   std::atomic<int64_t> bad{-1};
-  at::parallel_for(0, NX, 1, [&](int64_t lo, int64_t hi) {
+  const int64_t grain = std::max<int64_t>(1, cdiv(int64_t(1) << 16, TB * std::max<int64_t>(K, 1)));
+  at::parallel_for(0, NX, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t x = lo; x < hi; ++x) {
       const int64_t l = x / nbl, t0 = (x % nbl) * TB, t1 = std::min(Nq, t0 + TB);
       int64_t* h = hist.data() + x * nkb;
@@ -202,7 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_keys(const at::Tensor& 
     }
     ptr[l * (nkb + 1) + nkb] = static_cast<int32_t>(total);
   }
-  at::parallel_for(0, NX, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, NX, grain, [&](int64_t lo, int64_t hi) {
     std::vector<int32_t> pos(static_cast<size_t>(TB));
     for (int64_t x = lo; x < hi; ++x) {
       const int64_t l = x / nbl, t0 = (x % nbl) * TB, t1 = std::min(Nq, t0 + TB);
@@ -231,7 +235,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_keys(const at::Tensor& 
     for (int64_t r = x * CH; r < std::min(L * Nq, (x + 1) * CH); ++r) s += K - cnt[r];
     start[x + 1] = start[x] + s;
   }
-  at::parallel_for(0, nch, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, nch, std::max<int64_t>(1, cdiv(int64_t(1) << 16, CH * std::max<int64_t>(K, 1))),
+                   [&](int64_t lo, int64_t hi) {
     for (int64_t x = lo; x < hi; ++x) {
       int64_t e = total + start[x];
       for (int64_t r = x * CH; r < std::min(L * Nq, (x + 1) * CH); ++r)
