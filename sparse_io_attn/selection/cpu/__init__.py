@@ -19,11 +19,14 @@ How it works (``kernel.cpp``: overview and op registration; ``plan_ops.h``, ``pr
   partial result (row max, row sum, unnormalised output) at the pair's slot and merges a row's slots
   in slot order (ascending block); backward accumulates the block's dK, dV in its task (chunks of a
   block summed in chunk order) and reduces per-pair dQ partials per row in slot order.
-* **Query-major** (small blocks: single tokens, micro-blocks): forward and dQ per (unit, 16 query
-  tokens), a unit being the query heads of one kv head that share a selection (the tile's rows);
-  each token's selected keys are gathered as row pointers and scored 16 at a time. dK/dV per (batch,
-  kv head, run of key blocks) over the (query row, key) pairs of the key lists: each key's gradient
-  is summed by one task, in list order, with no scatter and no accumulator shared between tasks.
+* **Query-major** (small blocks: single tokens, micro-blocks): forward and dQ per (unit, tile of 64
+  query tokens), a unit being the query heads of one kv head that share a selection (the rows);
+  each token's selected keys are addressed by their numbers (for single tokens the plan's rows
+  themselves) and scored 16 at a time, the tile walking its tokens' lists one range of keys at a
+  time so the range's K/V rows are reused from cache. dK/dV per (batch, query head, run of keys)
+  over the key lists, swept in tiles of tokens: each key's gradient is summed by one task, in list
+  order, with no scatter and no accumulator shared between tasks (several query heads per kv head:
+  per-head sums added in head order).
 * Same math as the block-sparse kernel (base-2 scores rounded and saturated before the row maximum is
   subtracted, stats = (m, log2 l), backward recomputes P from them exactly); fp16/bf16 converted to
   fp32 once, fp32 strided views read in place. Deterministic: bitwise identical across runs and

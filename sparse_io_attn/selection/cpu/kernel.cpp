@@ -21,12 +21,18 @@
 //   Forward writes each pair's partial (m, l, O) at its slot (b, h, t, j) and a merge pass combines
 //   a row's slots in slot order (ascending block). Backward accumulates dK, dV of the block in the
 //   task (chunks of one block summed in chunk order), writes each pair's dQ partial at its slot,
-//   and a reduction sums a row's slots in order.
-// * query-major (small blocks, query_major.h): forward and dQ per (unit, 16 tokens): each token's
-//   selected keys are gathered as row pointers and scored 16 at a time (dots.h: 16 dot products with
-//   one fixed reduction tree, so every pass computes bitwise the same scores), the heads of the unit
-//   as the rows; dK/dV per (b, kv head, run of key blocks) over the (row, key) pairs of the key
-//   lists, 16 at a time: every key's gradient is owned by one task, no accumulator is shared.
+//   and a reduction sums a row's slots in order. Partials are written with streaming stores.
+// * query-major (small blocks, query_major.h): forward and dQ per (unit, tile of 64 tokens): each
+//   token's selected keys (int32 key numbers: for single tokens the plan's row itself) are scored 16
+//   at a time (dots.h: 16 dot products with one fixed reduction tree, so every pass computes
+//   bitwise the same scores), the unit's heads as the rows, online softmax in the forward; the tile
+//   walks its tokens' lists one range of 1024 keys at a time so a range's K/V rows are reused from
+//   cache. dK/dV per (b, query head, run of 64 keys) over the key lists (the tokens that chose each
+//   block), swept in tiles of 1024 tokens so a tile's q/dO rows are reused by the run's keys: every
+//   key's gradient is summed by one task in list order, no accumulator is shared; several query
+//   heads per kv head: per-head sums added in head order afterwards. Single-token attention
+//   (DeepSeek's sparse attention) has no dense tile to exploit: these passes are bound by gathering
+//   rows (256 bytes per key per head) and by the FMA rate, not by tile products.
 //
 // Deterministic: every output element is produced by exactly one task (or one ordered reduction)
 // summing in an order fixed by the plan and the shapes; no atomics on data; which thread runs a
