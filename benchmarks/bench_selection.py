@@ -75,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=RESULTS / "selection_attention", help="output stem (.md/.json)")
     args = p.parse_args(argv)
     if args.quick:
-        args.seq_len, args.dsa_seq_len, args.dsa_top_k, args.repeats = 1024, 1024, 128, 1
+        args.seq_len, args.dsa_seq_len, args.dsa_top_k, args.repeats = 512, 512, 64, 1
     return args
 
 
@@ -90,8 +90,9 @@ def _random_earlier(g: torch.Generator, rows: int, blocks: torch.Tensor, k: int,
     for ex in exclude:
         allowed &= col[None, :] != ex[:, None]
     score = torch.where(allowed, score, -1.0)
-    top = score.topk(k, dim=-1)
-    return torch.where(top.values >= 0, top.indices, -1)
+    top = score.topk(min(k, nkb), dim=-1)
+    picked = torch.where(top.values >= 0, top.indices, -1)
+    return torch.nn.functional.pad(picked, (0, k - picked.shape[1]), value=-1)
 
 
 def moba_indices(g, G: int, N: int, block: int, top_k: int) -> torch.Tensor:
@@ -249,7 +250,16 @@ COLUMNS = [("shape", "shape"), ("N", "N"), ("Hkv", "Hkv"), ("G", "G"), ("block",
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    try:
+        run(args)
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+def run(args) -> None:
     selection_cpu.load()   # build (or load) the kernels before anything is timed
     header = machine_header(torch.float32, "cpu")
     header["threads"] = args.threads
@@ -270,7 +280,6 @@ def main(argv=None) -> int:
     header["sgemm_gflops_end"] = round(sgemm_gflops(args.repeats), 1)
     header["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     write_outputs(args.out, header, rows)
-    return 0
 
 
 def write_outputs(stem: Path, header: dict, rows: list) -> None:
