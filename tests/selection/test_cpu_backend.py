@@ -28,7 +28,8 @@ def make_selection(B, G, Nq, Nk, bs, K, *, counts=False, batched=True, empty_row
     nkb = math.ceil(Nk / bs)
     shape = (B, G, Nq, K) if batched else (G, Nq, K)
     idx = torch.randint(-1, nkb, shape)
-    idx[..., 1] = idx[..., 0]                       # a repeat in every row
+    if K > 1:
+        idx[..., 1] = idx[..., 0]                   # a repeat in every row
     for t in empty_rows:
         idx[..., t, :] = -1
     cnt = torch.randint(0, K + 1, shape[:-1]) if counts else None
@@ -73,6 +74,7 @@ CASES = [  # B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, counts, batched
     pytest.param(1, 6, 3, 3, 29, 29, 48, 5, 5, True, True, False, id="block5-G3-ragged"),
     pytest.param(1, 2, 2, 2, 19, 300, 8, 1, 40, None, False, True, id="tokens-long-rows-small-dim"),
     pytest.param(1, 4, 1, 2, 45, 45, 130, 3, 4, True, False, True, id="block3-head-dim-130-generic"),
+    pytest.param(1, 2, 1, 1, 20, 700, 16, 300, 2, "bottom_right", False, False, id="block300-split-key-tiles"),
 ]
 
 
