@@ -214,6 +214,8 @@ def test_family_choice(monkeypatch):
     plan16 = SelectionPlan(make_selection(1, 1, 8, 64, 16, 2), 64, None)
     plan4 = SelectionPlan(make_selection(1, 1, 8, 64, 4, 2), 64, None)
     assert cpu.family(plan16) == "key" and cpu.family(plan4) == "query"
+    big = torch.empty(1, 64, 2 ** 20, 64, device="meta")        # pair partials past 2 GiB: query-major
+    assert cpu.family(plan16, q=big) == "query" and cpu.family(plan16, q=big[:, :, :8]) == "key"
     monkeypatch.setenv(cpu.FAMILY_ENV, "query")
     assert cpu.family(plan16) == "query" and cpu.family(plan16, "key") == "key"
     monkeypatch.setenv(cpu.FAMILY_ENV, "fastest")

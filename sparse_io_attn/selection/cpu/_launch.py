@@ -13,19 +13,28 @@ from sparse_io_attn.selection.plan import SelectionPlan
 #: ``"query"`` (query-major: each token's gathered keys); unset or ``"auto"``: by the block size
 FAMILY_ENV = "SPARSE_IO_ATTN_SELECTION_FAMILY"
 FAMILIES = {"auto": 0, "key": 1, "query": 2}
-#: block sizes from here on run key-major under ``"auto"`` (kernel.cpp's KEY_MAJOR_MIN_BLOCK)
+#: ``"auto"``: key-major from this block size on (problem.h's KEY_MAJOR_MIN_BLOCK) ...
 KEY_MAJOR_MIN_BLOCK = 16
+#: ... while its per-pair partial results ([B, Hq, Nq, K] x (D + 2) fp32) fit this (MAX_PARTIAL_BYTES)
+MAX_PARTIAL_BYTES = 2 << 30
 
 
-def family(plan: SelectionPlan, name: str | None = None) -> str:
-    """The family a call runs: ``name``, else ``$SPARSE_IO_ATTN_SELECTION_FAMILY``, else by block size."""
+def family(plan: SelectionPlan, name: str | None = None, q: torch.Tensor | None = None) -> str:
+    """The family a call runs: ``name``, else ``$SPARSE_IO_ATTN_SELECTION_FAMILY``, else key-major for
+    blocks of 16 keys and more (when ``q`` is given: and pair partials within 2 GiB), query-major otherwise."""
     name = name if name is not None else os.environ.get(FAMILY_ENV, "auto") or "auto"
     if name not in FAMILIES:
         raise ValueError(f"selection kernel family must be one of {tuple(FAMILIES)}, got {name!r} "
-                         f"(argument family= or ${FAMILY_ENV})")
-    if name == "auto":
-        return "key" if plan.block_size >= KEY_MAJOR_MIN_BLOCK else "query"
-    return name
+                         f"(argument family_name= or ${FAMILY_ENV})")
+    if name != "auto":
+        return name
+    if plan.block_size < KEY_MAJOR_MIN_BLOCK:
+        return "query"
+    if q is not None:
+        B, Hq, Nq, D = q.shape
+        if B * Hq * Nq * plan.max_blocks * (D + 2) * 4 > MAX_PARTIAL_BYTES:
+            return "query"
+    return "key"
 
 
 def _check_cpu(plan: SelectionPlan, *tensors: torch.Tensor) -> None:
@@ -48,7 +57,7 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, family_name: str |
     """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``."""
     _check_cpu(plan, q, k, v)
     ops = load()
-    fam = family(plan, family_name)
+    fam = family(plan, family_name, q)
     tensors, ints = _plan_args(plan, q, k, lists=fam == "key")
     return ops.selection_fwd(q, k, v, *tensors, *ints, float(sm_scale), FAMILIES[fam])
 
@@ -57,7 +66,7 @@ def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, f
     """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
     _check_cpu(plan, do, q, k, v, out, stats)
     ops = load()
-    fam = family(plan, family_name)
+    fam = family(plan, family_name, q)
     tensors, ints = _plan_args(plan, q, k, lists=True)
     return ops.selection_bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), stats.to(torch.float32), *tensors, *ints,
                              float(sm_scale), FAMILIES[fam])

@@ -27,10 +27,10 @@
 //   at a time (dots.h: 16 dot products with one fixed reduction tree, so every pass computes
 //   bitwise the same scores), the unit's heads as the rows, online softmax in the forward; the tile
 //   walks its tokens' lists one range of 1024 keys at a time so a range's K/V rows are reused from
-//   cache. dK/dV per (b, query head, run of 64 keys) over the key lists (the tokens that chose each
-//   block), swept in tiles of 1024 tokens so a tile's q/dO rows are reused by the run's keys: every
-//   key's gradient is summed by one task in list order, no accumulator is shared; several query
-//   heads per kv head: per-head sums added in head order afterwards. Single-token attention
+//   cache. dK/dV per (b, kv head, run of 64 keys) over the key lists (the tokens that chose each
+//   block), one query head at a time, swept in tiles of 1024 tokens so a tile's q/dO rows are
+//   reused by the run's keys: every key's gradient is summed by one task (heads in order, then
+//   tokens in list order), no accumulator is shared. Single-token attention
 //   (DeepSeek's sparse attention) has no dense tile to exploit: these passes are bound by gathering
 //   rows (256 bytes per key per head) and by the FMA rate, not by tile products.
 //
@@ -86,7 +86,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_fwd(
     const std::optional<at::Tensor>& col_slot, int64_t block_size, int64_t stride_lb, int64_t heads_per_selection,
     std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
   check_qkv(q, k, v);
-  const bool key_major = family == KEY_MAJOR || (family == AUTO && block_size >= KEY_MAJOR_MIN_BLOCK);
+  const bool key_major = family == KEY_MAJOR ||
+                         (family == AUTO && rows.dim() == 3 &&
+                          key_major_by_default(block_size, q.size(0), q.size(1), q.size(2), rows.size(2), q.size(3)));
   const Problem P = make_problem(q, k, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
                                  heads_per_selection, causal_offset, sm_scale, family, key_major);
   auto out = at::empty({P.B, P.Hq, P.Nq, P.D}, q.options());
@@ -172,19 +174,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
     scalar_t* dk_p = dk.data_ptr<scalar_t>();
     scalar_t* dv_p = dv.data_ptr<scalar_t>();
     if (P.family == QUERY_MAJOR) {
-      const bool group = P.Gq > 1;  // per-head dK/dV sums, reduced over the GQA group in head order
-      Buf pk(group ? B * Hq * Nk * D : 1), pv(group ? B * Hq * Nk * D : 1);
       dispatch_dim(D, [&](auto kern) {
         run_tasks(qm_tasks(P), [&] { return std::make_unique<QState>(P); },
                   [&](int64_t t, QState& w) { qm_dq_task<scalar_t>(kern, P, in, dq_p, t, w); });
-        run_tasks(B * Hq * cdiv(P.nkb, qm_blocks_per_task(P)), [&] { return std::make_unique<KVState>(P); },
-                  [&](int64_t t, KVState& w) {
-                    qm_dkv_task<scalar_t>(kern, P, in, dk_p, dv_p, group ? pk.p : nullptr, group ? pv.p : nullptr, t, w);
-                  });
+        run_tasks(B * Hkv * cdiv(P.nkb, qm_blocks_per_task(P)), [&] { return std::make_unique<KVState>(P); },
+                  [&](int64_t t, KVState& w) { qm_dkv_task<scalar_t>(kern, P, in, dk_p, dv_p, t, w); });
       });
-      if (group)
-        run_tasks(B * Hkv * cdiv(Nk, QM_KEYS), [&] { return std::make_unique<Buf>(QM_KEYS * D); },
-                  [&](int64_t t, Buf& w) { qm_dkv_reduce<scalar_t>(P, pk.p, pv.p, dk_p, dv_p, t, w); });
       return;
     }
     Buf kt(B * Hkv * P.nkb * D * P.bs), vt(B * Hkv * P.nkb * D * P.bs);

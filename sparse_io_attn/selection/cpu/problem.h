@@ -7,9 +7,16 @@
 namespace sia {
 namespace sel {
 
-// Which kernel family runs (the raw ops' `family` argument): chosen by the block size unless forced.
+// Which kernel family runs (the raw ops' `family` argument): unless forced, key-major for blocks of
+// KEY_MAJOR_MIN_BLOCK keys and more whose pair partials ([B, Hq, Nq, K] x (D + 2) floats) fit
+// MAX_PARTIAL_BYTES, else query-major (selection/cpu/_launch.py applies the same rule).
 enum Family : int64_t { AUTO = 0, KEY_MAJOR = 1, QUERY_MAJOR = 2 };
-constexpr int64_t KEY_MAJOR_MIN_BLOCK = 16;  // block sizes from here on run key-major
+constexpr int64_t KEY_MAJOR_MIN_BLOCK = 16;
+constexpr int64_t MAX_PARTIAL_BYTES = int64_t(2) << 30;
+
+static bool key_major_by_default(int64_t bs, int64_t B, int64_t Hq, int64_t Nq, int64_t K, int64_t D) {
+  return bs >= KEY_MAJOR_MIN_BLOCK && B * Hq * Nq * K * (D + 2) * int64_t(sizeof(float)) <= MAX_PARTIAL_BYTES;
+}
 
 struct Problem {
   int64_t B, Hq, Hkv, Nq, Nk, D;
@@ -84,7 +91,6 @@ static Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::
   P.nkb = cdiv(P.Nk, P.bs);
   TORCH_CHECK(family >= 0 && family <= 2, "sparse_io_attn cpu: family must be 0 (auto), 1 (key-major) or 2 ",
               "(query-major), got ", family);
-  P.family = family == AUTO ? (P.bs >= KEY_MAJOR_MIN_BLOCK ? KEY_MAJOR : QUERY_MAJOR) : static_cast<Family>(family);
   check_index(rows, "rows");
   check_index(row_counts, "row_counts");
   TORCH_CHECK(rows.dim() == 3 && rows.size(1) == P.Nq && row_counts.dim() == 2 &&
@@ -93,6 +99,8 @@ static Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::
               rows.sizes(), " and ", row_counts.sizes());
   P.L = rows.size(0);
   P.K = rows.size(2);
+  P.family = family != AUTO ? static_cast<Family>(family)
+             : key_major_by_default(P.bs, P.B, P.Hq, P.Nq, P.K, P.D) ? KEY_MAJOR : QUERY_MAJOR;
   TORCH_CHECK(P.L >= 1, "sparse_io_attn cpu: the plan holds no selection");
   const int64_t hps = heads_per_selection;
   TORCH_CHECK(hps >= 1 && P.Hq % hps == 0 && (P.Gq % hps == 0 || hps % P.Gq == 0),

@@ -240,15 +240,14 @@ static void qm_dq_task(Kern<NC>, const Problem& P, const Inputs& in, T* dq, int6
     }
 }
 
-// dK/dV, one query head at a time (its rows, q and dO, are what the pass gathers: one head's stay
-// in cache where a whole GQA group's would not): a task per (b, query head h, run of key blocks,
-// QM_KEYS keys). Key n0 + i of block c is used by the tokens of h's selection that chose c (the key
-// list, ascending) from the first one allowed to use it on: a suffix of the list. The task sweeps
-// the tokens in tiles of QM_TOKEN_TILE: in each tile every key of the run takes its tokens there
-// (QCH at a time: dot products with the key, P and dS, then dK += dS q, dV += P dO), so a tile's q
-// and dO rows come from memory once and are reused from cache by the run's other keys. Each key
-// sums over its tokens in list order either way. With several query heads per kv head the per-head
-// sums go to fp32 buffers and qm_dkv_reduce adds them in head order.
+// dK/dV: a task per (b, kv head, run of key blocks, QM_KEYS keys), walking the kv head's query
+// heads one at a time (the rows this pass gathers, q and dO, of one head at a time). For head h, key
+// n0 + i of block c is used by the tokens of h's selection that chose c (the key list, ascending)
+// from the first one allowed to use it on: a suffix of the list. The task sweeps the tokens in
+// tiles of QM_TOKEN_TILE: in each tile every key of the run takes its tokens there (QCH at a time:
+// dot products with the key, P and dS, then dK += dS q, dV += P dO), so a tile's q and dO rows come
+// from memory once and are reused from cache by the run's other keys. Each key sums over heads in
+// order, then its tokens in list order, whatever the tiling.
 struct KeyCursor {
   const int32_t* t;  // the key's tokens (a suffix of its block's list)
   int64_t n, cur;
@@ -278,108 +277,86 @@ static inline void row_stats(const float* st, const int32_t* t, float* m, float*
 #endif
 }
 
-// dk, dv: the outputs ([B, Hkv, Nk, D], scaled, in T) when one query head uses each kv head, else
-// fp32 [B, Hq, Nk, D] per-head sums (unscaled), reduced by qm_dkv_reduce.
 template <typename T, int NC>
-static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* dv, float* pk, float* pv,
-                        int64_t task, KVState& w) {
+static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* dv, int64_t task, KVState& w) {
   using Kn = Kern<NC>;
   const int64_t cpt = qm_blocks_per_task(P), ntask_c = cdiv(P.nkb, cpt);
-  const int64_t bh = task / ntask_c, c_lo = (task % ntask_c) * cpt, c_hi = std::min(P.nkb, c_lo + cpt);
-  const int64_t b = bh / P.Hq, h = bh % P.Hq, kv = h / P.Gq, l = b * P.slb + h / P.hps, D = P.D;
+  const int64_t bk = task / ntask_c, c_lo = (task % ntask_c) * cpt, c_hi = std::min(P.nkb, c_lo + cpt);
+  const int64_t b = bk / P.Hkv, kv = bk % P.Hkv, D = P.D;
   const int64_t n0 = c_lo * P.bs, nkeys = std::min(c_hi * P.bs, P.Nk) - n0;
   const Vec vc(P.c2);
   alignas(64) float sb[QCH + DOTS], pb[QCH + DOTS], ms[QCH + DOTS], ls[QCH + DOTS], ds[QCH + DOTS];
   int32_t pad[DOTS];
-  const float* qh = in.Q.at(b, h, 0);
-  const float* gh = in.dO.at(b, h, 0);
-  const int64_t ldq = in.Q.ld, ldg = in.dO.ld;
-  const float* sth = in.st + (b * P.Hq + h) * P.Nq * 4;
-  w.keys.clear();
-  int64_t t_first = P.Nq;
-  for (int64_t c = c_lo; c < c_hi; ++c) {
-    const int32_t* ptr = P.col_ptr + l * (P.nkb + 1) + c;
-    const int32_t* tl = P.col_query + ptr[0];
-    const int64_t len = ptr[1] - ptr[0], nblk = std::min(P.bs, P.Nk - c * P.bs);
-    int64_t first = 0;
-    for (int64_t key = 0; key < nblk; ++key) {
-      while (first < len && P.allowed(tl[first], c) <= key) ++first;  // tokens ascending: a prefix
-      w.keys.push_back(KeyCursor{tl + first, len - first, 0});
-      if (first < len) t_first = std::min<int64_t>(t_first, tl[first]);
-    }
-  }
   float* acc = w.acc.p;
   std::fill(acc, acc + nkeys * 2 * D, 0.f);
-  for (int64_t tc = t_first; tc < P.Nq; tc += QM_TOKEN_TILE) {
-    const int64_t t_end = tc + QM_TOKEN_TILE;
-    for (int64_t key = 0; key < nkeys; ++key) {
-      KeyCursor& kc = w.keys[key];
-      int64_t end = kc.cur;
-      while (end < kc.n && kc.t[end] < t_end) ++end;
-      const int32_t* ti = kc.t + kc.cur;
-      const int64_t n = end - kc.cur;
-      kc.cur = end;
-      if (n == 0) continue;
-      const float* kr = in.K.at(b, kv, n0 + key);
-      const float* vr = in.V.at(b, kv, n0 + key);
-      float* dkr = acc + key * 2 * D;
-      float* dvr = dkr + D;
-      Kn::prefetch(qh, ldq, ti, std::min(AHEAD, n));
-      Kn::prefetch(gh, ldg, ti, std::min(AHEAD, n));
-      for (int64_t i0 = 0; i0 < n; i0 += QCH) {
-        const int64_t nc = std::min(QCH, n - i0), ncv = round_up(nc, VL);
-        if (i0 + AHEAD < n) {
-          Kn::prefetch(qh, ldq, ti + i0 + AHEAD, std::min(QCH, n - i0 - AHEAD));
-          Kn::prefetch(gh, ldg, ti + i0 + AHEAD, std::min(QCH, n - i0 - AHEAD));
+  for (int64_t h = kv * P.Gq; h < (kv + 1) * P.Gq; ++h) {
+    const int64_t l = b * P.slb + h / P.hps;
+    const float* qh = in.Q.at(b, h, 0);
+    const float* gh = in.dO.at(b, h, 0);
+    const int64_t ldq = in.Q.ld, ldg = in.dO.ld;
+    const float* sth = in.st + (b * P.Hq + h) * P.Nq * 4;
+    w.keys.clear();
+    int64_t t_first = P.Nq;
+    for (int64_t c = c_lo; c < c_hi; ++c) {
+      const int32_t* ptr = P.col_ptr + l * (P.nkb + 1) + c;
+      const int32_t* tl = P.col_query + ptr[0];
+      const int64_t len = ptr[1] - ptr[0], nblk = std::min(P.bs, P.Nk - c * P.bs);
+      int64_t first = 0;
+      for (int64_t key = 0; key < nblk; ++key) {
+        while (first < len && P.allowed(tl[first], c) <= key) ++first;  // tokens ascending: a prefix
+        w.keys.push_back(KeyCursor{tl + first, len - first, 0});
+        if (first < len) t_first = std::min<int64_t>(t_first, tl[first]);
+      }
+    }
+    for (int64_t tc = t_first; tc < P.Nq; tc += QM_TOKEN_TILE) {
+      const int64_t t_end = tc + QM_TOKEN_TILE;
+      for (int64_t key = 0; key < nkeys; ++key) {
+        KeyCursor& kc = w.keys[key];
+        int64_t end = kc.cur;
+        while (end < kc.n && kc.t[end] < t_end) ++end;
+        const int32_t* ti = kc.t + kc.cur;
+        const int64_t n = end - kc.cur;
+        kc.cur = end;
+        if (n == 0) continue;
+        const float* kr = in.K.at(b, kv, n0 + key);
+        const float* vr = in.V.at(b, kv, n0 + key);
+        float* dkr = acc + key * 2 * D;
+        float* dvr = dkr + D;
+        Kn::prefetch(qh, ldq, ti, std::min(AHEAD, n));
+        Kn::prefetch(gh, ldg, ti, std::min(AHEAD, n));
+        for (int64_t i0 = 0; i0 < n; i0 += QCH) {
+          const int64_t nc = std::min(QCH, n - i0), ncv = round_up(nc, VL);
+          if (i0 + AHEAD < n) {
+            Kn::prefetch(qh, ldq, ti + i0 + AHEAD, std::min(QCH, n - i0 - AHEAD));
+            Kn::prefetch(gh, ldg, ti + i0 + AHEAD, std::min(QCH, n - i0 - AHEAD));
+          }
+          for (int64_t i = 0; i < nc; i += DOTS) {
+            const int32_t* g = group16(ti, i0 + i, n, pad);
+            Kn::dots(kr, qh, ldq, g, D, sb + i);
+            Kn::dots(vr, gh, ldg, g, D, pb + i);
+            row_stats(sth, g, ms + i, ls + i, ds + i);
+          }
+          for (int64_t i = 0; i < ncv; i += VL) {  // P and dS, the forward's arithmetic
+            const Vec xv = saturate(Vec::loadu(sb + i) * vc);
+            const Vec p = vexp2((xv - Vec::loadu(ms + i)) - Vec::loadu(ls + i));
+            (p * (Vec::loadu(pb + i) - Vec::loadu(ds + i))).store(pb + i);
+            p.store(sb + i);
+          }
+          Kn::axpy(dkr, pb, nc, qh, ldq, ti + i0, D);
+          Kn::axpy(dvr, sb, nc, gh, ldg, ti + i0, D);
         }
-        for (int64_t i = 0; i < nc; i += DOTS) {
-          const int32_t* g = group16(ti, i0 + i, n, pad);
-          Kn::dots(kr, qh, ldq, g, D, sb + i);
-          Kn::dots(vr, gh, ldg, g, D, pb + i);
-          row_stats(sth, g, ms + i, ls + i, ds + i);
-        }
-        for (int64_t i = 0; i < ncv; i += VL) {  // P and dS, the forward's arithmetic
-          const Vec xv = saturate(Vec::loadu(sb + i) * vc);
-          const Vec p = vexp2((xv - Vec::loadu(ms + i)) - Vec::loadu(ls + i));
-          (p * (Vec::loadu(pb + i) - Vec::loadu(ds + i))).store(pb + i);
-          p.store(sb + i);
-        }
-        Kn::axpy(dkr, pb, nc, qh, ldq, ti + i0, D);
-        Kn::axpy(dvr, sb, nc, gh, ldg, ti + i0, D);
       }
     }
   }
   for (int64_t key = 0; key < nkeys; ++key) {
     const float* dkr = acc + key * 2 * D;
     const float* dvr = dkr + D;
-    if (pk == nullptr) {
-      T* okr = dk + ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
-      T* ovr = dv + ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        okr[d] = static_cast<T>(dkr[d] * P.sm_scale);
-        ovr[d] = static_cast<T>(dvr[d]);
-      }
-    } else {
-      std::memcpy(pk + ((b * P.Hq + h) * P.Nk + n0 + key) * D, dkr, D * sizeof(float));
-      std::memcpy(pv + ((b * P.Hq + h) * P.Nk + n0 + key) * D, dvr, D * sizeof(float));
+    T* okr = dk + ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
+    T* ovr = dv + ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      okr[d] = static_cast<T>(dkr[d] * P.sm_scale);
+      ovr[d] = static_cast<T>(dvr[d]);
     }
-  }
-}
-
-// dK, dV of QM_KEYS keys of (b, kv head): the per-head sums added in head order
-template <typename T>
-static void qm_dkv_reduce(const Problem& P, const float* pk, const float* pv, T* dk, T* dv, int64_t task,
-                          Buf& acc) {
-  const int64_t nt = cdiv(P.Nk, QM_KEYS);
-  const int64_t bk = task / nt, k0 = (task % nt) * QM_KEYS, k1 = std::min(P.Nk, k0 + QM_KEYS);
-  const int64_t b = bk / P.Hkv, kv = bk % P.Hkv, D = P.D, n = (k1 - k0) * D;
-  for (int64_t which = 0; which < 2; ++which) {
-    const float* src = which == 0 ? pk : pv;
-    std::memcpy(acc.p, src + ((b * P.Hq + kv * P.Gq) * P.Nk + k0) * D, n * sizeof(float));
-    for (int64_t j = 1; j < P.Gq; ++j) add_row(acc.p, src + ((b * P.Hq + kv * P.Gq + j) * P.Nk + k0) * D, n);
-    T* o = (which == 0 ? dk : dv) + (bk * P.Nk + k0) * D;
-    const float sc = which == 0 ? P.sm_scale : 1.f;
-    for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(acc.p[i] * sc);
   }
 }
 
