@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", default="2,8", help="comma-separated Hkv values (default 2,8)")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--shapes", default=",".join(SHAPES))
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds after one warm-up round")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds after one warm-up round")
     p.add_argument("--quick", action="store_true", help="small shapes and one round: a smoke run")
     p.add_argument("--out", type=Path, default=RESULTS / "selection_attention", help="output stem (.md/.json)")
     args = p.parse_args(argv)
@@ -291,6 +291,18 @@ def write_outputs(stem: Path, header: dict, rows: list) -> None:
           f"{header['load_avg_at_start']}, at end {header['load_avg_at_end']}.", "",
           format_table(rows, COLUMNS), "",
           "Targets:", ""] + [f"- {r['shape']} Hkv={r['Hkv']}: {r['targets']}" for r in rows] + [
+          "", "Notes:", "",
+          "- `plan ms`: the selection's plan from the raw indices (normalised rows and key lists, the C++ ops "
+          "`selection_rows`/`selection_keys`), timed apart; the attention timings reuse one plan, as the "
+          "block-sparse timings reuse one layout and its schedule.",
+          "- MoBA and NSA run the key-major kernels (gathered query rows per 64-key block, brgemm tiles); "
+          "their extra cost over block-sparse is the per-pair partial results (forward) and dQ partials "
+          "(backward) written and merged in slot order.",
+          "- DSA runs the query-major kernels (single tokens: no dense tile to exploit); every kept pair "
+          "gathers a 256-byte K/V (or q/dO) row and costs 36 fused multiply-adds of 16 lanes over forward "
+          "and backward, so its GFLOP/s sit well below the matmul rate by construction.",
+          "- The machine is shared: compare the ratios (same rounds, interleaved), not the absolute times; the "
+          "load average and the matmul rate at start and end say how busy it was.",
           "", "Produced by `python benchmarks/bench_selection.py` (see its docstring for the shapes, the "
           "selections and the baselines)."]
     stem.with_suffix(".md").write_text("\n".join(md) + "\n")
