@@ -41,7 +41,7 @@ import torch
 HERE = Path(__file__).parent
 PACKAGE = HERE.parent
 #: one translation unit per op, registering its ops with TORCH_LIBRARY_FRAGMENT in NAMESPACE
-SOURCES = (PACKAGE / "block_sparse" / "cpu" / "kernel.cpp",)
+SOURCES = (PACKAGE / "block_sparse" / "cpu" / "kernel.cpp", PACKAGE / "selection" / "cpu" / "kernel.cpp")
 
 
 def included_headers(sources=SOURCES) -> tuple[Path, ...]:
@@ -163,6 +163,30 @@ def _problem() -> str | None:
     return None
 
 
+def _translation_units(build_dir: str) -> list[str]:
+    """One file per source in the build directory, named after the source's folder
+    (``block_sparse_cpu_kernel.cpp``: torch's builder names each object after its source's file name,
+    and every op folder's source is ``kernel.cpp``), holding ``#include "<the source's path>"`` so
+    that the source's own quoted includes still resolve beside it. Replaced (atomically: another
+    process may be compiling it) only when it changes, as ninja rebuilds what is newer than its object."""
+    units = []
+    for path in SOURCES:
+        unit = os.path.join(build_dir, "_".join(path.relative_to(PACKAGE).parts))
+        text = f'#include "{path.resolve()}"\n'
+        try:
+            with open(unit) as f:
+                same = f.read() == text
+        except OSError:
+            same = False
+        if not same:
+            tmp = f"{unit}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, unit)
+        units.append(unit)
+    return units
+
+
 def _build():
     from torch.utils import cpp_extension
 
@@ -171,7 +195,7 @@ def _build():
     if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
         print(f"sparse_io_attn: compiling the CPU attention kernel (first use with this torch/CPU; "
               f"about a minute) into {build_dir}", file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=[str(path) for path in SOURCES], extra_cflags=_cflags(),
+    cpp_extension.load(name=name, sources=_translation_units(build_dir), extra_cflags=_cflags(),
                        extra_include_paths=[str(HERE)],
                        extra_ldflags=(["-fopenmp"] if _openmp() else []) + _sanitize_flags(),
                        is_python_module=False, verbose=False)

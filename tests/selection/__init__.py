@@ -1,2 +1,2 @@
-"""A package, so that its test modules may share basenames with those of tests/block_sparse/
-(test_correctness.py, test_bad_input.py, test_torch_path.py) in one pytest session."""
+"""Per-token selection tests: a package, so that module names here (test_correctness.py,
+test_bad_input.py, test_cpu_backend.py, ...) may repeat those of other test folders in one session."""

@@ -1,0 +1,72 @@
+"""Host side of backend ``"cpu"`` for :func:`~sparse_io_attn.selection_attention`: the plan's tensors
+in, the C++ ops (:mod:`sparse_io_attn._cpu.build`) called."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sparse_io_attn._cpu.build import load
+from sparse_io_attn.selection.plan import SelectionPlan
+
+#: which kernel family runs: ``"key"`` (key-major: gathered queries per key block, dense tiles) or
+#: ``"query"`` (query-major: each token's gathered keys); unset or ``"auto"``: by the block size
+FAMILY_ENV = "SPARSE_IO_ATTN_SELECTION_FAMILY"
+FAMILIES = {"auto": 0, "key": 1, "query": 2}
+#: ``"auto"``: key-major from this block size on (problem.h's KEY_MAJOR_MIN_BLOCK) ...
+KEY_MAJOR_MIN_BLOCK = 16
+#: ... while its per-pair partial results ([B, Hq, Nq, K] x (D + 2) fp32) fit this (MAX_PARTIAL_BYTES)
+MAX_PARTIAL_BYTES = 2 << 30
+
+
+def family(plan: SelectionPlan, name: str | None = None, q: torch.Tensor | None = None) -> str:
+    """The family a call runs: ``name``, else ``$SPARSE_IO_ATTN_SELECTION_FAMILY``, else key-major for
+    blocks of 16 keys and more (when ``q`` is given: and pair partials within 2 GiB), query-major otherwise."""
+    name = name if name is not None else os.environ.get(FAMILY_ENV, "auto") or "auto"
+    if name not in FAMILIES:
+        raise ValueError(f"selection kernel family must be one of {tuple(FAMILIES)}, got {name!r} "
+                         f"(argument family_name= or ${FAMILY_ENV})")
+    if name != "auto":
+        return name
+    if plan.block_size < KEY_MAJOR_MIN_BLOCK:
+        return "query"
+    if q is not None:
+        B, Hq, Nq, D = q.shape
+        if B * Hq * Nq * plan.max_blocks * (D + 2) * 4 > MAX_PARTIAL_BYTES:
+            return "query"
+    return "key"
+
+
+def _check_cpu(plan: SelectionPlan, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"backend 'cpu' runs on CPU tensors, got a tensor on {t.device}; use "
+                             f"backend='auto' or 'triton' for CUDA tensors")
+    if plan.device.type != "cpu":
+        raise ValueError(f"backend 'cpu' needs a plan on the CPU, got one on {plan.device}")
+
+
+def _plan_args(plan: SelectionPlan, q: torch.Tensor, k: torch.Tensor, lists: bool) -> tuple:
+    head_map = plan.head_map(q.shape[0], q.shape[1], k.shape[1])
+    keys = plan.keys() if lists else (None, None, None)
+    return (plan.rows, plan.row_counts, *keys), (plan.block_size, head_map.stride_lb, head_map.heads_per_selection,
+                                                 plan.causal_offset)
+
+
+def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
+    """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``."""
+    _check_cpu(plan, q, k, v)
+    ops = load()
+    fam = family(plan, family_name, q)
+    tensors, ints = _plan_args(plan, q, k, lists=fam == "key")
+    return ops.selection_fwd(q, k, v, *tensors, *ints, float(sm_scale), FAMILIES[fam])
+
+
+def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
+    """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
+    _check_cpu(plan, do, q, k, v, out, stats)
+    ops = load()
+    fam = family(plan, family_name, q)
+    tensors, ints = _plan_args(plan, q, k, lists=True)
+    return ops.selection_bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), stats.to(torch.float32), *tensors, *ints,
+                             float(sm_scale), FAMILIES[fam])

@@ -1,0 +1,230 @@
+// Backend "cpu" of selection_attention: per-query-token selections, forward and deterministic
+// backward, and the plan's normalisations (selection_rows, selection_keys).
+//
+// One translation unit (this file and the headers plan_ops.h, problem.h, dots.h, query_major.h,
+// key_major.h, with the shared simd.h and tiles.h of sparse_io_attn/_cpu/), built into the library's
+// one extension by sparse_io_attn/_cpu/build.py and registered in the namespace `sparse_io_attn_cpu`.
+//
+// Math: the block-sparse kernel's (block_sparse/cpu/kernel.cpp): scores in base 2, t = fl(c s) with
+// c = sm_scale * log2(e), saturated to the finite fp32 range; stats = (row maximum m of those t, log2
+// of the row sum); backward recomputes P = exp2((t - m) - log2 l) with the forward's operations
+// (-ffp-contract=off), dS = P (dP - delta), delta = rowsum(dO * O).
+//
+// The plan (selection/plan.py) gives each selection's normalised rows (blocks ascending, unique,
+// causally alive) and the key-major lists (per key block, the tokens that chose it, ascending, with
+// their slot). A "unit" is (b, kv head, selection): the query heads of one kv head that share a
+// selection (G <= Hkv: the whole GQA group; G = Hq: one head), R rows per token.
+//
+// Two kernel families (the raw ops' `family`: 0 = by block size, 1 = key-major, 2 = query-major):
+// * key-major (block_size >= 16, key_major.h): a task per (b, kv head, key block, fixed-size chunk
+//   of its gathered query rows); dense brgemm tiles of up to 64 gathered rows against the block.
+//   Forward writes each pair's partial (m, l, O) at its slot (b, h, t, j) and a merge pass combines
+//   a row's slots in slot order (ascending block). Backward accumulates dK, dV of the block in the
+//   task (chunks of one block summed in chunk order), writes each pair's dQ partial at its slot,
+//   and a reduction sums a row's slots in order. Partials are written with streaming stores.
+// * query-major (small blocks, query_major.h): forward and dQ per (unit, tile of 64 tokens): each
+//   token's selected keys (int32 key numbers: for single tokens the plan's row itself) are scored 16
+//   at a time (dots.h: 16 dot products with one fixed reduction tree, so every pass computes
+//   bitwise the same scores), the unit's heads as the rows, online softmax in the forward; the tile
+//   walks its tokens' lists one range of 1024 keys at a time so a range's K/V rows are reused from
+//   cache. dK/dV per (b, kv head, run of 64 keys) over the key lists (the tokens that chose each
+//   block), one query head at a time, swept in tiles of 1024 tokens so a tile's q/dO rows are
+//   reused by the run's keys: every key's gradient is summed by one task (heads in order, then
+//   tokens in list order), no accumulator is shared. Single-token attention
+//   (DeepSeek's sparse attention) has no dense tile to exploit: these passes are bound by gathering
+//   rows (256 bytes per key per head) and by the FMA rate, not by tile products.
+//
+// Deterministic: every output element is produced by exactly one task (or one ordered reduction)
+// summing in an order fixed by the plan and the shapes; no atomics on data; which thread runs a
+// task does not change what it computes: bitwise identical across runs and thread counts.
+// Inputs of any dtype and strides: fp32 with a contiguous head dim is read in place, anything else
+// packed once to fp32; results are rounded once to the input dtype.
+//
+// The raw ops check every input (shapes, dtypes, the plan's rows and key lists: ranges, order,
+// consistency) before any work and raise RuntimeError: nothing reads or writes outside its tensors.
+
+#include "key_major.h"
+#include "plan_ops.h"
+
+namespace sia {
+namespace sel {
+
+static void run_forward(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        at::Tensor& out, float* lse, float* st_m, float* st_l) {
+  Inputs in;
+  std::unique_ptr<Buf> q_store, k_store, v_store;
+  in.Q = as_rows(q, P.Nq, q_store);
+  in.K = as_rows(k, P.Nk, k_store);
+  in.V = as_rows(v, P.Nk, v_store);
+  const int64_t nchunk = cdiv(P.Nq, QM_TOKENS);
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* o = out.data_ptr<scalar_t>();
+    if (P.family == QUERY_MAJOR) {
+      dispatch_dim(P.D, [&](auto kern) {
+        run_tasks(qm_tasks(P), [&] { return std::make_unique<QState>(P); },
+                  [&](int64_t t, QState& w) { qm_fwd_task<scalar_t>(kern, P, in, o, lse, st_m, st_l, t, w); });
+      });
+      return;
+    }
+    Buf kt(P.B * P.Hkv * P.nkb * P.D * P.bs);
+    pack_transposed(k, P.bs, P.nkb, kt.p);
+    const Chunks C = make_chunks(P, FWD_CHUNK);
+    const int64_t nslots = P.B * P.Hq * P.Nq * P.K;
+    Buf po(nslots * P.D), pm(nslots), pl(nslots);
+    const Partials pp{po.p, pm.p, pl.p};
+    run_tasks(C.tasks(), [&] { return std::make_unique<KState>(P, false); },
+              [&](int64_t t, KState& w) { km_fwd_task(P, in, kt.p, C, pp, t, w); });
+    run_tasks(P.B * P.Hq * nchunk, [&] { return std::make_unique<Buf>(P.D); },
+              [&](int64_t t, Buf& w) { km_merge_task<scalar_t>(P, pp, o, lse, st_m, st_l, t, w); });
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
+    const at::Tensor& row_counts, const std::optional<at::Tensor>& col_ptr, const std::optional<at::Tensor>& col_query,
+    const std::optional<at::Tensor>& col_slot, int64_t block_size, int64_t stride_lb, int64_t heads_per_selection,
+    std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
+  check_qkv(q, k, v);
+  const bool key_major = family == KEY_MAJOR ||
+                         (family == AUTO && rows.dim() == 3 &&
+                          key_major_by_default(block_size, q.size(0), q.size(1), q.size(2), rows.size(2), q.size(3)));
+  const Problem P = make_problem(q, k, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
+                                 heads_per_selection, causal_offset, sm_scale, family, key_major);
+  auto out = at::empty({P.B, P.Hq, P.Nq, P.D}, q.options());
+  auto f32 = q.options().dtype(at::kFloat);
+  auto lse = at::empty({P.B, P.Hq, P.Nq}, f32);
+  auto stats = at::empty({2, P.B, P.Hq, P.Nq}, f32);
+  if (P.B * P.Hq * P.Nq == 0) return {out, lse, stats};
+  TORCH_CHECK(P.D > 0, "sparse_io_attn cpu: head_dim must be positive");
+  float* st_m = stats.data_ptr<float>();
+  run_forward(P, q, k, v, out, lse.data_ptr<float>(), st_m, st_m + P.B * P.Hq * P.Nq);
+  return {out, lse, stats};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& stats, const at::Tensor& rows, const at::Tensor& row_counts, const at::Tensor& col_ptr,
+    const at::Tensor& col_query, const at::Tensor& col_slot, int64_t block_size, int64_t stride_lb,
+    int64_t heads_per_selection, std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
+  check_qkv(q, k, v);
+  TORCH_CHECK(dout.device().is_cpu() && out.device().is_cpu() && stats.device().is_cpu(),
+              "sparse_io_attn cpu: tensors must be on the CPU");
+  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "sparse_io_attn cpu: q, k, v, out, dout must share a dtype");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "sparse_io_attn cpu: out and dout must have ",
+              "q's shape ", q.sizes(), ", got ", out.sizes(), " and ", dout.sizes());
+  TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.dim() == 4 && stats.size(0) == 2 &&
+                  stats.size(1) == q.size(0) && stats.size(2) == q.size(1) && stats.size(3) == q.size(2),
+              "sparse_io_attn cpu: stats must be fp32 [2, B, Hq, Nq]");
+  const Problem P = make_problem(q, k, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
+                                 heads_per_selection, causal_offset, sm_scale, family, true);
+  const int64_t B = P.B, Hq = P.Hq, Hkv = P.Hkv, Nq = P.Nq, Nk = P.Nk, D = P.D;
+  auto dq = at::empty({B, Hq, Nq, D}, q.options());
+  auto dk = at::empty({B, Hkv, Nk, D}, k.options());
+  auto dv = at::empty({B, Hkv, Nk, D}, v.options());
+  if (B * Hkv * Nk * D == 0) {
+    dq.zero_();
+    return {dq, dk, dv};
+  }
+  if (B * Hq * Nq == 0) {
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  Inputs in;
+  std::unique_ptr<Buf> q_store, do_store, k_store, v_store;
+  in.Q = as_rows(q, Nq, q_store);
+  in.dO = as_rows(dout, Nq, do_store);
+  in.K = as_rows(k, Nk, k_store);
+  in.V = as_rows(v, Nk, v_store);
+  // row statistics, [row, 4]: m, log2 l from the forward, delta = rowsum(dO * O), 0
+  const auto st = stats.contiguous();
+  const float* sm = st.data_ptr<float>();
+  const float* sl = sm + B * Hq * Nq;
+  Buf sbuf(B * Hq * Nq * 4);
+  in.st = sbuf.p;
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* o = typed<scalar_t>(out);
+    const scalar_t* g = typed<scalar_t>(dout);
+    const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2), o3 = out.stride(3);
+    const int64_t g0 = dout.stride(0), g1 = dout.stride(1), g2 = dout.stride(2), g3 = dout.stride(3);
+    at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        const int64_t b = bh / Hq, h = bh % Hq;
+        for (int64_t i = 0; i < Nq; ++i) {
+          const scalar_t* orow = o + b * o0 + h * o1 + i * o2;
+          const scalar_t* grow = g + b * g0 + h * g1 + i * g2;
+          float acc = 0.f;
+          for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(orow[d * o3]) * static_cast<float>(grow[d * g3]);
+          float* s = sbuf.p + (bh * Nq + i) * 4;
+          s[0] = sm[bh * Nq + i];
+          s[1] = sl[bh * Nq + i];
+          s[2] = acc;
+          s[3] = 0.f;
+        }
+      }
+    });
+  });
+  const int64_t nchunk = cdiv(Nq, QM_TOKENS);
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* dq_p = dq.data_ptr<scalar_t>();
+    scalar_t* dk_p = dk.data_ptr<scalar_t>();
+    scalar_t* dv_p = dv.data_ptr<scalar_t>();
+    if (P.family == QUERY_MAJOR) {
+      dispatch_dim(D, [&](auto kern) {
+        run_tasks(qm_tasks(P), [&] { return std::make_unique<QState>(P); },
+                  [&](int64_t t, QState& w) { qm_dq_task<scalar_t>(kern, P, in, dq_p, t, w); });
+        run_tasks(B * Hkv * cdiv(P.nkb, qm_blocks_per_task(P)), [&] { return std::make_unique<KVState>(P); },
+                  [&](int64_t t, KVState& w) { qm_dkv_task<scalar_t>(kern, P, in, dk_p, dv_p, t, w); });
+      });
+      return;
+    }
+    Buf kt(B * Hkv * P.nkb * D * P.bs), vt(B * Hkv * P.nkb * D * P.bs);
+    pack_transposed(k, P.bs, P.nkb, kt.p);
+    pack_transposed(v, P.bs, P.nkb, vt.p);
+    const Chunks C = make_chunks(P, BWD_CHUNK);
+    const int64_t nblocks = B * Hkv * P.nkb;
+    const bool split = C.tasks() > nblocks;
+    Buf dqp(B * Hq * Nq * P.K * D), dkvp(split ? C.tasks() * 2 * P.bs * D : 1);
+    const KBwd kb{kt.p, vt.p, dqp.p, dkvp.p};
+    run_tasks(C.tasks(), [&] { return std::make_unique<KState>(P, true); },
+              [&](int64_t t, KState& w) { km_bwd_task<scalar_t>(P, in, kb, C, dk_p, dv_p, t, w); });
+    if (split)
+      run_tasks(nblocks, [&] { return std::make_unique<Buf>(P.bs * D); },
+                [&](int64_t x, Buf& w) { km_dkv_reduce<scalar_t>(P, kb, C, x, dk_p, dv_p, w); });
+    run_tasks(B * Hq * nchunk, [&] { return std::make_unique<Buf>(D); },
+              [&](int64_t t, Buf& w) { km_dq_reduce<scalar_t>(P, kb, dq_p, t, w); });
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace sel
+}  // namespace sia
+
+
+TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) {
+  m.def("selection_fwd(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor row_counts, Tensor? col_ptr, "
+        "Tensor? col_query, Tensor? col_slot, int block_size, int stride_lb, int heads_per_selection, "
+        "int? causal_offset, float sm_scale, int family) -> (Tensor, Tensor, Tensor)");
+  m.def("selection_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor rows, "
+        "Tensor row_counts, Tensor col_ptr, Tensor col_query, Tensor col_slot, int block_size, int stride_lb, "
+        "int heads_per_selection, int? causal_offset, float sm_scale, int family) -> (Tensor, Tensor, Tensor)");
+  m.def("selection_rows(Tensor indices, Tensor? counts, int num_kv_blocks, int block_size, int? causal_offset) "
+        "-> (Tensor, Tensor)");
+  m.def("selection_keys(Tensor rows, int num_kv_blocks) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(sparse_io_attn_cpu, CPU, m) {
+  m.impl("selection_fwd", &sia::sel::selection_fwd);
+  m.impl("selection_bwd", &sia::sel::selection_bwd);
+  m.impl("selection_rows", &sia::sel::selection_rows);
+  m.impl("selection_keys", &sia::sel::selection_keys);
+}
+
+TORCH_LIBRARY_IMPL(sparse_io_attn_cpu, Meta, m) {
+  m.impl("selection_rows", &sia::sel::selection_rows_meta);
+  m.impl("selection_keys", &sia::sel::selection_keys_meta);
+}
