@@ -84,6 +84,9 @@ def prepare(q, k, v, indices, *, block_size=None, counts=None, causal=False, sm_
     """Validate a call and plan it: ``(plan, sm_scale, backend)``. ``indices`` may be a
     :class:`~.plan.SelectionPlan` already built for these lengths and causality."""
     _check_tensors(q, k, v)
+    backend = resolve_backend(backend, q.device)
+    if backend == "cpu":
+        cpu_backend().load()   # the plan's normalisations run in C++ once the extension is loaded
     B, Hq, Nq, D = q.shape
     Nk = k.shape[2]
     delta = causal_offset(causal, Nq, Nk)
@@ -109,7 +112,7 @@ def prepare(q, k, v, indices, *, block_size=None, counts=None, causal=False, sm_
     if plan.device != q.device:
         raise ValueError(f"the plan is on {plan.device} but q on {q.device}")
     plan.head_map(B, Hq, k.shape[1])
-    return plan, _resolve_sm_scale(sm_scale, D), resolve_backend(backend, q.device)
+    return plan, _resolve_sm_scale(sm_scale, D), backend
 
 
 def selection_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices, *, block_size: int | None = None,

