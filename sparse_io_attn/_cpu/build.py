@@ -171,7 +171,8 @@ def _translation_units(build_dir: str) -> list[str]:
     process may be compiling it) only when it changes, as ninja rebuilds what is newer than its object."""
     units = []
     for path in SOURCES:
-        unit = os.path.join(build_dir, "_".join(path.relative_to(PACKAGE).parts))
+        parts = path.relative_to(PACKAGE).parts if path.is_relative_to(PACKAGE) else (path.parent.name, path.name)
+        unit = os.path.join(build_dir, "_".join(parts))
         text = f'#include "{path.resolve()}"\n'
         try:
             with open(unit) as f:

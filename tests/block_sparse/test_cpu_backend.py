@@ -208,19 +208,24 @@ def test_property_random_element_masks_tiny_and_odd_blocks(data):
 
 
 # ------------------------------------------------------------------------ first build
-@pytest.mark.slow
 def test_two_processes_build_at_once(tmp_path):
-    """Two processes (pytest -n 2 workers) asking for a kernel nobody has built yet: torch's file
-    lock lets one compile while the other waits; both then run it."""
-    script = textwrap.dedent("""
-        import torch
-        from sparse_io_attn import block_sparse_attention, patterns
-        from sparse_io_attn.block_sparse import cpu
-        q = torch.randn(1, 2, 64, 16)
-        out = block_sparse_attention(q, q, q, patterns.sliding_window(64, 16, 16), backend="cpu")
-        ref = block_sparse_attention(q, q, q, patterns.sliding_window(64, 16, 16), backend="torch")
-        assert (out - ref).abs().max() < 1e-5
-        print("OK", cpu.load() is not None)
+    """Two processes (pytest -n 2 workers) asking for an extension nobody has built yet: torch's file
+    lock lets one compile while the other waits; both then load and run it. The extension here is a
+    one-op stand-in for the kernels (the same build module, flags, naming and loading; every other test
+    builds the real one on first use), so the check costs seconds, not a second full compile."""
+    src = tmp_path / "src" / "kernel.cpp"
+    src.parent.mkdir()
+    src.write_text(textwrap.dedent("""
+        #include <torch/library.h>
+        int64_t probe(int64_t x) { return 2 * x + 1; }
+        TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) { m.def("probe(int x) -> int", &probe); }
+    """))
+    script = textwrap.dedent(f"""
+        import pathlib
+        from sparse_io_attn._cpu import build
+        build.SOURCES = (pathlib.Path({str(src)!r}),)
+        build.HEADERS = build.included_headers(build.SOURCES)
+        print("OK", build.load().probe(20))
     """)
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), OMP_NUM_THREADS="1")
     env.pop(_build.DISABLE_ENV, None)
@@ -229,7 +234,7 @@ def test_two_processes_build_at_once(tmp_path):
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
-        assert "OK True" in out
+        assert "OK 41" in out
     messages = sum(err.count("compiling the CPU attention kernel") for _, err in outs)
     assert 1 <= messages <= 2
     built = list((tmp_path / "ext").glob("sparse_io_attn_cpu_*/*.so"))

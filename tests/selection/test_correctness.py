@@ -168,7 +168,8 @@ def test_noncontiguous_inputs_and_sm_scale(backend):
 def test_backward_is_deterministic(backend):
     """Two runs, bitwise equal: many tokens choose the same blocks (dK/dV sums with many terms)."""
     dev = device_of(backend)
-    B, Hq, Hkv, Nq, Nk, bs, K = 1, 4, 2, 64, 64, 4, 8
+    N = 24 if backend == "triton" else 64          # the interpreter runs one program at a time
+    B, Hq, Hkv, Nq, Nk, bs, K = 1, 4, 2, N, N, 4, 8
     idx = random_indices((B, Hq), Nq, Nk, K, bs, causal=True, device=dev)
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, 16, device=dev)
     first = run_selection(q, k, v, do, idx, block_size=bs, backend=backend, causal=True)
@@ -184,7 +185,7 @@ def test_low_precision_vs_same_precision_baseline(backend, dtype, causal):
     """flash-attention's rule: error vs float64 at most 2x (outputs) / 3x (gradients) the error of
     plain PyTorch attention with the same element mask, run in the same dtype."""
     dev = device_of(backend)
-    B, Hq, Hkv, N, D, bs, K = 1, 4, 2, 48, 32, 4, 6
+    B, Hq, Hkv, N, D, bs, K = 1, 4, 2, (24 if backend == "triton" else 48), 32, 4, 6
     idx = random_indices((Hkv,), N, N, K, bs, causal=causal, device=dev)
     sel = Selection(idx, bs)
     q, k, v, do = make_inputs(B, Hq, Hkv, N, N, D, dtype=dtype, device=dev)
