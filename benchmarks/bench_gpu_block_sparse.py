@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("sliding_window", "bigbird", "causal", "random")
+FAMILIES = ("sliding_window", "bigbird", "causal", "random", "document")
 DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--no-flex", action="store_true", help="skip torch.compile(flex_attention)")
     p.add_argument("--no-sdpa", action="store_true", help="skip dense SDPA")
+    p.add_argument("--jsonl", type=Path, default=None,
+                   help="append each row as one JSON line when it is measured (survives a timeout)")
     p.add_argument("--out", type=Path, default=None, help="output stem (default benchmarks/results/gpu_block_sparse_<gpu>)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny configuration (N=256, D=64, B*H=2) that runs on any device; CPU uses the "
@@ -81,6 +83,14 @@ def make_layout(family: str, n: int, block: int, density: float, heads: int):
         return patterns.dense(n, block), False
     if family == "sliding_window":
         return _closest(lambda w: patterns.sliding_window(n, block, w), 0, n, density), False
+    if family == "document":
+        # packed documents (causal inside each): lengths drawn to fill n, the mean about n * density
+        g = torch.Generator().manual_seed(0)
+        mean = max(block, int(n * density))
+        cu = [0]
+        while cu[-1] < n:
+            cu.append(min(n, cu[-1] + int(mean * (0.5 + torch.rand(1, generator=g).item()))))
+        return patterns.document(cu, block, causal=True), True
     if family == "bigbird":
         nb = math.ceil(n / block)
         return _closest(lambda r: patterns.bigbird(n, block, num_random=r, num_global=1, num_heads=heads),
@@ -110,6 +120,15 @@ def _timer(device: str):
     return cpu_time
 
 
+def _first_call(fn, device: str) -> float:
+    """Seconds of the first call (compile + autotune + run): kept apart from the timed runs."""
+    t0 = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def _op(attn, q, k, v, do, mode):
     if mode == "fwd":
         def fwd():
@@ -122,13 +141,35 @@ def _op(attn, q, k, v, do, mode):
     return fwd_bwd
 
 
+def matmul_tflops(device: str, dtype: torch.dtype, n: int = 8192) -> float | None:
+    """bf16 (or ``dtype``) ``n^3`` matmul rate on random data, this process, this run (the ceiling)."""
+    if device != "cuda":
+        return None
+    import triton.testing
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=200)
+    return 2 * n ** 3 / ms / 1e9
+
+
 def machine_header(device: str, dtype: torch.dtype) -> dict:
     import triton
     name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)"
     return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "dtype": str(dtype).replace("torch.", ""), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "autotune (warps/stages)": device == "cuda" and os.environ.get("SPARSE_IO_ATTN_NO_AUTOTUNE", "0") != "1"}
+            "autotune (warps/stages)": device == "cuda" and os.environ.get("SPARSE_IO_ATTN_NO_AUTOTUNE", "0") != "1",
+            "driver": _driver(device), "matmul_tflops": matmul_tflops(device, dtype)}
+
+
+def _driver(device: str) -> str | None:
+    if device != "cuda":
+        return None
+    import subprocess
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def run(args) -> tuple[dict, list[dict]]:
@@ -149,7 +190,13 @@ def run(args) -> tuple[dict, list[dict]]:
     bench = _timer(device)
     flex = None
     if not args.no_flex:
+        from torch._dynamo import config as dynamo_config
         from torch.nn.attention.flex_attention import flex_attention
+        # one compile per shape; a BlockMask is an input (guards on its shapes, not its values)
+        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                     "accumulated_recompile_limit"):
+            if hasattr(dynamo_config, name):
+                setattr(dynamo_config, name, 256)
         flex = torch.compile(flex_attention, dynamic=False)
     B, H = args.batch, args.heads
     rows = []
@@ -179,9 +226,11 @@ def run(args) -> tuple[dict, list[dict]]:
                         row["model_bytes"] = model.total_bytes
                         tri = lambda q, k, v, lay=layout, c=causal: block_sparse_attention(  # noqa: E731
                             q, k, v, lay, causal=c, backend="triton")
+                        row["triton_first_call_s"] = _first_call(_op(tri, q, k, v, do, mode), device)
                         row["triton_ms"] = bench(_op(tri, q, k, v, do, mode), [q, k, v])
                         if flex is not None:
                             fx = lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm)  # noqa: E731
+                            row["flex_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode), device)
                             row["flex_ms"] = bench(_op(fx, q, k, v, do, mode), [q, k, v])
                             row["speedup_vs_flex"] = row["flex_ms"] / row["triton_ms"]
                         if not args.no_sdpa:
@@ -197,14 +246,22 @@ def run(args) -> tuple[dict, list[dict]]:
                             row["sdpa_dense_ms"] = sdpa_ms[key]
                         row["triton_tflops"] = flops / row["triton_ms"] / 1e9
                         row["triton_us_per_kept_block"] = 1e3 * row["triton_ms"] / max(kept, 1)
+                        if header.get("matmul_tflops"):
+                            row["frac_of_matmul"] = row["triton_tflops"] / header["matmul_tflops"]
+                            if "flex_ms" in row:
+                                row["flex_tflops"] = flops / row["flex_ms"] / 1e9
                         rows.append(row)
+                        if args.jsonl is not None:
+                            with args.jsonl.open("a") as f:
+                                f.write(json.dumps({**row, "machine": header}) + "\n")
                         print(_fmt_row(row), flush=True)
     return header, rows
 
 
 COLUMNS = [("N", "{}"), ("D", "{}"), ("family", "{}"), ("density", "{:.3f}"), ("mode", "{}"),
            ("kept_blocks", "{}"), ("triton_ms", "{:.3f}"), ("flex_ms", "{:.3f}"), ("speedup_vs_flex", "{:.2f}x"),
-           ("sdpa_dense_ms", "{:.3f}"), ("triton_tflops", "{:.1f}"), ("triton_us_per_kept_block", "{:.3f}"),
+           ("sdpa_dense_ms", "{:.3f}"), ("triton_tflops", "{:.1f}"), ("flex_tflops", "{:.1f}"),
+           ("frac_of_matmul", "{:.2f}"), ("triton_us_per_kept_block", "{:.3f}"),
            ("model_bytes", "{:,}")]
 
 
