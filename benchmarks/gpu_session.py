@@ -79,6 +79,8 @@ def steps(work: Path, quick: bool) -> list[tuple[str, list[str], int, dict]]:
                                    "--density", dens, "--ncu", ncu, "--json", f"{work}/ncu_{fam}.json"], 40, {}))
     out += [
         ("selection", [PY, b + "bench_gpu_selection.py", "--jsonl", f"{work}/selection.jsonl"], 90, {}),
+        ("metadata", [PY, b + "bench_gpu_selection.py", "--parts", "metadata", "--meta-n", "8192", "16384", "32768",
+                      "--jsonl", f"{work}/metadata.jsonl"], 90, {}),
         ("bench_more", [PY, b + "bench_gpu_block_sparse.py", "--n", "4096", "16384", "--d", "64", "128",
                         "--families", "sliding_window", "causal", "--densities", "0.1", "1.0",
                         "--jsonl", f"{work}/bench_more.jsonl", "--out", f"{work}/gpu_block_sparse_more"], 200, {}),

@@ -1,7 +1,7 @@
 """Nsight Compute next to the counted traffic, for one configuration of backend="triton".
 
-Runs itself under ``ncu`` (child mode ``--child``), profiling only the kernels launched inside the
-NVTX range ``profile`` (after a warm-up that compiles them, with one fixed config:
+Runs itself under ``ncu`` (child mode ``--child``), profiling only the kernels of the second
+step (``--launch-skip``: the first step is a warm-up that compiles them, with one fixed config:
 ``SPARSE_IO_ATTN_NO_AUTOTUNE=1``), then prints per kernel: the bytes the kernel counts (the traffic
 model, equal to ``IOCounter``), DRAM bytes read/written, L2->SM read bytes and SM->L2 write bytes,
 and the kernel time. ncu flushes caches before each kernel by default (a cold start, as the model).
@@ -75,12 +75,10 @@ def child(args) -> None:
         if args.mode != "fwd":
             out.backward(do)
 
-    step()  # compile
+    step()  # compile (ncu skips these launches: --launch-skip)
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("profile")
     step()
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
 
 
 def parse_ncu_csv(text: str) -> dict:
@@ -110,7 +108,10 @@ def main(argv=None) -> None:
         return
     if shutil.which(args.ncu) is None and not Path(args.ncu).exists():
         sys.exit(f"ncu not found ({args.ncu!r}); install Nsight Compute or pass --ncu PATH")
-    cmd = [args.ncu, "--target-processes", "all", "--nvtx", "--nvtx-include", "profile/",
+    # The second step's kernels: skip the first step's (the warm-up that compiles them). Not an NVTX
+    # range: the backward runs on the autograd engine's own thread, outside a range pushed here.
+    per_step = 1 if args.mode == "fwd" else 4
+    cmd = [args.ncu, "--target-processes", "all", "--launch-skip", str(per_step), "--launch-count", str(per_step),
            "-k", "regex:_attn_", "--clock-control", "none", "--metrics", ",".join(METRICS),
            "--csv", "--page", "raw", "--print-units", "base",
            sys.executable, str(Path(__file__).resolve()), "--child"] + [a for a in (argv or sys.argv[1:])

@@ -27,20 +27,24 @@ import torch
 
 from sparse_io_attn.tally.report import TrafficReport
 
-_state = threading.local()
+# One stack for the whole process, not per thread: the autograd engine runs a CUDA backward on its
+# own device thread, so a thread-local stack would miss every backward launch on GPU (seen on an
+# H200: only attn_fwd counted). Open counters count launches from any thread of the process.
+_STACK: list = []
+_LOCK = threading.Lock()
 
 
 def _stack() -> list:
-    if not hasattr(_state, "stack"):
-        _state.stack = []
-    return _state.stack
+    return _STACK
 
 
 class IOCounter:
     """``with IOCounter() as io: ...`` counts the bytes of every kernel launched inside the block.
 
     ``io.report`` is a :class:`TrafficReport` (per kernel, per tensor bytes read and written).
-    Counters nest: an inner block's launches are also added to the outer counters.
+    Counters nest: an inner block's launches are also added to the outer counters. A counter counts
+    the launches of every thread of the process while it is open (a CUDA backward runs on the
+    autograd engine's own thread).
     ``io.network`` is the network level: bytes this process's collectives received (read) and sent
     (written), per collective and tensor (:func:`count_network`).
     """
@@ -50,11 +54,13 @@ class IOCounter:
         self.network = TrafficReport(source="counted")
 
     def __enter__(self) -> "IOCounter":
-        _stack().append(self)
+        with _LOCK:
+            _STACK.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _stack().remove(self)
+        with _LOCK:
+            _STACK.remove(self)
 
     def reset(self) -> None:
         self.report = TrafficReport(source="counted")
@@ -78,7 +84,7 @@ class KernelIO:
         counts = self.buffer.cpu().tolist()
         reads = {t: int(c[0]) for t, c in zip(self.tensors, counts)}
         writes = {t: int(c[1]) for t, c in zip(self.tensors, counts)}
-        for counter in _stack():
+        for counter in tuple(_stack()):
             counter.report.add(self.kernel, reads, writes)
 
 
@@ -90,5 +96,5 @@ def kernel_io(kernel: str, tensors: Sequence[str], device) -> KernelIO | None:
 def count_network(collective: str, sent: dict, received: dict) -> None:
     """Add one collective's bytes (``{tensor: bytes}`` this rank sent and received) to the ``network``
     report of every active counter (nothing when none is active)."""
-    for counter in _stack():
+    for counter in tuple(_stack()):
         counter.network.add(collective, received, sent)
