@@ -70,3 +70,26 @@ def test_report_api(problem):
     assert rep.per_tensor()["o"] == (0, B * H * N * D * 4)
     table = rep.table()
     assert "attn_fwd (x1)" in table and f"{rep.total_bytes:,}" in table
+
+
+def test_counter_sees_launches_from_other_threads():
+    """A CUDA backward runs on the autograd engine's own thread: an open counter must count launches
+    from every thread of the process (a thread-local counter missed the whole backward on an H200)."""
+    import threading
+
+    from sparse_io_attn.tally import kernel_io
+
+    def launch():
+        io = kernel_io("worker_kernel", ["x"], "cpu")
+        assert io is not None, "the worker thread does not see the open counter"
+        io.buffer[0, 0] = 7
+        io.buffer[0, 1] = 3
+        io.commit()
+
+    with IOCounter() as counter:
+        worker = threading.Thread(target=launch)
+        worker.start()
+        worker.join()
+    assert counter.report.bytes_read == 7 and counter.report.bytes_written == 3
+    # closed: the worker's launches no longer count anywhere
+    assert kernel_io("worker_kernel", ["x"], "cpu") is None
