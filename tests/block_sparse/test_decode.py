@@ -89,7 +89,8 @@ def test_matches_reference(backend, Nq, Nk, make, heads, D, dtype, causal):
         ref = attention_reference(q, k, v, layout, causal=causal)
         fin = torch.isfinite(ref[1])
         assert torch.equal(torch.isneginf(lse), ~fin)
-        assert rel_err(out, ref[0]) <= 2e-5 and rel_err(lse[fin], ref[1][fin]) <= 2e-5
+        tol = 2e-5 if dtype == torch.float32 else 2 * rel_err(ref[0].to(dtype), ref[0]) + 1e-3
+        assert rel_err(out, ref[0]) <= tol and rel_err(lse[fin], ref[1][fin]) <= max(tol, 2e-5)
         return
     got = run(q, k, v, do, layout, causal, backend=backend)
     ref = attention_reference(q.float(), k.float(), v.float(), layout, causal=causal, do=do.float())

@@ -92,7 +92,8 @@ def test_matches_reference(backend, family, B, Hq, Hkv, G, Nq, Nk, D, bs, K, cau
         ref = selection_reference(q, k, v, sel, causal=causal)
         fin = torch.isfinite(ref[1])
         assert torch.equal(torch.isneginf(lse), ~fin)
-        assert rel_err(out, ref[0]) <= 2e-5 and rel_err(lse[fin], ref[1][fin]) <= 2e-5
+        tol = 2e-5 if dtype == torch.float32 else 2 * rel_err(ref[0].to(dtype), ref[0]) + 1e-3
+        assert rel_err(out, ref[0]) <= tol and rel_err(lse[fin], ref[1][fin]) <= max(tol, 2e-5)
         return
     got = run_backend(q, k, v, do, sel, causal, backend, family)
     ref = selection_reference(q.float(), k.float(), v.float(), sel, causal=causal, do=do.float())
