@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_io_attn._triton.shapes import MIN_TILE, padded_dim
+from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2, padded_dim
 from sparse_io_attn.bounds.units import itemsize
 
 MAX_HEAD_DIM = 256
@@ -113,3 +113,62 @@ def element_size(dtype: torch.dtype) -> int:
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     return itemsize(dtype)
+
+
+# ------------------------------------------------------------------------------------------ decode
+#: query tokens up to which the forward runs the decode kernels (split-K over each row's kept blocks)
+DECODE_MAX_QUERIES = 16
+DECODE_MAX_ROWS = 64        # rows of a decode program (heads x tokens): the fp32 accumulator's height
+DECODE_SPLIT_KEYS = 512     # keys a split holds at least (when the row has that many)
+DECODE_MAX_SPLITS = 64
+DECODE_TARGET_PROGRAMS = 264  # programs aimed at over all splits (two per SM of an H100)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The launch of the decode kernels for one call, from shapes only (the launcher, the traffic
+    model and the compile report agree): ``heads`` query heads per program (a whole GQA group when
+    its heads share one list, else a divisor of it, or 1), ``tokens`` rows per head (a power of two
+    covering a query block's decoded tokens), ``block_m = max(16, next_pow2(heads * tokens))``,
+    ``block_n`` keys per tile, ``splits`` per row program (1: the decode kernel writes the outputs,
+    no merge), warps and stages."""
+    heads: int
+    tokens: int
+    block_m: int
+    block_n: int
+    splits: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(plan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
+                  dtype: torch.dtype) -> DecodeConfig:
+    """The :class:`DecodeConfig` of an :class:`~sparse_io_attn.block_sparse.plan.AttentionPlan`
+    (read duck-typed: block size, lengths, head masks, storage slots, its source layout's head
+    masks) for these inputs. The heads of a GQA group share a program when they share one list: a
+    layout shared by every head, or one mask per KV head repeated for the query heads. Splits come
+    from the plan's kept-block capacity per row (storage slots / rows: a shape, no host read) and the
+    number of row programs, never from the data."""
+    bq, bk = plan.block_size
+    nq, _ = plan.seqlen
+    G = num_heads_q // num_heads_kv
+    source = getattr(plan, "source", None)
+    shared = plan.layout_heads == 1 or (source is not None and source.layout_heads == num_heads_kv)
+    tokens = next_pow2(min(bq, nq))
+    heads = 1
+    if shared:
+        heads = max(d for d in range(1, G + 1) if G % d == 0 and d * tokens <= max(DECODE_MAX_ROWS, tokens))
+    fp32 = element_size(dtype) == 4   # exact IEEE products on CUDA cores: smaller key tiles, more warps
+    block_n = _pow2_divisor(bk, 32 if fp32 else 64)
+    if block_n < MIN_TILE:
+        raise NotImplementedError(
+            f"backend 'triton' needs layout block sizes with a power-of-two divisor >= {MIN_TILE} "
+            f"(e.g. 16, 48, 64, 128), got block_size {(bq, bk)}; rebuild the layout or use backend='torch'")
+    nqb = -(-nq // bq)
+    row_capacity = -(-max(plan.slots, 1) // (plan.layout_batch * plan.layout_heads * nqb))
+    programs = batch * (num_heads_q // heads) * nqb
+    splits = max(1, min(DECODE_MAX_SPLITS, -(-row_capacity * bk // DECODE_SPLIT_KEYS),
+                        -(-DECODE_TARGET_PROGRAMS // programs)))
+    block_m = max(MIN_TILE, next_pow2(heads * tokens))
+    return DecodeConfig(heads, tokens, block_m, block_n, splits, num_warps=8 if fp32 and block_m >= 64 else 4,
+                        num_stages=2 if fp32 else 3)

@@ -35,7 +35,7 @@ from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
-from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, element_size
+from sparse_io_attn.block_sparse.tiles import DECODE_MAX_QUERIES, KernelTiles, choose_tiles, decode_config, element_size
 
 INDEX_BYTES = 4  # int32 crow/col/ccol/row indices
 STAT_BYTES = 4  # fp32 lse, delta and the two softmax statistics (row max, log2 row sum)
@@ -46,6 +46,8 @@ FWD_TENSORS = ("q", "k", "v", "o", "lse", "stats", "layout", "mask")
 PREPROCESS_TENSORS = ("o", "do", "delta")
 DKDV_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dk", "dv", "layout", "mask")
 DQ_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dq", "layout", "mask")
+DECODE_TENSORS = ("q", "k", "v", "o", "lse", "stats", "partial", "layout", "mask")
+DECODE_MERGE_TENSORS = ("partial", "o", "lse", "stats")
 
 
 def _layout_multiplicity(layout, batch: int, num_heads_q: int) -> torch.Tensor:
@@ -127,8 +129,11 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
                          head_dim: int, dtype: torch.dtype, *, causal=False,
                          tiles: KernelTiles | None = None) -> TrafficReport:
     """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``);
-    ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`."""
+    ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`. For ``seqlen_q <= 16`` the
+    forward runs the decode kernels: :func:`block_sparse_decode_forward`."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    if layout.seqlen_q <= DECODE_MAX_QUERIES:
+        return block_sparse_decode_forward(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype, causal=causal)
     D, delta = head_dim, layout.causal_offset
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
@@ -139,6 +144,65 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
     rep.add("attn_fwd", {"q": rows * D * es, "k": kv, "v": kv, "layout": int((mult * index).sum()) * INDEX_BYTES,
                          "mask": int((mult * mask_rows).sum()) * _words(tiles.fwd[1]) * INDEX_BYTES},
             {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+    return rep
+
+
+def block_sparse_decode_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
+                                head_dim: int, dtype: torch.dtype, *, causal=False) -> TrafficReport:
+    """Predicted bytes of the decode forward (``attn_decode``, and ``attn_decode_merge`` when the
+    rows are split): the launch of :func:`~sparse_io_attn.block_sparse.tiles.decode_config`.
+
+    Each program (split ``s`` of batch x head group x query block) reads its ``q`` rows, 4 list
+    offsets and, per item of its range (a ``BLOCK_N`` key tile of a kept block), 2 index entries for
+    a partial tile and 1 for a full tile, the tile's ``k``/``v`` rows when it is live (the forward's
+    rule, against the block's last decoded token), and the element-mask words of its rows for a
+    live tile of a masked block. Every item belongs to exactly one split, so the sums do not
+    depend on where the splits cut. One split: ``o``, ``lse``, ``stats`` written directly; else each
+    split writes fp32 ``partial`` rows (``m``, ``l``, ``acc``: ``2 + D`` floats) that the merge reads
+    once before writing ``o``, ``lse``, ``stats``. O(kept blocks + programs), no launch."""
+    layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    cfg = decode_config(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    (bq, bk), (sq, sk) = layout.block_size, layout.seqlen
+    D, delta, S, tiles = head_dim, layout.causal_offset, cfg.splits, bk // cfg.block_n
+    L, nqb = layout.num_layouts, layout.num_q_blocks
+    stride_lb, stride_lh = layout.layout_strides(batch, num_heads_q)
+    z = torch.arange(batch, dtype=torch.int64)[:, None]
+    h0 = torch.arange(0, num_heads_q, cfg.heads, dtype=torch.int64)[None, :]
+    programs = torch.bincount((z * stride_lb + h0 * stride_lh).reshape(-1), minlength=L)   # [L] per query block
+    lists = layout.rows
+    part_ptr, full_ptr = lists.part_ptr.cpu().to(torch.int64), lists.full_ptr.cpu().to(torch.int64)
+    n_part, n_full = part_ptr[:, 1:] - part_ptr[:, :-1], full_ptr[:, 1:] - full_ptr[:, :-1]   # [L, nqb]
+    r = torch.arange(nqb, dtype=torch.int64)
+    tokens = torch.clamp(sq - r * bq, max=bq)                                   # [nqb]
+    m_last = r * bq + tokens - 1
+    index = 4 * S * nqb * programs + ((2 * n_part + n_full) * tiles).sum(1) * programs
+    keys = (n_full.sum(1) * bk) * programs
+    # partial entries x key tiles: live ones load their in-range keys (and mask words, when masked)
+    flat = csr_row_ids(lists.part_ptr.cpu())
+    lid, own = flat // nqb, flat % nqb
+    blk = lists.part_idx.cpu()[:flat.numel()].to(torch.int64)
+    has_bits = lists.part_mask.cpu()[:flat.numel()] >= 0
+    start = (blk * bk)[:, None] + (torch.arange(tiles, dtype=torch.int64) * cfg.block_n)[None, :]   # [E, tiles]
+    live = start < sk
+    if delta is not None:
+        live &= start <= (m_last[own] + delta)[:, None]
+    got = torch.where(live, torch.clamp(sk - start, max=cfg.block_n), 0).sum(1)
+    rows = torch.where(live & has_bits[:, None], (cfg.heads * tokens[own])[:, None], 0).sum(1)
+    weight = programs[lid]
+    keys_total = int(keys.sum()) + int((weight * got).sum())
+    mask_rows = int((weight * rows).sum())
+    n_rows = batch * num_heads_q * sq
+    kv = keys_total * D * es
+    rep = TrafficReport(source="predicted")
+    read = {"q": S * n_rows * D * es, "k": kv, "v": kv, "layout": int(index.sum()) * INDEX_BYTES,
+            "mask": mask_rows * _words(cfg.block_n) * INDEX_BYTES}
+    outputs = {"o": n_rows * D * es, "lse": n_rows * STAT_BYTES, "stats": n_rows * 2 * STAT_BYTES}
+    if S == 1:
+        rep.add("attn_decode", read, outputs)
+        return rep
+    partial = S * n_rows * (2 + D) * STAT_BYTES
+    rep.add("attn_decode", read, {"partial": partial})
+    rep.add("attn_decode_merge", {"partial": partial}, outputs)
     return rep
 
 

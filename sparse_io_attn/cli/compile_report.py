@@ -7,7 +7,8 @@ launch of one batched forward + backward of ``sparse_operands.attention`` (pipel
 tiles copied asynchronously, not only its indices). ``--op selection``: the per-token selection kernels
 (:func:`~sparse_io_attn.selection.api.selection_attention`'s ``"triton"`` backend) for two head layouts
 (a selection per GQA group, one shared by 64 heads), every autotuning configuration (pipelined = the
-loop's gathered K/V or Q/dO tiles copied asynchronously)."""
+loop's gathered K/V or Q/dO tiles copied asynchronously). ``--op block-sparse-decode``: the block-sparse
+decode kernels (split-K over the decoded rows' kept blocks, and the merge) for one token and for 16."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ EXAMPLES = """examples:
   sparse-io-attn compile-report --dtype bf16 --head-dim 128 --ptx-dir /tmp/ptx --configs default
   sparse-io-attn compile-report --op sparse-operands --dtype fp16 --head-dim 128
   sparse-io-attn compile-report --op selection --dtype bf16 --head-dim 64 --block 4 --causal
+  sparse-io-attn compile-report --op block-sparse-decode --dtype bf16 --head-dim 128
 
 Triton's bundled ptxas reads the PTX (registers, spills); no GPU is used. Runs Triton without its
 interpreter, so it must be the first use of Triton in the process."""
@@ -30,7 +32,8 @@ interpreter, so it must be the first use of Triton in the process."""
 def add_parser(sub) -> None:
     p = sub.add_parser("compile-report", help="registers, spills and pipelining of the compiled kernels",
                        epilog=EXAMPLES, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=("block-sparse", "sparse-operands", "selection"), default="block-sparse",
+    p.add_argument("--op", choices=("block-sparse", "block-sparse-decode", "sparse-operands", "selection"),
+                   default="block-sparse",
                    help="which op's kernels (default block-sparse)")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 (default bf16)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
@@ -51,7 +54,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     dtype = parse_dtype(args.dtype)
     sparse_operands = args.op == "sparse-operands"
-    block = args.block if args.block is not None else (128 if args.op == "block-sparse" else 64)
+    block = args.block if args.block is not None else (128 if args.op.startswith("block-sparse") else 64)
     if args.head_dim < 1 or block < 1 or args.block_d < 1:
         raise ValueError(f"--head-dim, --block and --block-d must be positive, got {args.head_dim}, {block} "
                          f"and {args.block_d}")
@@ -80,6 +83,11 @@ def run(args) -> int:
                                      configs=args.configs, ptx_dir=args.ptx_dir)
         what = (f"per-token selection, {args.dtype}, head_dim {args.head_dim}, block {block}"
                 f"{', causal' if args.causal else ''}); pipelined = the loop's gathered tiles copied asynchronously")
+        loopless = report.LOOPLESS
+    elif args.op == "block-sparse-decode":
+        rows = report.compile_report(dtype, args.head_dim, block, arch=args.arch, ptx_dir=args.ptx_dir)
+        what = (f"block-sparse decode, {args.dtype}, head_dim {args.head_dim}, block {block}, bottom-right causal); "
+                f"pipelined = cp.async or TMA loads in the PTX")
         loopless = report.LOOPLESS
     else:
         rows = report.compile_report(dtype, args.head_dim, block, causal=args.causal, arch=args.arch,

@@ -6,6 +6,10 @@ import torch
 from sparse_io_attn._cpu.build import load
 from sparse_io_attn.block_sparse.plan import AttentionPlan
 
+#: query tokens up to which the forward runs the decode kernel (``_cpu/split_k.h``'s ``MAX_QUERIES``):
+#: split-K over the kept blocks of the decoded rows, K/V read in place
+DECODE_MAX_QUERIES = 16
+
 
 def _check_cpu(*tensors: torch.Tensor) -> None:
     for t in tensors:
@@ -14,12 +18,19 @@ def _check_cpu(*tensors: torch.Tensor) -> None:
                              f"backend='auto' or 'triton' for CUDA tensors")
 
 
-def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float):
-    """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``."""
+def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None):
+    """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``.
+
+    ``decode``: run the decode kernel (split-K over each row's kept blocks, K/V read in place, nothing
+    packed or converted outside the kept blocks); ``None`` (default): when ``Nq <= 16``."""
     _check_cpu(q, k, v)
     stride_lb, stride_lh = plan.layout_strides(q.shape[0], q.shape[1])
-    return load().fwd(q, k, v, *plan.rows.tensors(), plan.masks, plan.BLOCK_SIZE_Q, plan.BLOCK_SIZE_KV,
-                      stride_lb, stride_lh, plan.causal_offset, float(sm_scale))
+    ops = load()
+    if decode is None:
+        decode = q.shape[2] <= DECODE_MAX_QUERIES
+    fwd = ops.fwd_decode if decode else ops.fwd
+    return fwd(q, k, v, *plan.rows.tensors(), plan.masks, plan.BLOCK_SIZE_Q, plan.BLOCK_SIZE_KV,
+               stride_lb, stride_lh, plan.causal_offset, float(sm_scale))
 
 
 def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float):
@@ -29,3 +40,9 @@ def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float):
     return load().bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), stats.to(torch.float32), *plan.cols.tensors(),
                       plan.masks, plan.masks_t, plan.BLOCK_SIZE_Q, plan.BLOCK_SIZE_KV, stride_lb, stride_lh,
                       plan.causal_offset, float(sm_scale))
+
+
+def decode_work_bytes() -> int:
+    """Bytes of work buffers the last decode call (block-sparse or selection) allocated: per worker a
+    few tiles plus the splits' partial results, independent of the KV length (a check for tests)."""
+    return int(load().decode_work_bytes())

@@ -48,6 +48,7 @@
 
 #include "forward.h"
 #include "backward.h"
+#include "decode.h"
 
 namespace sia {
 
@@ -97,6 +98,10 @@ TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) {
         "Tensor full_idx, Tensor part_ptr, Tensor part_idx, Tensor part_mask, Tensor masks, Tensor masks_t, "
         "int block_q, int block_k, int stride_lb, int stride_lh, int? causal_offset, float sm_scale) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("fwd_decode(Tensor q, Tensor k, Tensor v, Tensor full_ptr, Tensor full_idx, Tensor part_ptr, "
+        "Tensor part_idx, Tensor part_mask, Tensor masks, int block_q, int block_k, int stride_lb, int stride_lh, "
+        "int? causal_offset, float sm_scale) -> (Tensor, Tensor, Tensor)");
+  m.def("decode_work_bytes() -> int", &sia::decode_work_bytes);
   m.def("transpose_masks(Tensor masks, int block_k) -> Tensor");
   m.def("capability() -> str", &sia::capability);
   m.def("empty_cache() -> ()", &sia::empty_cache);
@@ -105,5 +110,6 @@ TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) {
 TORCH_LIBRARY_IMPL(sparse_io_attn_cpu, CPU, m) {
   m.impl("fwd", &sia::fwd);
   m.impl("bwd", &sia::bwd);
+  m.impl("fwd_decode", &sia::fwd_decode);
   m.impl("transpose_masks", &sia::transpose_masks);
 }

@@ -27,16 +27,20 @@ import torch
 
 from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists
-from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, kernel_configs, padded_head_dim
-from sparse_io_attn.block_sparse.traffic import DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS, PREPROCESS_TENSORS
+from sparse_io_attn.block_sparse.tiles import (DECODE_MAX_QUERIES, KernelTiles, choose_tiles, decode_config,
+                                               kernel_configs, padded_head_dim)
+from sparse_io_attn.block_sparse.traffic import (DECODE_MERGE_TENSORS, DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS,
+                                                 FWD_TENSORS, PREPROCESS_TENSORS)
 from sparse_io_attn.block_sparse.triton.bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
                                                     _attn_bwd_preprocess_kernel)
+from sparse_io_attn.block_sparse.triton.decode import _attn_decode_kernel, _attn_decode_merge_kernel
 from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_kernel
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
 TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE_Q", "BLOCK_SIZE_KV")
 PREPROCESS_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
+MERGE_ROWS = 16   # rows per program of the decode merge
 _LAST_TILES: dict[str, tuple[int, int]] = {}
 
 
@@ -94,6 +98,37 @@ def forward_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
     return call, out, lse, stats
 
 
+def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
+    """``(calls, out, lse, stats)``: the decode launches (split-K over each row's kept blocks; a merge
+    when the rows are split: :func:`~sparse_io_attn.block_sparse.tiles.decode_config`) and their
+    (uninitialised) outputs. K and V are passed as they are (any strides)."""
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    cfg = decode_config(plan, B, Hq, Hkv, D, q.dtype)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
+    common = _common(q, k, plan, sm_scale)
+    rows = B * Hq * Nq
+    partial = torch.empty((cfg.splits, rows, 2 + common["HEAD_DIM"]) if cfg.splits > 1 else (1,),
+                          dtype=torch.float32, device=q.device)   # [splits, rows, m, l, acc]
+    config = triton.Config({}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (cfg.splits, B * (Hq // cfg.heads) * plan.num_q_blocks)
+    calls = [Call("attn_decode", _attn_decode_kernel, grid, DECODE_TENSORS, [config], dict(
+        q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, partial_ptr=partial,
+        **_lists(plan.rows, plan.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
+        **_strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=rows, HEADS=cfg.heads,
+        TOKENS=cfg.tokens, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits, **common))]
+    if cfg.splits > 1:
+        calls.append(Call("attn_decode_merge", _attn_decode_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),),
+                          DECODE_MERGE_TENSORS, [triton.Config({}, num_warps=4, num_stages=2)], dict(
+                              partial_ptr=partial, o_ptr=out, lse_ptr=lse, stats_ptr=stats, **_strides(out, "o"),
+                              num_rows=rows, seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_R=MERGE_ROWS,
+                              HEAD_DIM=common["HEAD_DIM"], NUM_SPLITS=cfg.splits,
+                              ELEM_BYTES=common["ELEM_BYTES"])))
+    return calls, out, lse, stats
+
+
 def backward_calls(do, q, k, v, out, stats, plan: AttentionPlan, sm_scale: float):
     """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
     B, Hq, Nq, D = q.shape
@@ -149,8 +184,16 @@ def launched_tiles() -> KernelTiles | None:
                        preprocess=_LAST_TILES["attn_bwd_dq"][0])
 
 
-def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float):
+def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None):
+    """``decode``: run the decode kernels (:func:`decode_calls`); ``None`` (default): when ``Nq <= 16``."""
     check_device(q, "backend 'triton'")
+    if decode is None:
+        decode = q.shape[2] <= DECODE_MAX_QUERIES
+    if decode:
+        calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale)
+        for call in calls:
+            _run(call, q.device)
+        return out, lse, stats
     call, out, lse, stats = forward_calls(q, k, v, plan, sm_scale)
     _run(call, q.device)
     return out, lse, stats

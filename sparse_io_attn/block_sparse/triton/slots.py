@@ -5,7 +5,8 @@ The slot order is defined once, by the tensor tuples of :mod:`sparse_io_attn.blo
 tensor in that tuple, as a ``tl.constexpr`` the kernels pass to :func:`~sparse_io_attn._triton.jit.io_add`.
 """
 from sparse_io_attn._triton.jit import slot
-from sparse_io_attn.block_sparse.traffic import DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS, PREPROCESS_TENSORS
+from sparse_io_attn.block_sparse.traffic import (DECODE_MERGE_TENSORS, DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS,
+                                                FWD_TENSORS, PREPROCESS_TENSORS)
 
 FWD_Q = slot(FWD_TENSORS, "q")
 FWD_K = slot(FWD_TENSORS, "k")
@@ -40,3 +41,18 @@ DQ_DELTA = slot(DQ_TENSORS, "delta")
 DQ_DQ = slot(DQ_TENSORS, "dq")
 DQ_LAYOUT = slot(DQ_TENSORS, "layout")
 DQ_MASK = slot(DQ_TENSORS, "mask")
+
+DEC_Q = slot(DECODE_TENSORS, "q")
+DEC_K = slot(DECODE_TENSORS, "k")
+DEC_V = slot(DECODE_TENSORS, "v")
+DEC_O = slot(DECODE_TENSORS, "o")
+DEC_LSE = slot(DECODE_TENSORS, "lse")
+DEC_STATS = slot(DECODE_TENSORS, "stats")
+DEC_PARTIAL = slot(DECODE_TENSORS, "partial")
+DEC_LAYOUT = slot(DECODE_TENSORS, "layout")
+DEC_MASK = slot(DECODE_TENSORS, "mask")
+
+MERGE_PARTIAL = slot(DECODE_MERGE_TENSORS, "partial")
+MERGE_O = slot(DECODE_MERGE_TENSORS, "o")
+MERGE_LSE = slot(DECODE_MERGE_TENSORS, "lse")
+MERGE_STATS = slot(DECODE_MERGE_TENSORS, "stats")

@@ -7,6 +7,7 @@ import os
 import torch
 
 from sparse_io_attn._cpu.build import load
+from sparse_io_attn.block_sparse.cpu._launch import DECODE_MAX_QUERIES
 from sparse_io_attn.selection.plan import SelectionPlan
 
 #: which kernel family runs: ``"key"`` (key-major: gathered queries per key block, dense tiles) or
@@ -53,11 +54,21 @@ def _plan_args(plan: SelectionPlan, q: torch.Tensor, k: torch.Tensor, lists: boo
                                                  plan.causal_offset)
 
 
-def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
-    """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``."""
+def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None,
+            decode: bool | None = None):
+    """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``.
+
+    ``decode``: run the decode kernel (split-K over each token's selected keys, K/V read in place, no
+    key lists, nothing proportional to Nk), with the scores formed as the family's backward forms
+    them; ``None`` (default): when ``Nq <= 16``."""
     _check_cpu(plan, q, k, v)
     ops = load()
     fam = family(plan, family_name, q)
+    if decode is None:
+        decode = q.shape[2] <= DECODE_MAX_QUERIES
+    if decode:
+        _, ints = _plan_args(plan, q, k, lists=False)
+        return ops.selection_decode_fwd(q, k, v, plan.rows, plan.row_counts, *ints, float(sm_scale), FAMILIES[fam])
     tensors, ints = _plan_args(plan, q, k, lists=fam == "key")
     return ops.selection_fwd(q, k, v, *tensors, *ints, float(sm_scale), FAMILIES[fam])
 

@@ -43,6 +43,7 @@
 // The raw ops check every input (shapes, dtypes, the plan's rows and key lists: ranges, order,
 // consistency) before any work and raise RuntimeError: nothing reads or writes outside its tensors.
 
+#include "decode.h"
 #include "key_major.h"
 #include "plan_ops.h"
 
@@ -212,6 +213,9 @@ TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) {
   m.def("selection_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor rows, "
         "Tensor row_counts, Tensor col_ptr, Tensor col_query, Tensor col_slot, int block_size, int stride_lb, "
         "int heads_per_selection, int? causal_offset, float sm_scale, int family) -> (Tensor, Tensor, Tensor)");
+  m.def("selection_decode_fwd(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor row_counts, int block_size, "
+        "int stride_lb, int heads_per_selection, int? causal_offset, float sm_scale, int family) "
+        "-> (Tensor, Tensor, Tensor)");
   m.def("selection_rows(Tensor indices, Tensor? counts, int num_kv_blocks, int block_size, int? causal_offset) "
         "-> (Tensor, Tensor)");
   m.def("selection_keys(Tensor rows, int num_kv_blocks) -> (Tensor, Tensor, Tensor)");
@@ -220,6 +224,7 @@ TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) {
 TORCH_LIBRARY_IMPL(sparse_io_attn_cpu, CPU, m) {
   m.impl("selection_fwd", &sia::sel::selection_fwd);
   m.impl("selection_bwd", &sia::sel::selection_bwd);
+  m.impl("selection_decode_fwd", &sia::sel::selection_decode_fwd);
   m.impl("selection_rows", &sia::sel::selection_rows);
   m.impl("selection_keys", &sia::sel::selection_keys);
 }

@@ -89,7 +89,9 @@ std::tuple<at::Tensor, at::Tensor> selection_rows(const at::Tensor& indices, con
     const index_t* src = idx.data_ptr<index_t>();
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(K, 1));
     at::parallel_for(0, L * Nq, grain, [&](int64_t lo, int64_t hi) {
-      std::vector<uint64_t> bits(static_cast<size_t>(cdiv(std::max<int64_t>(nkb, 1), 64)), 0);
+      // the bitmap serves rows whose allowed blocks span at most 4 K + 16 words (others are sorted):
+      // its size depends on K, never on the number of key blocks
+      std::vector<uint64_t> bits(static_cast<size_t>(std::min(cdiv(std::max<int64_t>(nkb, 1), 64), 4 * K + 16)), 0);
       std::vector<int32_t> vals(static_cast<size_t>(K));
       for (int64_t r = lo; r < hi; ++r) {
         const int64_t t = r % Nq;

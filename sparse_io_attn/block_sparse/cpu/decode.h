@@ -1,0 +1,201 @@
+// Decode forward (Nq <= dec::MAX_QUERIES: decoding, speculative verification): split-K over the kept
+// blocks of the decoded rows, K/V read in place. Part of kernel.cpp's single translation unit; the
+// engine (units, splits, the fixed-order merge) is _cpu/split_k.h.
+//
+// A unit is (batch, kv head, query block, a run of consecutive query heads of the GQA group whose
+// row lists are equal): its rows are those heads x the block's tokens, one small matrix that shares
+// every K/V tile. Its entries are the row's partial blocks, then its full blocks (the CSR lists of
+// the plan); an item is a chunk of at most CHUNK keys of one entry. Per item: the K rows (in place,
+// or converted to fp32), K^T in a tile, S = Q K^T by brgemm (D summed in order, as the prefill
+// backward recomputes it), masks for a partial block (ragged end, the causal test, the element-mask
+// bits, the chunk trimmed to the mask's bounding box and the causal limit first), the online
+// softmax, then acc += P V by brgemm (V in place or converted). Nothing is read or packed outside
+// the kept blocks; the work buffers depend on the rows, the head dim and the kept blocks only.
+#pragma once
+
+#include "schedule.h"
+#include "split_k.h"
+
+namespace sia {
+
+struct DecUnit {
+  int64_t b, kv, h0, nh;  // batch, kv head, first query head, query heads
+  int64_t r, m0, nt;      // query block, first token, tokens
+  int64_t row;            // the list row of the unit's heads (lid * (nqb + 1) + r)
+  int64_t np, ne;         // partial entries, entries (partial then full)
+  int64_t pre;            // offset of the unit's item prefix [ne + 1] in DecPlan::pre
+  int64_t items, splits;
+  int64_t rows() const { return nh * nt; }
+};
+
+struct DecPlan {
+  std::vector<DecUnit> units;
+  std::vector<int64_t> pre;    // per unit: items before each entry
+  std::vector<int64_t> task0;  // per unit: its first task
+  std::vector<int64_t> part0;  // per unit: offset of its partial slots (floats)
+  int64_t tasks = 0, partial_floats = 0, max_rows = 0;
+};
+
+// Whether list rows x and y hold the same entries.
+static bool same_list(const Lists& L, int64_t x, int64_t y) {
+  const int64_t np = L.part_ptr[x + 1] - L.part_ptr[x], nf = L.full_ptr[x + 1] - L.full_ptr[x];
+  if (np != L.part_ptr[y + 1] - L.part_ptr[y] || nf != L.full_ptr[y + 1] - L.full_ptr[y]) return false;
+  const int64_t px = L.part_ptr[x], py = L.part_ptr[y], fx = L.full_ptr[x], fy = L.full_ptr[y];
+  for (int64_t e = 0; e < np; ++e)
+    if (L.part_idx[px + e] != L.part_idx[py + e] || L.part_mask[px + e] != L.part_mask[py + e]) return false;
+  for (int64_t e = 0; e < nf; ++e)
+    if (L.full_idx[fx + e] != L.full_idx[fy + e]) return false;
+  return true;
+}
+
+static DecPlan decode_plan(const Problem& P, const Lists& L) {
+  DecPlan dp;
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t kv = 0; kv < P.Hkv; ++kv)
+      for (int64_t r = 0; r < P.nqb; ++r) {
+        const int64_t m0 = r * P.bq, nt = std::min(P.bq, P.Nq - m0);
+        for (int64_t h = kv * P.G; h < (kv + 1) * P.G;) {
+          const int64_t row = (b * P.slb + h * P.slh) * (P.nqb + 1) + r;
+          int64_t h1 = h + 1;
+          while (h1 < (kv + 1) * P.G && same_list(L, row, (b * P.slb + h1 * P.slh) * (P.nqb + 1) + r)) ++h1;
+          const int64_t np = L.part_ptr[row + 1] - L.part_ptr[row], nf = L.full_ptr[row + 1] - L.full_ptr[row];
+          dp.units.push_back(DecUnit{b, kv, h, h1 - h, r, m0, nt, row, np, np + nf,
+                                     static_cast<int64_t>(dp.pre.size()), 0, 1});
+          DecUnit& u = dp.units.back();
+          int64_t items = 0;
+          dp.pre.push_back(0);
+          for (int64_t e = 0; e < u.ne; ++e) {
+            const int64_t c = e < np ? L.part_idx[L.part_ptr[row] + e] : L.full_idx[L.full_ptr[row] + e - np];
+            items += cdiv(std::max<int64_t>(1, std::min(P.bk, P.Nk - c * P.bk)), dec::CHUNK);
+            dp.pre.push_back(items);
+          }
+          u.items = items;
+          h = h1;
+        }
+      }
+  const int64_t U = static_cast<int64_t>(dp.units.size());
+  for (DecUnit& u : dp.units) {
+    u.splits = u.items == 0 ? 1 : dec::num_splits(u.ne * P.bk, u.items, U);
+    dp.task0.push_back(dp.tasks);
+    dp.part0.push_back(dp.partial_floats);
+    dp.tasks += u.splits;
+    dp.partial_floats += u.splits * u.rows() * (P.D + 2);
+    dp.max_rows = std::max(dp.max_rows, u.rows());
+  }
+  return dp;
+}
+
+template <typename T>
+struct DecIn {
+  dec::Operand<T> q, k, v;
+  T* out;
+  float *lse, *st_m, *st_l;
+};
+
+// Task (unit u, split s): the online softmax over the split's items, then its partial; the unit's
+// last task merges.
+template <typename T>
+static void decode_task(const Problem& P, const Lists& L, const DecPlan& dp, const DecIn<T>& in, float* partials,
+                        std::atomic<int64_t>* done, int64_t task, dec::Work& w) {
+  const auto [ui, s] = dec::task_of(dp.task0, task);
+  const DecUnit& u = dp.units[ui];
+  const int64_t D = P.D, R = u.rows(), nt = u.nt;
+  const int64_t stride = R * (D + 2);
+  float* slot = partials + dp.part0[ui] + s * stride;
+  // the unit's query rows (head-major: row i is head h0 + i / nt, token m0 + i % nt) in fp32
+  for (int64_t i = 0; i < R; ++i) dec::to_f32(in.q.row(u.b, u.h0 + i / nt, u.m0 + i % nt), in.q.sd, D, w.q.p + i * D);
+  w.reset(R, D);
+  const auto [lo, hi] = dec::split_items(u.items, u.splits, s);
+  const int64_t* pre = dp.pre.data() + u.pre;
+  int64_t e = std::upper_bound(pre, pre + u.ne + 1, lo) - pre - 1;
+  const int64_t m_last = u.m0 + nt - 1;
+  for (int64_t it = lo; it < hi; ++it) {
+    while (pre[e + 1] <= it) ++e;
+    const bool partial = e < u.np;
+    const int64_t c = partial ? L.part_idx[L.part_ptr[u.row] + e] : L.full_idx[L.full_ptr[u.row] + e - u.np];
+    const int32_t mid = partial ? L.part_mask[L.part_ptr[u.row] + e] : -1;
+    const int64_t n0 = c * P.bk, nblk = std::min(P.bk, P.Nk - n0);
+    const int64_t j0 = (it - pre[e]) * dec::CHUNK;
+    int64_t a = j0, end = std::min(j0 + dec::CHUNK, nblk);  // the chunk's columns [a, end) of the block
+    if (partial) {  // trim to the columns that can hold an allowed element
+      if (mid >= 0) {
+        const int32_t* box = P.boxes.data() + static_cast<int64_t>(mid) * 4;
+        a = std::max<int64_t>(a, box[2]);
+        end = std::min<int64_t>(end, box[3]);
+      }
+      if (P.causal) end = std::min<int64_t>(end, m_last + P.delta - n0 + 1);
+      if (a >= end) continue;
+      a = std::max<int64_t>(j0, a / 16 * 16);  // mask words are read from multiples of 16
+    }
+    const int64_t nc = end - a, k0 = n0 + a;
+    int64_t ldk, ldv;
+    const float* kr = dec::rows_f32(in.k, u.b, u.kv, k0, nc, D, w.kv.p, ldk);
+    dec::transpose_keys(kr, ldk, nc, D, w.kt.p);
+    gemm(R, nc, D, D, dec::CHUNK, dec::LDS, false, w.q.p, w.kt.p, w.s.p);  // S = Q K^T  [R, nc]
+    for (int64_t i = 0; i < R; ++i) {
+      float* srow = w.s.p + i * dec::LDS;
+      if (!partial) {
+        dec::softmax_row(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, dec::AllBits{});
+        continue;
+      }
+      const int64_t m = u.m0 + i % nt;  // the row's query token
+      const int64_t nallow = P.causal ? std::min(nc, m + P.delta - k0 + 1) : nc;
+      const int32_t* bits = mid >= 0 ? P.masks + (static_cast<int64_t>(mid) * P.bq + (m - u.r * P.bq)) * P.W : nullptr;
+      dec::softmax_row(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, [&](int64_t jv) {
+        const uint32_t kb = len_bits(nallow - jv);
+        return bits != nullptr && kb ? kb & word_bits(bits, a + jv) : kb;
+      });
+    }
+    const float* vr = dec::rows_f32(in.v, u.b, u.kv, k0, nc, D, w.kv.p, ldv);
+    gemm(R, D, nc, dec::LDS, ldv, D, true, w.s.p, vr, w.acc.p);  // acc += P V  [R, D]
+  }
+  dec::write_partial(slot, w, R, D);
+  if (done[ui].fetch_add(1, std::memory_order_acq_rel) + 1 != u.splits) return;
+  for (int64_t i = 0; i < R; ++i) {  // the unit's last task: merge its splits in order
+    const int64_t row = (u.b * P.Hq + u.h0 + i / nt) * P.Nq + u.m0 + i % nt;
+    dec::merge_row(partials + dp.part0[ui], u.splits, stride, R, D, i, w.kv.p, in.out + row * D, in.lse + row,
+                   in.st_m + row, in.st_l + row);
+  }
+}
+
+// The decode forward op: fwd's arguments and results (see kernel.cpp), for any Nq (meant for
+// Nq <= dec::MAX_QUERIES).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_decode(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& full_ptr,
+    const at::Tensor& full_idx, const at::Tensor& part_ptr, const at::Tensor& part_idx,
+    const at::Tensor& part_mask, const at::Tensor& masks, int64_t block_q, int64_t block_k, int64_t stride_lb,
+    int64_t stride_lh, std::optional<int64_t> causal_offset, double sm_scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "sparse_io_attn cpu: tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
+                  q.size(3) == k.size(3),
+              "sparse_io_attn cpu: q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] expected");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "sparse_io_attn cpu: q, k, v must share a dtype");
+  dec::Tally tally;
+  const Problem P = make_problem(q, k, block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale, masks);
+  const Lists L = lists_of(P, true, full_ptr, full_idx, part_ptr, part_idx, part_mask);
+  auto out = at::empty({P.B, P.Hq, P.Nq, P.D}, q.options());
+  auto f32 = q.options().dtype(at::kFloat);
+  auto lse = at::empty({P.B, P.Hq, P.Nq}, f32);
+  auto stats = at::empty({2, P.B, P.Hq, P.Nq}, f32);
+  if (P.B * P.Hq * P.Nq * P.D == 0) return {out, lse, stats};
+  const DecPlan dp = decode_plan(P, L);
+  Buf partials(dp.partial_floats);
+  tally.add(partials);
+  std::vector<std::atomic<int64_t>> done(dp.units.size());
+  for (auto& d : done) d.store(0);
+  float* st_m = stats.data_ptr<float>();
+  dispatch(q.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const DecIn<scalar_t> in{dec::Operand<scalar_t>(q), dec::Operand<scalar_t>(k), dec::Operand<scalar_t>(v),
+                             out.data_ptr<scalar_t>(), lse.data_ptr<float>(), st_m, st_m + P.B * P.Hq * P.Nq};
+    run_tasks(dp.tasks, [&] { return std::make_unique<dec::Work>(dp.max_rows, P.D, 0, tally); },
+              [&](int64_t t, dec::Work& w) { decode_task<scalar_t>(P, L, dp, in, partials.p, done.data(), t, w); });
+  });
+  return {out, lse, stats};
+}
+
+int64_t decode_work_bytes() { return dec::work_bytes().load(); }
+
+}  // namespace sia

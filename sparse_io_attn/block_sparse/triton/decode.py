@@ -1,0 +1,192 @@
+"""Block-sparse decode kernels (``@triton.jit`` only; the launcher is :mod:`.launch`): one query
+token or a few (``Nq <= 16``: decoding, speculative verification) against a long KV cache,
+split-K (flash-decoding) over the kept blocks of the decoded rows.
+
+``_attn_decode_kernel``: one program per (split ``s``, batch x head group x query block). Its rows
+are ``HEADS`` query heads (a GQA group whose heads share one list, or one head) times the
+``TOKENS`` rows of the query block, one ``[BLOCK_M, HEAD_DIM]`` tile that shares every K/V tile.
+The row's items (key tiles of ``BLOCK_N`` keys of its kept blocks: partial blocks first, then full
+ones, as the forward walks them) are cut into ``NUM_SPLITS`` contiguous ranges; the program walks
+the partial and full items of range ``s`` with the forward's step (:func:`.fwd._attn_fwd_step`:
+the same masks, scores and online softmax). With one split it writes ``o``, ``lse`` and ``stats``
+like the forward; otherwise its partial row results (``m``, ``l`` and the unnormalised ``acc``, fp32)
+go to the ``partial`` buffer and ``_attn_decode_merge_kernel`` merges each row's splits in split
+order (log-sum-exp), then writes ``o``, ``lse``, ``stats``. K/V are read where they live (any
+strides): nothing outside the kept blocks is touched.
+
+With ``COUNT_IO`` each program tallies the bytes it moves per tensor (the forward's convention;
+the traffic model is :func:`sparse_io_attn.block_sparse.traffic.block_sparse_decode_forward`).
+"""
+from __future__ import annotations
+
+from sparse_io_attn._triton.jit import LN2, LOG2E, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_step
+from sparse_io_attn.block_sparse.triton.slots import (DEC_K, DEC_LAYOUT, DEC_LSE, DEC_MASK, DEC_O, DEC_PARTIAL,
+                                                      DEC_Q, DEC_STATS, DEC_V, MERGE_LSE, MERGE_O, MERGE_PARTIAL,
+                                                      MERGE_STATS)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, offs_d, mask_r, mask_d, stats_stride):
+    """The rows' outputs from ``(acc, l, m)``: ``o = acc / l`` (0 on empty rows), ``lse`` (natural log,
+    ``-inf`` on empty rows) and ``stats`` (row maximum, log2 row sum; ``+inf``/0 on empty rows)."""
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=mask_r[:, None] & mask_d[None, :])
+    tl.store(lse_ptr + rows_out, tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2), mask=mask_r)
+    tl.store(stats_ptr + rows_out, tl.where(empty, float("inf"), m_i), mask=mask_r)
+    tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_r)
+
+
+@triton.jit
+def _attn_decode_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr,
+    full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
+    stride_qz, stride_qh, stride_qm, stride_qd,
+    stride_kz, stride_kh, stride_kn, stride_kd,
+    stride_vz, stride_vh, stride_vn, stride_vd,
+    stride_oz, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, num_q_blocks, stats_stride,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
+    HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
+    split = tl.program_id(0)
+    pid = tl.program_id(1)
+    r = pid % num_q_blocks                                  # query block
+    zg = pid // num_q_blocks
+    groups = num_heads_q // HEADS
+    off_z = (zg // groups).to(tl.int64)
+    h0 = (zg % groups) * HEADS                              # first query head of the program
+    off_hkv = (h0 // (num_heads_q // num_heads_kv)).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_M)
+    head = h0 + offs_r // TOKENS                            # [BLOCK_M]: row i is head h0 + i // TOKENS,
+    row_in_block = offs_r % TOKENS                          # token r * BLOCK_SIZE_Q + i % TOKENS
+    offs_m = r * BLOCK_SIZE_Q + row_in_block
+    mask_m = (offs_r // TOKENS < HEADS) & (row_in_block < BLOCK_SIZE_Q) & (offs_m < seqlen_q)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+
+    q = tl.load(q_ptr + off_z * stride_qz + head.to(tl.int64)[:, None] * stride_qh + offs_m[:, None] * stride_qm
+                + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
+    v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
+
+    # the program's list row, and its items: partial tiles [0, P), full tiles [P, T); split s takes [lo, hi)
+    row = (off_z * stride_lb + h0 * stride_lh) * (num_q_blocks + 1) + r
+    part_start = tl.load(part_ptr_ptr + row)
+    part_end = tl.load(part_ptr_ptr + row + 1)
+    full_start = tl.load(full_ptr_ptr + row)
+    full_end = tl.load(full_ptr_ptr + row + 1)
+    n_part = (part_end - part_start) * TILES_N
+    n_items = n_part + (full_end - full_start) * TILES_N
+    lo = (split * n_items) // NUM_SPLITS
+    hi = ((split + 1) * n_items) // NUM_SPLITS
+    part_hi = tl.minimum(hi, n_part)
+    full_lo = tl.maximum(lo, n_part) - n_part
+    full_hi = tl.maximum(hi, n_part) - n_part
+    m_last = tl.minimum(r * BLOCK_SIZE_Q + BLOCK_SIZE_Q, seqlen_q) - 1   # last query token of the block
+
+    qk_scale = sm_scale * LOG2E
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    keys_loaded = tl.zeros([], dtype=tl.int64)
+    mask_rows = tl.zeros([], dtype=tl.int64)
+    for t in range(lo, part_hi):
+        acc, l_i, m_i, keys_loaded, mask_rows = _attn_fwd_step(
+            acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, part_idx_ptr + part_start,
+            part_mask_ptr + part_start, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
+            MASKED=True)
+    for t in range(full_lo, full_hi):
+        acc, l_i, m_i, keys_loaded, mask_rows = _attn_fwd_step(
+            acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, full_idx_ptr + full_start,
+            part_mask_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
+            MASKED=False)
+
+    rows_out = (off_z * num_heads_q + head) * seqlen_q + offs_m      # [BLOCK_M]: the rows' flat index
+    if NUM_SPLITS == 1:
+        _store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out,
+                    off_z * stride_oz + head.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
+                    mask_m, mask_d, stats_stride)
+    else:   # partial [NUM_SPLITS, rows, 2 + HEAD_DIM]: m, l, acc of each (split, row)
+        base = partial_ptr + (split * stats_stride + rows_out.to(tl.int64)) * (2 + HEAD_DIM)
+        tl.store(base, m_i, mask=mask_m)
+        tl.store(base + 1, l_i, mask=mask_m)
+        tl.store(base[:, None] + 2 + offs_d[None, :], acc, mask=mask_m[:, None] & mask_d[None, :])
+
+    if COUNT_IO:
+        rows = tl.sum(mask_m.to(tl.int64))
+        row_bytes = head_dim * ELEM_BYTES
+        keys_loaded += (full_hi - full_lo).to(tl.int64) * BLOCK_N
+        io_add(io_ptr, DEC_Q, rows * row_bytes, 0)
+        io_add(io_ptr, DEC_K, keys_loaded * row_bytes, 0)
+        io_add(io_ptr, DEC_V, keys_loaded * row_bytes, 0)
+        if NUM_SPLITS == 1:
+            io_add(io_ptr, DEC_O, 0, rows * row_bytes)
+            io_add(io_ptr, DEC_LSE, 0, rows * 4)
+            io_add(io_ptr, DEC_STATS, 0, rows * 8)
+        else:
+            io_add(io_ptr, DEC_PARTIAL, 0, rows * (2 + head_dim) * 4)
+        n_tiles = (part_hi - lo).to(tl.int64)
+        n_tiles = tl.where(n_tiles > 0, n_tiles, 0)
+        io_add(io_ptr, DEC_LAYOUT, (4 + 2 * n_tiles + (full_hi - full_lo)) * 4, 0)
+        io_add(io_ptr, DEC_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)
+
+
+@triton.jit
+def _attn_decode_merge_kernel(
+    partial_ptr, o_ptr, lse_ptr, stats_ptr, io_ptr,
+    stride_oz, stride_oh, stride_om, stride_od,
+    num_rows, seqlen_q, num_heads_q, head_dim,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    COUNT_IO: tl.constexpr,
+):
+    """One program per ``BLOCK_R`` rows: the splits' partial results merged in split order
+    (``M = max m_s``, ``L = sum l_s 2^(m_s - M)``, ``o = sum acc_s 2^(m_s - M) / L``, as a running
+    merge), then ``o``, ``lse``, ``stats``. Splits without an allowed key (``l_s = 0``) add nothing."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < num_rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+    for s in tl.range(0, NUM_SPLITS, num_stages=2):   # (its own stages: the pipeliner multi-buffers the loads)
+        base = partial_ptr + (s * num_rows + rows.to(tl.int64)) * (2 + HEAD_DIM)
+        m_s = tl.load(base, mask=mask_r, other=float("-inf"))
+        l_s = tl.load(base + 1, mask=mask_r, other=0.0)
+        a_s = tl.load(base[:, None] + 2 + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+        live = l_s != 0.0
+        m_new = tl.where(live, tl.maximum(m_i, m_s), m_i)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)    # finite: no -inf - -inf
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.math.exp2(m_i - m_ref))
+        beta = tl.where(live, tl.math.exp2(m_s - m_ref), 0.0)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_i = m_new
+    z = rows // (num_heads_q * seqlen_q)
+    h = (rows // seqlen_q) % num_heads_q
+    m = rows % seqlen_q
+    _store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows,
+                z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + m * stride_om, offs_d * stride_od,
+                mask_r, mask_d, num_rows)
+    if COUNT_IO:
+        n = tl.sum(mask_r.to(tl.int64))
+        io_add(io_ptr, MERGE_PARTIAL, n * NUM_SPLITS * (2 + head_dim) * 4, 0)
+        io_add(io_ptr, MERGE_O, 0, n * head_dim * ELEM_BYTES)
+        io_add(io_ptr, MERGE_LSE, 0, n * 4)
+        io_add(io_ptr, MERGE_STATS, 0, n * 8)
