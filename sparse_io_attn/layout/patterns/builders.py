@@ -210,7 +210,8 @@ def longformer(seqlen, block_size, window: int | None = None, global_tokens: int
     gcols = torch.unique(torch.div(k_pos, g.bk, rounding_mode="floor"))
     _check_size(g.band_count(lo, window) + _global_count(g, grows, gcols, causal))
     rb, cb = g.band(lo, window)
-    r1, c1 = grows.repeat_interleave(g.C), g.cols().repeat(grows.numel())
+    r1 = grows.repeat_interleave(g.C)         # global query rows: every key block (none listed when no row is)
+    c1 = g.cols().repeat(grows.numel()) if grows.numel() else _zeros(0)
     r2, c2 = g.rows().repeat(gcols.numel()), gcols.repeat_interleave(g.R)
     r, c = torch.cat([rb, r1, r2]), torch.cat([cb, c1, c2])
     if causal:
