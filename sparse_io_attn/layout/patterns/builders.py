@@ -459,14 +459,14 @@ def document(cu_seqlens, block_size, *, causal: bool = False, rows=None) -> Bloc
     row_doc = torch.where(first_doc == last_doc, first_doc, -1)
     row_pat = _boundary_ids(doc, g.q_lo(g.rows()), row_doc < 0, g.bq)
     row_first = first_doc
-    held = torch.unique(c)
+    held = torch.unique(c) if g.restricted else g.cols()     # the whole grid's candidates meet about every column
     first_doc, last_doc = doc(g.k_lo(held)), doc(g.k_hi(held))
     held_doc = torch.where(first_doc == last_doc, first_doc, -2)
     held_pat = _boundary_ids(doc, g.k_lo(held), held_doc < 0, g.bk)
     held_first = first_doc
 
     def col(table, c_):
-        return table[torch.searchsorted(held, c_)]
+        return table[torch.searchsorted(held, c_)] if g.restricted else table[c_]
 
     def one_doc(r_, c_):
         return row_doc[r_] == col(held_doc, c_)
