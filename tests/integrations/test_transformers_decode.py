@@ -122,3 +122,34 @@ def test_decode_layouts_are_kept_in_a_bounded_shared_cache():
     assert hf_layouts.layout_no_mask(attn, 7, 7, cpu)[0] is prefill
     hf_layouts.reset_layouts(model)
     assert not hf_layouts._ROWS
+
+
+@pytest.mark.parametrize("case", ["left-padded", "static-cache"])
+def test_masked_decode_steps_build_rows_not_the_square(case, monkeypatch):
+    """Decode steps that carry an element mask (a padded batch, a static cache: the keys are the
+    preallocated slots) build the pattern's rows too, and still equal greedy decoding by full
+    prefills with the same mask and positions."""
+    hf_layouts.reset_layouts()
+    sp = _model({"pattern": "longformer:window=3,global=2", "block_size": 4})
+    ids = torch.randint(1, VOCAB, (2, 9))
+    am = torch.ones_like(ids)
+    if case == "left-padded":
+        am[0, :3] = 0
+    squares = []
+    real = hf_layouts._square_layout
+    monkeypatch.setattr(hf_layouts, "_square_layout", lambda pat, n: squares.append(n) or real(pat, n))
+    kw = {"cache_implementation": "static"} if case == "static-cache" else {}
+    out = sp.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                      return_dict_in_generate=True, output_logits=True, **kw)
+    assert set(squares) <= {ids.shape[1]}, squares          # a prefill's square at most, no decode step's
+    got, got_logits = out.sequences, torch.stack(out.logits, 1)
+    want, logits = ids, []
+    with torch.no_grad():
+        for _ in range(NEW):
+            mask = torch.cat([am, torch.ones(2, want.shape[1] - am.shape[1], dtype=am.dtype)], 1)
+            pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)      # as generate() places the tokens
+            last = sp(want, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, -1]
+            logits.append(last)
+            want = torch.cat([want, last.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(got, want)
+    assert rel_err(got_logits, torch.stack(logits, 1)) < 1e-5
