@@ -87,7 +87,8 @@ def test_sparse_generate_equals_greedy_by_full_prefills(spec, monkeypatch):
 
 def test_decode_step_metadata_at_a_million_keys_reads_only_the_window(monkeypatch):
     """One query against 2**20 cached keys: the layout holds the window's blocks only, the square
-    pattern is never built, and the per-module cache does not keep the one-off lengths."""
+    pattern is never built, one build serves both layers, and a module keeps only its last few
+    decode lengths."""
     hf_layouts.reset_layouts()
     model = _model({"pattern": "sliding_window:window=256", "block_size": 64})
     attn = [layer.self_attn for layer in model.model.layers]
@@ -97,7 +98,8 @@ def test_decode_step_metadata_at_a_million_keys_reads_only_the_window(monkeypatc
 
     monkeypatch.setattr(hf_layouts, "_square_layout", refuse)
     N = 1 << 20
-    for step in range(3):
+    steps = hf_layouts._MODULE_RECENT_SIZE + 3
+    for step in range(steps):
         kv = N - 2 + step
         first, _ = hf_layouts.layout_no_mask(attn[0], 1, kv, torch.device("cpu"))
         second, _ = hf_layouts.layout_no_mask(attn[1], 1, kv, torch.device("cpu"))
@@ -105,10 +107,11 @@ def test_decode_step_metadata_at_a_million_keys_reads_only_the_window(monkeypatc
         assert first.seqlen == (1, kv) and first.nnz_blocks <= 5
         _, _, c = first.entries()
         assert c.tolist() == list(range((kv - 1 - 256) // 64, (kv - 1) // 64 + 1))
-    assert all(not getattr(a, hf_layouts._MODULE_CACHE_ATTR, {}) for a in attn)
+    kept = [(1, N - 2 + step, "cpu", "bottom_right") for step in range(3, steps)]
+    assert all(list(getattr(a, hf_layouts._MODULE_CACHE_ATTR)) == kept for a in attn)
 
 
-def test_decode_layouts_are_kept_in_a_bounded_shared_cache():
+def test_decode_layouts_are_kept_in_a_bounded_shared_cache(monkeypatch):
     hf_layouts.reset_layouts()
     model = _model({"pattern": "sliding_window:window=5", "block_size": 4})
     attn = model.model.layers[0].self_attn
@@ -118,10 +121,19 @@ def test_decode_layouts_are_kept_in_a_bounded_shared_cache():
         layout, _ = hf_layouts.layout_no_mask(attn, 1, kv, cpu)
         assert layout.equal(hf_layouts._square_layout(hf_layouts.module_pattern(attn), kv).rows(kv - 1, kv))
     assert len(hf_layouts._ROWS) == hf_layouts._ROWS_CACHE_SIZE
-    assert list(getattr(attn, hf_layouts._MODULE_CACHE_ATTR)) == [(7, 7, "cpu", "bottom_right")]
+    recent = list(range(kv + 1 - hf_layouts._MODULE_RECENT_SIZE, kv + 1))
+    assert list(getattr(attn, hf_layouts._MODULE_CACHE_ATTR)) == [(7, 7, "cpu", "bottom_right")] + [
+        (1, k, "cpu", "bottom_right") for k in recent]
+
+    def refuse(*args):
+        raise AssertionError("rebuilt a layout the module keeps")
+
+    monkeypatch.setattr(hf_layouts, "_build_no_mask", refuse)   # what a compiled forward must not call
     assert hf_layouts.layout_no_mask(attn, 7, 7, cpu)[0] is prefill
+    assert hf_layouts.layout_no_mask(attn, 1, kv, cpu)[0] is layout
+    monkeypatch.undo()
     hf_layouts.reset_layouts(model)
-    assert not hf_layouts._ROWS
+    assert not hf_layouts._ROWS and not hasattr(attn, hf_layouts._MODULE_CACHE_ATTR)
 
 
 @pytest.mark.parametrize("case", ["left-padded", "static-cache"])
@@ -153,3 +165,24 @@ def test_masked_decode_steps_build_rows_not_the_square(case, monkeypatch):
             want = torch.cat([want, last.argmax(-1, keepdim=True)], 1)
     assert torch.equal(got, want)
     assert rel_err(got_logits, torch.stack(logits, 1)) < 1e-5
+
+
+def test_callable_pattern_decodes_from_its_square_layout():
+    """A callable pattern can only be asked for ``(n, n)``: its decode steps take the rows of that
+    layout; a layer whose callable returns ``None`` (dense) decodes densely."""
+    from sparse_io_attn import patterns
+
+    calls = []
+
+    def fn(sq, sk, layer_idx):
+        calls.append((sq, sk, layer_idx))
+        return patterns.sliding_window((sq, sk), 4, window=4) if layer_idx == 0 else None
+
+    hf_layouts.reset_layouts()
+    sp = _model(fn)
+    ids = torch.randint(1, VOCAB, (2, 8))
+    got, got_logits = _greedy(sp, ids)
+    want, want_logits = _greedy_by_prefill(sp, ids)
+    assert torch.equal(got, want)
+    assert rel_err(got_logits, want_logits) < 1e-5
+    assert {(n, n, layer) for n in range(8, 8 + NEW) for layer in (0, 1)} <= set(calls)
