@@ -6,7 +6,7 @@ made per sequence (:func:`selection_layout_with_mask`). Building is kept out of 
 graphs."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Optional
 
 import torch
@@ -21,8 +21,14 @@ from sparse_io_attn.layout.selection import layout_from_selection
 _SQUARE_CACHE_SIZE = 64     # (pattern, n) -> square layout, shared by every model and layer (LRU)
 _MODULE_CACHE_SIZE = 256    # (seqlen_q, seqlen_k, device) -> layout, per attention module (cleared when full)
 _MODULE_CACHE_ATTR = "_sparse_io_attn_layouts"
+_MODULE_RECENT_ATTR = "_sparse_io_attn_recent"   # the KV-cache keys (seqlen_q < seqlen_k) in the module's cache
+_MODULE_RECENT_SIZE = 4     # KV-cache lengths a module keeps: a decode step's seqlen_k is new every token
+#: (pattern, backend, seqlen_q, seqlen_k, device, causal) -> finished layout of a KV-cache call (seqlen_q < seqlen_k),
+#: shared by every layer (LRU): each decode step has a new seqlen_k, built once for all layers of the step
+_ROWS_CACHE_SIZE = 32
 
 _SQUARE: "OrderedDict[tuple, Optional[BlockSparseLayout]]" = OrderedDict()
+_ROWS: "OrderedDict[tuple, tuple]" = OrderedDict()
 
 
 def _square_layout(pat: LayerPattern, n: int) -> Optional[BlockSparseLayout]:
@@ -55,20 +61,33 @@ def _square_layout(pat: LayerPattern, n: int) -> Optional[BlockSparseLayout]:
     return layout
 
 
+def _rows_layout(pat: LayerPattern, q_start: int, q: int, n: int) -> Optional[BlockSparseLayout]:
+    """The pattern on ``n`` positions, rows ``[q_start, q_start + q)`` against all ``n`` keys (``seqlen
+    (q, n)``; ``None``: dense). A spec string is built from those rows alone
+    (``patterns.from_spec(..., rows=...)``: O(the blocks those rows keep), not O(n)); a callable
+    pattern can only be asked for the whole ``(n, n)`` layout, whose rows are then taken."""
+    if pat.is_dense:
+        return None
+    if isinstance(pat.pattern, str):
+        return patterns.from_spec(pat.pattern, n, pat.block_size, rows=(q_start, q_start + q))
+    square = _square_layout(pat, n)
+    return None if square is None else square.rows(q_start, q_start + q)
+
+
 def _window_layout(pat: LayerPattern, q_start: int, kv_start: int, q: int, kv: int) -> Optional[BlockSparseLayout]:
     """The pattern's elements for query positions ``[q_start, q_start + q)`` against key positions
-    ``[kv_start, kv_start + kv)`` (``seqlen (q, kv)``), or ``None`` for dense."""
+    ``[kv_start, kv_start + kv)`` (``seqlen (q, kv)``), or ``None`` for dense. The pattern is the one on
+    ``n = max(q_start + q, kv_start + kv)`` positions: a prefill (``q == kv == n``) uses the cached
+    square layout, other calls (decode steps, chunked prefill, static caches) the rows of their
+    queries, built from those rows alone (:func:`_rows_layout`)."""
     n = max(q_start + q, kv_start + kv)
-    square = _square_layout(pat, n)
-    if square is None:
-        return None
     if q_start == 0 and kv_start == 0 and q == n and kv == n:
-        return square
-    rows = square.rows(q_start, q_start + q)
-    if kv_start == 0 and kv == n:
+        return _square_layout(pat, n)
+    rows = _rows_layout(pat, q_start, q, n)
+    if rows is None or (kv_start == 0 and kv == n):
         return rows
     return BlockSparseLayout.from_dense_mask(rows.to_dense_mask()[0, :, :, kv_start:kv_start + kv],
-                                             square.block_size, name=f"{square.name}[{q_start}:,{kv_start}:]")
+                                             rows.block_size, name=f"{rows.name}[:,{kv_start}:]")
 
 
 def pattern_layout(config, seqlen: int, layer_idx: int = 0) -> Optional[BlockSparseLayout]:
@@ -86,7 +105,8 @@ def _finish(layout: BlockSparseLayout, device: torch.device, causal) -> BlockSpa
 
 
 def layout_no_mask(module, q: int, kv: int, device: torch.device, causal="bottom_right"):
-    """``(layout, backend)`` for a call without an element mask (cached on the module)."""
+    """``(layout, backend)`` for a call without an element mask, cached on the module (a KV-cache
+    call's only for the module's last few such lengths, :func:`_build_no_mask`)."""
     cache = getattr(module, _MODULE_CACHE_ATTR, None)
     if cache is not None:
         hit = cache.get((q, kv, str(device), causal))
@@ -98,12 +118,28 @@ def layout_no_mask(module, q: int, kv: int, device: torch.device, causal="bottom
 @torch.compiler.disable(reason="sparse_io_attn: building a layout for a new sequence length is data-dependent; "
                         "run one eager forward per length before torch.compile(..., fullgraph=True)")
 def _build_no_mask(module, q: int, kv: int, device: torch.device, causal):
+    """The queries are the last ``q`` of ``kv`` positions (bottom-right). A KV-cache call (``q < kv``:
+    a decode step) builds the rows ``[kv - q, kv)`` only, O(the blocks they keep), never the ``kv x kv``
+    pattern, once for all layers of the step (the shared LRU ``_ROWS``); each module keeps only its
+    last ``_MODULE_RECENT_SIZE`` such lengths (one eager call per length before ``torch.compile``
+    still finds its layout there), so one-off decode lengths do not fill its cache."""
     check_lengths(q, kv)
     pat = module_pattern(module)
-    layout = _window_layout(pat, kv - q, 0, q, kv)   # queries are the last q positions (bottom-right)
+    key = (q, kv, str(device), causal)
+    shared = (pat.key, pat.backend, *key)
+    if q < kv and shared in _ROWS:
+        _ROWS.move_to_end(shared)
+        return _remember_recent(module, key, _ROWS[shared])
+    layout = _window_layout(pat, kv - q, 0, q, kv)
     if layout is None:
         layout = patterns.dense((q, kv), pat.block_size)
-    return _remember(module, (q, kv, str(device), causal), (_finish(layout, device, causal), pat.backend))
+    entry = (_finish(layout, device, causal), pat.backend)
+    if q == kv:
+        return _remember(module, key, entry)
+    _ROWS[shared] = entry
+    while len(_ROWS) > _ROWS_CACHE_SIZE:
+        _ROWS.popitem(last=False)
+    return _remember_recent(module, key, entry)
 
 
 def _remember(module, key, value):
@@ -113,6 +149,20 @@ def _remember(module, key, value):
         cache = {}
         setattr(module, _MODULE_CACHE_ATTR, cache)
     cache[key] = value
+    return value
+
+
+def _remember_recent(module, key, value):
+    """:func:`_remember` a KV-cache call's ``value``, dropping the module's oldest such entry beyond
+    ``_MODULE_RECENT_SIZE``; returns ``value``."""
+    _remember(module, key, value)
+    recent = getattr(module, _MODULE_RECENT_ATTR, None)
+    if recent is None:
+        recent = deque()
+        setattr(module, _MODULE_RECENT_ATTR, recent)
+    recent.append(key)
+    while len(recent) > _MODULE_RECENT_SIZE:
+        getattr(module, _MODULE_CACHE_ATTR).pop(recent.popleft(), None)
     return value
 
 
@@ -335,9 +385,12 @@ def remember_mask(mask: torch.Tensor, q_offset, kv_offset, maybe_packed: bool) -
 
 def reset_layouts(model: Optional[torch.nn.Module] = None) -> None:
     """Forget cached layouts (call after changing ``config.sparse_attention`` of a model that already
-    ran): the shared pattern cache, and the per-module caches of ``model``'s attention modules."""
+    ran): the shared pattern and KV-cache row caches, and the per-module caches of ``model``'s
+    attention modules."""
     _SQUARE.clear()
+    _ROWS.clear()
     if model is not None:
         for m in model.modules():
-            if _MODULE_CACHE_ATTR in m.__dict__:
-                delattr(m, _MODULE_CACHE_ATTR)
+            for attr in (_MODULE_CACHE_ATTR, _MODULE_RECENT_ATTR):
+                if attr in m.__dict__:
+                    delattr(m, attr)

@@ -36,6 +36,12 @@ evaluate the element definition only on blocks that may be partial, once per dis
 time and memory O(kept blocks). Before listing any block a builder counts the blocks its parts keep
 and refuses with a ``ValueError`` (the count and the memory available) when they cannot fit.
 
+Rows: every builder (and :func:`from_spec`, :func:`get`) takes ``rows=(start, stop)`` and returns the
+layout of query positions ``[start, stop)`` against every key (``seqlen (stop - start, seqlen_k)``),
+equal to ``whole.rows(start, stop)`` but built from those rows alone, in O(the blocks they keep): what
+a decode step with a KV cache needs. ``bigbird`` and ``random`` still draw their random blocks over the
+whole grid (their definition is one sequence of draws), then keep the rows asked for.
+
 Parameters past the sequence (a window or stride longer than ``seqlen_q + seqlen_k``, a prefix
 longer than ``seqlen_k``) give the layout the definition gives (dense or causal, ...), and the
 layout's name states the value asked for; ``document`` refuses more documents than positions.

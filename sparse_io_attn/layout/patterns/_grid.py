@@ -9,10 +9,10 @@ from typing import Callable
 import torch
 
 from sparse_io_attn import _memory
-from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout import _bits, convert
 from sparse_io_attn.layout._args import as_pair
 from sparse_io_attn.layout._assemble import inrange_words
-from sparse_io_attn.layout.core import BlockSparseLayout, assemble_ids
+from sparse_io_attn.layout.core import BlockSparseLayout, assemble, assemble_ids
 
 #: element evaluations per chunk when partial blocks are expanded (bounds the temporary memory)
 _EVAL_CHUNK = 1 << 24
@@ -23,37 +23,55 @@ MAX_SEQLEN = 1 << 40
 
 class _Grid:
     """Block extents of a ``seqlen`` x ``block_size`` grid: ``q_lo/q_hi [R]``, ``k_lo/k_hi [C]``
-    (first and last in-range element of each block, int64)."""
+    (first and last in-range element of each block, int64).
 
-    def __init__(self, seqlen, block_size):
+    ``rows=(start, stop)`` lists only the query positions ``[start, stop)``, in ``R`` blocks of
+    ``BLOCK_SIZE_Q`` from ``start`` (the layout :meth:`~sparse_io_attn.BlockSparseLayout.rows`
+    returns): ``q_lo``/``q_hi`` stay absolute positions, so element definitions and block keys read as
+    for the whole grid, and a builder lists the candidates of these rows only. Builders whose
+    definition is tied to the whole grid's query blocks (random blocks per block row) pass
+    ``aligned=True``: the rows are then the whole grid's block rows ``r0 ..`` holding the positions,
+    and :func:`_build` re-blocks the result from ``start``."""
+
+    def __init__(self, seqlen, block_size, rows=None, *, aligned: bool = False):
         self.sq, self.sk = as_pair(seqlen, "seqlen")
         self.bq, self.bk = as_pair(block_size, "block_size")
         if max(self.sq, self.sk) > MAX_SEQLEN:
             raise ValueError(f"seqlen must be at most {MAX_SEQLEN}, got {(self.sq, self.sk)}")
-        self.R, self.C = math.ceil(self.sq / self.bq), math.ceil(self.sk / self.bk)
-        self._q_hi = self._k_hi = None
+        self.R_all, self.C = math.ceil(self.sq / self.bq), math.ceil(self.sk / self.bk)
+        self.start, self.stop = _row_range(rows, self.sq)
+        self.restricted = rows is not None
+        self.r0 = self.start // self.bq if aligned else 0       # aligned: the whole grid's first row listed
+        self.q_first = self.r0 * self.bq if aligned else self.start      # first query position listed
+        q_end = min(math.ceil(self.stop / self.bq) * self.bq, self.sq) if aligned else self.stop
+        self.nq = q_end - self.q_first                                    # query positions listed
+        self.q_last = q_end - 1
+        self.R = math.ceil(self.nq / self.bq)
+        self._q_hi = None
 
     def q_lo(self, r):
-        return r * self.bq
+        return self.q_first + r * self.bq
 
     def q_hi(self, r):   # r, c: block indices in [0, R), [0, C)
         if self._q_hi is None:   # a table: one gather per call instead of four passes over r
-            self._q_hi = torch.clamp((self.rows() + 1) * self.bq, max=self.sq) - 1
+            self._q_hi = torch.clamp(self.q_first + (self.rows() + 1) * self.bq, max=self.q_last + 1) - 1
         return self._q_hi[r]
 
     def k_lo(self, c):
         return c * self.bk
 
-    def k_hi(self, c):
-        if self._k_hi is None:
-            self._k_hi = torch.clamp((self.cols() + 1) * self.bk, max=self.sk) - 1
-        return self._k_hi[c]
+    def k_hi(self, c):           # computed, not tabled: a table would be O(seqlen_k) for a few rows
+        return torch.clamp((c + 1) * self.bk, max=self.sk) - 1
 
     def rows(self) -> torch.Tensor:
         return torch.arange(self.R)
 
     def cols(self) -> torch.Tensor:
         return torch.arange(self.C)
+
+    def row_of(self, q: torch.Tensor) -> torch.Tensor:
+        """The listed row holding query position ``q`` (absolute): negative before the rows."""
+        return torch.div(q - self.q_first, self.bq, rounding_mode="floor")
 
     def ranges(self, r: torch.Tensor, c_first: torch.Tensor, c_last: torch.Tensor):
         """Blocks ``(r[i], c)`` for ``c_first[i] <= c <= c_last[i]`` (clipped to the grid): ``(r, c)``."""
@@ -89,21 +107,37 @@ class _Grid:
         new block at each row or column boundary, once where both coincide. (:meth:`band` may list
         a few more: padding blocks at a ragged end, which the build drops.)"""
         d = offsets.to(torch.int64)
-        qa = torch.clamp(d, min=0)
-        qb = torch.clamp(d + self.sk - 1, max=self.sq - 1)
-        rows = torch.div(qb, self.bq, rounding_mode="floor") - torch.div(qa, self.bq, rounding_mode="floor") + 1
-        cols = torch.div(qb - d, self.bk, rounding_mode="floor") - torch.div(qa - d, self.bk, rounding_mode="floor") + 1
-        # boundaries crossed together: q = bq * j (j in [ja, jb]) with q = d (mod bk)
+        qa = torch.clamp(d, min=self.q_first)
+        qb = torch.clamp(d + self.sk - 1, max=self.q_last)
+        a, b, e = qa - self.q_first, qb - self.q_first, d - self.q_first   # rows start at multiples of bq; k = a - e
+        rows = torch.div(b, self.bq, rounding_mode="floor") - torch.div(a, self.bq, rounding_mode="floor") + 1
+        cols = torch.div(b - e, self.bk, rounding_mode="floor") - torch.div(a - e, self.bk, rounding_mode="floor") + 1
+        # boundaries crossed together: a = bq * j (j in [ja, jb]) with a = e (mod bk)
         g = math.gcd(self.bq, self.bk)
         m = self.bk // g
         inv = pow(self.bq // g, -1, m) if m > 1 else 0
-        j0 = torch.remainder(torch.div(d, g, rounding_mode="floor"), m) * inv % m
-        ja = torch.div(qa, self.bq, rounding_mode="floor") + 1
-        jb = torch.div(qb, self.bq, rounding_mode="floor")
+        j0 = torch.remainder(torch.div(e, g, rounding_mode="floor"), m) * inv % m
+        ja = torch.div(a, self.bq, rounding_mode="floor") + 1
+        jb = torch.div(b, self.bq, rounding_mode="floor")
         both = torch.div(jb - j0, m, rounding_mode="floor") - torch.div(ja - 1 - j0, m, rounding_mode="floor")
-        both = torch.where(torch.remainder(d, g) == 0, both, 0)
+        both = torch.where(torch.remainder(e, g) == 0, both, 0)
         cells = torch.where(qa <= qb, rows + cols - 1 - both, 0)
         return int(cells.sum())
+
+    def thin_bands(self, offsets: torch.Tensor):
+        """Blocks holding an in-range element of a thin band ``q - k = d``, for every ``d`` in
+        ``offsets``: ``(r, c)``, listed without a loop over the bands (each band's rows, then each
+        row's columns), O(the blocks returned)."""
+        d = offsets.to(torch.int64)
+        qa = torch.clamp(d, min=self.q_first)
+        qb = torch.clamp(d + self.sk - 1, max=self.q_last)
+        r_first = self.row_of(qa)
+        r_last = torch.where(qa <= qb, self.row_of(qb), r_first - 1)
+        d, r = _expand(d, r_first, r_last)
+        a = torch.maximum(self.q_lo(r), d)
+        b = torch.minimum(self.q_hi(r), d + self.sk - 1)
+        return _expand(r, torch.div(a - d, self.bk, rounding_mode="floor"),
+                       torch.div(b - d, self.bk, rounding_mode="floor"))
 
     def inside_band(self, r, c, lo: float, hi: float) -> torch.Tensor:
         """Every in-range element of block ``(r, c)`` has ``lo <= q - k <= hi``."""
@@ -118,6 +152,19 @@ class _Grid:
     def d0(self, r, c) -> torch.Tensor:
         """``q - k`` at a block's first element: band masks depend on it alone."""
         return self.q_lo(r) - self.k_lo(c)
+
+
+def _row_range(rows, seqlen_q: int) -> tuple[int, int]:
+    """``rows=(start, stop)`` of a builder -> the query positions asked for (all for ``None``);
+    ``ValueError`` naming the accepted form otherwise."""
+    if rows is None:
+        return 0, seqlen_q
+    ok = isinstance(rows, (tuple, list)) and len(rows) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in rows)
+    if not ok or not 0 <= rows[0] < rows[1] <= seqlen_q:
+        raise ValueError(f"rows must be a pair of ints (start, stop) with 0 <= start < stop <= seqlen_q = "
+                         f"{seqlen_q} (the query positions to build), got {rows!r}")
+    return int(rows[0]), int(rows[1])
 
 
 #: bytes the builders hold per candidate block at their peak (indices, keys, flags)
@@ -169,7 +216,8 @@ def _unique(lid, r, c):
 
 def _build(g: _Grid, lid, r, c, elem: Callable, *, full=None, key=None, layout_heads: int = 1,
            name: str) -> BlockSparseLayout:
-    """Candidate blocks (any superset of the kept ones, duplicates allowed) -> exact layout.
+    """Candidate blocks (any superset of the kept ones, duplicates allowed; ``r`` the grid's listed
+    rows) -> exact layout (of the rows asked for, when the grid is restricted).
 
     ``elem(lid, q, k) -> bool`` is the element definition on broadcast int64 position tensors;
     ``full(lid, r, c) -> bool [E]`` a sufficient condition for "every in-range element allowed"
@@ -181,7 +229,7 @@ def _build(g: _Grid, lid, r, c, elem: Callable, *, full=None, key=None, layout_h
     E = lid.numel()
     status = torch.full((E,), -1, dtype=torch.int64)       # -1 full, -2 empty, >= 0 mask row
     unsure = ~full(lid, r, c) if full is not None else torch.ones(E, dtype=torch.bool)
-    edge = ((r + 1) * g.bq > g.sq) | ((c + 1) * g.bk > g.sk)
+    edge = ((r + 1) * g.bq > g.nq) | ((c + 1) * g.bk > g.sk)
     groups = []                                              # (entry indices, evaluated words, inverse)
     inner = (unsure & ~edge).nonzero().squeeze(1)
     if inner.numel():
@@ -196,9 +244,8 @@ def _build(g: _Grid, lid, r, c, elem: Callable, *, full=None, key=None, layout_h
         groups.append((outer, outer, torch.arange(outer.numel())))
     masks = []
     for entries, reps, inverse in groups:
-        words = _evaluate(g, elem, lid[reps], r[reps], c[reps]) & inrange_words(r[reps], c[reps],
-                                                                                (g.bq, g.bk), (g.sq, g.sk))
-        whole = inrange_words(r[reps], c[reps], (g.bq, g.bk), (g.sq, g.sk))
+        whole = inrange_words(r[reps], c[reps], (g.bq, g.bk), (g.nq, g.sk))
+        words = _evaluate(g, elem, lid[reps], r[reps], c[reps]) & whole
         empty = (words == 0).flatten(1).all(1)
         is_full = (words == whole).flatten(1).all(1)
         rep_status = torch.where(empty, -2, torch.where(is_full, -1, 0))
@@ -212,8 +259,18 @@ def _build(g: _Grid, lid, r, c, elem: Callable, *, full=None, key=None, layout_h
     lid, r, c, status = lid[keep], r[keep], c[keep], status[keep]
     uniq, inv = _bits.dedup(masks)
     ids = torch.where(status >= 0, inv[status.clamp(min=0)] if masks.shape[0] else status, -1)
-    return assemble_ids(lid, r, c, ids, uniq, block_size=(g.bq, g.bk), seqlen=(g.sq, g.sk),
-                        layout_batch=1, layout_heads=layout_heads, name=name)
+    if not g.restricted:
+        return assemble_ids(lid, r, c, ids, uniq, block_size=(g.bq, g.bk), seqlen=(g.sq, g.sk),
+                            layout_batch=1, layout_heads=layout_heads, name=name)
+    name = f"{name}[{g.start}:{g.stop}]"
+    layout = assemble_ids(lid, r, c, ids, uniq, block_size=(g.bq, g.bk), seqlen=(g.nq, g.sk), layout_batch=1,
+                          layout_heads=layout_heads, name=name)
+    first = g.start - g.q_first
+    if first == 0 and g.stop - g.start == g.nq:     # the rows listed are the rows asked for
+        return layout
+    return assemble(**convert.row_blocks(layout, first, g.stop - g.q_first)._asdict(), name=name)
+
+
 
 
 def _member(x: torch.Tensor, sorted_keys: torch.Tensor) -> torch.Tensor:
@@ -248,7 +305,7 @@ def _evaluate(g: _Grid, elem: Callable, lid, r, c) -> torch.Tensor:
     iq, ik = torch.arange(g.bq), torch.arange(g.bk)
     for a in range(0, lid.numel(), step):
         sl = slice(a, a + step)
-        q = (r[sl] * g.bq)[:, None, None] + iq[None, :, None]
+        q = g.q_lo(r[sl])[:, None, None] + iq[None, :, None]
         k = (c[sl] * g.bk)[:, None, None] + ik[None, None, :]
         m = elem(lid[sl][:, None, None], q, k)
         out[sl] = _bits.pack(m.expand(q.shape[0], g.bq, g.bk))

@@ -13,20 +13,20 @@ from sparse_io_attn.layout.patterns._grid import (MAX_SEQLEN, _Grid, _bool, _bui
                                                   _expand, _generator, _heads, _int, _member, _reach, _span_lengths, _tag,
                                                   _zeros)
 
-def dense(seqlen, block_size, *, causal: bool = False) -> BlockSparseLayout:
+def dense(seqlen, block_size, *, causal: bool = False, rows=None) -> BlockSparseLayout:
     """Every element (``causal=True`` gives the same as :func:`causal`)."""
     if _bool(causal, "causal"):
-        return causal_(seqlen, block_size)
-    g = _Grid(seqlen, block_size)
+        return causal_(seqlen, block_size, rows=rows)
+    g = _Grid(seqlen, block_size, rows)
     r, c = g.ranges(g.rows(), _zeros(g.R), torch.full((g.R,), g.C - 1))
     return _build(g, _zeros(r.numel()), r, c, lambda lid, q, k: q >= 0,
                   full=lambda lid, r, c: torch.ones(r.numel(), dtype=torch.bool), name="dense")
 
 
-def causal(seqlen, block_size) -> BlockSparseLayout:
+def causal(seqlen, block_size, *, rows=None) -> BlockSparseLayout:
     """Lower triangle ``k <= q`` (top-left aligned, also for rectangular blocks and ``seqlen_q !=
     seqlen_k``): blocks below the diagonal are full, blocks it crosses are partial."""
-    g = _Grid(seqlen, block_size)
+    g = _Grid(seqlen, block_size, rows)
     r, c = g.band(0, math.inf)
     return _build(g, _zeros(r.numel()), r, c, lambda lid, q, k: k <= q,
                   full=lambda lid, r, c: g.inside_band(r, c, 0, math.inf),
@@ -44,33 +44,33 @@ def _band_layout(g: _Grid, lo, hi, name: str) -> BlockSparseLayout:
 
 
 def sliding_window(seqlen, block_size, window: int | None = None, *,
-                   causal: bool = False) -> BlockSparseLayout:
+                   causal: bool = False, rows=None) -> BlockSparseLayout:
     """Local band: ``|q - k| <= window`` (``0 <= q - k <= window`` with ``causal``), ``window`` in
     elements (default ``seqlen_k // 25``)."""
     asked = _default_window(seqlen) if window is None else _int(window, "window")
     window = _reach(asked, seqlen)
-    g = _Grid(seqlen, block_size)
+    g = _Grid(seqlen, block_size, rows)
     lo = 0 if _bool(causal, "causal") else -window
     return _band_layout(g, lo, window, _tag("sliding_window", f"w={asked}", causal))
 
 
-def strided(seqlen, block_size, stride: int | None = None, *, causal: bool = False) -> BlockSparseLayout:
+def strided(seqlen, block_size, stride: int | None = None, *, causal: bool = False, rows=None) -> BlockSparseLayout:
     """Sparse Transformer "strided" (Child et al. 2019): a local window ``|q - k| < stride`` plus
     every ``stride``-th diagonal ``(q - k) % stride == 0``; ``causal`` keeps ``q - k >= 0`` only.
     Default ``stride = 8 * BLOCK_SIZE_KV``."""
-    g = _Grid(seqlen, block_size)
+    g = _Grid(seqlen, block_size, rows)
     asked = 8 * g.bk if stride is None else _int(stride, "stride", 1)
     stride = _reach(asked, seqlen)
     lo = 0 if _bool(causal, "causal") else -(stride - 1)
     if stride < g.bq + g.bk:  # every block's range of q - k holds a multiple of the stride
         r, c = g.band(lo if causal else -math.inf, math.inf)
-    else:                     # the local band plus one thin band per stride-th diagonal
-        m_first = 0 if causal else -((g.sk - 1) // stride)
-        diagonals = torch.arange(m_first, (g.sq - 1) // stride + 1) * stride
+    else:                     # the local band plus one thin band per stride-th diagonal the rows meet
+        m_first = -((g.sk - 1 - g.q_first) // stride)        # d = q - k >= q_first - (seqlen_k - 1)
+        diagonals = torch.arange(max(m_first, 0) if causal else m_first, g.q_last // stride + 1) * stride
         _check_size(g.band_count(lo, stride - 1) + g.diagonals_count(diagonals))
-        parts = [g.band(lo, stride - 1)] + [g.band(d, d) for d in diagonals.tolist()]
-        r = torch.cat([p[0] for p in parts])
-        c = torch.cat([p[1] for p in parts])
+        rb, cb = g.band(lo, stride - 1)
+        rd, cd = g.thin_bands(diagonals)
+        r, c = torch.cat([rb, rd]), torch.cat([cb, cd])
 
     def elem(lid, q, k):
         d = q - k
@@ -83,12 +83,12 @@ def strided(seqlen, block_size, stride: int | None = None, *, causal: bool = Fal
 
 
 def fixed(seqlen, block_size, stride: int | None = None, summary: int | None = None, *,
-          causal: bool = False) -> BlockSparseLayout:
+          causal: bool = False, rows=None) -> BlockSparseLayout:
     """Sparse Transformer "fixed" (Child et al. 2019): attend within the same chunk of ``stride``
     positions (``q // stride == k // stride``) and to the last ``summary`` positions of every chunk
     (``k % stride >= stride - summary``). Defaults: ``stride = 8 * BLOCK_SIZE_KV``,
     ``summary = BLOCK_SIZE_KV`` (capped at ``stride``)."""
-    g = _Grid(seqlen, block_size)
+    g = _Grid(seqlen, block_size, rows)
     stride = 8 * g.bk if stride is None else _int(stride, "stride", 1)
     summary = min(g.bk, stride) if summary is None else _int(summary, "summary", 1)
     if summary > stride:
@@ -111,7 +111,7 @@ def fixed(seqlen, block_size, stride: int | None = None, summary: int | None = N
     first_summary = torch.maximum(g.k_lo(cols), torch.div(g.k_lo(cols), s, rounding_mode="floor") * s + s - summary)
     has_summary = first_summary <= g.k_hi(cols)
     scols = cols[has_summary]
-    first_row = torch.div(first_summary[scols], g.bq, rounding_mode="floor") if causal else _zeros(scols.numel())
+    first_row = g.row_of(first_summary[scols]).clamp(min=0) if causal else _zeros(scols.numel())
     _check_size(g.ranges_count(c_first, c_last) + int(_span_lengths(first_row, g.R - 1).sum()))
     r1, c1 = g.ranges(rows, c_first, c_last)
     c2, r2 = _expand(scols, first_row, torch.full_like(first_row, g.R - 1))   # rows reaching the column
@@ -165,48 +165,62 @@ def _global_count(g: _Grid, grows: torch.Tensor, gcols: torch.Tensor, causal: bo
     if not causal:
         return grows.numel() * g.C + gcols.numel() * g.R
     per_row = torch.clamp(torch.div(g.q_hi(grows), g.bk, rounding_mode="floor") + 1, max=g.C)
-    per_col = (g.R - torch.div(g.k_lo(gcols), g.bq, rounding_mode="floor")).clamp(min=0)
+    per_col = (g.R - g.row_of(g.k_lo(gcols)).clamp(min=0)).clamp(min=0)
     return int(per_row.sum() + per_col.sum())
 
 
-def _pattern_ids(is_set: torch.Tensor, blocks: int, size: int) -> torch.Tensor:
-    """Per block, an id of which of its ``size`` positions are set (0: none)."""
-    per_block = is_set[: blocks * size].view(blocks, size)
-    _, inv = torch.unique(per_block, dim=0, return_inverse=True)
-    none = ~per_block.any(1)
-    return torch.where(none, 0, inv + 1)
+def _pattern_ids(pos: torch.Tensor, first: int, size: int):
+    """Which of the sorted positions ``pos`` (``>= first``) each block of ``size`` positions from
+    ``first`` holds, as ``(blocks, ids)``: the blocks holding one (ascending) and an id per block
+    (equal ids: the same offsets held), from the positions only (O(len(pos))); other blocks have id
+    0 (:func:`_pattern_id_of`)."""
+    rel = pos[pos >= first] - first
+    block, offset = torch.div(rel, size, rounding_mode="floor"), rel % size
+    held, inverse = torch.unique(block, return_inverse=True)
+    bits = torch.zeros(held.numel(), size, dtype=torch.bool)
+    bits[inverse, offset] = True
+    if not held.numel():
+        return held, _zeros(0)
+    return held, torch.unique(bits, dim=0, return_inverse=True)[1] + 1
+
+
+def _pattern_id_of(table, block: torch.Tensor) -> torch.Tensor:
+    """The :func:`_pattern_ids` id of each ``block`` (0 for a block holding none)."""
+    held, ids = table
+    if not held.numel():
+        return torch.zeros_like(block)
+    at = torch.searchsorted(held, block).clamp(max=held.numel() - 1)
+    return torch.where(held[at] == block, ids[at], 0)
 
 
 def longformer(seqlen, block_size, window: int | None = None, global_tokens: int | Sequence[int] = 1,
-               *, causal: bool = False) -> BlockSparseLayout:
+               *, causal: bool = False, rows=None) -> BlockSparseLayout:
     """Longformer: sliding window ``|q - k| <= window`` plus global tokens, whose rows (as queries)
     and columns (as keys) are complete. ``global_tokens`` is a count (the first ``n`` positions) or a
     sequence of positions; ``window`` in elements (default ``seqlen_k // 25``)."""
-    g = _Grid(seqlen, block_size)
+    g = _Grid(seqlen, block_size, rows)
     asked = _default_window(seqlen) if window is None else _int(window, "window")
     window = _reach(asked, seqlen)
     pos, count = _global_positions(global_tokens, g)
     _bool(causal, "causal")
     lo = 0 if causal else -window
-    is_gq = torch.zeros(g.R * g.bq, dtype=torch.bool)
-    is_gq[pos[pos < g.sq]] = True
-    is_gk = torch.zeros(g.C * g.bk, dtype=torch.bool)
-    is_gk[pos[pos < g.sk]] = True
-    grows = is_gq.view(g.R, g.bq).any(1).nonzero().squeeze(1)
-    gcols = is_gk.view(g.C, g.bk).any(1).nonzero().squeeze(1)
+    q_pos = pos[(pos >= g.q_first) & (pos <= g.q_last)]        # global queries of the rows listed
+    k_pos = pos[pos < g.sk]
+    grows = torch.unique(g.row_of(q_pos))
+    gcols = torch.unique(torch.div(k_pos, g.bk, rounding_mode="floor"))
     _check_size(g.band_count(lo, window) + _global_count(g, grows, gcols, causal))
     rb, cb = g.band(lo, window)
-    r1, c1 = grows.repeat_interleave(g.C), g.cols().repeat(grows.numel())
+    r1 = grows.repeat_interleave(g.C)         # global query rows: every key block (none listed when no row is)
+    c1 = g.cols().repeat(grows.numel()) if grows.numel() else _zeros(0)
     r2, c2 = g.rows().repeat(gcols.numel()), gcols.repeat_interleave(g.R)
     r, c = torch.cat([rb, r1, r2]), torch.cat([cb, c1, c2])
     if causal:
         ok = g.k_lo(c) <= g.q_hi(r)
         r, c = r[ok], c[ok]
-    row_id, col_id = _pattern_ids(is_gq, g.R, g.bq), _pattern_ids(is_gk, g.C, g.bk)
+    row_ids, col_ids = _pattern_ids(q_pos, g.q_first, g.bq), _pattern_ids(k_pos, 0, g.bk)
 
     def elem(lid, q, k):
-        e = (((q - k) >= lo) & ((q - k) <= window)) | is_gq[q.clamp(max=is_gq.numel() - 1)] \
-            | is_gk[k.clamp(max=is_gk.numel() - 1)]
+        e = (((q - k) >= lo) & ((q - k) <= window)) | _member(q, q_pos) | _member(k, k_pos)
         return e & (k <= q) if causal else e
 
     def full(lid, r, c):
@@ -214,7 +228,8 @@ def longformer(seqlen, block_size, window: int | None = None, global_tokens: int
         return inside & ((g.k_hi(c) <= g.q_lo(r)) if causal else True)
 
     def key(lid, r, c):
-        return torch.stack([g.d0(r, c).clamp(lo - g.bq, window + g.bk), row_id[r], col_id[c]], 1)
+        return torch.stack([g.d0(r, c).clamp(lo - g.bq, window + g.bk), _pattern_id_of(row_ids, r),
+                            _pattern_id_of(col_ids, c)], 1)
 
     return _build(g, _zeros(r.numel()), r, c, elem, full=full, key=key,
                   name=_tag("longformer", f"w={asked},g={count}", causal))
@@ -260,7 +275,7 @@ def _random_blocks(g: _Grid, num: int, fixed_keys: torch.Tensor, width: torch.Te
 
 
 def bigbird(seqlen, block_size, *, window: int | None = None, num_global: int = 2, num_random: int = 3,
-            seed: int = 0, num_heads: int = 1, causal: bool = False) -> BlockSparseLayout:
+            seed: int = 0, num_heads: int = 1, causal: bool = False, rows=None) -> BlockSparseLayout:
     """BigBird (Zaheer et al. 2020): sliding window ``|q - k| <= window`` (elements, default
     ``BLOCK_SIZE_KV``), the first ``num_global`` query blocks attend everywhere and the first
     ``num_global`` key blocks are attended by all, plus ``num_random`` random key blocks per
@@ -268,8 +283,13 @@ def bigbird(seqlen, block_size, *, window: int | None = None, num_global: int = 
     touch (all of them if fewer remain). Random blocks come from ``torch.Generator().manual_seed(
     seed)`` and differ per head when ``num_heads > 1`` (a per-head layout). Global and random blocks
     are whole blocks (intersected with ``k <= q`` under ``causal``). Defaults give about 15%
-    density at N = 4096, block 64."""
-    g = _Grid(seqlen, block_size)
+    density at N = 4096, block 64.
+
+    With ``rows=``, the random draws are still made for every row (they are one sequence of draws
+    over all rows and heads, so a row's blocks depend on the rows before it): O(rows of the whole
+    grid x (num_random + the window's blocks)); the evaluation and assembly cover the rows asked for."""
+    g = _Grid(seqlen, block_size, rows, aligned=True)             # random blocks per block row
+    gf = _Grid(seqlen, block_size) if g.restricted else g          # the whole grid: the random draws
     asked = g.bk if window is None else _int(window, "window")
     window = _reach(asked, seqlen)
     num_global = _int(num_global, "num_global")
@@ -277,73 +297,89 @@ def bigbird(seqlen, block_size, *, window: int | None = None, num_global: int = 
     H = _heads(num_heads)
     _bool(causal, "causal")
     lo = 0 if causal else -window
-    ng_r, ng_c = min(num_global, g.R), min(num_global, g.C)
-    fixed_count = g.band_count(lo, window) + _global_count(g, g.rows()[:ng_r], g.cols()[:ng_c], causal)
-    _check_size(H * (fixed_count + min(num_random, g.C) * g.R))
-    rb, cb = g.band(lo, window)
-    r1, c1 = g.rows()[:ng_r].repeat_interleave(g.C), g.cols().repeat(ng_r)
-    r2, c2 = g.rows().repeat(ng_c), g.cols()[:ng_c].repeat_interleave(g.R)
-    r, c = torch.cat([rb, r1, r2]), torch.cat([cb, c1, c2])
-    last = torch.div(g.q_hi(g.rows()), g.bk, rounding_mode="floor").clamp(max=g.C - 1) if causal \
-        else torch.full((g.R,), g.C - 1)
-    ok = c <= last[r]
-    r, c = r[ok], c[ok]
+    ng_r, ng_c = min(num_global, g.R_all), min(num_global, g.C)   # global rows of the whole grid
+
+    def fixed(grid: _Grid):
+        """Window, global rows and global columns of the grid's rows, causally allowed; the last
+        allowed column of each row."""
+        grows = grid.rows()[: max(0, ng_r - grid.r0)]
+        rb, cb = grid.band(lo, window)
+        r1, c1 = grows.repeat_interleave(grid.C), grid.cols().repeat(grows.numel())
+        r2, c2 = grid.rows().repeat(ng_c), grid.cols()[:ng_c].repeat_interleave(grid.R)
+        r_, c_ = torch.cat([rb, r1, r2]), torch.cat([cb, c1, c2])
+        last = torch.div(grid.q_hi(grid.rows()), grid.bk, rounding_mode="floor").clamp(max=grid.C - 1) if causal \
+            else torch.full((grid.R,), grid.C - 1)
+        ok = c_ <= last[r_]
+        return r_[ok], c_[ok], last
+
+    def count(grid: _Grid) -> int:
+        grows = grid.rows()[: max(0, ng_r - grid.r0)]
+        return grid.band_count(lo, window) + _global_count(grid, grows, grid.cols()[:ng_c], causal)
+
+    _check_size(H * (count(gf) + min(num_random, g.C) * gf.R) + (H * count(g) if g.restricted else 0))
+    r, c, last = fixed(gf)
     fixed_keys = torch.unique(r * g.C + c)                  # sorted
     gen = _generator(seed)
-    lids, rows, cols = [_zeros(r.numel())], [r], [c]
-    rand = torch.zeros(0, dtype=torch.int64)
+    rand = []
     for h in range(H):
-        rr, rc = _random_blocks(g, min(num_random, g.C), fixed_keys, last + 1, gen)
-        lids.append(torch.full_like(rr, h))
-        rows.append(rr)
-        cols.append(rc)
-        rand = torch.cat([rand, (h * g.R + rr) * g.C + rc])
-    if H > 1:  # the fixed part in every head
-        lids = [torch.arange(H).repeat_interleave(r.numel())] + lids[1:]
-        rows[0], cols[0] = r.repeat(H), c.repeat(H)
-    lid, r, c = torch.cat(lids), torch.cat(rows), torch.cat(cols)
-    rand = torch.sort(rand).values
+        rr, rc = _random_blocks(gf, min(num_random, g.C), fixed_keys, last + 1, gen)
+        rand.append((h * g.R_all + rr) * g.C + rc)
+    rand = torch.sort(torch.cat(rand)).values             # (head, row of the whole grid, column) keys
+    if g.restricted:
+        r, c, _ = fixed(g)
+    h_, rest = torch.div(rand, g.R_all * g.C, rounding_mode="floor"), rand % (g.R_all * g.C)
+    rr, rc = g.row_of(torch.div(rest, g.C, rounding_mode="floor") * g.bq), rest % g.C
+    mine = (rr >= 0) & (rr < g.R)
+    lid = torch.cat([torch.arange(H).repeat_interleave(r.numel()), h_[mine]])
+    r, c = torch.cat([r.repeat(H), rr[mine]]), torch.cat([c.repeat(H), rc[mine]])
     gq, gk = ng_r * g.bq, ng_c * g.bk
 
     def elem(lid_, q, k):
-        block = ((lid_ * g.R + torch.div(q, g.bq, rounding_mode="floor")) * g.C
+        block = ((lid_ * g.R_all + torch.div(q, g.bq, rounding_mode="floor")) * g.C
                  + torch.div(k, g.bk, rounding_mode="floor"))
         e = (((q - k) >= lo) & ((q - k) <= window)) | (q < gq) | (k < gk) | _member(block, rand)
         return e & (k <= q) if causal else e
 
+    def whole_block(lid_, r_, c_):   # a global or random block: every element (then causality)
+        return (g.r0 + r_ < ng_r) | (c_ < ng_c) | _member((lid_ * g.R_all + g.r0 + r_) * g.C + c_, rand)
+
     def full(lid_, r_, c_):
-        whole = (r_ < ng_r) | (c_ < ng_c) | g.inside_band(r_, c_, lo, window) \
-            | _member((lid_ * g.R + r_) * g.C + c_, rand)
+        whole = whole_block(lid_, r_, c_) | g.inside_band(r_, c_, lo, window)
         return whole & ((g.k_hi(c_) <= g.q_lo(r_)) if causal else True)
 
-    def key(lid_, r_, c_):  # remaining blocks are band blocks, partial by their offset alone
-        return g.d0(r_, c_).clamp(lo - g.bq, window + g.bk)[:, None]
+    def key(lid_, r_, c_):  # band blocks by their offset; whole blocks cut by the causal diagonal by theirs
+        return torch.stack([g.d0(r_, c_).clamp(lo - g.bq, window + g.bk), whole_block(lid_, r_, c_).long()], 1)
 
     tag = f"w={asked},g={num_global},r={num_random},seed={seed}"
     return _build(g, lid, r, c, elem, full=full, key=key, layout_heads=H, name=_tag("bigbird", tag, causal))
 
 
 def random(seqlen, block_size, density: float = 0.1, *, seed: int = 0, num_heads: int = 1,
-           causal: bool = False) -> BlockSparseLayout:
+           causal: bool = False, rows=None) -> BlockSparseLayout:
     """Exactly ``round(density * n)`` blocks per head (Python ``round``), chosen uniformly without
     replacement from the ``n`` allowed blocks (all blocks, or those holding an element with
     ``k <= q`` with ``causal``), with ``torch.Generator().manual_seed(seed)``; heads differ when
-    ``num_heads > 1``. Chosen blocks are whole (intersected with ``k <= q`` under ``causal``)."""
+    ``num_heads > 1``. Chosen blocks are whole (intersected with ``k <= q`` under ``causal``).
+    With ``rows=``, the draw is still made over every block (one permutation of them all), then the
+    rows asked for are kept."""
     if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 <= density <= 1:
         raise ValueError(f"density must be a number in [0, 1], got {density!r}")
-    g = _Grid(seqlen, block_size)
+    g = _Grid(seqlen, block_size, rows, aligned=True)             # the draw is per block of the whole grid
+    gf = _Grid(seqlen, block_size) if g.restricted else g
     H = _heads(num_heads)
     _bool(causal, "causal")
     if causal:
-        ar, ac = g.band(0, math.inf)
+        ar, ac = gf.band(0, math.inf)
     else:
-        ar, ac = g.ranges(g.rows(), _zeros(g.R), torch.full((g.R,), g.C - 1))
+        ar, ac = gf.ranges(gf.rows(), _zeros(gf.R), torch.full((gf.R,), gf.C - 1))
     k = round(density * ar.numel())
     gen = _generator(seed)
     picks = [torch.randperm(ar.numel(), generator=gen)[:k] for _ in range(H)]
     lid = torch.arange(H).repeat_interleave(k)
     idx = torch.cat(picks)
-    r, c = ar[idx], ac[idx]
+    r, c = ar[idx] - g.r0, ac[idx]
+    mine = (r >= 0) & (r < g.R)
+    lid, r, c = lid[mine], r[mine], c[mine]
     elem = (lambda lid_, q, k_: k_ <= q) if causal else (lambda lid_, q, k_: q >= 0)
     return _build(g, lid, r, c, elem,
                   full=lambda lid_, r_, c_: (g.k_hi(c_) <= g.q_lo(r_)) if causal else torch.ones_like(r_, dtype=torch.bool),
@@ -372,20 +408,20 @@ def _cu_seqlens(cu_seqlens) -> torch.Tensor:
     return cu
 
 
-def _boundary_ids(doc, crossed: torch.Tensor, size: int) -> torch.Tensor:
-    """Per block of ``size`` positions, an id of where documents change inside it (0: none, the
-    blocks not ``crossed``); blocks with equal ids see the same document boundaries at the same
-    offsets (``doc``: position -> document id)."""
+def _boundary_ids(doc, first: torch.Tensor, crossed: torch.Tensor, size: int) -> torch.Tensor:
+    """Per block of ``size`` positions (starting at ``first``), an id of where documents change
+    inside it (0: none, the blocks not ``crossed``); blocks with equal ids see the same document
+    boundaries at the same offsets (``doc``: position -> document id)."""
     ids = torch.zeros(crossed.numel(), dtype=torch.int64)
     blocks = crossed.nonzero().squeeze(1)
     if blocks.numel():
-        docs = doc((blocks * size)[:, None] + torch.arange(size)[None, :])       # [blocks, size]
+        docs = doc(first[blocks][:, None] + torch.arange(size)[None, :])          # [blocks, size]
         _, inverse = torch.unique(docs - docs[:, :1], dim=0, return_inverse=True)
         ids[blocks] = inverse + 1
     return ids
 
 
-def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayout:
+def document(cu_seqlens, block_size, *, causal: bool = False, rows=None) -> BlockSparseLayout:
     """Packed variable-length sequences: document ``i`` holds positions ``[cu_seqlens[i],
     cu_seqlens[i+1])`` and attends only to itself (``causal``: ``k <= q`` within each document).
     ``cu_seqlens`` is a non-decreasing int sequence or 1-D int tensor starting at 0; ``seqlen =
@@ -393,14 +429,14 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
     attention crosses documents."""
     cu = _cu_seqlens(cu_seqlens)
     n = int(cu[-1])
-    g = _Grid(n, block_size)
+    g = _Grid(n, block_size, rows)
     _bool(causal, "causal")
     bounds_ = cu[1:].contiguous()
     starts, ends = cu[:-1], cu[1:]
     nonempty = ends > starts
     starts, ends = starts[nonempty], ends[nonempty]
-    r_first = torch.div(starts, g.bq, rounding_mode="floor")
-    r_last = torch.div(ends - 1, g.bq, rounding_mode="floor")
+    r_first = g.row_of(starts).clamp(min=0)                      # the rows listed that each document meets
+    r_last = g.row_of(ends - 1).clamp(max=g.R - 1)
     c_first = torch.div(starts, g.bk, rounding_mode="floor")
     c_last = torch.div(ends - 1, g.bk, rounding_mode="floor")
     # every (row, col) block pair of each document: rows of the document x its column range
@@ -417,18 +453,23 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
         e = doc(q) == doc(k)
         return e & (k <= q) if causal else e
 
-    # a row (column) block's document when one document holds all of it, else -1 (-2 for columns)
+    # a row (column) block's document when one document holds all of it, else -1 (-2 for columns);
+    # columns: only the candidates' (a table of every column would be O(seqlen_k) for a few rows)
     first_doc, last_doc = doc(g.q_lo(g.rows())), doc(g.q_hi(g.rows()))
     row_doc = torch.where(first_doc == last_doc, first_doc, -1)
-    row_pat = _boundary_ids(doc, row_doc < 0, g.bq)
+    row_pat = _boundary_ids(doc, g.q_lo(g.rows()), row_doc < 0, g.bq)
     row_first = first_doc
-    first_doc, last_doc = doc(g.k_lo(g.cols())), doc(g.k_hi(g.cols()))
-    col_doc = torch.where(first_doc == last_doc, first_doc, -2)
-    col_pat = _boundary_ids(doc, col_doc < 0, g.bk)
-    col_first = first_doc
+    held = torch.unique(c) if g.restricted else g.cols()     # the whole grid's candidates meet about every column
+    first_doc, last_doc = doc(g.k_lo(held)), doc(g.k_hi(held))
+    held_doc = torch.where(first_doc == last_doc, first_doc, -2)
+    held_pat = _boundary_ids(doc, g.k_lo(held), held_doc < 0, g.bk)
+    held_first = first_doc
+
+    def col(table, c_):
+        return table[torch.searchsorted(held, c_)] if g.restricted else table[c_]
 
     def one_doc(r_, c_):
-        return row_doc[r_] == col_doc[c_]
+        return row_doc[r_] == col(held_doc, c_)
 
     def full(lid, r_, c_):
         one = one_doc(r_, c_)
@@ -438,7 +479,7 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
         # (q, k) allowed iff doc(q) == doc(k): fixed by where the documents change inside the row
         # block and inside the column block and by how their first documents differ (plus the
         # diagonal offset under causal, clipped where it no longer changes the block)
-        parts = [row_pat[r_], col_pat[c_], col_first[c_] - row_first[r_]]
+        parts = [row_pat[r_], col(held_pat, c_), col(held_first, c_) - row_first[r_]]
         if causal:
             parts.append(g.d0(r_, c_).clamp(-g.bq, g.bk))
         return torch.stack(parts, 1)
@@ -450,10 +491,10 @@ def document(cu_seqlens, block_size, *, causal: bool = False) -> BlockSparseLayo
 block_diagonal = document
 
 
-def prefix_lm(seqlen, block_size, prefix: int) -> BlockSparseLayout:
+def prefix_lm(seqlen, block_size, prefix: int, *, rows=None) -> BlockSparseLayout:
     """Prefix LM: the first ``prefix`` positions are attended by every query (bidirectional prefix),
     the rest causally: ``k < prefix`` or ``k <= q``."""
-    g = _Grid(seqlen, block_size)
+    g = _Grid(seqlen, block_size, rows)
     asked = _int(prefix, "prefix")
     prefix = min(asked, g.sk)     # keys past the sequence change nothing
     pcols = g.cols()[: -(-prefix // g.bk)] if prefix else _zeros(0)

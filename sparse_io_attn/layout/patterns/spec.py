@@ -13,7 +13,7 @@ from sparse_io_attn.layout.patterns.builders import (bigbird, causal, dense, doc
 
 
 def _document_spec(seqlen, block_size, num_docs: int = 4, lengths=None, cu_seqlens=None, *,
-                   causal: bool = False) -> BlockSparseLayout:
+                   causal: bool = False, rows=None) -> BlockSparseLayout:
     """``document`` for specs: ``cu_seqlens``, document ``lengths`` or ``num_docs`` equal parts of
     ``seqlen`` (the last one takes the remainder)."""
     total = as_pair(seqlen, "seqlen")
@@ -33,19 +33,20 @@ def _document_spec(seqlen, block_size, num_docs: int = 4, lengths=None, cu_seqle
     if list(cu_seqlens)[-1] != total:
         raise ValueError(f"the documents must cover seqlen = {total} positions, got "
                          f"{list(cu_seqlens)[-1]}")
-    return document(list(cu_seqlens), block_size, causal=causal)
+    return document(list(cu_seqlens), block_size, causal=causal, rows=rows)
 
 
-def _causal_spec(seqlen, block_size, flag) -> BlockSparseLayout:
+def _causal_spec(seqlen, block_size, flag, rows) -> BlockSparseLayout:
     if flag is not True:
         raise ValueError(f"pattern 'causal' cannot be built with causal={flag!r}; use 'dense'")
-    return causal(seqlen, block_size)
+    return causal(seqlen, block_size, rows=rows)
 
 
 # name -> (builder taking (seqlen, block_size, **kw), positional spec parameters)
 _REGISTRY: dict[str, tuple[Callable[..., BlockSparseLayout], tuple[str, ...]]] = {
     "dense": (dense, ()),
-    "causal": (lambda seqlen, block_size, *, causal=True: _causal_spec(seqlen, block_size, causal), ()),
+    "causal": (lambda seqlen, block_size, *, causal=True, rows=None: _causal_spec(seqlen, block_size, causal, rows),
+               ()),
     "sliding_window": (sliding_window, ("window",)),
     "strided": (strided, ("stride",)),
     "fixed": (fixed, ("stride", "summary")),
@@ -53,8 +54,8 @@ _REGISTRY: dict[str, tuple[Callable[..., BlockSparseLayout], tuple[str, ...]]] =
     "bigbird": (bigbird, ("window", "num_global", "num_random")),
     "random": (random, ("density",)),
     "document": (_document_spec, ("num_docs",)),
-    "prefix_lm": (lambda seqlen, block_size, prefix=None: prefix_lm(
-        seqlen, block_size, as_pair(seqlen, "seqlen")[1] // 4 if prefix is None else prefix), ("prefix",)),
+    "prefix_lm": (lambda seqlen, block_size, prefix=None, *, rows=None: prefix_lm(
+        seqlen, block_size, as_pair(seqlen, "seqlen")[1] // 4 if prefix is None else prefix, rows=rows), ("prefix",)),
 }
 _NAME_ALIASES = {"block_diagonal": "document", "documents": "document", "local": "sliding_window",
                  "window": "sliding_window"}
@@ -81,14 +82,17 @@ def _builder(name: str):
 
 
 def _accepted(fn) -> set[str]:
-    return {p for p in inspect.signature(fn).parameters if p not in ("seqlen", "block_size")}
+    """The pattern parameters of a builder (``rows``, which selects what to build, is not one)."""
+    return {p for p in inspect.signature(fn).parameters if p not in ("seqlen", "block_size", "rows")}
 
 
-def get(name: str, seqlen, block_size, **kwargs) -> BlockSparseLayout:
+def get(name: str, seqlen, block_size, *, rows=None, **kwargs) -> BlockSparseLayout:
     """Build pattern ``name`` (see :func:`available`) for ``seqlen`` and ``block_size``.
 
     ``num_heads`` and ``seed`` are passed to the patterns that use them (``bigbird``, ``random``)
     and ignored by deterministic ones, whose single shared mask already broadcasts over heads.
+    ``rows=(start, stop)``: only query positions ``[start, stop)``, equal to ``.rows(start, stop)``
+    of the whole layout and built from those rows alone (every builder takes it).
     """
     key, (fn, _) = _builder(name)
     accepted = _accepted(fn)
@@ -99,7 +103,7 @@ def get(name: str, seqlen, block_size, **kwargs) -> BlockSparseLayout:
     if unknown:
         raise ValueError(f"pattern {key!r} got unknown parameter(s) {sorted(unknown)}; it accepts "
                          f"{sorted(accepted) or 'none'}")
-    return fn(seqlen, block_size, **kwargs)
+    return fn(seqlen, block_size, **kwargs) if rows is None else fn(seqlen, block_size, rows=rows, **kwargs)
 
 
 def _parse_value(text: str, what: str):
@@ -149,9 +153,10 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     return key, kwargs
 
 
-def from_spec(spec: str, seqlen, block_size, **kwargs) -> BlockSparseLayout:
+def from_spec(spec: str, seqlen, block_size, *, rows=None, **kwargs) -> BlockSparseLayout:
     """Build a layout from a spec string (grammar in the module docstring), e.g.
     ``from_spec("bigbird", seqlen=4096, block_size=64)`` or ``from_spec("sliding_window:512", 4096,
-    64)``. ``kwargs`` (such as ``num_heads``, ``seed``, ``causal``) are defaults the spec overrides."""
+    64)``. ``kwargs`` (such as ``num_heads``, ``seed``, ``causal``) are defaults the spec overrides;
+    ``rows=(start, stop)`` builds only those query positions (as :func:`get`)."""
     key, spec_kwargs = parse_spec(spec)
-    return get(key, seqlen, block_size, **{**kwargs, **spec_kwargs})
+    return get(key, seqlen, block_size, rows=rows, **{**kwargs, **spec_kwargs})
