@@ -109,7 +109,7 @@ def test_lightning_indexer_decode_selects_as_prefill(chunk):
         got = idx.step(x[:, a:b], state)
         assert state.length == b and got.indices.shape == (2, 1, b - a, min(6, b))
         assert torch.equal(chosen_mask(got.indices, 23), want[:, :, a:b]), (a, b)
-    assert torch.allclose(state.keys, idx.keys(x), rtol=1e-12, atol=1e-12)   # a matmul of other shape: rounding
+    assert torch.allclose(state.keys, idx.keys(x), rtol=0, atol=1e-6)       # RoPE in float32, per call
     with pytest.raises(TypeError, match="init_state"):
         idx.step(x[:, :1], selectors.moba(4, 2).init_state())
     with pytest.raises(ValueError, match="continuing the state's batch"):
