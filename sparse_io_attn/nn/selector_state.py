@@ -26,11 +26,13 @@ import torch
 
 class BlockKeyState:
     """Per-block key summaries of one layer's KV cache (see the module docstring). Made by a
-    selector's ``init_state()`` and advanced only by that selector's ``step``; ``kind`` names the
-    selector it belongs to (a state passed to another selector raises ``ValueError``)."""
+    selector's ``init_state()`` and advanced by that selector's ``step``; ``kind`` names the
+    selector it belongs to (a state passed to another selector raises ``ValueError``);
+    ``summarise(keys [B, Hkv, m * block_size, D]) -> [B, Hkv, m, D]`` is the selector's summary of
+    ``m`` complete blocks."""
 
-    def __init__(self, kind: str, block_size: int):
-        self.kind, self.block_size = kind, block_size
+    def __init__(self, kind: str, block_size: int, summarise: Callable[[torch.Tensor], torch.Tensor]):
+        self.kind, self.block_size, self.summarise = kind, block_size, summarise
         self.summaries: torch.Tensor | None = None
         self.tail: torch.Tensor | None = None
         self.length = 0
@@ -41,9 +43,12 @@ class BlockKeyState:
             raise ValueError(f"{who}: the state belongs to {got}, not to this selector ({kind}); make it with "
                              f"this selector's init_state()")
 
-    def append(self, k_new: torch.Tensor, summarise: Callable[[torch.Tensor], torch.Tensor], who: str) -> None:
-        """Append ``k_new [B, Hkv, n, D]`` (the next ``n`` keys); the blocks they complete get their
-        summary ``summarise(keys [B, Hkv, m * block_size, D]) -> [B, Hkv, m, D']``."""
+    def append(self, k_new: torch.Tensor, who: str = "BlockKeyState.append") -> "BlockKeyState":
+        """Append ``k_new [B, Hkv, n, D]`` (the next ``n`` keys; the blocks they complete get their
+        summary). Returns the state."""
+        if not isinstance(k_new, torch.Tensor) or k_new.dim() != 4:
+            raise ValueError(f"{who}: keys must be a tensor [B, Hkv, n, D], got "
+                             f"{tuple(k_new.shape) if isinstance(k_new, torch.Tensor) else type(k_new).__name__}")
         if self.tail is not None and (k_new.shape[:2] != self.tail.shape[:2] or k_new.shape[3] != self.tail.shape[3]
                                       or k_new.dtype != self.tail.dtype or k_new.device != self.tail.device):
             raise ValueError(f"{who}: new keys {tuple(k_new.shape)} {k_new.dtype} on {k_new.device} do not continue "
@@ -53,10 +58,11 @@ class BlockKeyState:
         bs = self.block_size
         whole = keys.shape[2] // bs * bs
         if whole:
-            done = summarise(keys[:, :, :whole])
+            done = self.summarise(keys[:, :, :whole])
             self.summaries = done if self.summaries is None else torch.cat([self.summaries, done], 2)
         self.tail = keys[:, :, whole:].clone()      # not a view that would keep the step's keys alive
         self.length += k_new.shape[2]
+        return self
 
     @property
     def num_blocks(self) -> int:

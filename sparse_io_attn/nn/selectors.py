@@ -150,10 +150,14 @@ class PooledTopKSelector:
         qb = qb.view(B, Hkv, Hq // Hkv, qb.shape[2], D).mean(2)
         return qb @ key_means.transpose(-1, -2)
 
-    def init_state(self) -> BlockKeyState:
-        """An empty decode state for one layer's KV cache: the float32 mean of every complete key
-        block and the keys of the incomplete last one (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`)."""
-        return BlockKeyState("pooled_topk", self.block_size)
+    def init_state(self, keys: torch.Tensor | None = None) -> BlockKeyState:
+        """A decode state for one layer's KV cache: the float32 mean of every complete key block and
+        the keys of the incomplete last one (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`);
+        empty, or holding ``keys [B, Hkv, N, D]`` (a cache filled without the state: ``O(N * D)``
+        once)."""
+        bs = self.block_size
+        state = BlockKeyState("pooled_topk", bs, lambda x: block_means(x, bs))
+        return state if keys is None else state.append(keys, "pooled_topk.init_state")
 
     def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> BlockSparseLayout:
         """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
@@ -169,7 +173,7 @@ class PooledTopKSelector:
                              "selector has causal=False")
         with torch.no_grad():
             bs = self.block_size
-            state.append(k, lambda x: block_means(x, bs), "pooled_topk.step")
+            state.append(k, "pooled_topk.step")
             means = [_summaries(state, k, torch.float32)]
             if state.tail.shape[2]:
                 means.append(block_means(state.tail, bs))
@@ -288,13 +292,15 @@ class MoBASelector:
         with torch.no_grad():
             return self._select(*self._gate(q, k))
 
-    def init_state(self) -> BlockKeyState:
-        """An empty decode state for one layer's KV cache: MoBA's mean of every complete chunk and the
-        keys of the incomplete last chunk (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`).
+    def init_state(self, keys: torch.Tensor | None = None) -> BlockKeyState:
+        """A decode state for one layer's KV cache: MoBA's mean of every complete chunk and the keys of
+        the incomplete last chunk (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`); empty,
+        or holding ``keys [B, Hkv, N, D]`` (a cache filled without the state: ``O(N * D)`` once).
         MoBA never scores the incomplete chunk (it is the own chunk of the rows in it, forced, and in
         the future of every earlier row), so its mean is never needed: it is taken, with the same
         operation as the prefill's, when the chunk completes."""
-        return BlockKeyState("moba", self.chunk_size)
+        state = BlockKeyState("moba", self.chunk_size, self._chunk_means)
+        return state if keys is None else state.append(keys, "moba.init_state")
 
     def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> Selection:
         """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
@@ -306,7 +312,7 @@ class MoBASelector:
         ``K = min(top_k, Nk // chunk_size + 1)`` is the one of a call over ``Nk`` keys)."""
         _check_step(q, k, state, "moba", "moba")
         with torch.no_grad():
-            state.append(k, self._chunk_means, "moba.step")
+            state.append(k, "moba.step")
             Nk = state.length
             pos = torch.arange(Nk - q.shape[2], Nk, device=q.device)
             return self._select(*self._gate_from_means(q, _summaries(state, k, torch.float32), pos, Nk))
@@ -408,13 +414,15 @@ class NSASelector:
         with torch.no_grad():
             return self._choose(self.scores(q, k), q.shape[2], k.shape[2], q.device)
 
-    def init_state(self) -> BlockKeyState:
-        """An empty decode state for one layer's KV cache: fla's compressed key (``mean_pooling``) of
-        every complete block and the keys of the incomplete last block
-        (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`). NSA compresses and scores
-        complete blocks only (an incomplete block is only ever kept as a forced one, unscored), so
-        the state never pools a partial block."""
-        return BlockKeyState("nsa", self.block_size)
+    def init_state(self, keys: torch.Tensor | None = None) -> BlockKeyState:
+        """A decode state for one layer's KV cache: fla's compressed key (``mean_pooling``) of every
+        complete block and the keys of the incomplete last block
+        (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`); empty, or holding ``keys [B, Hkv,
+        N, D]``. NSA compresses and scores complete blocks only (an incomplete block is only ever
+        kept as a forced one, unscored), so the state never pools a partial block."""
+        bs = self.block_size
+        state = BlockKeyState("nsa", bs, lambda x: whole_block_means(x, bs))
+        return state if keys is None else state.append(keys, "nsa.init_state")
 
     def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> Selection:
         """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
@@ -424,8 +432,7 @@ class NSASelector:
         ``self(q_all, k_all)`` chooses at those positions; indices ``[B, Hkv, n, num_blocks]``."""
         _check_step(q, k, state, "nsa", "nsa")
         with torch.no_grad():
-            bs = self.block_size
-            state.append(k, lambda x: whole_block_means(x, bs), "nsa.step")
+            state.append(k, "nsa.step")
             Nk = state.length
             return self._choose(self._scores(q, _summaries(state, k, k.dtype), Nk), q.shape[2], Nk, q.device)
 

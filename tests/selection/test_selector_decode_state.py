@@ -154,3 +154,16 @@ def test_step_errors():
     assert isinstance(state, BlockKeyState) and state.length == 8 and "length=8" in repr(state)
     state.reset()
     assert state.length == 0 and state.numel() == 0
+
+
+@pytest.mark.parametrize("prefix", [0, 7, 8, 9])
+def test_a_state_from_cached_keys_continues_as_one_built_by_steps(prefix):
+    """``init_state(keys)`` (a cache filled without the state) holds what steps over those keys hold."""
+    q, k = _qk(2, 4, 2, 21, 8, torch.float64, seed=prefix)
+    for sel in (selectors.moba(4, 3), selectors.nsa(4, 3), selectors.pooled_topk(4, 2)):
+        built = _decode(sel, q, k, max(prefix, 1), 1)[0]
+        state = sel.init_state(k[:, :, :prefix]) if prefix else sel.init_state()
+        for t in range(prefix, 21):
+            sel.step(q[:, :, t:t + 1], k[:, :, t:t + 1], state)
+        assert state.length == built.length == 21
+        assert torch.equal(state.summaries, built.summaries) and torch.equal(state.tail, built.tail), repr(sel)
