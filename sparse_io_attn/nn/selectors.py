@@ -28,6 +28,12 @@ the per-token selectors keep the **higher** block (or token) index, the more rec
 device (:func:`~sparse_io_attn.layout.patterns.ranked_topk` with ``ties="higher"``); the references
 call ``torch.topk``, whose order among equal values is unspecified (it differs between CPU and CUDA
 and with the row length), so any tie-break is one the reference may produce.
+
+Decoding: the block selectors keep a per-(layer, cache) state of per-block key summaries
+(``state = sel.init_state()``, ``sel.step(q_new, k_new, state)``;
+:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`), so a step of ``n`` new tokens costs
+``O(n x key blocks x D)`` and reads no cached key; MoBA's and NSA's steps choose what their prefill
+chooses at the same positions (``docs/notes/selector_decode_state.md``).
 """
 from __future__ import annotations
 
