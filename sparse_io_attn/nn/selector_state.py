@@ -64,6 +64,12 @@ class BlockKeyState:
         self.length += k_new.shape[2]
         return self
 
+    def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply ``fn`` to the batch dimension of every held tensor (a cache's beam reorder or batch
+        selection: ``lambda t: t.index_select(0, beam_idx)``)."""
+        self.summaries = None if self.summaries is None else fn(self.summaries)
+        self.tail = None if self.tail is None else fn(self.tail)
+
     @property
     def num_blocks(self) -> int:
         """Complete key blocks summarised."""

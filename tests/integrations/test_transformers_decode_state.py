@@ -143,3 +143,32 @@ def test_a_step_reads_only_the_new_keys(spec):
     assert state is not getattr(cache, decode_state.STATES_ATTR)[(0, repr(selector))]
     assert torch.equal(got.to_dense_mask() if hasattr(got, "to_dense_mask") else got.indices,
                        want.to_dense_mask() if hasattr(want, "to_dense_mask") else want.indices)
+
+
+def test_beam_search_moves_the_states_with_the_cache():
+    """``reorder_cache`` (beam search) reorders the states' batch rows: beam search with the state
+    equals beam search re-selecting over the whole cache at every step."""
+    model = _model("moba:block=4,top_k=2", seed=4)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
+    beam = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, num_beams=3, num_return_sequences=3)
+    with torch.no_grad():
+        model(ids[:, :2])                                             # installs the cache hooks
+        calls, patch = _init_state_calls()
+        with patch:
+            got = model.generate(ids, **beam)
+        with mock.patch.object(interface, "select_with_state", lambda *a: None):
+            want = model.generate(ids, **beam)
+    assert torch.equal(got, want)
+    assert calls and not any(calls)                                   # no rebuild: the states were reordered
+
+
+def test_crop_zero_keeps_the_states():
+    model = _model("moba:block=4,top_k=2")
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(ids[:, :2])
+        cache = model(ids, use_cache=True).past_key_values
+    cache.crop(0)
+    assert len(getattr(cache, decode_state.STATES_ATTR)) == 2
+    cache.reset()
+    assert not getattr(cache, decode_state.STATES_ATTR)

@@ -17,9 +17,10 @@ When it is used: no element mask (no padding, no packing: with a padded or packe
 per-sequence selection over the whole cache runs, see ``layouts.selection_layout_with_mask``) and a
 layer with a ``layer_idx``. A state continues only the cache it was built for: its length must be the
 cache's minus this call's queries, its batch, heads, dtype and device the keys'; otherwise it is
-rebuilt from ``key[:, :, :Nk - Nq]``. ``crop``, ``reset``, ``reorder_cache``, ``batch_select_indices``
-and ``batch_repeat_interleave`` on the cache (assisted decoding, beam search, contrastive search)
-drop the states of that cache, which then rebuild on the next call. Any ``Nq`` continues the state
+rebuilt from ``key[:, :, :Nk - Nq]``. ``crop`` and ``reset`` on the cache (assisted decoding, a reused
+cache) drop the states of that cache, which then rebuild on the next call; ``reorder_cache``,
+``batch_select_indices`` and ``batch_repeat_interleave`` (beam search, contrastive search) move the
+states' batch rows as the cache's. Any ``Nq`` continues the state
 (a decode step, 1..16 speculative tokens, or a chunk of a chunked prefill).
 """
 from __future__ import annotations
@@ -34,8 +35,15 @@ STATES_ATTR = "_sparse_io_attn_selector_states"
 _CACHE_ATTR = "_sparse_io_attn_cache"
 _HOOKED_ATTR = "_sparse_io_attn_cache_hook"
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
-#: Cache methods that change cached keys without appending: they drop the cache's selector states
-INVALIDATING = ("crop", "reset", "reorder_cache", "batch_select_indices", "batch_repeat_interleave")
+#: Cache methods that remove or replace cached keys: they drop the cache's selector states
+INVALIDATING = ("crop", "reset")
+#: Cache methods that move whole batch rows (beam search, contrastive search): applied to the states too
+BATCH_MAPS = {
+    "reorder_cache": lambda beam_idx: lambda t: t.index_select(0, beam_idx.to(t.device)),
+    "batch_select_indices": lambda indices: lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor)
+                                                        else indices],
+    "batch_repeat_interleave": lambda repeats: lambda t: t.repeat_interleave(repeats, 0),
+}
 
 
 def _cache_of(kwargs) -> Optional[object]:
@@ -72,14 +80,25 @@ def find_cache(module, kwargs) -> Optional[object]:
 def _dropping(method, states: dict):
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
-        states.clear()
+        if not (method.__name__ == "crop" and args and isinstance(args[0], int) and args[0] == 0):
+            states.clear()           # crop(0), which generate()'s asynchronous loop calls, changes nothing
         return method(*args, **kwargs)
     return wrapper
 
 
+def _mapping(method, states: dict, batch_map):
+    @functools.wraps(method)
+    def wrapper(arg, *args, **kwargs):
+        fn = batch_map(arg)
+        for state in states.values():
+            state.map_batch(fn)
+        return method(arg, *args, **kwargs)
+    return wrapper
+
+
 def cache_states(cache) -> dict:
-    """The cache's ``{(layer_idx, selector repr): state}``, made on first use (the cache's methods of
-    :data:`INVALIDATING` then clear it)."""
+    """The cache's ``{(layer_idx, selector repr): state}``, made on first use; the cache's methods of
+    :data:`INVALIDATING` then clear it and those of :data:`BATCH_MAPS` move its batch rows too."""
     states = getattr(cache, STATES_ATTR, None)
     if states is None:
         states = {}
@@ -88,6 +107,10 @@ def cache_states(cache) -> dict:
             method = getattr(cache, name, None)
             if callable(method):
                 setattr(cache, name, _dropping(method, states))
+        for name, batch_map in BATCH_MAPS.items():
+            method = getattr(cache, name, None)
+            if callable(method):
+                setattr(cache, name, _mapping(method, states, batch_map))
     return states
 
 
@@ -121,4 +144,4 @@ def select_with_state(module, selector, query: torch.Tensor, key: torch.Tensor, 
     return selector.step(query, key[:, :, Nk - Nq:], state)
 
 
-__all__ = ["INVALIDATING", "STATES_ATTR", "cache_states", "find_cache", "select_with_state"]
+__all__ = ["BATCH_MAPS", "INVALIDATING", "STATES_ATTR", "cache_states", "find_cache", "select_with_state"]
