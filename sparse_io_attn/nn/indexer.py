@@ -179,7 +179,8 @@ class LightningIndexer(nn.Module):
         DSA selects tokens, there is no per-block summary to keep."""
         if not isinstance(state, IndexKeyState):
             raise TypeError(f"LightningIndexer.step takes the state of init_state(), got {type(state).__name__}")
-        if x.dim() != 3 or x.shape[-1] != self.embed_dim or (state.keys is not None and x.shape[0] != state.keys.shape[0]):
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim \
+                or (state.keys is not None and x.shape[0] != state.keys.shape[0]):
             raise ValueError(f"expected x of shape [batch, seqlen, {self.embed_dim}] continuing the state's batch "
                              f"({state!r}), got {tuple(x.shape)}")
         with torch.no_grad():

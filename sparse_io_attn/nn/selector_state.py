@@ -104,7 +104,8 @@ class IndexKeyState:
         return 0 if self.keys is None else self.keys.shape[1]
 
     def append(self, k_new: torch.Tensor) -> torch.Tensor:
-        self.keys = k_new.detach() if self.keys is None else torch.cat([self.keys, k_new.detach().to(self.keys.dtype)], 1)
+        k_new = k_new.detach()
+        self.keys = k_new if self.keys is None else torch.cat([self.keys, k_new.to(self.keys.dtype)], 1)
         return self.keys
 
     def numel(self) -> int:
