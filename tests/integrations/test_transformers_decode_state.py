@@ -172,3 +172,19 @@ def test_crop_zero_keeps_the_states():
     assert len(getattr(cache, decode_state.STATES_ATTR)) == 2
     cache.reset()
     assert not getattr(cache, decode_state.STATES_ATTR)
+
+
+def test_a_cache_that_takes_no_state_selects_over_the_whole_cache():
+    model = _model("moba:block=4,top_k=2")
+    attn = model.model.layers[0].self_attn
+    selector, _ = sia_hf.layouts.module_selector(attn, "bottom_right")
+
+    class SlotCache:                                                  # no __dict__, no weak references
+        __slots__ = ()
+    q, k = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16)
+    assert decode_state.select_with_state(attn, selector, q, k, {"cache": SlotCache()}) is None
+    # no cache in the kwargs: the first call installs the pre-hook and selects over the whole cache
+    assert not attn._forward_pre_hooks
+    assert decode_state.select_with_state(attn, selector, q, k, {}) is None and len(attn._forward_pre_hooks) == 1
+    model(torch.zeros(1, 3, dtype=torch.long), use_cache=False)      # a forward without a cache: still none
+    assert decode_state.select_with_state(attn, selector, q, k, {}) is None and len(attn._forward_pre_hooks) == 1

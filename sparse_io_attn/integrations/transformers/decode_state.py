@@ -59,7 +59,11 @@ def _note_cache(module, args, kwargs):
     if torch.compiler.is_compiling():
         return None
     cache = _cache_of(kwargs)
-    setattr(module, _CACHE_ATTR, None if cache is None else weakref.ref(cache))
+    try:
+        ref = None if cache is None else weakref.ref(cache)
+    except TypeError:                # a cache class without weak references: no state
+        ref = None
+    setattr(module, _CACHE_ATTR, ref)
     return None
 
 
@@ -96,13 +100,17 @@ def _mapping(method, states: dict, batch_map):
     return wrapper
 
 
-def cache_states(cache) -> dict:
-    """The cache's ``{(layer_idx, selector repr): state}``, made on first use; the cache's methods of
-    :data:`INVALIDATING` then clear it and those of :data:`BATCH_MAPS` move its batch rows too."""
+def cache_states(cache) -> Optional[dict]:
+    """The cache's ``{(layer_idx, selector repr): state}``, made on first use (``None`` for a cache
+    object that takes no attribute); the cache's methods of :data:`INVALIDATING` then clear it and
+    those of :data:`BATCH_MAPS` move its batch rows too."""
     states = getattr(cache, STATES_ATTR, None)
     if states is None:
         states = {}
-        setattr(cache, STATES_ATTR, states)
+        try:
+            setattr(cache, STATES_ATTR, states)
+        except (AttributeError, TypeError):      # a cache that takes no attributes: no state
+            return None
         for name in INVALIDATING:
             method = getattr(cache, name, None)
             if callable(method):
@@ -135,6 +143,8 @@ def select_with_state(module, selector, query: torch.Tensor, key: torch.Tensor, 
     if cache is None:
         return None
     states = cache_states(cache)
+    if states is None:
+        return None
     slot = (layer, repr(selector))
     Nq, Nk = query.shape[2], key.shape[2]
     state = states.get(slot)
