@@ -12,8 +12,7 @@ absolute positions of the cache) allows **and** the model's own mask allows (cau
 packed documents, a built-in sliding window): the pattern never widens the model's mask. Without
 padding or packing no element mask is built and the layout runs with ``causal="bottom_right"``.
 Unsupported features (dropout > 0, softcap, attention sinks, position biases, paged caches) raise
-``NotImplementedError``. A selector spec (``"moba:..."``, ``"pooled_topk:..."``) keeps its per-block key
-state on the KV cache and decodes from it (:mod:`.decode_state`). Change ``config.sparse_attention`` after a forward only with
+``NotImplementedError``. Change ``config.sparse_attention`` after a forward only with
 :func:`reset_layouts` afterwards.
 """
 from sparse_io_attn.integrations.transformers.config import (CONFIG_ATTR, DEFAULT_BLOCK_SIZE, LayerPattern,
