@@ -9,6 +9,7 @@ from torch import nn
 
 from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.nn.selector_state import IndexKeyState
 from sparse_io_attn.nn.selectors import lightning_scores, lightning_topk
 
 
@@ -162,6 +163,31 @@ class LightningIndexer(nn.Module):
         with torch.no_grad():
             q, k, w = self._inputs(x, qr, freqs_cis, past_keys)
             return lightning_topk(q, k, w, self.top_k, causal="bottom_right")
+
+    def init_state(self) -> IndexKeyState:
+        """An empty decode state: the index-key cache of one sequence batch
+        (:class:`~sparse_io_attn.nn.selector_state.IndexKeyState`, V3.2's ``Indexer.k_cache``)."""
+        return IndexKeyState()
+
+    def step(self, x: torch.Tensor, state: IndexKeyState, qr: torch.Tensor | None = None, *,
+             freqs_cis: torch.Tensor | None = None) -> Selection:
+        """Decode (or prefill, on an empty state) the ``T`` tokens ``x [B, T, E]`` at positions
+        ``P..P+T-1`` (``P = state.length``): append their index keys to ``state`` and return their
+        :class:`Selection` over the ``P + T`` keys, the same as :meth:`forward` with ``past_keys``
+        (row for row what a prefill over the whole sequence chooses at those positions). The
+        indexer scores every cached index key, ``O((P + T) * head_dim)`` per query and index head:
+        DSA selects tokens, there is no per-block summary to keep."""
+        if not isinstance(state, IndexKeyState):
+            raise TypeError(f"LightningIndexer.step takes the state of init_state(), got {type(state).__name__}")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim \
+                or (state.keys is not None and x.shape[0] != state.keys.shape[0]):
+            raise ValueError(f"expected x of shape [batch, seqlen, {self.embed_dim}] continuing the state's batch "
+                             f"({state!r}), got {tuple(x.shape)}")
+        with torch.no_grad():
+            start = state.length
+            q, w = self.queries(x, qr, freqs_cis=freqs_cis, start=start)
+            keys = state.append(self.keys(x, freqs_cis=freqs_cis, start=start))
+            return lightning_topk(q, keys, w, self.top_k, causal="bottom_right")
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}, "

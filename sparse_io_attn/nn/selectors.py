@@ -28,6 +28,12 @@ the per-token selectors keep the **higher** block (or token) index, the more rec
 device (:func:`~sparse_io_attn.layout.patterns.ranked_topk` with ``ties="higher"``); the references
 call ``torch.topk``, whose order among equal values is unspecified (it differs between CPU and CUDA
 and with the row length), so any tie-break is one the reference may produce.
+
+Decoding: the block selectors keep a per-(layer, cache) state of per-block key summaries
+(``state = sel.init_state()``, ``sel.step(q_new, k_new, state)``;
+:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`), so a step of ``n`` new tokens costs
+``O(n x key blocks x D)`` and reads no cached key; MoBA's and NSA's steps choose what their prefill
+chooses at the same positions (``docs/notes/selector_decode_state.md``).
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.patterns.selection import ranked_topk, topk
 from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.nn.selector_state import BlockKeyState
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, who: str) -> None:
@@ -68,6 +75,23 @@ def _causal_only(causal, who: str):
         raise ValueError(f"{who} is causal by definition (its reference has no non-causal form): pass causal=True "
                          f"('top_left') or 'bottom_right', or use pooled_topk(..., causal=False)")
     return causal
+
+
+def _check_step(q: torch.Tensor, k: torch.Tensor, state, kind: str, who: str) -> None:
+    """A decode step's ``q [B, Hq, n, D]`` and ``k [B, Hkv, n, D]``: the ``n`` new tokens' queries and
+    keys (as many of each), and a state of this selector."""
+    _check_qk(q, k, who)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{who}.step takes the new tokens' queries and keys, as many of each (the cached keys "
+                         f"live in the state), got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    BlockKeyState.check(state, kind, f"{who}.step")
+
+
+def _summaries(state: BlockKeyState, like: torch.Tensor, dtype) -> torch.Tensor:
+    """The state's complete-block summaries, or an empty ``[B, Hkv, 0, D]`` before the first block."""
+    if state.summaries is not None:
+        return state.summaries
+    return like.new_zeros(*like.shape[:2], 0, like.shape[3], dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------ pooled top-k
@@ -123,11 +147,44 @@ class PooledTopKSelector:
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Block scores ``[B, Hkv, Mq, Mk]``: pooled queries (averaged over each GQA group) times
         pooled keys."""
+        return self._scores(q, block_means(k.detach(), self.block_size))
+
+    def _scores(self, q: torch.Tensor, key_means: torch.Tensor) -> torch.Tensor:
         B, Hq, _, D = q.shape
-        Hkv = k.shape[1]
+        Hkv = key_means.shape[1]
         qb = block_means(q.detach(), self.block_size)
         qb = qb.view(B, Hkv, Hq // Hkv, qb.shape[2], D).mean(2)
-        return qb @ block_means(k.detach(), self.block_size).transpose(-1, -2)
+        return qb @ key_means.transpose(-1, -2)
+
+    def init_state(self, keys: torch.Tensor | None = None) -> BlockKeyState:
+        """A decode state for one layer's KV cache: the float32 mean of every complete key block and
+        the keys of the incomplete last one (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`);
+        empty, or holding ``keys [B, Hkv, N, D]`` (a cache filled without the state: ``O(N * D)``
+        once)."""
+        bs = self.block_size
+        state = BlockKeyState("pooled_topk", bs, lambda x: block_means(x, bs))
+        return state if keys is None else state.append(keys, "pooled_topk.init_state")
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> BlockSparseLayout:
+        """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
+        to ``state`` and return the layout of their queries ``q [B, Hq, n, D]`` over all ``Nk =
+        state.length`` keys, bottom-right (the queries are the last ``n`` keys), reading the cached
+        keys only through the state: ``O(n * Nk / block_size * D)``. Equal to
+        ``self.with_causal("bottom_right")(q, <all Nk keys>)``: the query blocks are this call's (rows
+        ``0..block_size-1`` of ``q``, ...), so a decode step's choice is the full selector's on the
+        same rows, not the prefill's, whose query blocks pool queries of later tokens."""
+        _check_step(q, k, state, "pooled_topk", "pooled_topk")
+        if self.causal is False:
+            raise ValueError("pooled_topk.step decodes causally (the new queries are the last keys); this "
+                             "selector has causal=False")
+        with torch.no_grad():
+            bs = self.block_size
+            state.append(k, "pooled_topk.step")
+            means = [_summaries(state, k, torch.float32)]
+            if state.tail.shape[2]:
+                means.append(block_means(state.tail, bs))
+            return topk(self._scores(q, torch.cat(means, 2)), self.top_k, bs, (q.shape[2], state.length),
+                        causal="bottom_right", include_diagonal=True)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> BlockSparseLayout:
         _check_qk(q, k, "the pooled_topk selector")
@@ -209,28 +266,62 @@ class MoBASelector:
         """``(gate [B, Hq, Nq, nf] float32, candidate bool [Nq, nf], own chunk int64 [Nq])``; the own
         chunk is ``-1`` for a row without one (a position before the keys, or past them)."""
         _check_qk(q, k, "the moba selector")
-        B, Hq, Nq, D = q.shape
-        Hkv, Nk = k.shape[1], k.shape[2]
-        c, nf = self.chunk_size, Nk // self.chunk_size
-        q, k = q.detach(), k.detach()
-        means = k[:, :, :nf * c].unflatten(2, (nf, c)).mean(3)                        # k's dtype, as MoBA
-        gate = q.float().view(B, Hkv, Hq // Hkv, Nq, D) @ means.float()[:, :, None].transpose(-1, -2)
+        Nq, Nk = q.shape[2], k.shape[2]
+        means = self._chunk_means(k.detach()[:, :, :Nk // self.chunk_size * self.chunk_size])
         pos = _positions(self.causal, Nq, Nk, q.device)
+        return self._gate_from_means(q, means, pos, Nk)
+
+    def _chunk_means(self, k: torch.Tensor) -> torch.Tensor:
+        """``k [B, Hkv, m * chunk_size, D]`` -> MoBA's chunk means ``[B, Hkv, m, D]``: the mean taken in
+        k's dtype (as MoBA), then cast to float32 (exact), the gate's dtype."""
+        return k.unflatten(2, (k.shape[2] // self.chunk_size, self.chunk_size)).mean(3).float()
+
+    def _gate_from_means(self, q: torch.Tensor, means: torch.Tensor, pos: torch.Tensor, seqlen_k: int):
+        B, Hq, Nq, D = q.shape
+        Hkv, nf, c = means.shape[1], means.shape[2], self.chunk_size
+        gate = q.detach().float().view(B, Hkv, Hq // Hkv, Nq, D) @ means[:, :, None].transpose(-1, -2)
         own = torch.div(pos, c, rounding_mode="floor")
         candidate = torch.arange(nf, device=q.device) < own[:, None]                  # ends before the query
-        own = torch.where((pos >= 0) & (own < math.ceil(Nk / c)), own, -1)
+        own = torch.where((pos >= 0) & (own < math.ceil(seqlen_k / c)), own, -1)
         return gate.view(B, Hq, Nq, nf), candidate, own
+
+    def _select(self, gate: torch.Tensor, candidate: torch.Tensor, own: torch.Tensor) -> Selection:
+        B, Hq, Nq, nf = gate.shape
+        own = own.expand(B, Hq, Nq)[..., None]
+        past = min(self.top_k - 1, nf)
+        if past == 0:
+            return Selection(own.contiguous(), self.chunk_size)
+        chosen = ranked_topk(gate, past, eligible=candidate, ties="higher")
+        return Selection(torch.cat([own, chosen], -1), self.chunk_size)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> Selection:
         with torch.no_grad():
-            gate, candidate, own = self._gate(q, k)
-            B, Hq, Nq, nf = gate.shape
-            own = own.expand(B, Hq, Nq)[..., None]
-            past = min(self.top_k - 1, nf)
-            if past == 0:
-                return Selection(own.contiguous(), self.chunk_size)
-            chosen = ranked_topk(gate, past, eligible=candidate, ties="higher")
-            return Selection(torch.cat([own, chosen], -1), self.chunk_size)
+            return self._select(*self._gate(q, k))
+
+    def init_state(self, keys: torch.Tensor | None = None) -> BlockKeyState:
+        """A decode state for one layer's KV cache: MoBA's mean of every complete chunk and the keys of
+        the incomplete last chunk (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`); empty,
+        or holding ``keys [B, Hkv, N, D]`` (a cache filled without the state: ``O(N * D)`` once).
+        MoBA never scores the incomplete chunk (it is the own chunk of the rows in it, forced, and in
+        the future of every earlier row), so its mean is never needed: it is taken, with the same
+        operation as the prefill's, when the chunk completes."""
+        state = BlockKeyState("moba", self.chunk_size, self._chunk_means)
+        return state if keys is None else state.append(keys, "moba.init_state")
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> Selection:
+        """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
+        to ``state`` and return the selection of their queries ``q [B, Hq, n, D]`` at positions
+        ``Nk - n .. Nk - 1`` (``Nk = state.length`` after appending; bottom-right, whatever this
+        selector's ``causal``) over the ``Nk`` keys, reading the cached keys only through the state:
+        ``O(n * Nk / chunk_size * D)``. Row for row the chunks ``self(q_all, k_all)`` chooses at those
+        positions (the gate of a position depends only on the complete chunks before it; its width
+        ``K = min(top_k, Nk // chunk_size + 1)`` is the one of a call over ``Nk`` keys)."""
+        _check_step(q, k, state, "moba", "moba")
+        with torch.no_grad():
+            state.append(k, "moba.step")
+            Nk = state.length
+            pos = torch.arange(Nk - q.shape[2], Nk, device=q.device)
+            return self._select(*self._gate_from_means(q, _summaries(state, k, torch.float32), pos, Nk))
 
     def __repr__(self) -> str:
         return f"moba(chunk_size={self.chunk_size}, top_k={self.top_k}, causal={self.causal!r})"
@@ -295,13 +386,16 @@ class NSASelector:
         """``[B, Hkv, Nq, ceil(Nk / block_size)]`` in q's dtype: the group-mean block probabilities over
         complete blocks (0 elsewhere), 1.0 on forced blocks."""
         _check_qk(q, k, "the nsa selector")
+        return self._scores(q, whole_block_means(k.detach(), self.block_size), k.shape[2])   # fla's mean_pooling
+
+    def _scores(self, q: torch.Tensor, k_cmp: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+        """:meth:`scores` from the compressed keys ``k_cmp [B, Hkv, Nk // block_size, D]``."""
         B, Hq, Nq, D = q.shape
-        Hkv, Nk = k.shape[1], k.shape[2]
+        Hkv, Nk = k_cmp.shape[1], seqlen_k
         bs = self.block_size
         nf, nc = Nk // bs, math.ceil(Nk / bs)
-        q, k = q.detach(), k.detach()
+        q = q.detach()
         scale = D ** -0.5 if self.sm_scale is None else self.sm_scale
-        k_cmp = whole_block_means(k, bs)                                              # fla's mean_pooling
         attn = (q.view(B, Hkv, Hq // Hkv, Nq, D) @ k_cmp[:, :, None].transpose(-1, -2)) * scale
         complete, forced = self._blocks(Nq, Nk, q.device)
         probs = torch.softmax(attn.masked_fill(~complete[:, :nf], -math.inf), dim=-1)
@@ -324,13 +418,37 @@ class NSASelector:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> Selection:
         with torch.no_grad():
-            scores = self.scores(q, k)
-            nc = scores.shape[-1]
-            chosen = ranked_topk(scores, min(self.num_blocks, nc),
-                                 eligible=self.allowed(q.shape[2], k.shape[2], q.device), ties="higher")
-            if self.num_blocks > nc:
-                chosen = F.pad(chosen, (0, self.num_blocks - nc), value=-1)
-            return Selection(chosen, self.block_size)
+            return self._choose(self.scores(q, k), q.shape[2], k.shape[2], q.device)
+
+    def init_state(self, keys: torch.Tensor | None = None) -> BlockKeyState:
+        """A decode state for one layer's KV cache: fla's compressed key (``mean_pooling``) of every
+        complete block and the keys of the incomplete last block
+        (:class:`~sparse_io_attn.nn.selector_state.BlockKeyState`); empty, or holding ``keys [B, Hkv,
+        N, D]``. NSA compresses and scores complete blocks only (an incomplete block is only ever
+        kept as a forced one, unscored), so the state never pools a partial block."""
+        bs = self.block_size
+        state = BlockKeyState("nsa", bs, lambda x: whole_block_means(x, bs))
+        return state if keys is None else state.append(keys, "nsa.init_state")
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> Selection:
+        """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
+        to ``state`` and return the selection of their queries ``q [B, Hq, n, D]`` (the last ``n``
+        of the ``Nk = state.length`` keys, bottom-right as always for NSA), reading the cached keys
+        only through the state: ``O(n * Nk / block_size * D)``. Row for row the blocks
+        ``self(q_all, k_all)`` chooses at those positions; indices ``[B, Hkv, n, num_blocks]``."""
+        _check_step(q, k, state, "nsa", "nsa")
+        with torch.no_grad():
+            state.append(k, "nsa.step")
+            Nk = state.length
+            return self._choose(self._scores(q, _summaries(state, k, k.dtype), Nk), q.shape[2], Nk, q.device)
+
+    def _choose(self, scores: torch.Tensor, seqlen_q: int, seqlen_k: int, device) -> Selection:
+        nc = scores.shape[-1]
+        chosen = ranked_topk(scores, min(self.num_blocks, nc), eligible=self.allowed(seqlen_q, seqlen_k, device),
+                             ties="higher")
+        if self.num_blocks > nc:
+            chosen = F.pad(chosen, (0, self.num_blocks - nc), value=-1)
+        return Selection(chosen, self.block_size)
 
     def __repr__(self) -> str:
         return f"nsa(block_size={self.block_size}, num_blocks={self.num_blocks}, sm_scale={self.sm_scale!r})"

@@ -13,6 +13,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("sparse_io_attn.integrations.transformers needs Hugging Face Transformers >= 5: "
                       "pip install 'sparse-io-attn[hf]' (or pip install 'transformers>=5')") from exc
 
+from sparse_io_attn.integrations.transformers.decode_state import select_with_state
 from sparse_io_attn.integrations.transformers.layouts import (check_lengths, layout_no_mask, layout_with_mask,
                                                               module_selector, remember_mask,
                                                               selection_layout_with_mask)
@@ -103,7 +104,10 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         causal = "bottom_right" if causal_model else False
         if selector is not None:   # chosen from this call's queries and keys (the queries are the last q keys)
             check_lengths(q, kv)
-            layout = selector(query, key)
+            # through the selector's per-block state on the KV cache when there is one (decode_state.py)
+            layout = None if torch.compiler.is_compiling() or not causal else \
+                select_with_state(module, selector, query, key, kwargs)
+            layout = selector(query, key) if layout is None else layout
             if isinstance(layout, Selection):   # per token (exact MoBA): the selection op, no layout
                 out = selection_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend,
                                           check=False)
