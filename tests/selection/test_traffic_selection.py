@@ -1,7 +1,7 @@
 """The selection traffic model predicts exactly the bytes the Triton kernels count (exact integer
-equality; the forward of these ``Nq <= 16`` cases is the decode kernels' unless ``decode=False``
-asks for the prefill kernel, counted too), its pair count is the reference mask's, and ``accounting.compare`` sets a counted
-selection call against Theorem 1.2 for that count."""
+equality; the forward of these ``Nq <= 16`` cases runs the decode kernels unless ``decode=False``
+asks for the prefill kernel, counted too), its pair count is the reference mask's, and
+``accounting.compare`` sets a counted selection call against Theorem 1.2 for that count."""
 import math
 
 import pytest

@@ -73,7 +73,8 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, blo
             bm, bn = kwargs.get("BLOCK_H", kwargs.get("BLOCK_R")), kwargs.get("BLOCK_N", 0)
             ptx_file = None
             if ptx_dir is not None:
-                ptx_file = Path(ptx_dir) / f"{shape}_{call.name}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}_sm{arch}.ptx"
+                ptx_file = (Path(ptx_dir) / f"{shape}_{call.name}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}"
+                                            f"_sm{arch}.ptx")
             stats = ptx_report(compiled, arch=arch, ptx_file=ptx_file)
             rows.append({"shape": shape, "kernel": call.name, "BLOCK_M": bm, "BLOCK_N": bn,
                          "splits": kwargs["NUM_SPLITS"], "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
