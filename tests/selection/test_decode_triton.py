@@ -154,3 +154,13 @@ def test_bad_split_keys():
     _, plan, q, k, v, _ = setup(1, 2, 1, 1, 1, 40, 16, 4, 3, "bottom_right")
     with pytest.raises(ValueError, match="split_keys"):
         launch.forward(q, k, v, plan, sm_scale=0.25, split_keys=0)
+
+
+@pytest.mark.parametrize("Nq, kernel", [(16, "selection_decode"), (17, "selection_fwd")])
+def test_decode_is_the_default_up_to_16_queries(Nq, kernel):
+    """``decode=None``: the decode kernels for ``Nq <= 16`` (launcher and traffic model alike)."""
+    _, plan, q, k, v, _ = setup(1, 2, 1, 1, Nq, 64, 16, 16, 2, "bottom_right")
+    with IOCounter() as io:
+        launch.forward(q, k, v, plan, sm_scale=0.25)
+    assert set(io.report.kernels) == {kernel}
+    assert io.report == traffic.selection_forward(plan, 1, 2, 1, 16, torch.float32)
