@@ -8,7 +8,9 @@ tiles copied asynchronously, not only its indices). ``--op selection``: the per-
 (:func:`~sparse_io_attn.selection.api.selection_attention`'s ``"triton"`` backend) for two head layouts
 (a selection per GQA group, one shared by 64 heads), every autotuning configuration (pipelined = the
 loop's gathered K/V or Q/dO tiles copied asynchronously). ``--op block-sparse-decode``: the block-sparse
-decode kernels (split-K over the decoded rows' kept blocks, and the merge) for one token and for 16."""
+decode kernels (split-K over the decoded rows' kept blocks, and the merge) for one token and for 16.
+``--op selection-decode``: the selection decode kernels (split-K over each token's selected blocks, and
+the merge) for one token (a selection per GQA group) and for 16 (one shared by 64 heads)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +26,7 @@ EXAMPLES = """examples:
   sparse-io-attn compile-report --op sparse-operands --dtype fp16 --head-dim 128
   sparse-io-attn compile-report --op selection --dtype bf16 --head-dim 64 --block 4 --causal
   sparse-io-attn compile-report --op block-sparse-decode --dtype bf16 --head-dim 128
+  sparse-io-attn compile-report --op selection-decode --dtype bf16 --head-dim 128 --block 1
 
 Triton's bundled ptxas reads the PTX (registers, spills); no GPU is used. Runs Triton without its
 interpreter, so it must be the first use of Triton in the process."""
@@ -32,14 +35,15 @@ interpreter, so it must be the first use of Triton in the process."""
 def add_parser(sub) -> None:
     p = sub.add_parser("compile-report", help="registers, spills and pipelining of the compiled kernels",
                        epilog=EXAMPLES, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--op", choices=("block-sparse", "block-sparse-decode", "sparse-operands", "selection"),
+    p.add_argument("--op", choices=("block-sparse", "block-sparse-decode", "sparse-operands", "selection",
+                                    "selection-decode"),
                    default="block-sparse",
                    help="which op's kernels (default block-sparse)")
     p.add_argument("--dtype", default="bf16", help="bf16 | fp16 | fp32 (default bf16)")
     p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
     p.add_argument("--block", type=int, default=None,
                    help="layout block size (default 128); sparse-operands: row block size (default 64); "
-                        "selection: keys per selected block (default 64)")
+                        "selection, selection-decode: keys per selected block (default 64)")
     p.add_argument("--block-d", type=int, default=32,
                    help="sparse-operands only: head-dim (column) block size of X, Y (default 32)")
     p.add_argument("--causal", action="store_true", help="compile the causal variants (block-sparse, selection)")
@@ -83,6 +87,11 @@ def run(args) -> int:
                                      configs=args.configs, ptx_dir=args.ptx_dir)
         what = (f"per-token selection, {args.dtype}, head_dim {args.head_dim}, block {block}"
                 f"{', causal' if args.causal else ''}); pipelined = the loop's gathered tiles copied asynchronously")
+        loopless = report.LOOPLESS
+    elif args.op == "selection-decode":
+        rows = report.compile_report(dtype, args.head_dim, block, arch=args.arch, ptx_dir=args.ptx_dir)
+        what = (f"selection decode, {args.dtype}, head_dim {args.head_dim}, block {block}, bottom-right causal); "
+                f"pipelined = the loop's 2-D tiles copied asynchronously")
         loopless = report.LOOPLESS
     elif args.op == "block-sparse-decode":
         rows = report.compile_report(dtype, args.head_dim, block, arch=args.arch, ptx_dir=args.ptx_dir)

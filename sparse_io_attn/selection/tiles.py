@@ -15,6 +15,8 @@ Vocabulary (``R``, ``BLOCK_H``, key steps):
 * dK/dV: one program per key tile of ``BLOCK_N`` keys inside a block (:func:`key_tile`: the block
   padded to at least 16 keys, at most the configuration's ``BLOCK_N``), gathered query rows in
   tiles of ``BLOCK_M`` (token, head) rows, each token's ``R`` heads padded to ``next_pow2(R)`` rows.
+* Decode (``Nq <=`` :data:`DECODE_MAX_QUERIES`): the forward's rows and key steps, each row's steps
+  cut into ``splits`` contiguous ranges (:func:`decode_config`).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
-from sparse_io_attn.block_sparse.tiles import element_size, padded_head_dim
+from sparse_io_attn.block_sparse.tiles import (DECODE_MAX_QUERIES, DECODE_MAX_SPLITS, DECODE_SPLIT_KEYS,
+                                               DECODE_TARGET_PROGRAMS, element_size, padded_head_dim)
 
 KERNELS = ("fwd", "dq", "dkdv")
 
@@ -149,5 +152,45 @@ def choose_tiles(block_size: int, head_dim: int, dtype: torch.dtype, r: int) -> 
                           dkdv=(c["dkdv"].block_m, c["dkdv"].block_n))
 
 
-__all__ = ["SelectionConfig", "SelectionTiles", "choose_tiles", "head_rows", "kernel_configs", "key_step",
-           "key_tile", "sel_heads"]
+@dataclass(frozen=True)
+class SelectionDecodeConfig:
+    """The launch of the selection decode kernels for one call, from shapes and dtype only (the
+    launcher, the traffic model and the compile report agree): the forward's ``BLOCK_H`` rows and its
+    default key step (``BLOCK_N``, ``SLOTS``, ``TILES``, ``MASK_LANES``: :func:`key_step`), ``splits``
+    per row program (1: the decode kernel writes the outputs, no merge), warps and stages."""
+    block_h: int
+    block_n: int
+    slots: int
+    tiles: int
+    mask_lanes: bool
+    splits: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(block_size: int, max_blocks: int, batch: int, num_heads_q: int, num_heads_kv: int,
+                  num_selections: int, num_queries: int, head_dim: int, dtype: torch.dtype, *,
+                  split_keys: int = DECODE_SPLIT_KEYS) -> SelectionDecodeConfig:
+    """The :class:`SelectionDecodeConfig` of a call: ``K = max_blocks`` slots per row of blocks of
+    ``block_size`` keys, ``num_queries`` decoded tokens. The row programs are the forward's (per
+    token, batch x unit of ``R`` heads, chunk of ``BLOCK_H``); splits as the block-sparse decode
+    (:func:`sparse_io_attn.block_sparse.tiles.decode_config`): enough to bring all programs to
+    ``DECODE_TARGET_PROGRAMS``, at most one per ``split_keys`` keys of a row's capacity ``K *
+    block_size`` (a shape: no host read of the rows), per key step of the capacity and
+    ``DECODE_MAX_SPLITS``. ``split_keys`` (tests: small values force several splits)."""
+    if split_keys < 1:
+        raise ValueError(f"split_keys must be positive, got {split_keys}")
+    c = kernel_configs("fwd", block_size, head_dim, dtype)[0]
+    n, slots, tiles = key_step(block_size, c.block_n)
+    r = sel_heads(num_heads_q, num_heads_kv, num_selections)
+    block_h = head_rows(r, head_dim, dtype)
+    programs = max(1, batch * (num_heads_q // r) * -(-r // block_h) * num_queries)
+    steps = -(-max_blocks // slots) * tiles                  # key steps of a full row
+    splits = max(1, min(DECODE_MAX_SPLITS, -(-max_blocks * block_size // split_keys),
+                        -(-DECODE_TARGET_PROGRAMS // programs), steps))
+    mask_lanes = slots * block_size != n if slots > 1 else tiles * n != block_size
+    return SelectionDecodeConfig(block_h, n, slots, tiles, mask_lanes, splits, c.num_warps, c.num_stages)
+
+
+__all__ = ["DECODE_MAX_QUERIES", "SelectionConfig", "SelectionDecodeConfig", "SelectionTiles", "choose_tiles",
+           "decode_config", "head_rows", "kernel_configs", "key_step", "key_tile", "sel_heads"]

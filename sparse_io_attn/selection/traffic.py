@@ -15,6 +15,12 @@ What a program moves (the kernels in :mod:`sparse_io_attn.selection.triton`; ``D
   every listed block whole, the last one clipped to the sequence and the diagonal:
   :func:`row_pairs`), 1 row count and ``count * TILES`` row entries (one per key step of a block
   of ``TILES`` steps, each gathered slot once); writes ``o`` rows, fp32 ``lse`` and ``stats``.
+* ``selection_decode`` (``Nq <= 16``; per split of the forward's row program): the forward's reads
+  split between the row's splits (every key step belongs to exactly one: keys and row entries do not
+  depend on where the splits cut), plus the row count and the ``q`` rows once per split; one split
+  writes ``o``, ``lse``, ``stats``, several write fp32 ``partial`` rows (``m``, ``l``, ``acc``: ``2 +
+  D`` floats per head and split) that ``selection_decode_merge`` reads once before writing ``o``,
+  ``lse``, ``stats`` (:func:`selection_decode_forward`).
 * ``selection_bwd_preprocess``: reads ``o`` and ``do``, writes fp32 ``delta``, once per row.
 * ``selection_bwd_dkdv`` (per key tile of a block, per batch x KV head): reads and writes its
   ``k``/``v``/``dk``/``dv`` rows once (every key once overall); per selection serving the group, 2
@@ -28,9 +34,10 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn.block_sparse.tiles import element_size
-from sparse_io_attn.block_sparse.traffic import INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES
+from sparse_io_attn.block_sparse.traffic import DECODE_MERGE_TENSORS, INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES
 from sparse_io_attn.selection.plan import SelectionPlan
-from sparse_io_attn.selection.tiles import SelectionTiles, choose_tiles, key_step, key_tile, sel_heads
+from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
+                                            decode_config, key_step, key_tile, sel_heads)
 from sparse_io_attn._triton.shapes import next_pow2
 from sparse_io_attn.tally.report import TrafficReport
 
@@ -39,7 +46,9 @@ from sparse_io_attn.tally.report import TrafficReport
 FWD_TENSORS = ("q", "k", "v", "o", "lse", "stats", "plan")
 DKDV_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dk", "dv", "plan")
 DQ_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dq", "plan")
+DECODE_TENSORS = ("q", "k", "v", "o", "lse", "stats", "partial", "plan")
 KERNEL_NAMES = ("selection_fwd", "selection_bwd_preprocess", "selection_bwd_dkdv", "selection_bwd_dq")
+DECODE_KERNEL_NAMES = ("selection_decode", "selection_decode_merge")
 
 
 def row_pairs(plan: SelectionPlan) -> torch.Tensor:
@@ -110,9 +119,16 @@ def _row_reads(plan: SelectionPlan, batch, num_heads_q, num_heads_kv, block_h: i
 
 
 def selection_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                      dtype: torch.dtype, *, tiles: SelectionTiles | None = None) -> TrafficReport:
-    """Predicted bytes of one ``selection_fwd`` launch (``TrafficReport(source="predicted")``)."""
+                      dtype: torch.dtype, *, tiles: SelectionTiles | None = None,
+                      decode: bool | None = None) -> TrafficReport:
+    """Predicted bytes of one forward (``TrafficReport(source="predicted")``): the ``selection_fwd``
+    launch, or, with ``decode`` (``None``: when ``Nq <= 16``, as the launcher decides), the decode
+    kernels' (:func:`selection_decode_forward`; ``tiles`` does not apply to them)."""
     _check(plan)
+    if decode is None:
+        decode = plan.seqlen[0] <= DECODE_MAX_QUERIES
+    if decode:
+        return selection_decode_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     es, D = element_size(dtype), head_dim
     R = _usage(plan, batch, num_heads_q, num_heads_kv)[2]
     tiles = tiles or choose_tiles(plan.block_size, head_dim, dtype, R)
@@ -124,6 +140,38 @@ def selection_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_hea
     rep.add("selection_fwd", {"q": rows * D * es, "k": keys * D * es, "v": keys * D * es,
                               "plan": entries * INDEX_BYTES},
             {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+    return rep
+
+
+def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
+                             dtype: torch.dtype, *, split_keys: int = DECODE_SPLIT_KEYS) -> TrafficReport:
+    """Predicted bytes of the decode forward (``selection_decode``, and ``selection_decode_merge``
+    when the rows are split): the launch of :func:`~sparse_io_attn.selection.tiles.decode_config`
+    (``split_keys`` as given to the launcher). Per row program and split: the ``q`` rows and the row
+    count; per row program: the allowed keys (:func:`row_pairs`) and ``count * TILES`` row entries,
+    wherever the splits cut. O(plan rows), no launch."""
+    _check(plan)
+    es, D = element_size(dtype), head_dim
+    mult, hps, R = _usage(plan, batch, num_heads_q, num_heads_kv)
+    cfg = decode_config(plan.block_size, plan.max_blocks, batch, num_heads_q, num_heads_kv, plan.num_selections,
+                        plan.seqlen[0], head_dim, dtype, split_keys=split_keys)
+    S = cfg.splits
+    programs = mult * (hps // R) * -(-R // cfg.block_h)          # row programs per stored (selection, token)
+    counts = plan.row_counts.cpu().to(torch.int64)
+    keys = int(row_pairs(plan).sum()) * programs
+    entries = (counts.numel() * S + int(counts.sum()) * cfg.tiles) * programs
+    rows = batch * num_heads_q * plan.seqlen[0]
+    rep = TrafficReport(source="predicted")
+    if not rows:            # an empty grid is not launched
+        return rep
+    reads = {"q": S * rows * D * es, "k": keys * D * es, "v": keys * D * es, "plan": entries * INDEX_BYTES}
+    partial = S * rows * (2 + D) * STAT_BYTES
+    outputs = {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES}
+    if S == 1:
+        rep.add("selection_decode", reads, outputs)
+    else:
+        rep.add("selection_decode", reads, {"partial": partial})
+        rep.add("selection_decode_merge", {"partial": partial}, outputs)
     return rep
 
 
@@ -178,6 +226,7 @@ def selection(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: i
     return selection_forward(*args, tiles=tiles) + selection_backward(*args, tiles=tiles)
 
 
-__all__ = ["DKDV_TENSORS", "DQ_TENSORS", "FWD_TENSORS", "KERNEL_NAMES", "PREPROCESS_TENSORS", "block_tokens",
-           "row_pairs", "selection", "selection_backward", "selection_flops", "selection_forward",
+__all__ = ["DECODE_KERNEL_NAMES", "DECODE_MERGE_TENSORS", "DECODE_TENSORS", "DKDV_TENSORS", "DQ_TENSORS",
+           "FWD_TENSORS", "KERNEL_NAMES", "PREPROCESS_TENSORS", "block_tokens", "row_pairs", "selection",
+           "selection_backward", "selection_decode_forward", "selection_flops", "selection_forward",
            "selection_pairs"]

@@ -4,7 +4,9 @@ float64 reference, forward and backward, for Nq in {1, 3, 16}: MoBA-shaped (a se
 head, blocks of 64), NSA-shaped (per GQA group, counts), single tokens shared by every head, micro
 blocks; bottom-right and top-left causal, ragged Nk, empty rows, fp32/bf16. Exact at large logits,
 bitwise identical across thread counts, strided cache views equal to contiguous copies (NaN in every
-key no row may use), no key lists built and work buffers independent of Nk."""
+key no row may use), no key lists built and work buffers independent of Nk. Backend "triton" runs
+its decode kernels here (forward); their own tests (splits, backward, traffic) are in
+``test_decode_triton.py``."""
 from __future__ import annotations
 
 import math

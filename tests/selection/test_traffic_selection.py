@@ -1,6 +1,7 @@
 """The selection traffic model predicts exactly the bytes the Triton kernels count (exact integer
-equality), its pair count is the reference mask's, and ``accounting.compare`` sets a counted
-selection call against Theorem 1.2 for that count."""
+equality; the forward of these ``Nq <= 16`` cases runs the decode kernels unless ``decode=False``
+asks for the prefill kernel, counted too), its pair count is the reference mask's, and
+``accounting.compare`` sets a counted selection call against Theorem 1.2 for that count."""
 import math
 
 import pytest
@@ -56,6 +57,10 @@ def test_counted_equals_predicted(B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, sh
     assert fwd_io.report == want_fwd, f"{fwd_io.report}\n{want_fwd}"
     assert bwd_io.report == want_bwd, f"{bwd_io.report}\n{want_bwd}"
     assert (fwd_io.report + bwd_io.report).total_bytes == traffic.selection(*args).total_bytes
+    assert set(want_fwd.kernels) <= {"selection_decode", "selection_decode_merge"}   # (Nq <= 16: decode kernels)
+    with IOCounter() as pre_io:   # the prefill forward
+        launch.forward(q, k, v, plan, sm_scale=D ** -0.5, decode=False)
+    assert pre_io.report == traffic.selection_forward(*args, decode=False), pre_io.report
 
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
@@ -126,9 +131,12 @@ def test_model_follows_the_launched_tiles(monkeypatch):
     q, do = (torch.randn(B, Hq, Nq, D, device=DEVICE) for _ in range(2))
     k, v = (torch.randn(B, Hkv, Nk, D, device=DEVICE) for _ in range(2))
     with IOCounter() as io:
-        out, _, stats = launch.forward(q, k, v, plan, sm_scale=D ** -0.5)
+        out, _, stats = launch.forward(q, k, v, plan, sm_scale=D ** -0.5, decode=False)   # (autotuned: prefill)
         launch.backward(do, q, k, v, out, stats, plan, sm_scale=D ** -0.5)
     tiles = launch.launched_tiles()
     assert tiles.fwd == (32, 16) and tiles.dkdv == (16, 64)
-    assert io.report == traffic.selection(plan, B, Hq, Hkv, D, torch.float32, tiles=tiles)
-    assert io.report != traffic.selection(plan, B, Hq, Hkv, D, torch.float32)   # the default tiles differ
+    args = (plan, B, Hq, Hkv, D, torch.float32)
+    fwd = traffic.selection_forward(*args, tiles=tiles, decode=False)
+    assert io.report == fwd + traffic.selection_backward(*args, tiles=tiles)
+    default = traffic.selection_forward(*args, decode=False) + traffic.selection_backward(*args)
+    assert io.report != default   # the default tiles differ

@@ -3,7 +3,10 @@
 (G = 1, Hkv, Hq; blocks of 1, 4, 64 and sizes that do not divide the key step; ragged key ends;
 repeats, empty slots, counts; causal top-left, bottom-right with Nq != Nk, none; GQA, MQA, MHA),
 empty rows, strided views, determinism, unselected keys never read, bf16/fp16 against a
-same-precision baseline. Under the interpreter (CPU) the cases stay tiny."""
+same-precision baseline. These cases have ``Nq <= 16``: the reference cases run both forwards
+(``decode=False``: prefill, ``True``), the others the default (the decode kernels,
+``test_decode_triton.py``). Under the
+interpreter (CPU) the cases stay tiny."""
 import math
 
 import pytest
@@ -34,11 +37,12 @@ def make_selection(B, G, Nq, Nk, bs, K, *, shared=False, counts=False, empty_row
     return Selection(idx, bs, cnt)
 
 
-def run_triton(q, k, v, do, selection, causal, sm_scale=None):
-    """Forward + backward through the backend's launcher: ``(out, lse, dq, dk, dv)``."""
+def run_triton(q, k, v, do, selection, causal, sm_scale=None, decode=None):
+    """Forward + backward through the backend's launcher: ``(out, lse, dq, dk, dv)``. ``decode``: the
+    launcher's choice of forward kernels (``None``: the decode kernels for ``Nq <= 16``)."""
     plan = plan_selection(selection, k.shape[2], causal_offset=causal_offset(causal, q.shape[2], k.shape[2]))
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    out, lse, stats = launch.forward(q, k, v, plan, sm_scale=scale)
+    out, lse, stats = launch.forward(q, k, v, plan, sm_scale=scale, decode=decode)
     dq, dk, dv = launch.backward(do, q, k, v, out, stats, plan, sm_scale=scale)
     return out, lse, dq, dk, dv
 
@@ -57,11 +61,12 @@ CASES = [  # (B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts)
 ]
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts", CASES)
-def test_matches_float64_reference(B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts):
+def test_matches_float64_reference(B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts, decode):
     sel = make_selection(B, G, Nq, Nk, block, K, shared=shared, counts=counts, empty_rows=(Nq // 2,))
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D, device=DEVICE)
-    got = run_triton(q, k, v, do, sel, causal)
+    got = run_triton(q, k, v, do, sel, causal, decode=decode)
     ref = selection_reference(q, k, v, sel, causal=causal, do=do)
     check_close(got, ref)
     # the emptied row (every selection): output 0, lse -inf, zero dq
@@ -138,7 +143,7 @@ def test_launch_tiles_are_the_models_default():
     B, Hq, Hkv, N, D = 1, 4, 2, 6, 16
     sel = make_selection(B, 2, N, N, 4, 2)
     q, k, v, do = make_inputs(B, Hq, Hkv, N, N, D, device=DEVICE)
-    run_triton(q, k, v, do, sel, False)
+    run_triton(q, k, v, do, sel, False, decode=False)
     plan = plan_selection(sel, N)
     if INTERPRET:
         assert launch.launched_tiles() == launch.tiles_for(q, k, plan)

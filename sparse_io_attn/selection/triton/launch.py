@@ -11,7 +11,10 @@ plan on the tensors' device):
   GQA group; deterministic (no atomics on data).
 
 The forward and dQ kernels are query-major (one program per query token and unit of heads sharing a
-selection and a KV head, :mod:`.fwd`), dK/dV key-major over ``plan.keys()`` (:mod:`.bwd`). Each launch
+selection and a KV head, :mod:`.fwd`), dK/dV key-major over ``plan.keys()`` (:mod:`.bwd`). For ``Nq <=
+16`` the forward runs the decode kernels (:mod:`.decode`: the same row programs split-K over each
+row's key steps, then a merge in split order; :func:`decode_calls`), whose outputs the same backward
+takes; they read the plan's rows only, never its key lists. Each launch
 is described once by a :class:`~sparse_io_attn.block_sparse.triton.launch.Call`
 (:func:`forward_calls`, :func:`backward_calls`), used by the launchers and by :mod:`.report`, which
 compiles the same calls for a GPU architecture. Configurations come from
@@ -26,13 +29,17 @@ import torch
 from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
 from sparse_io_attn._triton.shapes import next_pow2
 from sparse_io_attn.block_sparse.tiles import padded_head_dim
+from sparse_io_attn.block_sparse.traffic import DECODE_MERGE_TENSORS
 from sparse_io_attn.block_sparse.triton.bwd import _attn_bwd_preprocess_kernel
-from sparse_io_attn.block_sparse.triton.launch import PREPROCESS_CONFIG, Call
+from sparse_io_attn.block_sparse.triton.decode import _attn_decode_merge_kernel
+from sparse_io_attn.block_sparse.triton.launch import MERGE_ROWS, PREPROCESS_CONFIG, Call
 from sparse_io_attn.selection.plan import SelectionPlan
-from sparse_io_attn.selection.tiles import (SelectionTiles, choose_tiles, head_rows, kernel_configs, key_step,
-                                            key_tile, sel_heads)
-from sparse_io_attn.selection.traffic import DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS, PREPROCESS_TENSORS
+from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
+                                            decode_config, head_rows, kernel_configs, key_step, key_tile, sel_heads)
+from sparse_io_attn.selection.traffic import (DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS,
+                                              PREPROCESS_TENSORS)
 from sparse_io_attn.selection.triton.bwd import _sel_bwd_dkdv_kernel, _sel_bwd_dq_kernel
+from sparse_io_attn.selection.triton.decode import _sel_decode_kernel
 from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
@@ -103,6 +110,41 @@ def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
     return call, out, lse, stats
 
 
+def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: int = DECODE_SPLIT_KEYS):
+    """``(calls, out, lse, stats)``: the decode launches (split-K over each row's key steps; a merge
+    when the rows are split: :func:`~sparse_io_attn.selection.tiles.decode_config`, ``split_keys``
+    passed on) and their (uninitialised) outputs. K and V are passed as they are (any strides); only
+    the plan's rows are read."""
+    B, Hq, Nq, D = q.shape
+    Hkv = k.shape[1]
+    common = _common(q, k, plan, sm_scale)
+    cfg = decode_config(plan.block_size, plan.max_blocks, B, Hq, Hkv, plan.num_selections, Nq, D, q.dtype,
+                        split_keys=split_keys)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
+    rows = B * Hq * Nq
+    partial = torch.empty((cfg.splits, rows, 2 + common["HEAD_DIM"]) if cfg.splits > 1 else (1,),
+                          dtype=torch.float32, device=q.device)   # [splits, rows, m, l, acc]
+    r = common["SEL_HEADS"]
+    grid = (B * (Hq // r) * triton.cdiv(r, cfg.block_h) * Nq, cfg.splits)
+    calls = [Call("selection_decode", _sel_decode_kernel, grid, DECODE_TENSORS,
+                  [triton.Config({}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)], dict(
+                      q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, partial_ptr=partial,
+                      rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **_strides(q, "q"), **_strides(k, "k"),
+                      **_strides(v, "v"), **_strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=rows,
+                      BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SLOTS=cfg.slots, TILES=cfg.tiles,
+                      MASK_LANES=cfg.mask_lanes, NUM_SPLITS=cfg.splits, **common))]
+    if cfg.splits > 1:
+        calls.append(Call("selection_decode_merge", _attn_decode_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),),
+                          DECODE_MERGE_TENSORS, [triton.Config({}, num_warps=4, num_stages=2)], dict(
+                              partial_ptr=partial, o_ptr=out, lse_ptr=lse, stats_ptr=stats, **_strides(out, "o"),
+                              num_rows=rows, seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_R=MERGE_ROWS,
+                              HEAD_DIM=common["HEAD_DIM"], NUM_SPLITS=cfg.splits,
+                              ELEM_BYTES=common["ELEM_BYTES"])))
+    return calls, out, lse, stats
+
+
 def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
     """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
     B, Hq, Nq, D = q.shape
@@ -158,15 +200,26 @@ def tiles_for(q: torch.Tensor, k: torch.Tensor, plan: SelectionPlan) -> Selectio
 
 def launched_tiles() -> SelectionTiles | None:
     """The tiles the last forward and backward launches used (autotuning's choice on CUDA), for
-    :func:`sparse_io_attn.selection.traffic.selection` ``(tiles=...)``; None before any launch."""
+    :func:`sparse_io_attn.selection.traffic.selection` ``(tiles=...)``; None before any launch. The
+    forward's are the prefill kernel's: the decode kernels have one configuration, from the shapes."""
     if not all(k in _LAST_TILES for k in ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")):
         return None
     return SelectionTiles(fwd=_LAST_TILES["selection_fwd"], dq=_LAST_TILES["selection_bwd_dq"],
                           dkdv=_LAST_TILES["selection_bwd_dkdv"])
 
 
-def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float):
+def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | None = None,
+            split_keys: int = DECODE_SPLIT_KEYS):
+    """``decode``: run the decode kernels (:func:`decode_calls`, ``split_keys`` passed on); ``None``
+    (default): when ``Nq <= 16`` (:data:`~sparse_io_attn.selection.tiles.DECODE_MAX_QUERIES`)."""
     check_device(q, "backend 'triton'")
+    if decode is None:
+        decode = q.shape[2] <= DECODE_MAX_QUERIES
+    if decode:
+        calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, split_keys=split_keys)
+        for call in calls:
+            _run(call, q.device)
+        return out, lse, stats
     call, out, lse, stats = forward_calls(q, k, v, plan, sm_scale)
     _run(call, q.device)
     return out, lse, stats
@@ -180,4 +233,4 @@ def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float):
     return dq, dk, dv
 
 
-__all__ = ["backward", "backward_calls", "forward", "forward_calls", "launched_tiles", "tiles_for"]
+__all__ = ["backward", "backward_calls", "decode_calls", "forward", "forward_calls", "launched_tiles", "tiles_for"]

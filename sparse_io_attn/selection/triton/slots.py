@@ -3,10 +3,10 @@
 The slot order is defined once, by the tensor tuples of :mod:`sparse_io_attn.selection.traffic`
 (the launcher names the counter's tensors with the same tuples); each constant is the index of its
 tensor in that tuple, as a ``tl.constexpr`` the kernels pass to :func:`~sparse_io_attn._triton.jit.io_add`.
-The preprocess kernel is the block-sparse one (same tensors, its own slots).
+The preprocess and decode-merge kernels are the block-sparse ones (same tensors, their own slots).
 """
 from sparse_io_attn._triton.jit import slot
-from sparse_io_attn.selection.traffic import DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS
+from sparse_io_attn.selection.traffic import DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS
 
 FWD_Q = slot(FWD_TENSORS, "q")
 FWD_K = slot(FWD_TENSORS, "k")
@@ -34,3 +34,12 @@ DQ_STATS = slot(DQ_TENSORS, "stats")
 DQ_DELTA = slot(DQ_TENSORS, "delta")
 DQ_DQ = slot(DQ_TENSORS, "dq")
 DQ_PLAN = slot(DQ_TENSORS, "plan")
+
+DEC_Q = slot(DECODE_TENSORS, "q")
+DEC_K = slot(DECODE_TENSORS, "k")
+DEC_V = slot(DECODE_TENSORS, "v")
+DEC_O = slot(DECODE_TENSORS, "o")
+DEC_LSE = slot(DECODE_TENSORS, "lse")
+DEC_STATS = slot(DECODE_TENSORS, "stats")
+DEC_PARTIAL = slot(DECODE_TENSORS, "partial")
+DEC_PLAN = slot(DECODE_TENSORS, "plan")
