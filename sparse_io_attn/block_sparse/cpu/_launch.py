@@ -6,9 +6,9 @@ import torch
 from sparse_io_attn._cpu.build import load
 from sparse_io_attn.block_sparse.plan import AttentionPlan
 
-#: query tokens up to which the forward runs the decode kernel (``_cpu/split_k.h``'s ``MAX_QUERIES``):
-#: split-K over the kept blocks of the decoded rows, K/V read in place
-DECODE_MAX_QUERIES = 16
+# query tokens up to which the forward runs the decode kernel: one constant for every backend (the C++
+# decode ops take any Nq; MAX_QUERIES in _cpu/split_k.h names the same threshold)
+from sparse_io_attn.block_sparse.tiles import DECODE_MAX_QUERIES  # noqa: E402
 
 
 def _check_cpu(*tensors: torch.Tensor) -> None:
