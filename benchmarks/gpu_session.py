@@ -8,6 +8,7 @@ matmul measured here), ``tests`` (tests/gpu and the Triton correctness matrix, c
 ``sanitizer`` (``compute-sanitizer --tool memcheck`` on one forward+backward of each op),
 ``bench`` (benchmarks/bench_gpu_block_sparse.py at N = 8192, D = 128), ``ncu``
 (benchmarks/ncu_block_sparse.py per pattern), ``selection`` (benchmarks/bench_gpu_selection.py),
+``decode`` (benchmarks/bench_decode_kernels.py on CUDA: against flex-decode and SDPA),
 ``bench_more`` (other N and D). Logs and result files go to a work folder; after every step the
 folder is packed into ``<out>/gpu_session.tar.gz`` (the device tool brings back at most 8 files),
 and ``<out>/summary.json`` says what ran, how long, and its exit status.
@@ -28,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 TRITON_MATRIX = ["tests/gpu", "tests/block_sparse/test_correctness.py", "tests/block_sparse/test_triton_block_sparse.py",
                  "tests/block_sparse/test_traffic_block_sparse.py", "tests/selection/test_correctness.py",
-                 "tests/selection/test_triton_selection.py", "tests/selection/test_traffic_selection.py"]
+                 "tests/selection/test_triton_selection.py", "tests/selection/test_traffic_selection.py",
+                 "tests/block_sparse/test_decode.py", "tests/selection/test_decode_triton.py"]
 
 ENV = r"""
 import json, subprocess, time, torch, triton, triton.testing
@@ -81,6 +83,8 @@ def steps(work: Path, quick: bool) -> list[tuple[str, list[str], int, dict]]:
         ("selection", [PY, b + "bench_gpu_selection.py", "--jsonl", f"{work}/selection.jsonl"], 90, {}),
         ("metadata", [PY, b + "bench_gpu_selection.py", "--parts", "metadata", "--meta-n", "8192", "16384", "32768",
                       "--jsonl", f"{work}/metadata.jsonl"], 90, {}),
+        ("decode", [PY, b + "bench_decode_kernels.py", "--device", "cuda", "--seq-lens", "8192,65536,262144,1048576",
+                    "--dtypes", "bf16", "--rounds", "3", "--out", f"{work}/decode_gpu"], 150, {}),
         ("bench_more", [PY, b + "bench_gpu_block_sparse.py", "--n", "4096", "16384", "--d", "64", "128",
                         "--families", "sliding_window", "causal", "--densities", "0.1", "1.0",
                         "--jsonl", f"{work}/bench_more.jsonl", "--out", f"{work}/gpu_block_sparse_more"], 200, {}),
