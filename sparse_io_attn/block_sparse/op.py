@@ -1,7 +1,7 @@
 """Block-sparse attention as ``torch.library`` custom ops: the one path of every call, eager and compiled.
 
 :func:`sparse_io_attn.block_sparse_attention` plans the layout (:mod:`.plan`) and calls
-``torch.ops.sparse_io_attn.block_sparse_attn_fwd``; ``register_autograd`` wires its backward to
+``torch.ops.sparse_io_attn.block_sparse_attn_fwd``; its ``Autograd`` kernel wires the backward to
 ``block_sparse_attn_bwd``; ``register_fake`` gives ``torch.compile`` the shapes, so a compiled model
 sees two opaque nodes and no graph break:
 
@@ -76,15 +76,30 @@ def _plan(q: Tensor, k: Tensor, index: Tensor, meta, causal_offset) -> Attention
     return plan
 
 
-@torch.library.custom_op("sparse_io_attn::block_sparse_attn_fwd", mutates_args=())
-def block_sparse_attn_fwd(q: Tensor, k: Tensor, v: Tensor, index: Tensor, meta: list[int],
-                          causal_offset: Optional[int], sm_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+# The forward op is defined through ``torch.library.Library`` with its autograd kernel registered on the
+# ``Autograd`` key (``_AttentionFn`` below), not through ``torch.library.custom_op`` +
+# ``register_autograd``: the latter's generated autograd function refills every argument from the
+# schema on each call and wraps the implementation in a ``torch.compiler.disable`` frame, about 20 us
+# per forward+backward at small shapes (issue 35's eager-overhead budget; the two styles timed in one
+# process). Both are torch.library custom ops: same schema, fake kernel, opcheck, torch.compile.
+_LIB = torch.library.Library("sparse_io_attn", "FRAGMENT")
+_LIB.define("block_sparse_attn_fwd(Tensor q, Tensor k, Tensor v, Tensor index, int[] meta, int? causal_offset, "
+            "float sm_scale, str backend) -> (Tensor, Tensor, Tensor)")
+
+
+def _fwd_impl(q: Tensor, k: Tensor, v: Tensor, index: Tensor, meta: list[int], causal_offset: Optional[int],
+              sm_scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """Forward: ``(out [B, Hq, Nq, D], lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``."""
     out, lse, stats = forward(q, k, v, _plan(q, k, index, meta, causal_offset), sm_scale, backend)
     return out.contiguous(), lse.contiguous(), stats.contiguous()
 
 
-@block_sparse_attn_fwd.register_fake
+_LIB.impl("block_sparse_attn_fwd", _fwd_impl, "CompositeExplicitAutograd")
+#: the forward op (``torch.ops.sparse_io_attn.block_sparse_attn_fwd.default``)
+block_sparse_attn_fwd = torch.ops.sparse_io_attn.block_sparse_attn_fwd.default
+
+
+@torch.library.register_fake("sparse_io_attn::block_sparse_attn_fwd")
 def _(q, k, v, index, meta, causal_offset, sm_scale, backend):
     B, Hq, Nq, _ = q.shape
     return (q.new_empty(q.shape), q.new_empty((B, Hq, Nq), dtype=torch.float32),
@@ -119,27 +134,38 @@ def no_double_backward(where: str) -> None:
             f"gradient penalty without create_graph, or use dense attention for that term")
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, index, meta, causal_offset, sm_scale, backend = inputs
-    out, lse, stats = output
-    ctx.save_for_backward(q, k, v, out, stats, index)
-    ctx.args = (meta, causal_offset, sm_scale, backend)
-    ctx.mark_non_differentiable(lse, stats)
+class _AttentionFn(torch.autograd.Function):
+    """The forward op's ``Autograd`` kernel: runs the op below autograd, saves what the backward needs,
+    and differentiates through ``block_sparse_attn_bwd`` (the op itself when traced; its
+    implementation directly on plain tensors)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index, meta, causal_offset, sm_scale, backend):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse, stats = block_sparse_attn_fwd(q, k, v, index, meta, causal_offset, sm_scale, backend)
+        ctx.save_for_backward(q, k, v, out, stats, index)
+        ctx.args = (meta, causal_offset, sm_scale, backend)
+        ctx.mark_non_differentiable(lse, stats)
+        return out, lse, stats
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dstats):
+        no_double_backward("sparse_io_attn::block_sparse_attn_fwd")
+        q, k, v, out, stats, index = ctx.saved_tensors
+        dout = dout.contiguous()
+        if all(type(t) is Tensor for t in (dout, q, k, v)):
+            # plain tensors (eager autograd): the backward op's own implementation, without a second dispatch
+            dq, dk, dv = _bwd(dout, q, k, v, out, stats, index, *ctx.args)
+        else:   # traced (fake/functional tensors under torch.compile): the opaque op, so the graph holds it
+            dq, dk, dv = block_sparse_attn_bwd(dout, q, k, v, out, stats, index, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _backward(ctx, dout, _dlse, _dstats):
-    no_double_backward("sparse_io_attn::block_sparse_attn_fwd")
-    q, k, v, out, stats, index = ctx.saved_tensors
-    dout = dout.contiguous()
-    if all(type(t) is Tensor for t in (dout, q, k, v)):
-        # plain tensors (eager autograd): the backward op's own implementation, without a second dispatch
-        dq, dk, dv = _bwd(dout, q, k, v, out, stats, index, *ctx.args)
-    else:   # traced (fake/functional tensors under torch.compile): the opaque op, so the graph holds it
-        dq, dk, dv = block_sparse_attn_bwd(dout, q, k, v, out, stats, index, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+def _autograd_kernel(q, k, v, index, meta, causal_offset, sm_scale, backend):
+    return _AttentionFn.apply(q, k, v, index, meta, causal_offset, sm_scale, backend)
 
 
-block_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+_LIB.impl("block_sparse_attn_fwd", _autograd_kernel, "Autograd")
 
 
 __all__ = ["backward", "cpu_backend", "block_sparse_attn_bwd", "block_sparse_attn_fwd", "forward", "no_double_backward"]
