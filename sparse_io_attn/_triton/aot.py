@@ -128,3 +128,33 @@ def ptx_report(compiled, *, arch: int = 90, ptx_file: str | Path | None = None) 
             "wgmma": ptx.count("wgmma.mma_async"),
             "async_copy_ops": ttgir.count("async_copy_global_to_local"),
             "tile_async": len(_TILE_COPY.findall(ttgir))}
+
+
+def report_split_calls(shape_calls, *, kernels, arch: int = 90, ptx_dir: str | Path | None = None,
+                       block_m_key: str = "BLOCK_M", pipelined=lambda stats: stats["cp_async"] + stats["tma"] > 0
+                       ) -> list[dict]:
+    """The compile report of split-K decode launches: ``shape_calls`` yields ``(shape, calls)`` (each
+    call with one launch configuration); one row per (shape, kernel in ``kernels``): tiles
+    (``block_m_key`` of the kernel, else the merge's ``BLOCK_R``), splits, warps, stages and
+    :func:`ptx_report`'s counts, ``pipelined`` as the op defines it. ``ptx_dir``: keep each PTX."""
+    if ptx_dir is not None:
+        Path(ptx_dir).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shape, calls in shape_calls:
+        for call in calls:
+            if call.name not in kernels:
+                continue
+            cfg = call.configs[0]
+            kwargs = dict(call.kwargs, io_ptr=torch.zeros(32, dtype=torch.int64), COUNT_IO=False)
+            compiled = compile_call(call.kernel, kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, arch=arch)
+            bm, bn = kwargs.get(block_m_key, kwargs.get("BLOCK_R")), kwargs.get("BLOCK_N", 0)
+            ptx_file = None
+            if ptx_dir is not None:
+                ptx_file = (Path(ptx_dir) / f"{shape}_{call.name}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}"
+                                            f"_sm{arch}.ptx")
+            stats = ptx_report(compiled, arch=arch, ptx_file=ptx_file)
+            rows.append({"shape": shape, "kernel": call.name, "BLOCK_M": bm, "BLOCK_N": bn,
+                         "splits": kwargs["NUM_SPLITS"], "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                         **stats, "pipelined": pipelined(stats)})
+    return rows
+

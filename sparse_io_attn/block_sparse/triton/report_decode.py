@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_io_attn._triton.aot import compile_call, ptx_report
+from sparse_io_attn._triton.aot import report_split_calls
 from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.block_sparse.triton.launch import decode_calls
 from sparse_io_attn.layout.core import BlockSparseLayout
@@ -70,22 +70,5 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, blo
     causal whatever ``causal`` says (decoding is bottom-right causal)."""
     if configs not in ("all", "default"):
         raise ValueError(f"configs must be 'all' or 'default', got {configs!r}")
-    if ptx_dir is not None:
-        Path(ptx_dir).mkdir(parents=True, exist_ok=True)
-    rows = []
-    for shape in shapes:
-        for call in example_calls(dtype, head_dim, block, shape):
-            if call.name not in kernels:
-                continue
-            cfg = call.configs[0]
-            kwargs = dict(call.kwargs, io_ptr=torch.zeros(32, dtype=torch.int64), COUNT_IO=False)
-            compiled = compile_call(call.kernel, kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, arch=arch)
-            bm, bn = kwargs.get("BLOCK_M", kwargs.get("BLOCK_R")), kwargs.get("BLOCK_N", 0)
-            ptx_file = None
-            if ptx_dir is not None:
-                ptx_file = Path(ptx_dir) / f"{shape}_{call.name}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}_sm{arch}.ptx"
-            stats = ptx_report(compiled, arch=arch, ptx_file=ptx_file)
-            rows.append({"shape": shape, "kernel": call.name, "BLOCK_M": bm, "BLOCK_N": bn,
-                         "splits": kwargs["NUM_SPLITS"], "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                         **stats, "pipelined": stats["cp_async"] + stats["tma"] > 0})
-    return rows
+    return report_split_calls(((shape, example_calls(dtype, head_dim, block, shape)) for shape in shapes),
+                              kernels=kernels, arch=arch, ptx_dir=ptx_dir)

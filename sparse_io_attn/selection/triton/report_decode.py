@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from sparse_io_attn._triton.aot import compile_call, ptx_report
+from sparse_io_attn._triton.aot import report_split_calls
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.selection.plan import SelectionPlan
@@ -60,23 +60,6 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, blo
     merge's ``BLOCK_R`` rows), splits, warps, stages, registers, spill bytes, shared memory,
     ``cp.async``/``tile_async``/``wgmma`` counts and ``pipelined``. The decode kernels have one
     launch configuration each; the example selections are bottom-right causal (decoding)."""
-    if ptx_dir is not None:
-        Path(ptx_dir).mkdir(parents=True, exist_ok=True)
-    rows = []
-    for shape in shapes:
-        for call in example_calls(dtype, head_dim, block, shape):
-            if call.name not in kernels:
-                continue
-            cfg = call.configs[0]
-            kwargs = dict(call.kwargs, io_ptr=torch.zeros(32, dtype=torch.int64), COUNT_IO=False)
-            compiled = compile_call(call.kernel, kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, arch=arch)
-            bm, bn = kwargs.get("BLOCK_H", kwargs.get("BLOCK_R")), kwargs.get("BLOCK_N", 0)
-            ptx_file = None
-            if ptx_dir is not None:
-                ptx_file = (Path(ptx_dir) / f"{shape}_{call.name}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}"
-                                            f"_sm{arch}.ptx")
-            stats = ptx_report(compiled, arch=arch, ptx_file=ptx_file)
-            rows.append({"shape": shape, "kernel": call.name, "BLOCK_M": bm, "BLOCK_N": bn,
-                         "splits": kwargs["NUM_SPLITS"], "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                         **stats, "pipelined": stats["tile_async"] > 0})
-    return rows
+    return report_split_calls(((shape, example_calls(dtype, head_dim, block, shape)) for shape in shapes),
+                              kernels=kernels, arch=arch, ptx_dir=ptx_dir, block_m_key="BLOCK_H",
+                              pipelined=lambda stats: stats["tile_async"] > 0)
