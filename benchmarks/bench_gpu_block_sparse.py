@@ -123,6 +123,18 @@ def _timer(device: str):
     return cpu_time
 
 
+def compiled_flex():
+    """``torch.compile(flex_attention, dynamic=False)`` with dynamo's recompile limits raised: one
+    compile per shape and mask function (a BlockMask is an input, guarded on its shapes), never the
+    fall-back to eager flex that the default limit of 8 recompiles would cause in a long sweep."""
+    from torch._dynamo import config as dynamo_config
+    from torch.nn.attention.flex_attention import flex_attention
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, 256)
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def _first_call(fn, device: str) -> float:
     """Seconds of the first call (compile + autotune + run): kept apart from the timed runs."""
     t0 = time.perf_counter()
@@ -193,14 +205,7 @@ def run(args) -> tuple[dict, list[dict]]:
     bench = _timer(device)
     flex = None
     if not args.no_flex:
-        from torch._dynamo import config as dynamo_config
-        from torch.nn.attention.flex_attention import flex_attention
-        # one compile per shape; a BlockMask is an input (guards on its shapes, not its values)
-        for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                     "accumulated_recompile_limit"):
-            if hasattr(dynamo_config, name):
-                setattr(dynamo_config, name, 256)
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = compiled_flex()
     B, H = args.batch, args.heads
     rows = []
     for n in args.n:

@@ -110,12 +110,9 @@ def _emit(args, row):
 
 
 def _flex():
-    from torch._dynamo import config as dynamo_config
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, 256)
-    return torch.compile(flex_attention, dynamic=False), create_block_mask
+    from bench_gpu_block_sparse import compiled_flex
+    from torch.nn.attention.flex_attention import create_block_mask
+    return compiled_flex(), create_block_mask
 
 
 def part_selection(args, device, dtype, bench):
