@@ -17,7 +17,7 @@ PACKAGE = "sparse_io_attn"
 #: top-level part of the package -> floor; a module may import its own floor and those below
 FLOORS = {
     "_memory": 0, "_triton": 0, "_cpu": 0, "tally": 0, "layout": 0,
-    "bounds": 1,
+    "bounds": 1, "_attention": 1,
     "block_sparse": 2, "dense": 2, "sparse_operands": 2, "selection": 2,
     "accounting": 3,
     "nn": 4, "integrations": 4, "distributed": 4,
@@ -52,6 +52,8 @@ LAZY: dict[tuple[str, str], str] = {
         "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
     ("sparse_io_attn.selection.op", "sparse_io_attn.selection.cpu"):
         "the C++ build module marks available_for_auto for torch.compile, which imports torch._dynamo and Triton",
+    ("sparse_io_attn._attention.checks", "sparse_io_attn._cpu.build"):
+        "backend 'auto' asks whether the C++ kernels build: the build module imports torch._dynamo and Triton",
     ("sparse_io_attn.cli.bench", "sparse_io_attn.block_sparse.cpu"):
         "the C++ build module imports torch._dynamo and Triton: only when --backends names cpu",
 }

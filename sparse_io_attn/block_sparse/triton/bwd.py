@@ -2,7 +2,8 @@
 
 FlashAttention-2 style and deterministic (no atomics on data):
 
-* ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` (fp32 ``[B, Hq, Nq]``).
+* the preprocess ``delta = rowsum(dO * O)`` (fp32 ``[B, Hq, Nq]``) is the attention kit's
+  (:func:`~sparse_io_attn._attention.triton.kernels.attn_bwd_preprocess_kernel`).
 * ``_attn_bwd_dkdv_kernel``: one program per (key tile, batch x kv head). For every query head of
   the GQA group it walks the CSC schedule of its key block (partial query blocks, then full ones,
   each a flat loop over query tiles of ``BLOCK_M``), so dK/dV are summed over the group inside
@@ -18,53 +19,15 @@ get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 """
 from __future__ import annotations
 
+from sparse_io_attn._attention.triton.softmax import load_stats, score_tile
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _scores, _tile_bits
+from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_LAYOUT,
                                                       DKDV_STATS, DKDV_MASK, DKDV_Q, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ,
-                                                      DQ_K, DQ_LAYOUT, DQ_STATS, DQ_MASK, DQ_Q, DQ_V, PRE_DELTA,
-                                                      PRE_DO, PRE_O)
+                                                      DQ_K, DQ_LAYOUT, DQ_STATS, DQ_MASK, DQ_Q, DQ_V)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-
-@triton.jit
-def _load_stats(stats_ptr, stats_stride, rows, mask_m):
-    """The forward's row maximum (base 2) and ``log2`` row sum; ``m = +inf`` on empty and padded
-    rows, so that ``p = exp2((s - m) - log2_sum) = 0`` there."""
-    m = tl.load(stats_ptr + rows, mask=mask_m, other=float("inf"))
-    log2_sum = tl.load(stats_ptr + stats_stride + rows, mask=mask_m, other=0.0)
-    return m, log2_sum
-
-
-@triton.jit
-def _attn_bwd_preprocess_kernel(
-    o_ptr, do_ptr, delta_ptr, io_ptr,
-    stride_oz, stride_oh, stride_om, stride_od,
-    stride_doz, stride_doh, stride_dom, stride_dod,
-    seqlen_q, num_heads_q, head_dim,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_zh = tl.program_id(1)
-    off_z = (pid_zh // num_heads_q).to(tl.int64)
-    off_h = (pid_zh % num_heads_q).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < seqlen_q
-    mask = mask_m[:, None] & (offs_d < head_dim)[None, :]
-    o = tl.load(o_ptr + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
-    do = tl.load(do_ptr + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
-    tl.store(delta_ptr + pid_zh.to(tl.int64) * seqlen_q + offs_m, delta, mask=mask_m)
-    if COUNT_IO:
-        rows = tl.sum(mask_m.to(tl.int64))
-        io_add(io_ptr, PRE_O, rows * head_dim * ELEM_BYTES, 0)
-        io_add(io_ptr, PRE_DO, rows * head_dim * ELEM_BYTES, 0)
-        io_add(io_ptr, PRE_DELTA, 0, rows * 4)
 
 
 @triton.jit
@@ -94,14 +57,14 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
                     mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
         do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                      mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-        m_row, log2_sum = _load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
+        m_row, log2_sum = load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
         delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
         row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
         valid = mask_m[:, None] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
                                              mask_m[:, None], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_M, BLOCK_N]
         if IS_CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+        sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
         pT = tl.math.exp2(tl.where(tl.trans(valid), (sT - m_row[None, :]) - log2_sum[None, :],
                                    float("-inf")))  # [BLOCK_N, BLOCK_M]
         if COUNT_IO:
@@ -121,7 +84,7 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
         m_row = tl.load(stats_ptr + row_base + offs_m)  # [BLOCK_M], finite: the row keeps this block
         log2_sum = tl.load(stats_ptr + stats_stride + row_base + offs_m)
         delta = tl.load(delta_ptr + row_base + offs_m)
-        sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+        sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
         pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
     dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
     dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
@@ -236,7 +199,7 @@ def _attn_bwd_dq_step(dq, keys_loaded, mask_rows, q, do, m_row, log2_sum, delta,
         k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block,
         m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
         BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, MASKED)
-    s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]: as the forward rounds it
+    s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]: as the forward rounds it
     if MASKED:
         p = tl.math.exp2(tl.where(valid, (s - m_row[:, None]) - log2_sum[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]
         if COUNT_IO:
@@ -284,7 +247,7 @@ def _attn_bwd_dq_kernel(
     do = tl.load(do_ptr + off_z * stride_doz + off_h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :] * stride_dod, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
     row_base = pid_zh.to(tl.int64) * seqlen_q
-    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
+    m_row, log2_sum = load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
     delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh

@@ -20,7 +20,8 @@ them once at its end (compiled out otherwise).
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import FP32_MAX, LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn._attention.triton.softmax import score_tile, store_rows
+from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.slots import (FWD_K, FWD_LAYOUT, FWD_LSE, FWD_MASK, FWD_O, FWD_Q, FWD_STATS,
                                                       FWD_V)
 
@@ -37,17 +38,6 @@ def _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block, load_ok,
                     + row_in_block[:, None] * MASK_WORDS + (col_in_block // 32)[None, :],
                     mask=tl.where(mask_id >= 0, load_ok, False), other=-1)  # [rows, cols] int32
     return ((words >> (col_in_block % 32)[None, :]) & 1) != 0
-
-
-@triton.jit
-def _scores(q, k, qk_scale, DOT_DTYPE: tl.constexpr):
-    """Base-2 scores ``q @ k^T * qk_scale`` (``[rows of q, rows of k]``, fp32), saturated to the
-    finite fp32 range: a score past it would be +-inf and the row maximum's subtraction
-    ``inf - inf`` NaN; saturated, a row's largest scores share its probability. Every kernel forms
-    its scores here, so backward recomputes them exactly as the forward did. NaN stays NaN."""
-    s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale
-    return tl.minimum(tl.maximum(s, -FP32_MAX, propagate_nan=tl.PropagateNan.ALL), FP32_MAX,
-                      propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -113,7 +103,7 @@ def _attn_fwd_step(acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, idx
         k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block,
         m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
         BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, MASKED)
-    s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
+    s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
@@ -197,17 +187,9 @@ def _attn_fwd_kernel(
     if COUNT_IO:
         keys_loaded += (full_end - full_start).to(tl.int64) * BLOCK_SIZE_KV
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
-    row_max = tl.where(empty, float("inf"), m_i)
-    lse = tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2)
-    tl.store(o_ptr + off_z * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
-             + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    rows_out = pid_zh.to(tl.int64) * seqlen_q + offs_m
-    tl.store(lse_ptr + rows_out, lse, mask=mask_m)
-    tl.store(stats_ptr + rows_out, row_max, mask=mask_m)
-    tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_m)
+    store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, pid_zh.to(tl.int64) * seqlen_q + offs_m,
+               off_z * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
+               mask_m, mask_d, stats_stride)
 
     if COUNT_IO:
         rows = tl.sum(mask_m.to(tl.int64))

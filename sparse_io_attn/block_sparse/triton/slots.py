@@ -3,10 +3,10 @@
 The slot order is defined once, by the tensor tuples of :mod:`sparse_io_attn.block_sparse.traffic`
 (the launcher names the counter's tensors with the same tuples); each constant is the index of its
 tensor in that tuple, as a ``tl.constexpr`` the kernels pass to :func:`~sparse_io_attn._triton.jit.io_add`.
+The preprocess and decode-merge kernels are the attention kit's (:mod:`sparse_io_attn._attention.triton.slots`).
 """
 from sparse_io_attn._triton.jit import slot
-from sparse_io_attn.block_sparse.traffic import (DECODE_MERGE_TENSORS, DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS,
-                                                FWD_TENSORS, PREPROCESS_TENSORS)
+from sparse_io_attn.block_sparse.traffic import DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS
 
 FWD_Q = slot(FWD_TENSORS, "q")
 FWD_K = slot(FWD_TENSORS, "k")
@@ -16,10 +16,6 @@ FWD_LSE = slot(FWD_TENSORS, "lse")
 FWD_STATS = slot(FWD_TENSORS, "stats")
 FWD_LAYOUT = slot(FWD_TENSORS, "layout")
 FWD_MASK = slot(FWD_TENSORS, "mask")
-
-PRE_O = slot(PREPROCESS_TENSORS, "o")
-PRE_DO = slot(PREPROCESS_TENSORS, "do")
-PRE_DELTA = slot(PREPROCESS_TENSORS, "delta")
 
 DKDV_Q = slot(DKDV_TENSORS, "q")
 DKDV_K = slot(DKDV_TENSORS, "k")
@@ -51,8 +47,3 @@ DEC_STATS = slot(DECODE_TENSORS, "stats")
 DEC_PARTIAL = slot(DECODE_TENSORS, "partial")
 DEC_LAYOUT = slot(DECODE_TENSORS, "layout")
 DEC_MASK = slot(DECODE_TENSORS, "mask")
-
-MERGE_PARTIAL = slot(DECODE_MERGE_TENSORS, "partial")
-MERGE_O = slot(DECODE_MERGE_TENSORS, "o")
-MERGE_LSE = slot(DECODE_MERGE_TENSORS, "lse")
-MERGE_STATS = slot(DECODE_MERGE_TENSORS, "stats")

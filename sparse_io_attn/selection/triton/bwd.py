@@ -2,8 +2,8 @@
 
 Deterministic, no atomics on data:
 
-* ``delta = rowsum(dO * O)``: the block-sparse preprocess kernel
-  (:func:`~sparse_io_attn.block_sparse.triton.bwd._attn_bwd_preprocess_kernel`).
+* ``delta = rowsum(dO * O)``: the attention kit's preprocess kernel
+  (:func:`~sparse_io_attn._attention.triton.kernels.attn_bwd_preprocess_kernel`).
 * ``_sel_bwd_dkdv_kernel``: **key-major**, one program per (key tile of ``BLOCK_N`` keys inside key
   block ``c``, batch x KV head ``j``). For every selection serving the query heads of group ``j``
   it walks the key-major list of ``(l, c)`` (``plan.keys()``: the tokens that chose ``c``,
@@ -18,15 +18,14 @@ Deterministic, no atomics on data:
   token, batch x head unit), the heads as the tile's rows, the row's blocks in key steps.
 
 Probabilities are recomputed as the forward computed them, ``p = exp2((s - m) - log2_sum)`` from its
-``stats`` (scores by the shared :func:`~sparse_io_attn.block_sparse.triton.fwd._scores`; the dK/dV
+``stats`` (scores by the kit's :func:`~sparse_io_attn._attention.triton.softmax.score_tile`; the dK/dV
 kernel transposes ``q @ k^T`` rather than forming ``k @ q^T``); empty and padded rows (``m = +inf``)
 get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 """
 from __future__ import annotations
 
+from sparse_io_attn._attention.triton.softmax import load_stats, score_tile
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.bwd import _load_stats
-from sparse_io_attn.block_sparse.triton.fwd import _scores
 from sparse_io_attn.selection.triton.fwd import _key_step
 from sparse_io_attn.selection.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_PLAN,
                                                    DKDV_Q, DKDV_STATS, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ, DQ_K,
@@ -59,9 +58,9 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, n, i,
     do = tl.load(do_base + hh[:, None] * stride_doh + tok[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
     rows = row_base + hh.to(tl.int64) * seqlen_q + tok  # [BLOCK_M] rows of stats / delta
-    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, rows, row_ok)  # [BLOCK_M] x2
+    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows, row_ok)  # [BLOCK_M] x2
     delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
-    sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+    sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
     if MASKED:
         valid = mask_n[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M]
         if IS_CAUSAL:
@@ -187,7 +186,7 @@ def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr,
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
                                   stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
                                   BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
-    sc = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
+    sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
     if MASKED:
         p = tl.math.exp2(tl.where(valid[None, :], (sc - m_row[:, None]) - log2_sum[:, None], float("-inf")))
         if COUNT_IO:
@@ -240,7 +239,7 @@ def _sel_bwd_dq_kernel(
     do = tl.load(do_ptr + off_z * stride_doz + offs_h[:, None] * stride_doh + t64 * stride_dom
                  + offs_d[None, :] * stride_dod, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of stats / delta
-    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, rows_out, mask_h)  # [BLOCK_H] x2
+    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows_out, mask_h)  # [BLOCK_H] x2
     delta = tl.load(delta_ptr + rows_out, mask=mask_h, other=0.0)  # [BLOCK_H]
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh

@@ -14,9 +14,8 @@ live (any strides), only the selected keys.
 
 With one split it writes ``o``, ``lse`` and ``stats`` like the forward; otherwise its partial row
 results (``m``, ``l`` and the unnormalised ``acc``, fp32) go to the ``partial`` buffer
-``[NUM_SPLITS, B * Hq * Nq, 2 + HEAD_DIM]`` and the block-sparse merge kernel
-(:func:`sparse_io_attn.block_sparse.triton.decode._attn_decode_merge_kernel`: same buffer layout,
-rows flat ``(b, h, t)``) merges each row's splits in split order (log-sum-exp), bitwise repeatable,
+``[NUM_SPLITS, B * Hq * Nq, 2 + HEAD_DIM]`` and the attention kit's merge kernel
+(:func:`sparse_io_attn._attention.triton.kernels.attn_decode_merge_kernel`: rows flat ``(b, h, t)``) merges each row's splits in split order (log-sum-exp), bitwise repeatable,
 into ``o``, ``lse`` and the ``stats`` the backward kernels read.
 
 With ``COUNT_IO`` each program tallies its bytes per tensor (the forward's convention: allowed keys
@@ -25,8 +24,8 @@ per program); the traffic model is :func:`sparse_io_attn.selection.traffic.selec
 """
 from __future__ import annotations
 
+from sparse_io_attn._attention.triton.softmax import store_rows
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.decode import _store_rows
 from sparse_io_attn.selection.triton.fwd import _sel_fwd_step
 from sparse_io_attn.selection.triton.slots import (DEC_K, DEC_LSE, DEC_O, DEC_PARTIAL, DEC_PLAN, DEC_Q, DEC_STATS,
                                                    DEC_V)
@@ -103,7 +102,7 @@ def _sel_decode_kernel(
 
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats / partial
     if NUM_SPLITS == 1:
-        _store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out,
+        store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out,
                     off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
                     mask_h, mask_d, stats_stride)
     else:  # partial [NUM_SPLITS, rows, 2 + HEAD_DIM]: m, l, acc of each (split, row)

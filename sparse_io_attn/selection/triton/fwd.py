@@ -19,15 +19,15 @@ unmasked (``MASKED=False``: no per-element test; ``MASK_LANES`` only when the bl
 the count (``MASKED=True``). Keys past the diagonal or the sequence are not loaded.
 
 Online softmax in base 2 (``sm_scale * LOG2E`` folded into one multiply, scores formed by the
-block-sparse kernels' :func:`~sparse_io_attn.block_sparse.triton.fwd._scores`, so every backend
-rounds them alike); writes ``o``, ``lse`` (natural log, ``-inf`` on empty rows) and ``stats``
+attention kit's :func:`~sparse_io_attn._attention.triton.softmax.score_tile`, as every kernel forms
+them); writes ``o``, ``lse`` (natural log, ``-inf`` on empty rows) and ``stats``
 (base-2 row maximum, log2 row sum; ``+inf``/``0`` on empty rows). With ``COUNT_IO`` each program
 adds its bytes per tensor at its end.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.fwd import _scores
+from sparse_io_attn._attention.triton.softmax import score_tile, store_rows
+from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.slots import FWD_K, FWD_LSE, FWD_O, FWD_PLAN, FWD_Q, FWD_STATS, FWD_V
 
 import triton  # noqa: E402
@@ -97,7 +97,7 @@ def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
                                   stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
                                   BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
-    sc = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
+    sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
     if MASKED:
         sc = tl.where(valid[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))  # [BLOCK_H]
@@ -176,17 +176,9 @@ def _sel_fwd_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
-    row_max = tl.where(empty, float("inf"), m_i)
-    lse = tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2)
-    tl.store(o_ptr + off_z * stride_oz + offs_h[:, None] * stride_oh + t.to(tl.int64) * stride_om
-             + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=mask_hd)
-    rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats
-    tl.store(lse_ptr + rows_out, lse, mask=mask_h)
-    tl.store(stats_ptr + rows_out, row_max, mask=mask_h)
-    tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_h)
+    store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, (off_z * num_heads_q + offs_h) * seqlen_q + t,
+               off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
+               mask_h, mask_d, stats_stride)
 
     if COUNT_IO:
         heads = tl.sum(mask_h.to(tl.int64))
