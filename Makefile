@@ -1,6 +1,6 @@
 # The two set-up commands of the README: `make demo` (main job) and `make test` (test suite).
 # Both create .venv on first use. torch is pinned to the CPU build found locally on the
-# development/CI machines; CUDA users: see README "Installing on a CUDA machine".
+# development/CI machines; CUDA users: see README "On a CUDA machine" (Quickstart).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -1,21 +1,26 @@
 """sparse_io_attn: block-sparse attention for PyTorch with I/O-aware, I/O-accounted kernels.
 
-One folder per capability (map in ``docs/ARCHITECTURE.md``):
+One folder per capability (map in ``docs/ARCHITECTURE.md``), floor by floor:
 
+* :mod:`._memory`, :mod:`._triton`, :mod:`._cpu`, :mod:`.tally`: the ground floor (the free-memory
+  probe, the one Triton runtime layer, the one C++ build, the byte counters and traffic reports).
 * :mod:`.layout`: :class:`BlockSparseLayout` (the centre object), its conversions, ``patterns``,
-  and :class:`BlockSparseMatrix` (block-sparse operands).
-* :mod:`.block_sparse`: :func:`block_sparse_attention` with its backends (``cpu/``: the C++ kernel,
-  ``triton/``, ``torch_path/``), float64 ``reference``, kernel ``tiles`` and exact ``traffic`` model.
+  :class:`Selection` (per-token key-block choices) and :class:`BlockSparseMatrix` (block-sparse operands).
+* :mod:`.bounds`: the lower-bound calculator.
+* :mod:`.block_sparse`: :func:`block_sparse_attention` with its plan, its ``torch.library`` custom
+  ops (``block_sparse.op``), its backends (``cpu/``: the C++ kernel, ``triton/``, ``torch_path/``),
+  float64 ``reference``, kernel ``tiles`` and exact ``traffic`` model.
 * :mod:`.selection`: :func:`selection_attention`, each query token attending the key blocks it
-  selected (a :class:`Selection`), with its backends and float64 ``reference``.
+  selected (a :class:`Selection`), with its plan, custom ops (``selection.op``), backends and float64
+  ``reference``.
 * :mod:`.dense`: the paper's dense form with its two regime-specific backward kernels.
 * :mod:`.sparse_operands`: the paper's form with block-sparse operands A1, X, A2.
-* :mod:`.accounting`: byte counters, traffic reports, ``compare`` with a bound.
-* :mod:`.bounds`: the lower-bound calculator; :mod:`.experiments`: the two-level-memory executor
-  (``experiments.pebble``), Figure 1, the sweeps.
-* :mod:`.nn`: ``SparseSelfAttention`` and the ``torch.library`` custom ops; :mod:`.cli`: the command.
-* :mod:`.integrations`: ``integrations.transformers`` (Hugging Face ``attn_implementation``; imported
-  only when used).
+* :mod:`.accounting`: the traffic facade over every model, ``compare`` with a bound, ``IOCounter``.
+* :mod:`.nn`: ``SparseSelfAttention`` and the other layers, the selectors (MoBA, NSA, DSA, pooled
+  top-k); :mod:`.integrations`: ``integrations.transformers`` (Hugging Face ``attn_implementation``;
+  imported only when used); :mod:`.distributed`: context parallelism.
+* :mod:`.experiments`: the two-level-memory executor (``experiments.pebble``), Figure 1, the sweeps;
+  :mod:`.cli`: the command.
 
 Importing the package touches neither CUDA nor Triton (Triton is imported on first kernel use); on a
 CPU-only torch build it sets ``TRITON_INTERPRET=1`` unless set, the only way Triton runs there.

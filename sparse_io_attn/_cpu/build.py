@@ -5,14 +5,19 @@ One extension holds every op's CPU kernels: the translation units in :data:`SOUR
 this folder (``simd.h``: ISA selection and vector helpers; ``tiles.h``: work buffers, task runner,
 tile products, packing). It is compiled on first use with :func:`torch.utils.cpp_extension.load`
 (ninja, the translation units in parallel, ``-O3`` and ``-march=native`` on x86-64) into torch's default extensions
-directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The extension's name
-carries a digest of the source, the flags, the torch version and the CPU's feature flags, so a
-cached build is reused exactly when it matches (another torch version or another CPU kind builds
-its own copy; a ``-march=native`` binary is never loaded on a CPU it was not built for). Two
-processes building at once (``pytest -n 2``) are serialised by torch's file lock in the build
-directory: the second waits and loads the first one's library. ``SPARSE_IO_ATTN_CPU_MARCH=x86-64-v3``
-(or any ``-march`` value) builds for another instruction set instead of ``native``: the vector code
-is chosen at compile time (AVX-512 fast paths, else at::vec's AVX2 or generic code).
+directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The extension's name, hence
+its build directory, carries a digest of everything that changes the build (:func:`build_inputs`: the
+sources' and headers' paths and contents, the flags and include path, the compiler, Python's version,
+ABI and environment, torch's version and install path, the CPU's feature flags), so a cached build is
+reused exactly when it matches: two checkouts or virtual environments build their own copies instead of
+rebuilding one in turn, and a ``-march=native`` binary is never loaded on a CPU it was not built for.
+Processes building at once (``pytest -n 2``) are serialised by :func:`~sparse_io_attn._cpu.build_lock.build_lock`
+around torch's own lock: one builds, the others say once on stderr whom they wait for, load its library
+when it is done, and give up with a ``RuntimeError`` naming the lock after ``SPARSE_IO_ATTN_BUILD_WAIT``
+seconds (default 900); torch's ``lock`` file left by a killed build is removed with a warning.
+``SPARSE_IO_ATTN_CPU_MARCH=x86-64-v3`` (or any ``-march`` value) builds for another instruction set
+instead of ``native``: the vector code is chosen at compile time (AVX-512 fast paths, else at::vec's
+AVX2 or generic code).
 ``SPARSE_IO_ATTN_SANITIZE=address,undefined`` builds with ``-fsanitize=...`` under its own extension
 name (``sparse_io_attn_cpu_sanitize_*``); load it with the sanitizer runtime preloaded
 (``LD_PRELOAD=$(gcc -print-file-name=libasan.so)``, see ``make fuzz-sanitize``).
@@ -37,6 +42,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from sparse_io_attn._cpu.build_lock import BuildLockError, build_lock, wait_seconds
 
 HERE = Path(__file__).parent
 PACKAGE = HERE.parent
@@ -113,15 +120,35 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
+def _build_args() -> dict:
+    """What :func:`torch.utils.cpp_extension.load` is given besides the name and the sources."""
+    return dict(extra_cflags=_cflags(), extra_include_paths=[str(HERE.resolve())],
+                extra_ldflags=(["-fopenmp"] if _openmp() else []) + _sanitize_flags())
+
+
+def build_inputs() -> dict[str, str]:
+    """Everything that changes the build, by name: what :func:`extension_name` hashes. The sources'
+    and headers' paths (the translation units include them by path: each checkout builds its own) and
+    contents; ``load``'s arguments (flags, include path); the compiler; Python (version, ABI, the
+    environment's prefix, its headers); torch (version and install path, whose headers and libraries
+    the build reads); the CPU (what ``-march=native`` depends on)."""
+    return {
+        "sources": "\n".join(f"{path.resolve()} {hashlib.sha1(path.read_bytes()).hexdigest()}"
+                             for path in (*SOURCES, *HEADERS)),
+        "arguments": repr(sorted(_build_args().items())),
+        "compiler": f"{os.environ.get('CXX', '')} {_compiler()}",
+        "python": f"{sys.version} {sysconfig.get_config_var('SOABI')} {sys.prefix} {sysconfig.get_paths()['include']}",
+        "torch": f"{torch.__version__} {Path(torch.__file__).resolve().parent}",
+        "cpu": _cpu_signature(),
+    }
+
+
 def extension_name() -> str:
-    h = hashlib.sha1()
-    for part in (*(path.read_bytes() for path in (*SOURCES, *HEADERS)), " ".join(_cflags()).encode(),
-                 str(_openmp()).encode(), torch.__version__.encode(),
-                 _cpu_signature().encode(), sys.version.encode()):
-        h.update(part)
-        h.update(b"\0")
+    """``sparse_io_attn_cpu[_sanitize]_<digest of build_inputs()>``: torch's build directory's name, so
+    two checkouts or environments never share (and rebuild) one directory."""
+    text = "\0".join(f"{key}={value}" for key, value in sorted(build_inputs().items()))
     kind = "_sanitize" if _sanitize_flags() else ""
-    return f"sparse_io_attn_cpu{kind}_{h.hexdigest()[:12]}"
+    return f"sparse_io_attn_cpu{kind}_{hashlib.sha1(text.encode()).hexdigest()[:12]}"
 
 
 def _compiler() -> str | None:
@@ -193,13 +220,12 @@ def _build():
 
     name = extension_name()
     build_dir = cpp_extension._get_build_directory(name, verbose=False)
-    if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
-        print(f"sparse_io_attn: compiling the CPU attention kernel (first use with this torch/CPU; "
-              f"about a minute) into {build_dir}", file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=_translation_units(build_dir), extra_cflags=_cflags(),
-                       extra_include_paths=[str(HERE)],
-                       extra_ldflags=(["-fopenmp"] if _openmp() else []) + _sanitize_flags(),
-                       is_python_module=False, verbose=False)
+    with build_lock(build_dir, wait_seconds()):
+        if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
+            print(f"sparse_io_attn: compiling the CPU attention kernel (first use with this checkout, Python, "
+                  f"torch and CPU; about a minute) into {build_dir}", file=sys.stderr, flush=True)
+        cpp_extension.load(name=name, sources=_translation_units(build_dir), **_build_args(),
+                           is_python_module=False, verbose=False)
     return getattr(torch.ops, NAMESPACE)
 
 
@@ -214,6 +240,8 @@ def load():
             if problem is None:
                 try:
                     _ops = _build()
+                except BuildLockError as e:  # another process's build held past the bound
+                    problem = str(e)
                 except Exception as e:  # compiler errors, link errors, a broken cache, ...
                     msg = " ".join(str(e).split())
                     problem = (f"building the C++ kernel failed ({type(e).__name__}: {msg[:500]}); check that "

@@ -208,11 +208,13 @@ def test_property_random_element_masks_tiny_and_odd_blocks(data):
 
 
 # ------------------------------------------------------------------------ first build
-def test_two_processes_build_at_once(tmp_path):
-    """Two processes (pytest -n 2 workers) asking for an extension nobody has built yet: torch's file
-    lock lets one compile while the other waits; both then load and run it. The extension here is a
-    one-op stand-in for the kernels (the same build module, flags, naming and loading; every other test
-    builds the real one on first use), so the check costs seconds, not a second full compile."""
+def test_two_processes_build_at_once_after_a_killed_build(tmp_path, monkeypatch):
+    """A build killed inside torch's load left its `lock` file; then two processes (pytest -n 2 workers)
+    ask for the extension at once: one takes the stale lock over (a warning naming it) and compiles while
+    the other waits (a message naming the lock), then both load and run it. The extension here is a
+    one-op stand-in for the kernels (the same build module, flags, naming, locking and loading; every
+    other test builds the real one on first use), so the check costs seconds, not a second full compile."""
+    from torch.utils import cpp_extension
     src = tmp_path / "src" / "kernel.cpp"
     src.parent.mkdir()
     src.write_text(textwrap.dedent("""
@@ -220,6 +222,11 @@ def test_two_processes_build_at_once(tmp_path):
         int64_t probe(int64_t x) { return 2 * x + 1; }
         TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) { m.def("probe(int x) -> int", &probe); }
     """))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(_build, "SOURCES", (src,))
+    monkeypatch.setattr(_build, "HEADERS", _build.included_headers(_build.SOURCES))
+    stale = os.path.join(cpp_extension._get_build_directory(_build.extension_name(), verbose=False), "lock")
+    open(stale, "x").close()
     script = textwrap.dedent(f"""
         import pathlib
         from sparse_io_attn._cpu import build
@@ -227,7 +234,7 @@ def test_two_processes_build_at_once(tmp_path):
         build.HEADERS = build.included_headers(build.SOURCES)
         print("OK", build.load().probe(20))
     """)
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop(_build.DISABLE_ENV, None)
     procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
@@ -235,8 +242,10 @@ def test_two_processes_build_at_once(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]
         assert "OK 41" in out
-    messages = sum(err.count("compiling the CPU attention kernel") for _, err in outs)
-    assert 1 <= messages <= 2
+    errs = "".join(err for _, err in outs)
+    assert errs.count("compiling the CPU attention kernel") == 1, errs[-2000:]
+    assert errs.count(f"removed the stale build lock {stale}") == 1, errs[-2000:]
+    assert not os.path.exists(stale)
     built = list((tmp_path / "ext").glob("sparse_io_attn_cpu_*/*.so"))
     assert len(built) == 1
 

@@ -33,8 +33,8 @@ buffers/packing/tile products, ``schedule.h`` the problem and the checked schedu
   (``torch.set_num_threads``).
 
 The C++ source is compiled on first use (:mod:`sparse_io_attn._cpu.build`: ``torch.utils.cpp_extension.load``,
-cached per torch version and CPU kind). Without a compiler ``backend="auto"`` falls back to the
-torch path with one warning and ``backend="cpu"`` raises ``RuntimeError`` saying what is missing.
+cached per checkout, Python environment, torch version and CPU kind). Without a compiler ``backend="auto"``
+falls back to the torch path with one warning and ``backend="cpu"`` raises ``RuntimeError`` saying what is missing.
 """
 from sparse_io_attn._cpu.build import available_for_auto, is_available, load, unavailable_reason
 from sparse_io_attn._attention.cpu import decode_work_bytes
