@@ -12,6 +12,13 @@ STAT_BYTES = 4   # fp32 lse, delta and the two softmax statistics (row max, log2
 # from these tuples in :mod:`.triton.slots`).
 PREPROCESS_TENSORS = ("o", "do", "delta")
 DECODE_MERGE_TENSORS = ("partial", "o", "lse", "stats")
+# The tensors every kernel of a kind counts, first in its slot order: each op appends the index
+# tensors its kernels read (block-sparse ``("layout", "mask")``, selection ``("plan")``), so the
+# shared tallies (:mod:`.triton.tally`) address one slot per tensor for every op.
+FWD_BASE = ("q", "k", "v", "o", "lse", "stats")
+DECODE_BASE = FWD_BASE + ("partial",)
+DQ_BASE = ("q", "k", "v", "do", "stats", "delta", "dq")
+DKDV_BASE = ("q", "k", "v", "do", "stats", "delta", "dk", "dv")
 
 
 def add_preprocess(rep: TrafficReport, name: str, rows: int, head_dim: int, elem_bytes: int) -> None:
@@ -36,5 +43,5 @@ def add_decode(rep: TrafficReport, name: str, reads: dict, rows: int, splits: in
     rep.add(f"{name}_merge", {"partial": partial}, outputs)
 
 
-__all__ = ["DECODE_MERGE_TENSORS", "INDEX_BYTES", "PREPROCESS_TENSORS", "STAT_BYTES", "add_decode",
-           "add_preprocess"]
+__all__ = ["DECODE_BASE", "DECODE_MERGE_TENSORS", "DKDV_BASE", "DQ_BASE", "FWD_BASE", "INDEX_BYTES",
+           "PREPROCESS_TENSORS", "STAT_BYTES", "add_decode", "add_preprocess"]

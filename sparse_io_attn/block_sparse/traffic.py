@@ -37,15 +37,16 @@ from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, element_size
-from sparse_io_attn._attention.traffic import (DECODE_MERGE_TENSORS, INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES,
-                                               add_decode, add_preprocess)
+from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
+                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
 
-# Tensor names of each kernel's I/O counter, in slot order (the kernels' named slots are built
-# from these tuples in :mod:`.triton.slots`; the preprocess and decode-merge kernels' are the kit's).
-FWD_TENSORS = ("q", "k", "v", "o", "lse", "stats", "layout", "mask")
-DKDV_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dk", "dv", "layout", "mask")
-DQ_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dq", "layout", "mask")
-DECODE_TENSORS = ("q", "k", "v", "o", "lse", "stats", "partial", "layout", "mask")
+# Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
+# then the layout's lists and masks (the kernels' named slots are built from these tuples in
+# :mod:`.triton.slots`; the preprocess and decode-merge kernels' are the kit's).
+FWD_TENSORS = FWD_BASE + ("layout", "mask")
+DKDV_TENSORS = DKDV_BASE + ("layout", "mask")
+DQ_TENSORS = DQ_BASE + ("layout", "mask")
+DECODE_TENSORS = DECODE_BASE + ("layout", "mask")
 
 
 def _layout_multiplicity(layout, batch: int, num_heads_q: int) -> torch.Tensor:

@@ -34,20 +34,21 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.tiles import element_size
-from sparse_io_attn._attention.traffic import (DECODE_MERGE_TENSORS, INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES,
-                                               add_decode, add_preprocess)
+from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
+                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
                                             decode_config, key_step, key_tile, sel_heads)
 from sparse_io_attn._triton.shapes import next_pow2
 from sparse_io_attn.tally.report import TrafficReport
 
-# Tensor names of each kernel's I/O counter, in slot order (the kernels' named slots are built
-# from these tuples in :mod:`.triton.slots`; the preprocess and merge kernels are the attention kit's).
-FWD_TENSORS = ("q", "k", "v", "o", "lse", "stats", "plan")
-DKDV_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dk", "dv", "plan")
-DQ_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dq", "plan")
-DECODE_TENSORS = ("q", "k", "v", "o", "lse", "stats", "partial", "plan")
+# Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
+# then the plan's rows (the kernels' named slots are built from these tuples in :mod:`.triton.slots`;
+# the preprocess and merge kernels are the attention kit's).
+FWD_TENSORS = FWD_BASE + ("plan",)
+DKDV_TENSORS = DKDV_BASE + ("plan",)
+DQ_TENSORS = DQ_BASE + ("plan",)
+DECODE_TENSORS = DECODE_BASE + ("plan",)
 KERNEL_NAMES = ("selection_fwd", "selection_bwd_preprocess", "selection_bwd_dkdv", "selection_bwd_dq")
 DECODE_KERNEL_NAMES = ("selection_decode", "selection_decode_merge")
 

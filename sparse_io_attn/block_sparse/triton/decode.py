@@ -20,11 +20,11 @@ the traffic model is :func:`sparse_io_attn.block_sparse.traffic.block_sparse_dec
 """
 from __future__ import annotations
 
-from sparse_io_attn._attention.triton.softmax import store_rows
+from sparse_io_attn._attention.triton.softmax import store_split_rows
+from sparse_io_attn._attention.triton.tally import tally_forward
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_step
-from sparse_io_attn.block_sparse.triton.slots import (DEC_K, DEC_LAYOUT, DEC_LSE, DEC_MASK, DEC_O, DEC_PARTIAL,
-                                                      DEC_Q, DEC_STATS, DEC_V)
+from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_step, _list_range
+from sparse_io_attn.block_sparse.triton.slots import DEC_LAYOUT, DEC_MASK
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -69,11 +69,8 @@ def _attn_decode_kernel(
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
     # the program's list row, and its items: partial tiles [0, P), full tiles [P, T); split s takes [lo, hi)
-    row = (off_z * stride_lb + h0 * stride_lh) * (num_q_blocks + 1) + r
-    part_start = tl.load(part_ptr_ptr + row)
-    part_end = tl.load(part_ptr_ptr + row + 1)
-    full_start = tl.load(full_ptr_ptr + row)
-    full_end = tl.load(full_ptr_ptr + row + 1)
+    part_start, part_end, full_start, full_end = _list_range(
+        full_ptr_ptr, part_ptr_ptr, (off_z * stride_lb + h0 * stride_lh) * (num_q_blocks + 1) + r)
     n_part = (part_end - part_start) * TILES_N
     n_items = n_part + (full_end - full_start) * TILES_N
     lo = (split * n_items) // NUM_SPLITS
@@ -105,29 +102,13 @@ def _attn_decode_kernel(
             MASKED=False)
 
     rows_out = (off_z * num_heads_q + head) * seqlen_q + offs_m      # [BLOCK_M]: the rows' flat index
-    if NUM_SPLITS == 1:
-        store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out,
-                    off_z * stride_oz + head.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
-                    mask_m, mask_d, stats_stride)
-    else:   # partial [NUM_SPLITS, rows, 2 + HEAD_DIM]: m, l, acc of each (split, row)
-        base = partial_ptr + (split * stats_stride + rows_out.to(tl.int64)) * (2 + HEAD_DIM)
-        tl.store(base, m_i, mask=mask_m)
-        tl.store(base + 1, l_i, mask=mask_m)
-        tl.store(base[:, None] + 2 + offs_d[None, :], acc, mask=mask_m[:, None] & mask_d[None, :])
+    store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
+                     off_z * stride_oz + head.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
+                     offs_d, mask_m, mask_d, stats_stride, HEAD_DIM, NUM_SPLITS)
 
     if COUNT_IO:
-        rows = tl.sum(mask_m.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
         keys_loaded += (full_hi - full_lo).to(tl.int64) * BLOCK_N
-        io_add(io_ptr, DEC_Q, rows * row_bytes, 0)
-        io_add(io_ptr, DEC_K, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DEC_V, keys_loaded * row_bytes, 0)
-        if NUM_SPLITS == 1:
-            io_add(io_ptr, DEC_O, 0, rows * row_bytes)
-            io_add(io_ptr, DEC_LSE, 0, rows * 4)
-            io_add(io_ptr, DEC_STATS, 0, rows * 8)
-        else:
-            io_add(io_ptr, DEC_PARTIAL, 0, rows * (2 + head_dim) * 4)
+        tally_forward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, NUM_SPLITS)
         n_tiles = (part_hi - lo).to(tl.int64)
         n_tiles = tl.where(n_tiles > 0, n_tiles, 0)
         io_add(io_ptr, DEC_LAYOUT, (4 + 2 * n_tiles + (full_hi - full_lo)) * 4, 0)

@@ -24,12 +24,11 @@ get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 """
 from __future__ import annotations
 
-from sparse_io_attn._attention.triton.softmax import load_stats, score_tile
-from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import _key_step
-from sparse_io_attn.selection.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_PLAN,
-                                                   DKDV_Q, DKDV_STATS, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ, DQ_K,
-                                                   DQ_PLAN, DQ_Q, DQ_STATS, DQ_V)
+from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
+from sparse_io_attn._attention.triton.tally import tally_dkdv, tally_dq
+from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step
+from sparse_io_attn.selection.triton.slots import DKDV_PLAN, DQ_PLAN
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -65,14 +64,9 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, n, i,
         valid = mask_n[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M]
         if IS_CAUSAL:
             valid = valid & (offs_n[:, None] <= tok[None, :] + causal_offset)
-        pT = tl.math.exp2(tl.where(valid, (sT - m_row[None, :]) - log2_sum[None, :], float("-inf")))
-    else:
-        pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
-    dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-    dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
-    dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
-    dk = dot(dsT, q, dk, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-    return dk, dv
+        sT = tl.where(valid, sT, float("-inf"))
+    pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
+    return dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
 
 
 @triton.jit
@@ -157,21 +151,11 @@ def _sel_bwd_dkdv_kernel(
              + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
 
     if COUNT_IO:
-        keys = tl.sum(mask_n.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
-        gathered = entries * SEL_HEADS  # (token, head) rows read
         if SEL_ROWS > BLOCK_M:   # a tile inside one token's heads reads its entry once
             reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * (SEL_ROWS // BLOCK_M)
         else:                    # each entry once
             reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries
-        io_add(io_ptr, DKDV_Q, gathered * row_bytes, 0)
-        io_add(io_ptr, DKDV_K, keys * row_bytes, 0)
-        io_add(io_ptr, DKDV_V, keys * row_bytes, 0)
-        io_add(io_ptr, DKDV_DO, gathered * row_bytes, 0)
-        io_add(io_ptr, DKDV_STATS, gathered * 8, 0)
-        io_add(io_ptr, DKDV_DELTA, gathered * 4, 0)
-        io_add(io_ptr, DKDV_DK, 0, keys * row_bytes)
-        io_add(io_ptr, DKDV_DV, 0, keys * row_bytes)
+        tally_dkdv(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES)
         io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
 
 
@@ -188,17 +172,13 @@ def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr,
                                   BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
     sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
     if MASKED:
-        p = tl.math.exp2(tl.where(valid[None, :], (sc - m_row[:, None]) - log2_sum[:, None], float("-inf")))
+        sc = tl.where(valid[None, :], sc, float("-inf"))
         if COUNT_IO:
             keys_loaded += keys
     elif MASK_LANES:
-        p = tl.math.exp2(tl.where(valid[None, :], (sc - m_row[:, None]) - log2_sum[:, None], float("-inf")))
-    else:
-        p = tl.math.exp2((sc - m_row[:, None]) - log2_sum[:, None])  # [BLOCK_H, BLOCK_N]
-    dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
-    ds = p * (dp - delta[:, None])  # [BLOCK_H, BLOCK_N]
-    dq = dot(ds, k, dq, DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
-    return dq, keys_loaded
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+    p = probabilities(sc, m_row[:, None], log2_sum[:, None])  # [BLOCK_H, BLOCK_N]
+    return dq_step(dq, p, do, k, v, delta, DOT_DTYPE), keys_loaded
 
 
 @triton.jit
@@ -216,18 +196,9 @@ def _sel_bwd_dq_kernel(
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
     COUNT_IO: tl.constexpr,
 ):
-    CHUNKS: tl.constexpr = (SEL_HEADS + BLOCK_H - 1) // BLOCK_H
     t = tl.program_id(0)  # the query token
-    pid = tl.program_id(1)  # (batch, head unit, chunk of BLOCK_H heads)
-    units = num_heads_q // SEL_HEADS
-    off_z = (pid // (units * CHUNKS)).to(tl.int64)
-    unit = (pid // CHUNKS) % units
-    chunk = pid % CHUNKS
-    offs_hh = tl.arange(0, BLOCK_H)
-    mask_h = offs_hh < SEL_HEADS - chunk * BLOCK_H
-    offs_h = (unit * SEL_HEADS + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
-    off_l = off_z * stride_lb + (unit * SEL_HEADS) // heads_per_selection
-    off_hkv = ((unit * SEL_HEADS) // (num_heads_q // num_heads_kv)).to(tl.int64)
+    off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
+                                                       heads_per_selection, SEL_HEADS, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
@@ -269,14 +240,6 @@ def _sel_bwd_dq_kernel(
              + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_hd)
 
     if COUNT_IO:
-        heads = tl.sum(mask_h.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE
-        io_add(io_ptr, DQ_Q, heads * row_bytes, 0)
-        io_add(io_ptr, DQ_K, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DQ_V, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DQ_DO, heads * row_bytes, 0)
-        io_add(io_ptr, DQ_STATS, heads * 8, 0)
-        io_add(io_ptr, DQ_DELTA, heads * 4, 0)
-        io_add(io_ptr, DQ_DQ, 0, heads * row_bytes)
+        tally_dq(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES)
         io_add(io_ptr, DQ_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)
