@@ -37,11 +37,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from sparse_io_attn.accounting.network import BACKWARD, BACKWARD_INPUTS, FORWARD, PARTIALS, REQUESTS
 from sparse_io_attn.block_sparse import op
 from sparse_io_attn.block_sparse.api import Call, prepare
 from sparse_io_attn.distributed.plan import ContextParallelPlan, Exchange
 from sparse_io_attn.distributed.step import ContextParallelStep
+from sparse_io_attn.distributed.traffic import BACKWARD, BACKWARD_INPUTS, FORWARD, PARTIALS, REQUESTS
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.selection import api as selection_api
 from sparse_io_attn.selection import op as selection_op
@@ -770,8 +770,8 @@ def context_parallel_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_l
     ids, one of the K/V units in forward and one of their dK/dV in backward, skipped when no rank
     receives anything. Their bytes (not the agreement's) are counted under
     :class:`~sparse_io_attn.tally.IOCounter` (``io.network``) and predicted by
-    :func:`sparse_io_attn.accounting.network.context_parallel` (static) and
-    :func:`sparse_io_attn.accounting.network.context_parallel_steps` (steps).
+    :func:`sparse_io_attn.accounting.traffic.context_parallel` (static) and
+    :func:`sparse_io_attn.accounting.traffic.context_parallel_steps` (steps).
     """
     return _run(q_local, k_local, v_local, plan, group, causal, sm_scale, backend)
 
