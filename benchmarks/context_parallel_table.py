@@ -424,7 +424,7 @@ def _steps_lines(steps: dict, args) -> list:
         "A plan of the sequence length (`ContextParallelPlan.for_sequence`, zig-zag ownership) and, every "
         "step, each rank's `plan.step(selection)`. Bytes each rank receives in the forward exchange: the "
         "K/V of the units its rows selected and it does not own (one key block of one K/V head: per head, "
-        "not whole blocks of every head), from `accounting.network.context_parallel_steps` over every "
+        "not whole blocks of every head), from `accounting.traffic.context_parallel_steps` over every "
         "rank's step, equal to the floor (checked); backward sends the same sizes back as dK/dV. The "
         "requested unit ids (8 bytes each) add *requests*. *all-gather*: every K/V token a rank does not "
         "own; *ring*: W - 1 steps of a shard.", "",

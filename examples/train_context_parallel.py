@@ -48,8 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_char_lm import CharLM, Config, Corpus, loss_fn, strided_attention  # noqa: E402
 
 from sparse_io_attn.accounting import IOCounter  # noqa: E402
-from sparse_io_attn.accounting.network import FORWARD, context_parallel  # noqa: E402
+from sparse_io_attn.accounting.traffic import context_parallel  # noqa: E402
 from sparse_io_attn.distributed import ContextParallelSelfAttention  # noqa: E402
+from sparse_io_attn.distributed.traffic import FORWARD  # noqa: E402
 from sparse_io_attn.nn import SparseSelfAttention, selectors  # noqa: E402
 
 TIMEOUT_S = 300   # a hung rank fails the run instead of blocking it

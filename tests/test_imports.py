@@ -19,8 +19,9 @@ FLOORS = {
     "_memory": 0, "_triton": 0, "_cpu": 0, "tally": 0, "layout": 0,
     "bounds": 1, "_attention": 1,
     "block_sparse": 2, "dense": 2, "sparse_operands": 2, "selection": 2,
-    "accounting": 3,
-    "nn": 4, "integrations": 4, "distributed": 4,
+    "nn": 3, "integrations": 3, "distributed": 3,
+    # the facade over every traffic model, context parallelism's (distributed/traffic.py) included: above them all
+    "accounting": 4,
     "experiments": 5,
     "cli": 6,
 }
@@ -56,6 +57,9 @@ LAZY: dict[tuple[str, str], str] = {
         "backend 'auto' asks whether the C++ kernels build: the build module imports torch._dynamo and Triton",
     ("sparse_io_attn.cli.bench", "sparse_io_attn.block_sparse.cpu"):
         "the C++ build module imports torch._dynamo and Triton: only when --backends names cpu",
+    ("sparse_io_attn.distributed", "sparse_io_attn.distributed.module"):
+        "ContextParallelSelfAttention is an nn layer (nn imports torch._dynamo and Triton): loaded on first access, "
+        "so accounting.traffic (and the CLI) reach the context-parallel traffic model without them",
 }
 
 
@@ -214,10 +218,12 @@ def test_the_checks_catch_what_they_are_for(case, monkeypatch):
 
 def test_dense_models_load_without_the_kernels():
     """``dense``'s traffic model, regime choice and tiles (what ``bounds`` and ``accounting`` use)
-    import without Triton; the kernel entry points load on first access."""
+    import without Triton, and so does the context-parallel model the facade re-exports; the kernel
+    entry points load on first access."""
     code = ("import sys; import sparse_io_attn.dense as D; from sparse_io_attn.accounting import traffic; "
             "from sparse_io_attn.cli import bounds; "
-            "print(callable(traffic.dense.large_cache_traffic), 'triton' in sys.modules); "
+            "print(callable(traffic.dense.large_cache_traffic) and callable(traffic.context_parallel), "
+            "'triton' in sys.modules); "
             "print(callable(D.forward) and callable(D.attention) and 'backward_small_cache' in dir(D), "
             "'triton' in sys.modules)\n"
             "try:\n    D.no_such_name\nexcept AttributeError as e:\n    print('no_such_name' in str(e))")

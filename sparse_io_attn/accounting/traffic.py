@@ -12,7 +12,7 @@
 * ``traffic.sparse_operands``: block-sparse operands
   (:mod:`sparse_io_attn.sparse_operands.traffic`).
 * :func:`context_parallel`: the network bytes of context-parallel attention per rank
-  (:mod:`sparse_io_attn.accounting.network`; counted under ``IOCounter().network``), and
+  (:mod:`sparse_io_attn.distributed.traffic`; counted under ``IOCounter().network``), and
   :func:`context_parallel_steps` for a selection chosen every step.
 
 Every model returns a ``TrafficReport(source="predicted")`` equal, in bytes, to what
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from sparse_io_attn.block_sparse.traffic import (block_sparse, block_sparse_backward, block_sparse_flops,
                                                  block_sparse_forward, kept_elements)
-from sparse_io_attn.accounting.network import context_parallel, context_parallel_steps
 from sparse_io_attn.dense import traffic as dense
+from sparse_io_attn.distributed.traffic import context_parallel, context_parallel_steps
 from sparse_io_attn.selection.traffic import (selection, selection_backward, selection_decode_forward, selection_flops,
                                               selection_forward, selection_pairs)
 from sparse_io_attn.sparse_operands import traffic as sparse_operands

@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparse_io_attn.distributed.attention import _agree, _describe, _group_rank, _run
+from sparse_io_attn.distributed.agreement import _agree, _describe, _group_rank
+from sparse_io_attn.distributed.attention import _run
 from sparse_io_attn.distributed.plan import ContextParallelPlan
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.nn.module import SparseSelfAttention

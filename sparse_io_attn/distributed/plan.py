@@ -14,140 +14,25 @@ A plan has two lifetimes:
 
 Units are blocks (``BLOCK_SIZE_Q == BLOCK_SIZE_KV``, self-attention ``seqlen_q == seqlen_k``): block
 ``b`` holds tokens ``[b * BLOCK, min((b + 1) * BLOCK, seqlen))`` of q, k and v alike, and rank ``r``
-owns q rows *and* k/v blocks of the same tokens. A static plan is computed from the layout's kept
-blocks as runs of consecutive key blocks per row (one pass over the kept blocks, then O(runs +
-world_size * blocks) per candidate assignment), never the element mask or the block grid.
+owns q rows *and* k/v blocks of the same tokens. Who owns which rows is decided in :mod:`.balance`
+(a static plan's balance by kept work, a sequence's ranges); a static plan's views are built beside
+their types: each rank's layouts in :mod:`.layouts`, each rank's exchange in :mod:`.exchange`.
 """
 from __future__ import annotations
 
-import bisect
-import hashlib
-import heapq
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from sparse_io_attn.distributed import step as _step
-from sparse_io_attn.layout import _bits
-from sparse_io_attn.layout._assemble import inrange_words
+from sparse_io_attn.distributed.balance import (BALANCES, FULL_WORK, PARTIAL_WORK, SEQUENCE_BALANCES, SPREAD_FRACTION,
+                                                STRATEGIES, _imbalance, _ranges, balance_layout, sequence_owner)
+from sparse_io_attn.distributed.exchange import Exchange, rank_exchange
+from sparse_io_attn.distributed.layouts import (RankLayouts, _copy, _digest, causal_layout, layout_digest,
+                                                rank_layouts)
 from sparse_io_attn.layout.causal import causal_offset
-from sparse_io_attn.layout.core import BlockSparseLayout, assemble
-
-#: cost of a kept block in the balance: full blocks 4, partial blocks 5 (the element mask is read and
-#: applied on every tile: about a quarter more than a full block)
-FULL_WORK, PARTIAL_WORK = 4, 5
-#: the assignments ``balance="work"`` chooses among, in no particular order
-STRATEGIES = ("contiguous", "zigzag", "lpt")
-#: a row is spread (computed where its keys live) when its work exceeds this fraction of a rank's mean
-SPREAD_FRACTION = 0.5
-BALANCES = ("work",) + STRATEGIES
-#: the ownerships :meth:`ContextParallelPlan.for_sequence` builds
-SEQUENCE_BALANCES = ("contiguous", "zigzag", "balanced")
-
-
-def causal_layout(layout: BlockSparseLayout) -> BlockSparseLayout:
-    """``layout`` intersected with the causal mask ``j <= i``, element-exact, in O(kept blocks).
-
-    Needs square blocks and ``seqlen_q == seqlen_k`` (then both causal alignments coincide): blocks
-    below the diagonal keep their mask, diagonal blocks get theirs intersected with the lower
-    triangle, blocks above it are dropped. A layout that is causal already (every row's last kept
-    block at or left of the diagonal, diagonal masks inside the lower triangle: O(rows) to decide)
-    is copied as it is; otherwise the kept blocks stay in CSR order (no sort): one pass drops the
-    blocks above the diagonal, and only the diagonal blocks' masks are recomputed."""
-    (b, _), n = layout.block_size, layout.seqlen_q
-    R, L = layout.num_q_blocks, layout.num_layouts
-    crow = layout.crow_indices.to(torch.int64)
-    col, pid = layout.col_indices, layout.partial_ids
-    nnz, dev = col.numel(), col.device
-    name = f"causal({layout.name})"
-    if nnz == 0:
-        return _copy(layout, name)
-    tril = _bits.pack(torch.ones(b, b, dtype=torch.bool, device=dev).tril())          # [b, W]
-    r = torch.arange(R, device=dev).repeat(L)
-    last = crow[:, 1:].reshape(-1) - 1
-    nonempty = last >= crow[:, :-1].reshape(-1)
-    last_c = col[last.clamp(min=0)].to(torch.int64)
-    diag_rows = (nonempty & (last_c == r)).nonzero().squeeze(1)                        # [<= L R]
-    d_pid = pid[last[diag_rows]].to(torch.int64)
-    d_r = r[diag_rows]
-    inr = inrange_words(d_r, d_r, layout.block_size, layout.seqlen)
-    words = _words(layout.partial_masks, d_pid, inr)
-    clipped = words & tril
-    full_ok = (clipped == inr).flatten(1).all(1)                                       # a full diagonal block
-    if not bool((nonempty & (last_c > r)).any()) and bool(torch.where(d_pid >= 0, (clipped == words).flatten(1).all(1),
-                                                                       full_ok).all()):
-        return _copy(layout, name)                                                       # causal already
-    counts = (crow[:, 1:] - crow[:, :-1]).reshape(-1)
-    flat = torch.repeat_interleave(torch.arange(L * R, device=dev), counts, output_size=nnz)
-    c64 = col.to(torch.int64)
-    rows = flat % R
-    keep = c64 <= rows
-    diag = (c64 == rows).nonzero().squeeze(1)                                           # the diagonal entries
-    dr = rows[diag]
-    inr = inrange_words(dr, dr, layout.block_size, layout.seqlen)
-    p = pid[diag].to(torch.int64)
-    words = _words(layout.partial_masks, p, inr) & tril
-    empty = (words == 0).flatten(1).all(1)
-    full = (words == inr).flatten(1).all(1)
-    keep[diag[empty]] = False
-    pid64 = pid.to(torch.int64)
-    off = keep.clone()
-    off[diag] = False                                                                   # kept off the diagonal
-    used_old = torch.zeros(layout.partial_masks.shape[0] + 1, dtype=torch.bool, device=dev)
-    used_old[torch.where(off & (pid64 >= 0), pid64, -1)] = True
-    old_ids = used_old[:-1].nonzero().squeeze(1)
-    new_words = ~empty & ~full
-    masks, inverse = _bits.dedup(torch.cat([layout.partial_masks[old_ids], words[new_words]]))
-    remap = torch.full((layout.partial_masks.shape[0] + 1,), -1, dtype=torch.int64, device=dev)
-    remap[old_ids] = inverse[:old_ids.numel()]
-    new_pid = remap[torch.where(pid64 >= 0, pid64, -1)]                              # -1: the spare, -1
-    d_new = torch.full((diag.numel(),), -1, dtype=torch.int64, device=dev)
-    d_new[new_words] = inverse[old_ids.numel():]
-    new_pid[diag] = d_new
-    kept_per_row = torch.zeros(L * R, dtype=torch.int64, device=dev).index_add_(0, flat, keep.to(torch.int64))
-    offsets = torch.zeros(L * R + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(kept_per_row, 0, out=offsets[1:])
-    new_crow = torch.cat([offsets[:-1].view(L, R), offsets[R::R].view(L, 1)], dim=1)
-    out = BlockSparseLayout(new_crow, col[keep], block_size=layout.block_size, seqlen=(n, n),
-                            layout_batch=layout.layout_batch, layout_heads=layout.layout_heads, name=name,
-                            validate=False, partial_ids=new_pid[keep], partial_masks=masks)
-    return out._mark_checked()
-
-
-def _words(masks: torch.Tensor, ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The element masks of blocks with partial ids ``ids`` (``full``: the in-range words of full ones)."""
-    padded = torch.cat([masks, masks.new_zeros((1, *masks.shape[1:]))])
-    return torch.where((ids >= 0)[:, None, None], padded[torch.where(ids >= 0, ids, masks.shape[0])], full)
-
-
-class RankLayouts(NamedTuple):
-    """One rank's share of the plan's layout. ``local``: its query rows x its own key blocks (both in
-    the rank's shard order, ``seqlen = (n_local, n_local)``). ``received``: its rows that are not
-    spread x the K/V blocks it receives, in ascending global order (``seqlen = (n_local,
-    n_received)``). ``foreign``: the spread query blocks it receives (ascending) x its own key blocks
-    (``seqlen = (n_foreign, n_local)``). ``None`` when the rank receives no such block."""
-    local: BlockSparseLayout
-    received: BlockSparseLayout | None
-    foreign: BlockSparseLayout | None
-
-
-class Exchange(NamedTuple):
-    """What one rank's ``all_to_all_single`` moves, in tokens. ``send_index[dst]``: positions in the
-    rank's shard of the tokens it sends ``dst`` (blocks ascending); ``send_splits``/``recv_splits``:
-    tokens sent to / received from each rank; ``recv_order``: row of the receive buffer (grouped by
-    source rank) holding each received token in ascending global order; ``recv_inverse`` its inverse.
-    The ``q_`` fields describe the query tokens of spread rows the same way."""
-    send_index: tuple
-    send_splits: list
-    recv_splits: list
-    recv_order: torch.Tensor
-    recv_inverse: torch.Tensor
-    q_send_index: tuple
-    q_send_splits: list
-    q_recv_splits: list
-    q_recv_order: torch.Tensor
-    q_recv_inverse: torch.Tensor
+from sparse_io_attn.layout.core import BlockSparseLayout
 
 
 class ContextParallelPlan:
@@ -223,46 +108,15 @@ class ContextParallelPlan:
         if not (isinstance(tolerance, (int, float)) and tolerance >= 1):
             raise ValueError(f"tolerance is a max/mean work ratio, at least 1; got {tolerance!r}")
         self._sequence(layout.seqlen_q, bq, world_size, causal)
-        W, R = world_size, self.num_blocks
         self.source_layout = layout
         self._source_version = layout.version_key()
         self.layout_digest = layout_digest(layout)
         self.layout = causal_layout(layout.to("cpu")) if self.causal else _copy(layout.to("cpu"))
-        count, partial = _row_costs(self.layout)
-        self.row_work = FULL_WORK * count + (PARTIAL_WORK - FULL_WORK) * partial
-        self.spread = torch.zeros(R, dtype=torch.bool)
-        if split_rows and W > 1:
-            self.spread = self.row_work * W > SPREAD_FRACTION * int(self.row_work.sum())
-        spread_rows = self.spread.nonzero().squeeze(1)
-        self.block_work = torch.where(self.spread, 0, self.row_work)
-        if spread_rows.numel():                                          # their blocks count where the keys live
-            _, c, pid = _row_entries(self.layout, spread_rows)
-            self.block_work.index_add_(0, c, torch.where(pid >= 0, PARTIAL_WORK, FULL_WORK).to(torch.int64))
-        runs = _kept_runs(self.layout)
-        on_spread = self.spread[runs.row]
-        kv_runs = _Runs(runs.row[~on_spread], runs.c0[~on_spread], runs.c1[~on_spread])   # K/V to the row's owner
-        q_runs = _Runs(runs.row[on_spread], runs.c0[on_spread], runs.c1[on_spread])       # q to the keys' owners
-        names = STRATEGIES if balance == "work" else (balance,)
-        candidates = []
-        for name in names:
-            owner = _ASSIGN[name](self.block_work, W)
-            if owner is None:
-                continue
-            work = torch.zeros(W, dtype=torch.int64).index_add_(0, owner, self.block_work)
-            reads = (_coverage(owner[kv_runs.row], kv_runs.c0, kv_runs.c1, W, R) & _not_own(owner, W),
-                     _owner_coverage(q_runs, owner, W, R) & _not_own(owner, W))
-            moved = sum(int((read.to(torch.int64) * self.block_sizes).sum()) for read in reads)
-            candidates.append((_imbalance(work), moved, name, owner, work, reads))
-        if not candidates:
-            raise ValueError(f"balance='zigzag' needs at least 2 * world_size = {2 * W} blocks, the "
-                             f"layout has {R}; use balance='work' or a smaller block size")
-        within = [cand for cand in candidates if cand[0] <= tolerance]
-        best = (min(within, key=lambda cand: (cand[1], cand[0])) if within
-                else min(candidates, key=lambda cand: (cand[0], cand[1])))
-        self.imbalance, _, self.strategy, owner, self.work, (kv_read, q_read) = best
-        self._own(owner)
-        self._send_cols, self._send_offsets = _pair_csr(*_pairs(kv_read, owner), W)
-        self._q_cols, self._q_offsets = _pair_csr(*_pairs(q_read, owner), W)
+        a = balance_layout(self.layout, world_size, self.block_sizes, balance, tolerance, split_rows)
+        self.row_work, self.spread, self.block_work, self.strategy = a.row_work, a.spread, a.block_work, a.strategy
+        self.work, self.imbalance = a.work, a.imbalance
+        self._own(a.owner)
+        (self._send_cols, self._send_offsets), (self._q_cols, self._q_offsets) = a.send, a.queries
         self._finish_digest()
 
     @classmethod
@@ -313,15 +167,7 @@ class ContextParallelPlan:
             weights = row_work.detach().cpu().to(torch.int64)
         else:
             weights = torch.arange(1, R + 1) if plan.causal else torch.ones(R, dtype=torch.int64)
-        if balance == "zigzag":
-            owner = _zigzag(weights, W)
-            if owner is None:
-                raise ValueError(f"balance='zigzag' needs at least 2 * world_size = {2 * W} blocks, the sequence "
-                                 f"has {R}; use balance='contiguous' or a smaller block size")
-        elif balance == "contiguous":
-            owner = torch.arange(R) * W // R
-        else:
-            owner = _contiguous(weights, W)
+        owner = sequence_owner(weights, W, balance)
         plan.source_layout = plan.layout = None
         plan._source_version = None
         plan.layout_digest = 0
@@ -467,11 +313,7 @@ class ContextParallelPlan:
         """K/V blocks ``src`` sends ``dst``: blocks ``src`` owns that some row of ``dst`` (not a spread
         row) reads in any of the layout's batch/head masks; sorted, int64 (empty for ``src == dst``;
         a static plan only)."""
-        self._require_layout("send_blocks")
-        self._check_rank(src, "src")
-        self._check_rank(dst, "dst")
-        p = src * self.world_size + dst
-        return self._send_cols[self._send_offsets[p]:self._send_offsets[p + 1]]
+        return self._pair("send_blocks", self._send_cols, self._send_offsets, src, dst)
 
     def recv_blocks(self, dst: int) -> torch.Tensor:
         """Every block ``dst`` receives (the union of :meth:`send_blocks` ``(src, dst)``), ascending."""
@@ -480,15 +322,19 @@ class ContextParallelPlan:
     def send_queries(self, src: int, dst: int) -> torch.Tensor:
         """Spread query blocks ``src`` owns whose row reads some K/V block ``dst`` owns: ``src`` sends
         ``dst`` their queries, ``dst`` sends back its partial results; sorted, int64."""
-        self._require_layout("send_queries")
-        self._check_rank(src, "src")
-        self._check_rank(dst, "dst")
-        p = src * self.world_size + dst
-        return self._q_cols[self._q_offsets[p]:self._q_offsets[p + 1]]
+        return self._pair("send_queries", self._q_cols, self._q_offsets, src, dst)
 
     def recv_queries(self, dst: int) -> torch.Tensor:
         """Every spread query block ``dst`` computes a part of for another rank, ascending."""
         return torch.sort(torch.cat([self.send_queries(s, dst) for s in range(self.world_size)])).values
+
+    def _pair(self, what: str, blocks: torch.Tensor, offsets: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+        """The blocks of rank pair ``(src, dst)`` in one of a static plan's pair lists."""
+        self._require_layout(what)
+        self._check_rank(src, "src")
+        self._check_rank(dst, "dst")
+        p = src * self.world_size + dst
+        return blocks[offsets[p]:offsets[p + 1]]
 
     def token_index(self, rank: int) -> torch.Tensor:
         """Global token positions of the shard of ``rank``, in shard order (int64 ``[n_local]``)."""
@@ -545,34 +391,8 @@ class ContextParallelPlan:
         self._require_layout("rank_layouts")
         self._check_rank(rank)
         if rank not in self._rank_layouts:
-            self._rank_layouts[rank] = self._build_rank_layouts(rank)
+            self._rank_layouts[rank] = rank_layouts(self, rank)
         return self._rank_layouts[rank]
-
-    def _build_rank_layouts(self, rank: int) -> RankLayouts:
-        lo = self.layout
-        lid, r, c = lo.entries()
-        row_mine, col_mine = self.owner[r] == rank, self.owner[c] == rank
-        mine = row_mine | col_mine
-        lid, r, c, ids = lid[mine], r[mine], c[mine], lo.partial_ids[mine].to(torch.int64)
-        row_mine, col_mine, spread = row_mine[mine], col_mine[mine], self.spread[r]
-        recv, foreign = self.recv_blocks(rank), self.recv_queries(rank)
-        n_local = self.num_tokens(rank)
-        parts = []
-        for sel, rows, cols, n_q, n_k, what in (
-                (row_mine & col_mine, self.local_index[r], self.local_index[c], n_local, n_local, "local"),
-                (row_mine & ~col_mine & ~spread, self.local_index[r], torch.searchsorted(recv, c), n_local,
-                 self.tokens(recv), "received"),
-                (~row_mine & col_mine & spread, torch.searchsorted(foreign, r), self.local_index[c],
-                 self.tokens(foreign), n_local, "foreign")):
-            if n_q == 0 or n_k == 0:
-                parts.append(None)
-                continue
-            part = ids[sel] >= 0
-            parts.append(assemble(lid[sel], rows[sel], cols[sel], lo.partial_masks[ids[sel][part]],
-                                  partial=part, block_size=lo.block_size, seqlen=(n_q, n_k),
-                                  layout_batch=lo.layout_batch, layout_heads=lo.layout_heads,
-                                  name=f"{lo.name}@rank{rank}.{what}"))
-        return RankLayouts(*parts)
 
     @property
     def exchanges(self) -> bool:
@@ -590,21 +410,8 @@ class ContextParallelPlan:
         self._require_layout("exchange")
         self._check_rank(rank)
         if rank not in self._exchange:
-            self._exchange[rank] = Exchange(*self._tokens_moved(rank, self.send_blocks),
-                                            *self._tokens_moved(rank, self.send_queries))
+            self._exchange[rank] = rank_exchange(self, rank)
         return self._exchange[rank]
-
-    def _tokens_moved(self, rank: int, sends) -> tuple:
-        W = self.world_size
-        send = tuple(self.local_positions(sends(rank, dst)) for dst in range(W))
-        incoming = [sends(src, rank) for src in range(W)]
-        blocks = torch.cat(incoming)
-        sizes = self.block_sizes[blocks]
-        starts = torch.cumsum(sizes, 0) - sizes                          # buffer row of each block
-        order = torch.argsort(blocks)
-        recv_order = _ranges(starts[order], sizes[order])
-        return send, [int(t.numel()) for t in send], [self.tokens(b) for b in incoming], recv_order, \
-            torch.argsort(recv_order)
 
     def __repr__(self) -> str:
         what = f"layout={self.source_layout.name!r}, " if self.source_layout is not None else ""
@@ -620,232 +427,16 @@ def _world(world_size) -> int:
     return world_size
 
 
-def _digest(*tensors: torch.Tensor) -> int:
-    """A 63-bit fingerprint (BLAKE2b) of the tensors' dtypes, shapes and bytes, read on the CPU."""
-    h = hashlib.blake2b(digest_size=8)
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().data if t.numel() else b"")
-    return int.from_bytes(h.digest(), "little") >> 1
-
-
-_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15 - 2 ** 64, 0xBF58476D1CE4E5B9 - 2 ** 64, 0x94D049BB133111EB - 2 ** 64
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 (arithmetic shifts, wrapping products): a fixed scramble."""
-    z = (z ^ (z >> 30)) * _MIX1
-    z = (z ^ (z >> 27)) * _MIX2
-    return z ^ (z >> 31)
-
-
-def layout_digest(layout: BlockSparseLayout) -> int:
-    """A 63-bit fingerprint of a layout's contents: sizes, kept blocks (``crow_indices``,
-    ``col_indices``) and each partial block's position and element mask, the masks fingerprinted
-    by content (equal layouts whose masks are stored in another order get the same digest).
-    O(kept blocks + stored mask words); reads the layout on the CPU."""
-    masks = layout.partial_masks.cpu().to(torch.int64).flatten(1)                 # [num_masks, words]
-    position = torch.arange(masks.shape[1], dtype=torch.int64) * _GOLDEN
-    mask_keys = _mix64(masks + position).sum(1)                                    # one 64-bit key per mask
-    ids = layout.partial_ids.cpu()
-    part = (ids >= 0).nonzero().squeeze(1)
-    sizes = torch.tensor([*layout.block_size, *layout.seqlen, layout.layout_batch, layout.layout_heads])
-    return _digest(sizes, layout.crow_indices, layout.col_indices, part, mask_keys[ids[part].to(torch.int64)])
-
-
-def _copy(layout: BlockSparseLayout, name: str | None = None) -> BlockSparseLayout:
-    """The layout on fresh storage (the plan's own: in-place edits of the caller's never reach it);
-    index ranges validated unless the source's are known valid."""
-    out = BlockSparseLayout(layout.crow_indices.clone(), layout.col_slots.clone(), block_size=layout.block_size,
-                            seqlen=layout.seqlen, layout_batch=layout.layout_batch,
-                            layout_heads=layout.layout_heads, name=name or layout.name, validate=False,
-                            partial_ids=layout.partial_id_slots.clone(), partial_masks=layout.partial_masks.clone(),
-                            fixed_capacity=layout.fixed_capacity)
-    return out._mark_checked() if layout.checked else out.check()
-
-
 def _dim(x: torch.Tensor, dim: int) -> int:
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for a {x.dim()}-d tensor, got {dim!r}")
     return dim % x.dim()
 
 
-def _ranges(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """Concatenated ``arange(start, start + size)`` for each pair, int64."""
-    total = int(sizes.sum())
-    if total == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    offsets = torch.cumsum(sizes, 0) - sizes
-    return torch.arange(total) - torch.repeat_interleave(offsets - starts, sizes)
-
-
 def _block_tokens(blocks: torch.Tensor, block: int, seqlen: int) -> torch.Tensor:
     starts = blocks * block
     return _ranges(starts, torch.clamp(seqlen - starts, max=block))
 
-
-class _Runs(NamedTuple):
-    """Maximal runs of consecutive kept key blocks ``c0 .. c1`` (inclusive) in query-block row
-    ``row`` of some mask (int64 ``[n]`` each)."""
-    row: torch.Tensor
-    c0: torch.Tensor
-    c1: torch.Tensor
-
-
-def _kept_runs(layout: BlockSparseLayout) -> _Runs:
-    """The kept blocks as runs: a sliding window or a causal row is one run, a random selection about
-    one per block. One pass over the kept blocks (a break where the column does not follow the one
-    before, or a row starts), then O(runs)."""
-    crow = layout.crow_indices.to(torch.int64)
-    R = layout.num_q_blocks
-    col = layout.col_indices
-    nnz = col.numel()
-    if nnz == 0:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return _Runs(empty, empty, empty)
-    brk = torch.empty(nnz, dtype=torch.bool)
-    brk[0] = True
-    torch.ne(col[1:], col[:-1] + 1, out=brk[1:])
-    starts = crow[:, :-1].reshape(-1)
-    brk[starts[starts < nnz]] = True
-    s = brk.nonzero().squeeze(1)
-    e = torch.cat([s[1:], s.new_tensor([nnz])]) - 1
-    flat = torch.searchsorted(crow[:, 1:].reshape(-1).contiguous(), s, right=True)
-    return _Runs(flat % R, col[s].to(torch.int64), col[e].to(torch.int64))
-
-
-def _row_costs(layout: BlockSparseLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept blocks and partial kept blocks per query-block row, summed over the masks (int64 ``[R]``)."""
-    crow = layout.crow_indices.to(torch.int64)
-    R = layout.num_q_blocks
-    count = (crow[:, 1:] - crow[:, :-1]).sum(0)
-    part = (layout.partial_ids >= 0).nonzero().squeeze(1)
-    flat = torch.searchsorted(crow[:, 1:].reshape(-1).contiguous(), part, right=True)
-    return count, torch.bincount(flat % R, minlength=R)
-
-
-def _row_entries(layout: BlockSparseLayout, rows: torch.Tensor):
-    """``(row, col, partial id)`` (int64) of the kept blocks of query-block ``rows`` in every mask."""
-    crow = layout.crow_indices.to(torch.int64)
-    starts, ends = crow[:, rows].reshape(-1), crow[:, rows + 1].reshape(-1)
-    pos = _ranges(starts, ends - starts)
-    r = torch.repeat_interleave(rows.repeat(crow.shape[0]), ends - starts)
-    return r, layout.col_indices[pos].to(torch.int64), layout.partial_ids[pos].to(torch.int64)
-
-
-def _coverage(dst: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, W: int, R: int) -> torch.Tensor:
-    """bool ``[W, R]``: rank ``w`` reads block ``c`` iff some run of a row it owns (``dst``) covers
-    ``c``; one difference array per rank, O(runs + W R)."""
-    diff = torch.zeros(W * (R + 1), dtype=torch.int32)
-    ones = torch.ones(dst.numel(), dtype=torch.int32)
-    diff.index_add_(0, dst * (R + 1) + c0, ones)
-    diff.index_add_(0, dst * (R + 1) + c1 + 1, -ones)
-    return torch.cumsum(diff.view(W, R + 1), 1)[:, :R] > 0
-
-
-def _owner_coverage(runs: _Runs, owner: torch.Tensor, W: int, R: int) -> torch.Tensor:
-    """bool ``[W, R]``: rank ``w`` computes a part of spread row ``r`` iff it owns a key block some
-    run of row ``r`` covers (per-rank prefix counts of owned blocks: O(W (runs + R)))."""
-    out = torch.zeros(W, R, dtype=torch.int32)
-    if runs.row.numel():
-        owned = torch.zeros(W, R + 1, dtype=torch.int64)
-        owned[owner, torch.arange(R) + 1] = 1
-        owned = torch.cumsum(owned, 1)
-        hit = (owned[:, runs.c1 + 1] - owned[:, runs.c0]) > 0                 # [W, runs]
-        out.index_add_(1, runs.row, hit.to(torch.int32))
-    return out > 0
-
-
-def _not_own(owner: torch.Tensor, W: int) -> torch.Tensor:
-    """bool ``[W, R]``: block ``c`` is not rank ``w``'s own."""
-    return owner[None, :] != torch.arange(W)[:, None]
-
-
-def _pairs(read: torch.Tensor, owner: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(src * W + dst, block)`` of every flagged ``read[dst, block]`` (``src`` its owner), sorted by
-    ``(src, dst, block)``."""
-    W, R = read.shape
-    dst, col = read.nonzero(as_tuple=True)
-    key, _ = torch.sort((owner[col] * W + dst) * R + col)
-    return key // R, key % R
-
-
-def _pair_csr(pair: torch.Tensor, col: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(col, offsets [W * W + 1])``: the blocks of pair ``src * W + dst`` at ``col[offsets[p]:offsets[p + 1]]``."""
-    offsets = torch.zeros(W * W + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(torch.bincount(pair, minlength=W * W), 0)
-    return col, offsets
-
-
-def _imbalance(work: torch.Tensor) -> float:
-    mean = float(work.sum()) / work.numel()
-    return float(work.max()) / mean if mean > 0 else 1.0
-
-
-def _contiguous(row_work: torch.Tensor, W: int) -> torch.Tensor:
-    """One contiguous range per rank (at least one row each) at the least maximum work: binary search
-    over the bottleneck with a greedy cut (O(W log R) per step)."""
-    R = row_work.numel()
-    prefix = [0] + torch.cumsum(row_work, 0).tolist()
-
-    def cuts(limit: int) -> list[int] | None:
-        out, start = [0], 0
-        for k in range(W):
-            last = R - (W - 1 - k)                                       # leave a row for each later rank
-            end = min(bisect.bisect_right(prefix, prefix[start] + limit) - 1, last)
-            if k == W - 1:
-                end = R
-            if end <= start or prefix[end] - prefix[start] > limit:
-                return None
-            out.append(end)
-            start = end
-        return out
-
-    lo, hi = max(math.ceil(prefix[-1] / W), int(row_work.max())), prefix[-1]
-    best = cuts(hi)
-    while best is None:                                                  # every rank needs a row
-        hi = 2 * hi + 1
-        best = cuts(hi)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        found = cuts(mid)
-        if found is None:
-            lo = mid + 1
-        else:
-            hi, best = mid, found
-    sizes = torch.tensor(best[1:]) - torch.tensor(best[:-1])
-    return torch.repeat_interleave(torch.arange(W), sizes)
-
-
-def _zigzag(row_work: torch.Tensor, W: int) -> torch.Tensor | None:
-    """``2 W`` chunks of (nearly) equal length; rank ``r`` holds chunks ``r`` and ``2 W - 1 - r``."""
-    R = row_work.numel()
-    if R < 2 * W:
-        return None
-    chunk = torch.arange(R) * (2 * W) // R                               # chunk of each row
-    return torch.where(chunk < W, chunk, 2 * W - 1 - chunk)
-
-
-def _lpt(row_work: torch.Tensor, W: int) -> torch.Tensor:
-    """Rows by decreasing work (ties: lower index first), each to the least loaded rank (ties: lower
-    rank); the first ``W`` rows go to distinct ranks so each holds one."""
-    order = torch.argsort(-row_work, stable=True).tolist()
-    work = row_work.tolist()
-    owner = [0] * len(order)
-    heap = []
-    for rank, row in enumerate(order[:W]):
-        owner[row] = rank
-        heap.append((work[row], rank))
-    heapq.heapify(heap)
-    for row in order[W:]:
-        load, rank = heapq.heappop(heap)
-        owner[row] = rank
-        heapq.heappush(heap, (load + work[row], rank))
-    return torch.tensor(owner, dtype=torch.int64)
-
-
-_ASSIGN = {"contiguous": _contiguous, "zigzag": _zigzag, "lpt": _lpt}
 
 __all__ = ["BALANCES", "ContextParallelPlan", "Exchange", "FULL_WORK", "PARTIAL_WORK", "RankLayouts",
            "SEQUENCE_BALANCES", "SPREAD_FRACTION", "STRATEGIES", "causal_layout", "layout_digest"]

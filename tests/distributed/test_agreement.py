@@ -14,7 +14,8 @@ from helpers import FP32_TOL, free_port, spawn
 from sparse_io_attn import patterns
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 from sparse_io_attn.distributed import ContextParallelPlan, ContextParallelSelfAttention, context_parallel_attention
-from sparse_io_attn.distributed.attention import _FIELDS, _check_local, _describe, _disagreement, agreement_bytes
+from sparse_io_attn.distributed.agreement import _FIELDS, _describe, _disagreement, agreement_bytes
+from sparse_io_attn.distributed.call import _check_local
 from sparse_io_attn.layout.patterns import topk
 from sparse_io_attn.nn import SparseSelfAttention
 

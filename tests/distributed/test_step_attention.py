@@ -15,7 +15,7 @@ from helpers import FP32_TOL, free_port, spawn
 
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns, selection_attention
 from sparse_io_attn.accounting import IOCounter, TrafficReport
-from sparse_io_attn.accounting.network import context_parallel_steps
+from sparse_io_attn.accounting.traffic import context_parallel_steps
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.distributed import ContextParallelPlan, ContextParallelSelfAttention, context_parallel_attention
 from sparse_io_attn.layout.selection import Selection

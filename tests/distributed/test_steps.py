@@ -10,7 +10,7 @@ import torch
 from helpers import FP32_TOL
 
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns, selection_attention
-from sparse_io_attn.accounting.network import context_parallel_steps
+from sparse_io_attn.accounting.traffic import context_parallel_steps
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.distributed import (ContextParallelPlan, ContextParallelStep, causal_layout,
                                         context_parallel_attention)

@@ -2,12 +2,15 @@
 :func:`sparse_io_attn.distributed.context_parallel_attention`, next to what an all-gather of K/V and
 a ring would move, and the floor.
 
-The model reads the plan through its public methods only (duck-typed: ``world_size``, ``seqlen``,
-``send_blocks(src, dst)``, ``send_queries(src, dst)``, ``tokens(blocks)``, ``num_tokens(rank)``,
-``exchanges``, ``spreads``, ``owner``, ``spread``, ``block_sizes``, ``layout``), so this floor-3
-module needs nothing from :mod:`sparse_io_attn.distributed` (floor 4). A K/V token costs
-``head_dim * element size * 2 (k and v) * batch * num_heads_kv`` bytes; blocks count their real
-tokens (the last block of the sequence may be ragged).
+The collectives' names are defined here, beside the model that predicts their bytes; the attention
+(:mod:`.attention`) counts under them. The model reads the plan through its public methods only
+(``world_size``, ``seqlen``, ``send_blocks(src, dst)``, ``send_queries(src, dst)``,
+``tokens(blocks)``, ``num_tokens(rank)``, ``exchanges``, ``spreads``, ``owner``, ``spread``,
+``block_sizes``, ``layout``) and imports nothing else of :mod:`sparse_io_attn.distributed`;
+:mod:`sparse_io_attn.accounting.traffic` re-exports :func:`context_parallel` and
+:func:`context_parallel_steps` next to the other models. A K/V token costs ``head_dim * element
+size * 2 (k and v) * batch * num_heads_kv`` bytes; blocks count their real tokens (the last block
+of the sequence may be ragged).
 
 Steps (:func:`context_parallel_steps`, a selection chosen every step) move units: one key block of
 one unit group (the batch elements and K/V heads one selection serves), ``head_dim * element size *
