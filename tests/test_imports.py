@@ -152,6 +152,17 @@ def test_no_import_runs_up_the_floors():
     assert not upward, "imports of a higher floor:\n" + "\n".join(upward)
 
 
+#: the ops: one floor, side by side; what they share lives in the kit (``_attention``) below them
+OPS = ("block_sparse", "selection", "dense", "sparse_operands")
+
+
+def test_the_ops_never_import_each_other():
+    crossing = [f"{name}:{line} -> {target}" for name, path in MODULES.items() for target, line, _ in _imports(name, path)
+                if "." in name and "." in target and name.split(".")[1] in OPS
+                and target.split(".")[1] in OPS and target.split(".")[1] != name.split(".")[1]]
+    assert not crossing, "an op imports another op (move what they share to sparse_io_attn/_attention):\n" + "\n".join(crossing)
+
+
 def test_no_import_cycle():
     edges = _graph()
     index: dict[str, int] = {}
