@@ -142,13 +142,13 @@ def _blocks_rule(codes: torch.Tensor, interval, bits: torch.Tensor | None, block
 
     def blocks(b, h, q_idx, kv_idx):
         q, k = torch.clamp(q_idx, max=sq - 1), torch.clamp(kv_idx, max=sk - 1)
-        code = codes[b * sb, h * sh, q // bq, k // bk].to(torch.int64)   # one narrow load per element
+        code = codes[b * sb, h * sh, q // bq, k // bk]      # one narrow load per element, compared narrow
         keep = code == FULL
         if interval is not None:
             keep = keep | ((code == INTERVAL) & interval(b, h, q_idx, kv_idx))
         if bits is not None:
             col = k % bk
-            byte = bits[torch.clamp(code - TABLE, min=0), q % bq, col // 8]
+            byte = bits[torch.clamp(code.to(torch.int32) - TABLE, min=0), q % bq, col // 8]
             keep = keep | ((code >= TABLE) & (((byte >> (col % 8)) & 1) == 1))
         return keep
     return blocks

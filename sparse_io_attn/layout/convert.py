@@ -192,7 +192,7 @@ def _flex_block_tables(layout, delta: int | None):
     c = torch.arange(layout.num_kv_blocks, device=dev)[None, :]
     table = layout.block_table()
     offset = None
-    if delta is not None and layout.partial_masks.shape[0]:  # a partial block whose mask lies above the diagonal is dead
+    if delta is not None and layout.partial_masks.shape[0]:  # a partial mask wholly above the diagonal: dead
         per_mask = mask_offsets(layout.partial_masks, layout.BLOCK_SIZE_KV)
         offset = torch.where(table >= 0, per_mask[table.clamp(min=0).to(torch.int64)], -layout.BLOCK_SIZE_Q)
     live = causal_blocks(r, c, layout.block_size, layout.seqlen, delta, offset)
