@@ -3,7 +3,10 @@
 Grid (issue 3, section 4): B*H = 16 (B = 1, H = 16), N in {4096, 16384}, D in {64, 128}, bf16,
 layout families sliding window / BigBird / causal / random at target densities {5, 10, 25, 50, 100}%,
 forward and forward+backward. FlexAttention gets the identical ``BlockMask``
-(``layout.to_flex_block_mask(causal)``); SDPA runs dense with the flash backend (``is_causal`` for the
+(``layout.to_flex_block_mask(causal)``) and runs at its own default tiles (``flex_ms``); only if that
+fails to compile is the error recorded (``flex_default_error``) and Flex timed again with 64 x 64 tiles,
+in its own column (``flex_64x64_ms``, never mixed with ``flex_ms``). Each row records the export's
+``mask_mod`` rule and tables (``flex_mask``). SDPA runs dense with the flash backend (``is_causal`` for the
 causal family). Times with ``triton.testing.do_bench`` (median ms). Next to each time: kept blocks,
 kept-element FLOPs, TFLOP/s and the bytes the traffic model predicts (what ``IOCounter`` counts).
 
@@ -33,8 +36,9 @@ import torch
 FAMILIES = ("sliding_window", "bigbird", "causal", "random", "document")
 DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
 RESULTS = Path(__file__).resolve().parent / "results"
-# Flex's tiles when its default choice does not compile (seen on an H200, torch 2.11: the default
-# forward asked for 256 KiB of shared memory at D = 128); recorded per row as flex_kernel_options.
+# Flex's tiles when its default choice does not compile (an H200, torch 2.11, the int32-table export
+# before narrow tables: the default forward asked for 262,144 B of shared memory at D = 128); timed
+# in the separate column flex_64x64_ms, the error in flex_default_error.
 FLEX_FALLBACK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
 
 
@@ -156,6 +160,26 @@ def _op(attn, q, k, v, do, mode):
     return fwd_bwd
 
 
+def _flex_times(flex, block_mask, q, k, v, do, mode, device, bench) -> dict:
+    """Flex with the exported ``block_mask`` at its default tiles: first call and time, or the compile
+    error and, in the labelled columns ``flex_64x64_*``, the same with :data:`FLEX_FALLBACK` tiles."""
+    from sparse_io_attn.layout import _flex
+
+    out = {"flex_mask": _flex.describe(block_mask.mask_mod)}
+    fx = lambda q, k, v: flex(q, k, v, block_mask=block_mask)  # noqa: E731
+    try:
+        out["flex_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode), device)
+        out["flex_ms"] = bench(_op(fx, q, k, v, do, mode), [q, k, v])
+        return out
+    except Exception as exc:  # noqa: BLE001  (Inductor's default tiles can exceed shared memory)
+        out["flex_default_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    fx = lambda q, k, v: flex(q, k, v, block_mask=block_mask, kernel_options=FLEX_FALLBACK)  # noqa: E731
+    out["flex_64x64_kernel_options"] = FLEX_FALLBACK
+    out["flex_64x64_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode), device)
+    out["flex_64x64_ms"] = bench(_op(fx, q, k, v, do, mode), [q, k, v])
+    return out
+
+
 def matmul_tflops(device: str, dtype: torch.dtype, n: int = 8192) -> float | None:
     """bf16 (or ``dtype``) ``n^3`` matmul rate on random data, this process, this run (the ceiling)."""
     if device != "cuda":
@@ -237,17 +261,11 @@ def run(args) -> tuple[dict, list[dict]]:
                         row["triton_first_call_s"] = _first_call(_op(tri, q, k, v, do, mode), device)
                         row["triton_ms"] = bench(_op(tri, q, k, v, do, mode), [q, k, v])
                         if flex is not None:
-                            fx = lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm)  # noqa: E731
-                            try:
-                                row["flex_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode), device)
-                            except Exception as exc:  # noqa: BLE001  (Inductor's choice can exceed shared memory)
-                                row["flex_default_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                                fx = lambda q, k, v, bm=block_mask: flex(q, k, v, block_mask=bm,  # noqa: E731
-                                                                         kernel_options=FLEX_FALLBACK)
-                                row["flex_kernel_options"] = FLEX_FALLBACK
-                                row["flex_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode), device)
-                            row["flex_ms"] = bench(_op(fx, q, k, v, do, mode), [q, k, v])
-                            row["speedup_vs_flex"] = row["flex_ms"] / row["triton_ms"]
+                            row.update(_flex_times(flex, block_mask, q, k, v, do, mode, device, bench))
+                            for col, ratio in (("flex_ms", "speedup_vs_flex"),
+                                               ("flex_64x64_ms", "speedup_vs_flex_64x64")):
+                                if col in row:
+                                    row[ratio] = row[col] / row["triton_ms"]
                         if not args.no_sdpa:
                             key = (mode, causal)
                             if key not in sdpa_ms:
@@ -263,8 +281,9 @@ def run(args) -> tuple[dict, list[dict]]:
                         row["triton_us_per_kept_block"] = 1e3 * row["triton_ms"] / max(kept, 1)
                         if header.get("matmul_tflops"):
                             row["frac_of_matmul"] = row["triton_tflops"] / header["matmul_tflops"]
-                            if "flex_ms" in row:
-                                row["flex_tflops"] = flops / row["flex_ms"] / 1e9
+                            for col in ("flex_ms", "flex_64x64_ms"):
+                                if col in row:
+                                    row[col.replace("_ms", "_tflops")] = flops / row[col] / 1e9
                         rows.append(row)
                         if args.jsonl is not None:
                             with args.jsonl.open("a") as f:
@@ -275,6 +294,7 @@ def run(args) -> tuple[dict, list[dict]]:
 
 COLUMNS = [("N", "{}"), ("D", "{}"), ("family", "{}"), ("density", "{:.3f}"), ("mode", "{}"),
            ("kept_blocks", "{}"), ("triton_ms", "{:.3f}"), ("flex_ms", "{:.3f}"), ("speedup_vs_flex", "{:.2f}x"),
+           ("flex_64x64_ms", "{:.3f}"), ("speedup_vs_flex_64x64", "{:.2f}x"),
            ("sdpa_dense_ms", "{:.3f}"), ("triton_tflops", "{:.1f}"), ("flex_tflops", "{:.1f}"),
            ("frac_of_matmul", "{:.2f}"), ("triton_us_per_kept_block", "{:.3f}"),
            ("model_bytes", "{:,}")]

@@ -39,6 +39,23 @@ def unpack(words: torch.Tensor, block_size_kv: int) -> torch.Tensor:
     return bits.flatten(-2)[..., :block_size_kv].bool()
 
 
+def row_extents(words: torch.Tensor, block_size_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per mask row of ``words [..., bq, W]``: the first and last set column and the count of set
+    columns, ``int64 [..., bq]`` each (``block_size_kv`` and ``-1`` on a row without a set bit)."""
+    bits = unpack(words, block_size_kv)
+    cols = torch.arange(block_size_kv, device=words.device)
+    return (torch.where(bits, cols, block_size_kv).amin(-1), torch.where(bits, cols, -1).amax(-1),
+            bits.sum(-1))
+
+
+def to_bytes(words: torch.Tensor, block_size_kv: int) -> torch.Tensor:
+    """``int32 [..., bq, W]`` -> ``uint8 [..., bq, ceil(block_size_kv / 8)]``: bit ``j`` of byte ``b``
+    is column ``8 * b + j`` (the same bits, a quarter of the word per byte)."""
+    shifts = 8 * torch.arange(WORD_BITS // 8, device=words.device)
+    nbytes = -(-block_size_kv // 8)
+    return ((words.to(torch.int64)[..., None] >> shifts) & 0xFF).flatten(-2)[..., :nbytes].to(torch.uint8)
+
+
 def popcount(words: torch.Tensor) -> torch.Tensor:
     """Set bits per mask, ``int64 [...]`` for ``words [..., bq, W]``: a branch-free bit count of each
     32-bit word in int64 lanes (memory of the words' size, not one value per bit)."""

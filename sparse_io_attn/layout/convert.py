@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import torch
 
-from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout import _bits, _flex
 from sparse_io_attn.layout._args import as_pair
 from sparse_io_attn.layout._assemble import words_at
 from sparse_io_attn.layout._csr import csr_row_ids, from_relative_offsets, to_relative_offsets, validate_csr
-from sparse_io_attn.layout.causal import causal_blocks, mask_offsets
+from sparse_io_attn.layout.causal import causal_blocks, causal_offset, mask_offsets
 
 _EVAL_CHUNK = 1 << 22  # mask_mod evaluations per vmap call
 
@@ -182,39 +182,44 @@ def _from_blocks(lid, r, c, vals, lead, grid, block, seqlen, exact: bool) -> Blo
 
 
 # ---------------------------------------------------------------------------------------- FlexAttention
-def _flex_block_tables(layout, causal: bool):
+def _flex_block_tables(layout, delta: int | None):
     """``(kept, full)`` bool ``[lb, lh, R, C]`` for FlexAttention: blocks that hold an allowed element
     (the decision of the attention plan: :func:`~sparse_io_attn.layout.causal.causal_blocks` with the
-    masks' offsets), and those of them with every element of the block rectangle allowed (full in the
-    layout, inside both lengths, below the diagonal with ``causal``)."""
+    masks' offsets, causal offset ``delta``), and those of them with every element of the block
+    rectangle allowed (full in the layout, inside both lengths, below the diagonal)."""
     dev = layout.device
     r = torch.arange(layout.num_q_blocks, device=dev)[:, None]
     c = torch.arange(layout.num_kv_blocks, device=dev)[None, :]
     table = layout.block_table()
     offset = None
-    if causal and layout.partial_masks.shape[0]:     # a partial block whose mask lies above the diagonal is dead
+    if delta is not None and layout.partial_masks.shape[0]:  # a partial mask wholly above the diagonal: dead
         per_mask = mask_offsets(layout.partial_masks, layout.BLOCK_SIZE_KV)
         offset = torch.where(table >= 0, per_mask[table.clamp(min=0).to(torch.int64)], -layout.BLOCK_SIZE_Q)
-    live = causal_blocks(r, c, layout.block_size, layout.seqlen, 0 if causal else None, offset)
+    live = causal_blocks(r, c, layout.block_size, layout.seqlen, delta, offset)
     kept = (table >= -1) & live.alive
     return kept, kept & live.whole & (table == -1)
 
 
-def to_flex_block_mask(layout, causal: bool = False, *, separate_full_blocks: bool = True):
+def to_flex_block_mask(layout, causal=False, *, separate_full_blocks: bool = True):
     """A ``torch.nn.attention.flex_attention.BlockMask`` computing exactly this layout's mask.
 
     ``BLOCK_SIZE = (BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, ``seq_lengths = seqlen`` and batch/head dims
-    ``[layout_batch, layout_heads]`` (1 broadcasts). Its ``mask_mod`` keeps element ``(q, k)`` iff
-    the layout allows it (kept block, and the partial block's mask bit), ``q < seqlen_q`` and
-    ``k < seqlen_k`` (and ``q >= k`` with ``causal``, top-left aligned). It reads the layout's
-    block table and bit-packed masks, so eager ``flex_attention`` (which evaluates ``mask_mod`` on
-    every element) and the compiled kernels agree. With ``separate_full_blocks`` the full blocks
-    (every element of the block allowed) go to the ``full_kv_*`` lists, where the compiled kernels
-    skip ``mask_mod``; with ``causal`` blocks holding no element with ``q >= k`` are dropped.
+    ``[layout_batch, layout_heads]`` (1 broadcasts). ``causal`` takes the values of the attention
+    call's (:func:`~sparse_io_attn.layout.causal.causal_offset`: ``True``/``"top_left"``,
+    ``"bottom_right"``). Its ``mask_mod`` keeps element ``(q, k)`` iff the layout allows it,
+    ``q < seqlen_q``, ``k < seqlen_k`` and, with ``causal``, ``k <= q + delta``, on every element
+    (eager ``flex_attention`` evaluates it everywhere; the compiled kernels on the partial blocks).
+    It reads no table where the layout's rows are a band ``[q + lo, q + hi)`` (dense, causal,
+    sliding windows), two per-query interval tables where every row is one interval (documents,
+    prefix-LM), else a uint8 code per block (wider past 253 stored masks) and uint8 mask bits:
+    never a 32-bit tile gather, so Flex compiles at its default tiles
+    (:mod:`sparse_io_attn.layout._flex`). With ``separate_full_blocks`` the full blocks (every
+    element of the block allowed) go to the ``full_kv_*`` lists, where the compiled kernels skip
+    ``mask_mod``; with ``causal`` blocks holding no element with ``k <= q + delta`` are dropped.
 
     FlexAttention's compiled CUDA kernel also needs ``BLOCK_SIZE_Q % BLOCK_M == 0`` and
-    ``BLOCK_SIZE_KV % BLOCK_N == 0`` for its own tile (on torch 2.13 the defaults are 128 x 64
-    for fp16/bf16 and 64 x 64 for fp32 at head_dim <= 256); for smaller layout blocks pass
+    ``BLOCK_SIZE_KV % BLOCK_N == 0`` for its own tile (on torch 2.13 the sm_90 defaults are 128 x 64
+    at head dim 128 and 128 x 128 at 64 for fp16/bf16); for smaller layout blocks pass
     ``kernel_options={"BLOCK_M": ..., "BLOCK_N": ...}`` to ``flex_attention``.
     """
     try:
@@ -222,34 +227,14 @@ def to_flex_block_mask(layout, causal: bool = False, *, separate_full_blocks: bo
     except ImportError as e:  # pragma: no cover - torch >= 2.5 is required by pyproject
         raise NotImplementedError(f"to_flex_block_mask needs torch.nn.attention.flex_attention "
                                   f"(torch >= 2.5), got torch {torch.__version__}") from e
-    bq, bk = layout.block_size
-    sq, sk = layout.seqlen
-    R, C = layout.num_q_blocks, layout.num_kv_blocks
-    kept, full = _flex_block_tables(layout, causal)
+    delta = causal_offset(causal, *layout.seqlen)
+    kept, full = _flex_block_tables(layout, delta)
     if not separate_full_blocks:
         full = None
     kv_num_blocks, kv_indices = _ordered(kept & ~full if full is not None else kept)
     full_num, full_idx = _ordered(full) if full is not None else (None, None)
-
-    table = layout.block_table()
-    masks = layout.partial_masks if layout.partial_masks.shape[0] else torch.zeros(
-        1, bq, _bits.num_words(bk), dtype=torch.int32, device=layout.device)
-    stride_b = 1 if layout.layout_batch > 1 else 0
-    stride_h = 1 if layout.layout_heads > 1 else 0
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        rb = torch.clamp(q_idx // bq, max=R - 1)
-        cb = torch.clamp(kv_idx // bk, max=C - 1)
-        entry = table[b * stride_b, h * stride_h, rb, cb]
-        kq, kk = q_idx % bq, kv_idx % bk
-        word = masks[torch.clamp(entry, min=0), kq, kk // 32]
-        bit = ((word >> (kk % 32)) & 1) == 1
-        keep = (entry == -1) | ((entry >= 0) & bit)
-        keep = keep & (q_idx < sq) & (kv_idx < sk)
-        return keep & (q_idx >= kv_idx) if causal else keep
-
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num, full_idx,
-                                    BLOCK_SIZE=(bq, bk), mask_mod=mask_mod, seq_lengths=(sq, sk))
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, full_num, full_idx, BLOCK_SIZE=layout.block_size,
+                                    mask_mod=_flex.mask_mod(layout, delta), seq_lengths=layout.seqlen)
 
 
 def blocks_from_flex_block_mask(block_mask) -> Blocks:

@@ -363,7 +363,7 @@ class BlockSparseLayout:
         :func:`sparse_io_attn.layout.convert.blocks_from_flex_block_mask`."""
         return assemble(**convert.blocks_from_flex_block_mask(block_mask)._asdict(), name=name)
 
-    def to_flex_block_mask(self, causal: bool = False, *, separate_full_blocks: bool = True):
+    def to_flex_block_mask(self, causal=False, *, separate_full_blocks: bool = True):
         """See :func:`sparse_io_attn.layout.convert.to_flex_block_mask`."""
         return convert.to_flex_block_mask(self, causal, separate_full_blocks=separate_full_blocks)
 
