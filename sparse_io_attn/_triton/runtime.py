@@ -9,6 +9,7 @@ on first use of a Triton backend, never at ``import sparse_io_attn``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -26,10 +27,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 import triton  # noqa: E402  (after TRITON_INTERPRET is settled)
 import triton.language as tl  # noqa: E402
 
-from sparse_io_attn.tally.counter import kernel_io  # noqa: E402
+from sparse_io_attn.tally.counter import counting, kernel_io  # noqa: E402
 
 _DUMMY_IO: dict = {}   # device -> int64 buffer launched as io_ptr when nothing counts
-_TUNED: dict = {}      # (kernel, key, configs) -> triton.autotune wrapper
+_TUNED: dict = {}      # (kernel, key, configs, bucket) -> triton.autotune wrapper
 _RECORDING: list = []  # stack of lists receiving the launches made under recording()
 
 
@@ -86,23 +87,41 @@ def autotune_enabled() -> bool:
     return not INTERPRET and os.environ.get("SPARSE_IO_ATTN_NO_AUTOTUNE", "0") != "1"
 
 
-def _dummy_io(device) -> torch.Tensor:
+def dummy_io(device) -> torch.Tensor:
+    """The ``io_ptr`` buffer launched when nothing counts (one per device, never read: ``COUNT_IO=False``)."""
     key = str(device)
     if key not in _DUMMY_IO:
         _DUMMY_IO[key] = torch.zeros(2, dtype=torch.int64, device=device)
     return _DUMMY_IO[key]
 
 
-def tuned(kernel, configs: Sequence, key: Sequence[str]):
-    """``triton.autotune(configs, key)(kernel)``, built once per (kernel, configs, key)."""
-    k = (kernel, tuple(key), tuple(map(str, configs)))
+def uncounted() -> bool:
+    """Whether launches run plainly now: no :class:`~sparse_io_attn.accounting.IOCounter` counting and
+    no :func:`recording` (a launcher may then launch a call from its cached form, see
+    :func:`sparse_io_attn._attention.triton.launch.run_calls`)."""
+    return not _RECORDING and not counting()
+
+
+def density_bucket(fraction: float) -> int:
+    """The autotuning class of a kept fraction of blocks, in powers of two: 0 for more than half
+    kept, 1 for (1/4, 1/2], ... up to 8 (1/256 or less; 8 also for nothing kept)."""
+    if fraction <= 0:
+        return 8
+    return min(8, max(0, math.floor(-math.log2(fraction))))
+
+
+def tuned(kernel, configs: Sequence, key: Sequence[str], bucket: int = 0):
+    """``triton.autotune(configs, key)(kernel)``, built once per (kernel, configs, key, bucket): each
+    ``bucket`` (a class of the work the key's shapes do not show, e.g. :func:`density_bucket`) has its
+    own autotuner, so a configuration tuned for one bucket is never reused for another."""
+    k = (kernel, tuple(key), tuple(map(str, configs)), bucket)
     if k not in _TUNED:
         _TUNED[k] = triton.autotune(configs=list(configs), key=[a for a in key if a in kernel.arg_names])(kernel)
     return _TUNED[k]
 
 
 def launch(kernel, grid, name: str, tensors: Sequence[str], device, *, configs=None, key: Sequence[str] = (),
-           **kwargs):
+           bucket: int = 0, **kwargs):
     """Launch ``kernel[grid](**kwargs)`` with an I/O counter slot (see :mod:`sparse_io_attn.tally.counter`);
     returns the ``triton.Config`` used (or ``None``).
 
@@ -113,19 +132,19 @@ def launch(kernel, grid, name: str, tensors: Sequence[str], device, *, configs=N
     ``configs``: ``triton.Config`` candidates (their ``kwargs`` hold constexprs such as tile sizes,
     so ``grid`` is then a function of the meta-parameters). The first is launched under the
     interpreter, while counting and with ``SPARSE_IO_ATTN_NO_AUTOTUNE=1``; on CUDA the kernel is
-    autotuned over all of them, keyed on ``key``.
+    autotuned over all of them, keyed on ``key``'s values and ``bucket`` (:func:`tuned`).
     """
     if _RECORDING:
-        kwargs.update(io_ptr=_dummy_io(device), COUNT_IO=False)
+        kwargs.update(io_ptr=dummy_io(device), COUNT_IO=False)
         _RECORDING[-1].append(Recorded(name, kernel, grid, kwargs))
         return configs[0] if configs else None
     io = kernel_io(name, tensors, device)
-    kwargs.update(io_ptr=io.buffer if io is not None else _dummy_io(device), COUNT_IO=io is not None)
+    kwargs.update(io_ptr=io.buffer if io is not None else dummy_io(device), COUNT_IO=io is not None)
     used = None
     if not configs:
         kernel[grid](**kwargs)
     elif io is None and len(configs) > 1 and autotune_enabled():
-        fn = tuned(kernel, configs, key)
+        fn = tuned(kernel, configs, key, bucket)
         fn[grid](**kwargs)
         used = fn.best_config
     else:

@@ -250,6 +250,13 @@ class AttentionPlan:
     def num_layouts(self) -> int:
         return self.layout_batch * self.layout_heads
 
+    @property
+    def kept_fraction(self) -> float:
+        """Storage slots over the block grid (``slots / (layouts * R * C)``): the kept fraction of
+        blocks, before causality (above it where the layout holds spare capacity). From the plan's
+        integers only, never a device read: what autotuning buckets the work by."""
+        return self.slots / max(1, self.num_layouts * self.num_q_blocks * self.num_kv_blocks)
+
     def is_stale(self) -> bool:
         """Whether the layout this plan was built from has been edited in place since."""
         return (self.source is not None and self.version is not None

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import check_close, make_inputs
+from sparse_io_attn._attention.triton import launch as kit
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.block_sparse.reference import masked_attention, rel_err
 from sparse_io_attn.layout.causal import causal_offset
@@ -92,6 +93,21 @@ def test_strided_views():
     k, v = (torch.randn(B, Nk, Hkv, D, device=DEVICE).transpose(1, 2) for _ in range(2))
     assert not q.is_contiguous()
     check_close(run_triton(q, k, v, do, sel, True), selection_reference(q, k, v, sel, causal=True, do=do))
+
+
+def test_a_new_selection_of_the_same_shapes_runs_from_the_cached_launches(monkeypatch):
+    """After the first call of a shape the launches run from their cached form (the kit's
+    ``run_calls``): a new selection of the same shapes, its own rows, exact against float64."""
+    B, Hq, Hkv, Nq, Nk, D = 1, 4, 2, 24, 40, 16       # Nq > 16: the prefill kernels
+    q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D, device=DEVICE)
+    monkeypatch.setattr(kit, "_PREPARED", {})
+    launched = []
+    real = kit.Prepared.__call__
+    monkeypatch.setattr(kit.Prepared, "__call__", lambda self, t: (launched.append(self.name), real(self, t)))
+    for _ in range(2):
+        sel = make_selection(B, 2, Nq, Nk, 4, 3)
+        check_close(run_triton(q, k, v, do, sel, True), selection_reference(q, k, v, sel, causal=True, do=do))
+    assert launched == ["selection_fwd", "selection_bwd_preprocess", "selection_bwd_dkdv", "selection_bwd_dq"]
 
 
 def test_backward_is_deterministic():

@@ -22,12 +22,14 @@ launches used (pass them to the traffic model after autotuning).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, padded_head_dim
-from sparse_io_attn._attention.triton.launch import (Call, decode_partial, forward_outputs, last_tiles, merge_call,
-                                                     preprocess_call, run, strides)
-from sparse_io_attn._triton.runtime import check_device, dot_dtype
+from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, decode_partial, forward_outputs,
+                                                     last_tiles, merge_call, preprocess_call, run, run_calls, strides)
+from sparse_io_attn._triton.runtime import check_device, density_bucket, dot_dtype
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, kernel_configs
 from sparse_io_attn.block_sparse.traffic import DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS
@@ -41,9 +43,12 @@ TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_
 KERNEL_NAMES = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")
 
 
-def _configs(kind: str, q: torch.Tensor, plan: AttentionPlan) -> list:
-    return [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
-            for c in kernel_configs(kind, plan.block_size, q.shape[-1], q.dtype)]
+@functools.lru_cache(maxsize=None)
+def _configs(kind: str, block_size: tuple, head_dim: int, dtype: torch.dtype) -> tuple:
+    """The ``triton.Config`` candidates of ``kind`` (:func:`~sparse_io_attn.block_sparse.tiles.kernel_configs`),
+    built once per (kernel, block size, head dim, dtype)."""
+    return tuple(triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
+                               num_stages=c.num_stages) for c in kernel_configs(kind, block_size, head_dim, dtype))
 
 
 def _common(q, k, plan: AttentionPlan, sm_scale: float) -> dict:
@@ -64,17 +69,20 @@ def _lists(lists: BlockLists, masks: torch.Tensor) -> dict:
                 part_idx_ptr=lists.part_idx, part_mask_ptr=lists.part_mask, mask_ptr=masks)
 
 
-def forward_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
-    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
+def _forward_call(q, k, v, out, lse, stats, plan: AttentionPlan, sm_scale: float) -> Call:
     B, Hq, Nq, D = q.shape
-    out, lse, stats = forward_outputs(q)
-    call = Call("attn_fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
-                FWD_TENSORS, _configs("fwd", q, plan), dict(
+    return Call("attn_fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
+                FWD_TENSORS, _configs("fwd", plan.block_size, D, q.dtype), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats,
                     **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
                     **strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq,
-                    **_common(q, k, plan, sm_scale)))
-    return call, out, lse, stats
+                    **_common(q, k, plan, sm_scale)), density_bucket(plan.kept_fraction))
+
+
+def forward_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
+    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
+    out, lse, stats = forward_outputs(q)
+    return _forward_call(q, k, v, out, lse, stats, plan, sm_scale), out, lse, stats
 
 
 def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
@@ -100,29 +108,32 @@ def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
     return calls, out, lse, stats
 
 
-def backward_calls(do, q, k, v, out, stats, plan: AttentionPlan, sm_scale: float):
-    """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
+def _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan: AttentionPlan, sm_scale: float) -> list:
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     common = _common(q, k, plan, sm_scale)
-    pre_m = kernel_configs("dq", plan.block_size, D, q.dtype)[0].block_m
-    pre, delta = preprocess_call("attn_bwd_preprocess", out, do, pre_m, common["HEAD_DIM"])
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    bucket = density_bucket(plan.kept_fraction)
+    pre_m = _configs("dq", plan.block_size, D, q.dtype)[0].kwargs["BLOCK_M"]
+    pre = preprocess_call("attn_bwd_preprocess", out, do, delta, pre_m, common["HEAD_DIM"])
     dkdv = Call("attn_bwd_dkdv", _attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
-                DKDV_TENSORS, _configs("dkdv", q, plan), dict(
+                DKDV_TENSORS, _configs("dkdv", plan.block_size, D, q.dtype), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
                     **_lists(plan.cols, plan.masks), **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
                     **strides(do, "do"), **strides(dk, "dk"), **strides(dv, "dv"),
-                    num_kv_blocks=plan.num_kv_blocks, stats_stride=B * Hq * Nq, **common))
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+                    num_kv_blocks=plan.num_kv_blocks, stats_stride=B * Hq * Nq, **common), bucket)
     dq_call = Call("attn_bwd_dq", _attn_bwd_dq_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
-                   DQ_TENSORS, _configs("dq", q, plan), dict(
+                   DQ_TENSORS, _configs("dq", plan.block_size, D, q.dtype), dict(
                        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
                        **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"),
                        **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"),
-                       num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq, **common))
-    return [pre, dkdv, dq_call], dq, dk, dv
+                       num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq, **common), bucket)
+    return [pre, dkdv, dq_call]
+
+
+def backward_calls(do, q, k, v, out, stats, plan: AttentionPlan, sm_scale: float):
+    """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
+    delta, dq, dk, dv = backward_outputs(q, k, v)
+    return _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan, sm_scale), dq, dk, dv
 
 
 def tiles_for(q: torch.Tensor, block_size) -> KernelTiles:
@@ -141,6 +152,14 @@ def launched_tiles() -> KernelTiles | None:
     return KernelTiles(fwd=fwd, dq=dq, dkdv=dkdv, preprocess=dq[0])
 
 
+def _key(kind: str, q, k, v, plan: AttentionPlan, sm_scale: float, *more) -> tuple:
+    """What the calls' non-tensor arguments depend on (:func:`~sparse_io_attn._attention.triton.launch.run_calls`):
+    the plan's integers and causal offset (not its identity: a new plan of the same shapes, a new layout
+    every step, reuses the launches), shapes, strides, dtype, ``sm_scale``."""
+    return (kind, plan.meta[:-1], plan.causal_offset, sm_scale, q.shape, q.stride(), k.shape, k.stride(),
+            v.stride(), q.dtype, *more)
+
+
 def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None):
     """``decode``: run the decode kernels (:func:`decode_calls`); ``None`` (default): when ``Nq <= 16``."""
     check_device(q, "backend 'triton'")
@@ -151,14 +170,18 @@ def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | Non
         for call in calls:
             run(call, q.device, TUNE_KEY)
         return out, lse, stats
-    call, out, lse, stats = forward_calls(q, k, v, plan, sm_scale)
-    run(call, q.device, TUNE_KEY)
+    out, lse, stats = forward_outputs(q)
+    run_calls(_key("fwd", q, k, v, plan, sm_scale), lambda: [_forward_call(q, k, v, out, lse, stats, plan, sm_scale)],
+              (q, k, v, out, lse, stats, *plan.rows.tensors(), plan.masks), TUNE_KEY)
     return out, lse, stats
 
 
 def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float):
     check_device(q, "backend 'triton'")
-    calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), plan, sm_scale)
-    for call in calls:
-        run(call, q.device, TUNE_KEY)
+    do, stats = do.to(q.dtype), stats.contiguous()
+    delta, dq, dk, dv = backward_outputs(q, k, v)
+    run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride()),
+              lambda: _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan, sm_scale),
+              (do, q, k, v, out, stats, delta, dq, dk, dv, *plan.rows.tensors(), *plan.cols.tensors(), plan.masks),
+              TUNE_KEY)
     return dq, dk, dv

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.tiles import padded_head_dim
-from sparse_io_attn._attention.triton.launch import (Call, decode_partial, forward_outputs, last_tiles, merge_call,
-                                                     preprocess_call, run, strides)
+from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, decode_partial, forward_outputs,
+                                                     last_tiles, merge_call, preprocess_call, run, run_calls, strides)
 from sparse_io_attn._triton.runtime import check_device, dot_dtype
 from sparse_io_attn._triton.shapes import next_pow2
 from sparse_io_attn.selection.plan import SelectionPlan
@@ -86,18 +86,21 @@ def _row_grid(q, common: dict, block_h: int):
     return (Nq, B * (Hq // r) * triton.cdiv(r, block_h))
 
 
-def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
-    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
+def _forward_call(q, k, v, out, lse, stats, plan: SelectionPlan, sm_scale: float) -> Call:
     B, Hq, Nq, D = q.shape
     common = _common(q, k, plan, sm_scale)
     block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
-    out, lse, stats = forward_outputs(q)
     grid = _row_grid(q, common, block_h)
-    call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
+    return Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
         row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
         **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
-    return call, out, lse, stats
+
+
+def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
+    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
+    out, lse, stats = forward_outputs(q)
+    return _forward_call(q, k, v, out, lse, stats, plan, sm_scale), out, lse, stats
 
 
 def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: int = DECODE_SPLIT_KEYS):
@@ -127,15 +130,12 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
     return calls, out, lse, stats
 
 
-def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
-    """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
+def _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan: SelectionPlan, sm_scale: float) -> list:
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv = k.shape[1]
     common = _common(q, k, plan, sm_scale)
     keys = plan.keys()
-    pre, delta = preprocess_call("selection_bwd_preprocess", out, do, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
     num_kv_blocks = plan.num_kv_blocks
     dkdv = Call("selection_bwd_dkdv", _sel_bwd_dkdv_kernel,
                 lambda meta: (num_kv_blocks * meta["KEY_TILES"], B * Hkv), DKDV_TENSORS, _dkdv_configs(q, plan), dict(
@@ -144,7 +144,6 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
                     **strides(k, "k"), **strides(v, "v"), **strides(do, "do"), **strides(dk, "dk"),
                     **strides(dv, "dv"), num_kv_blocks=num_kv_blocks, stats_stride=B * Hq * Nq,
                     SEL_ROWS=next_pow2(common["SEL_HEADS"]), **common))
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
     grid = _row_grid(q, common, block_h)
     dq_call = Call("selection_bwd_dq", _sel_bwd_dq_kernel, lambda meta: grid, DQ_TENSORS,
@@ -153,7 +152,13 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
                        rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
                        **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"), max_blocks=plan.max_blocks,
                        stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
-    return [pre, dkdv, dq_call], dq, dk, dv
+    return [pre, dkdv, dq_call]
+
+
+def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
+    """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
+    delta, dq, dk, dv = backward_outputs(q, k, v)
+    return _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan, sm_scale), dq, dk, dv
 
 
 def tiles_for(q: torch.Tensor, k: torch.Tensor, plan: SelectionPlan) -> SelectionTiles:
@@ -172,6 +177,14 @@ def launched_tiles() -> SelectionTiles | None:
     return SelectionTiles(fwd=fwd, dq=dq, dkdv=dkdv)
 
 
+def _key(kind: str, q, k, v, plan: SelectionPlan, sm_scale: float, *more) -> tuple:
+    """What the calls' non-tensor arguments depend on (:func:`~sparse_io_attn._attention.triton.launch.run_calls`):
+    the plan's integers, its rows' shape and causal offset (not its identity: a new selection of the same
+    shapes every step reuses the launches), shapes, strides, dtype, ``sm_scale``."""
+    return (kind, plan.meta[:-1], plan.rows.shape, plan.causal_offset, sm_scale, q.shape, q.stride(), k.shape,
+            k.stride(), v.stride(), q.dtype, *more)
+
+
 def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | None = None,
             split_keys: int = DECODE_SPLIT_KEYS):
     """``decode``: run the decode kernels (:func:`decode_calls`, ``split_keys`` passed on); ``None``
@@ -184,16 +197,21 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | Non
         for call in calls:
             run(call, q.device, TUNE_KEY)
         return out, lse, stats
-    call, out, lse, stats = forward_calls(q, k, v, plan, sm_scale)
-    run(call, q.device, TUNE_KEY)
+    out, lse, stats = forward_outputs(q)
+    run_calls(_key("fwd", q, k, v, plan, sm_scale), lambda: [_forward_call(q, k, v, out, lse, stats, plan, sm_scale)],
+              (q, k, v, out, lse, stats, plan.rows, plan.row_counts), TUNE_KEY)
     return out, lse, stats
 
 
 def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float):
     check_device(q, "backend 'triton'")
-    calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), plan, sm_scale)
-    for call in calls:
-        run(call, q.device, TUNE_KEY)
+    do, stats = do.to(q.dtype), stats.contiguous()
+    delta, dq, dk, dv = backward_outputs(q, k, v)
+    keys = plan.keys()
+    run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride()),
+              lambda: _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan, sm_scale),
+              (do, q, k, v, out, stats, delta, dq, dk, dv, plan.rows, plan.row_counts, keys.col_ptr, keys.col_query),
+              TUNE_KEY)
     return dq, dk, dv
 
 
