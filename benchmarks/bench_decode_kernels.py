@@ -45,6 +45,11 @@ per-head block layout through the block-sparse decode kernel.
     python benchmarks/bench_decode_kernels.py                    # writes benchmarks/results/decode_kernels.md
     python benchmarks/bench_decode_kernels.py --quick --out /tmp/dec   # small sizes, two rounds
     python benchmarks/bench_decode_kernels.py --device cuda --out /tmp/decode_gpu
+    python benchmarks/bench_decode_kernels.py --dry-run --out /tmp/dec_dry   # the --device cuda path on a CPU
+
+``--dry-run`` runs the ``--device cuda`` path on a CPU at tiny sizes (Nk 256, window 64, blocks of 32,
+Hq 2, Hkv 1, D 16, fp32, one round): backend ``"triton"`` on the interpreter, eager Flex (flex-decode's
+stand-in), perf_counter times instead of CUDA graphs (``benchmarks/_gpu_timing.py``).
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -65,6 +71,9 @@ from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.nn.selectors import moba as moba_selector
 from sparse_io_attn.selection import cpu as selection_cpu
 from sparse_io_attn.selection.plan import SelectionPlan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_timing as timing  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -86,10 +95,14 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--cache-bytes", type=float, default=2 ** 30, help="bytes of rotated q/K/V sets (default 1 GiB)")
     p.add_argument("--quick", action="store_true", help="8k and 64k keys, two rounds: a smoke run")
+    p.add_argument("--dry-run", action="store_true", help="the --device cuda path on a CPU at tiny sizes")
     p.add_argument("--out", type=Path, default=RESULTS / "decode", help="output stem (.md/.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.seq_lens, args.rounds = "8192,65536", 2
+    if args.dry_run:
+        args.device, args.seq_lens, args.dtypes, args.rounds = "cpu", "256", "fp32", 1
+        args.heads, args.kv_heads, args.head_dim, args.window, args.block = 2, 1, 16, 64, 32
     return args
 
 
@@ -153,10 +166,13 @@ def rotating(fn, sets: list):
     return call
 
 
-def gpu_time(fn) -> float:
+def gpu_time(fn, dry: bool = False) -> float:
     """Median ms of ``fn`` captured in a CUDA graph (``do_bench_cudagraph``); a call that cannot be
-    captured is timed with ``do_bench`` instead (host launch overhead included), and said so."""
+    captured is timed with ``do_bench`` instead (host launch overhead included), and said so. A dry
+    run: a warm perf_counter call."""
     import triton.testing
+    if dry:
+        return timing.bench(fn, dry=True)
     try:
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     except Exception as e:  # noqa: BLE001
@@ -167,7 +183,7 @@ def gpu_time(fn) -> float:
 
 def bench(args, Nk: int, dtype: torch.dtype, g: torch.Generator) -> dict:
     B, Hq, Hkv, D, bk = 1, args.heads, args.kv_heads, args.head_dim, args.block
-    dev, gpu = torch.device(args.device), args.device == "cuda"
+    dev, gpu = torch.device(args.device), args.device == "cuda" or args.dry_run
     es = torch.finfo(dtype).bits // 8
     caches = max(1, min(8, int(args.cache_bytes // (2 * B * Hkv * Nk * D * es))))
     sets = [tuple(torch.randn(B, h, n, D, generator=g, device=dev, dtype=dtype) for h, n in
@@ -208,9 +224,8 @@ def bench(args, Nk: int, dtype: torch.dtype, g: torch.Generator) -> dict:
         "sdpa_folded": lambda q, k, v: F.scaled_dot_product_attention(fold(q), k, v),
     }
     if gpu:
-        from torch.nn.attention.flex_attention import flex_attention
         torch._dynamo.reset()   # a fresh compile per size (the recompile limit would fall back to eager flex)
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = timing.flex(dry=args.dry_run)
         moba_layout = BlockSparseLayout.from_kv_indices(selection.indices.to(dev), bk, (1, Nk))
         moba_plan = plan(moba_layout, causal="bottom_right")
         masks = {"window": layout.to(dev).to_flex_block_mask(), "moba": moba_layout.to_flex_block_mask()}
@@ -258,7 +273,7 @@ def bench(args, Nk: int, dtype: torch.dtype, g: torch.Generator) -> dict:
         for r in range(args.rounds):
             names = list(calls)
             for name in names[r % len(names):] + names[:r % len(names)]:
-                times[name].append(gpu_time(calls[name]) / 1e3)
+                times[name].append(gpu_time(calls[name], args.dry_run) / 1e3)
     else:
         times = time_rounds(calls, args.rounds)
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
@@ -288,7 +303,7 @@ GPU_COLUMNS = COLUMNS[:7] + [("flex_window_ms", "flex window ms"), ("moba_bs_ms"
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    gpu = args.device == "cuda"
+    gpu = args.device == "cuda" or args.dry_run
     if not gpu:
         block_cpu.load()
     g = torch.Generator(device=args.device).manual_seed(0)
@@ -299,7 +314,7 @@ def main(argv=None) -> int:
         for name in args.dtypes.split(","):
             rows.append(bench(args, Nk, DTYPES[name], g))
             print(format_table(rows[-1:], GPU_COLUMNS if gpu else COLUMNS), flush=True)
-            if gpu:
+            if args.device == "cuda":
                 torch.cuda.empty_cache()
     header["load_avg_1min_end"] = round(os.getloadavg()[0], 2)
     header["load_avg_1min"] = load_start
@@ -309,7 +324,11 @@ def main(argv=None) -> int:
     setting = (f"B 1, Hq {args.heads}, Hkv {args.kv_heads}, D {args.head_dim}, Nq 1, "
                f"{'backend triton' if gpu else f'backend cpu, threads {args.threads}'}; "
                f"window {args.window} (blocks of {args.block}, bottom-right); MoBA-shaped: G = Hq, blocks of "
-               f"{args.block}, top {args.top_k}; {args.rounds} rounds, medians")
+               f"{args.block}, top {args.top_k}; {args.rounds} rounds, medians"
+               + (f"; times: {timing.GRAPH_LABEL} per call, median over rounds (calls that cannot be captured: "
+                  f"do_bench, printed); sdpa: scaled_dot_product_attention's own backend choice; flex: "
+                  f"torch.compile(flex_attention) at its defaults (flex-decode for one query token)" if gpu else "")
+               + (" (DRY RUN on a CPU: interpreter, eager Flex, perf_counter)" if args.dry_run else ""))
     text = (f"{format_header(header)}\n# load average at the end {header['load_avg_1min_end']}\n# {setting}\n\n"
             f"```\n{table}\n```\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)

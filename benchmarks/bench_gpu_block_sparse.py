@@ -6,9 +6,14 @@ forward and forward+backward. FlexAttention gets the identical ``BlockMask``
 (``layout.to_flex_block_mask(causal)``) and runs at its own default tiles (``flex_ms``); only if that
 fails to compile is the error recorded (``flex_default_error``) and Flex timed again with 64 x 64 tiles,
 in its own column (``flex_64x64_ms``, never mixed with ``flex_ms``). Each row records the export's
-``mask_mod`` rule and tables (``flex_mask``). SDPA runs dense with the flash backend (``is_causal`` for the
-causal family). Times with ``triton.testing.do_bench`` (median ms). Next to each time: kept blocks,
-kept-element FLOPs, TFLOP/s and the bytes the traffic model predicts (what ``IOCounter`` counts).
+``mask_mod`` rule and tables (``flex_mask``). SDPA runs dense (``is_causal`` for the
+causal family). Times with ``triton.testing.do_bench`` (``return_mode="median"``, named in the header's
+``timing``; do_bench's default is the mean). SDPA runs dense, once per backend named (``sdpa_flash_ms``,
+``sdpa_cudnn_ms``; a backend that cannot run the call records ``sdpa_<name>_error``). ``--flex-modes``:
+Flex at its defaults (``default``: ``flex_ms``) and/or compiled with ``mode="max-autotune-no-cudagraphs"``
+(``flex_mat_ms``). Next to each time: kept blocks, kept-element FLOPs, TFLOP/s and the bytes the traffic
+model predicts (what ``IOCounter`` counts). At density 1 only the sliding-window (dense) and causal
+families run: the others' dense layout is the same one.
 
 Density targets: sliding window and BigBird parameters are searched to the closest density; the
 causal family keeps that fraction of the causal (lower-triangle) blocks and runs with
@@ -16,7 +21,7 @@ causal family keeps that fraction of the causal (lower-triangle) blocks and runs
 
     python benchmarks/bench_gpu_block_sparse.py                 # full grid, writes benchmarks/results/
     python benchmarks/bench_gpu_block_sparse.py --n 4096 --d 64 --families random
-    python benchmarks/bench_gpu_block_sparse.py --smoke         # tiny run, any device (CPU: interpreter)
+    python benchmarks/bench_gpu_block_sparse.py --dry-run       # tiny, on a CPU: every path, stubs for CUDA
 """
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_timing as timing  # noqa: E402
 
 FAMILIES = ("sliding_window", "bigbird", "causal", "random", "document")
 DENSITIES = (0.05, 0.10, 0.25, 0.50, 1.00)
@@ -40,6 +47,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # before narrow tables: the default forward asked for 262,144 B of shared memory at D = 128); timed
 # in the separate column flex_64x64_ms, the error in flex_default_error.
 FLEX_FALLBACK = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2}
+#: --flex-modes -> (torch.compile mode, column prefix)
+FLEX_MODES = {"default": (None, "flex"), "max-autotune-no-cudagraphs": ("max-autotune-no-cudagraphs", "flex_mat")}
+DENSE_FAMILIES = ("sliding_window", "causal")   # the families run at density 1 (the others' is the same layout)
 
 
 def parse_args(argv=None):
@@ -54,14 +64,17 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--no-flex", action="store_true", help="skip torch.compile(flex_attention)")
+    p.add_argument("--flex-modes", nargs="+", default=["default"], choices=sorted(FLEX_MODES),
+                   help="Flex at its defaults and/or compiled with mode='max-autotune-no-cudagraphs'")
     p.add_argument("--no-sdpa", action="store_true", help="skip dense SDPA")
     p.add_argument("--jsonl", type=Path, default=None,
                    help="append each row as one JSON line when it is measured (survives a timeout)")
     p.add_argument("--out", type=Path, default=None, help="output stem (default benchmarks/results/gpu_block_sparse_<gpu>)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny configuration (N=256, D=64, B*H=2) that runs on any device; CPU uses the "
-                        "Triton interpreter and a perf_counter timer, without Flex/SDPA; writes nothing "
-                        "unless --out is given")
+    p.add_argument("--dry-run", "--smoke", dest="dry_run", action="store_true",
+                   help="tiny configuration (N 64, D 16, B*H 2, blocks of 16, the first family at density 0.5) "
+                        "on the CPU: the Triton interpreter, "
+                        "eager Flex forward only, SDPA's CPU backends, perf_counter times (benchmarks/_gpu_timing.py); "
+                        "writes nothing unless --out is given")
     return p.parse_args(argv)
 
 
@@ -106,49 +119,15 @@ def make_layout(family: str, n: int, block: int, density: float, heads: int):
 
 
 # ------------------------------------------------------------------------------------------ timing
-def _timer(device: str):
-    if device == "cuda":
-        import triton.testing
-
-        def cuda_time(fn, grads):
-            return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads)
-        return cuda_time
-
-    def cpu_time(fn, grads, repeats: int = 3):
-        fn()
-        ts = []
-        for _ in range(repeats):
-            for g in grads:
-                g.grad = None
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-    return cpu_time
-
-
-def compiled_flex():
-    """``torch.compile(flex_attention, dynamic=False)`` with dynamo's recompile limits raised: one
-    compile per shape and mask function (a BlockMask is an input, guarded on its shapes), never the
-    fall-back to eager flex that the default limit of 8 recompiles would cause in a long sweep."""
-    from torch._dynamo import config as dynamo_config
-    from torch.nn.attention.flex_attention import flex_attention
-    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
-        if hasattr(dynamo_config, name):
-            setattr(dynamo_config, name, 256)
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def _first_call(fn, device: str) -> float:
+def _first_call(fn, dry: bool) -> float:
     """Seconds of the first call (compile + autotune + run): kept apart from the timed runs."""
     t0 = time.perf_counter()
     fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
+    timing.sync(dry)
     return time.perf_counter() - t0
 
 
-def _op(attn, q, k, v, do, mode):
+def _op(attn, q, k, v, do, mode, dry: bool = False):
     if mode == "fwd":
         def fwd():
             with torch.no_grad():
@@ -156,27 +135,46 @@ def _op(attn, q, k, v, do, mode):
         return fwd
 
     def fwd_bwd():
-        attn(q, k, v).backward(do)
+        out = attn(q, k, v)
+        if dry and out.grad_fn is None:   # a dry run's eager Flex: forward only (no CPU backward)
+            return
+        out.backward(do)
     return fwd_bwd
 
 
-def _flex_times(flex, block_mask, q, k, v, do, mode, device, bench) -> dict:
-    """Flex with the exported ``block_mask`` at its default tiles: first call and time, or the compile
-    error and, in the labelled columns ``flex_64x64_*``, the same with :data:`FLEX_FALLBACK` tiles."""
+def _flex_times(flex, prefix: str, block_mask, q, k, v, do, mode, dry: bool) -> dict:
+    """Flex (``flex``: compiled at its defaults or in a mode; columns ``<prefix>_*``) with the exported
+    ``block_mask``: first call and time, or the compile error and, for the defaults, in the labelled
+    columns ``flex_64x64_*``, the same with :data:`FLEX_FALLBACK` tiles."""
     from sparse_io_attn.layout import _flex
 
     out = {"flex_mask": _flex.describe(block_mask.mask_mod)}
     fx = lambda q, k, v: flex(q, k, v, block_mask=block_mask)  # noqa: E731
     try:
-        out["flex_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode), device)
-        out["flex_ms"] = bench(_op(fx, q, k, v, do, mode), [q, k, v])
+        out[f"{prefix}_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode, dry), dry)
+        out[f"{prefix}_ms"] = timing.bench(_op(fx, q, k, v, do, mode, dry), [q, k, v], dry=dry)
         return out
     except Exception as exc:  # noqa: BLE001  (Inductor's default tiles can exceed shared memory)
-        out["flex_default_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        out[f"{prefix}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if prefix != "flex":
+        return out
     fx = lambda q, k, v: flex(q, k, v, block_mask=block_mask, kernel_options=FLEX_FALLBACK)  # noqa: E731
     out["flex_64x64_kernel_options"] = FLEX_FALLBACK
-    out["flex_64x64_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode), device)
-    out["flex_64x64_ms"] = bench(_op(fx, q, k, v, do, mode), [q, k, v])
+    out["flex_64x64_first_call_s"] = _first_call(_op(fx, q, k, v, do, mode, dry), dry)
+    out["flex_64x64_ms"] = timing.bench(_op(fx, q, k, v, do, mode, dry), [q, k, v], dry=dry)
+    return out
+
+
+def _sdpa_times(sdpas: dict, q, k, v, do, mode, causal: bool, dry: bool) -> dict:
+    """Dense SDPA per named backend: ``sdpa_<name>_ms``, or ``sdpa_<name>_error``."""
+    out = {}
+    for name, call in sdpas.items():
+        fn = _op(lambda q, k, v: call(q, k, v, causal), q, k, v, do, mode, dry)  # noqa: B023
+        try:
+            fn()
+            out[f"sdpa_{name}_ms"] = timing.bench(fn, [q, k, v], dry=dry)
+        except Exception as exc:  # noqa: BLE001  (a backend this GPU or build does not have)
+            out[f"sdpa_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return out
 
 
@@ -186,16 +184,17 @@ def matmul_tflops(device: str, dtype: torch.dtype, n: int = 8192) -> float | Non
         return None
     import triton.testing
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=200)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=200, return_mode="median")
     return 2 * n ** 3 / ms / 1e9
 
 
 def machine_header(device: str, dtype: torch.dtype) -> dict:
     import triton
-    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)"
+    name = torch.cuda.get_device_name() if device == "cuda" else f"CPU ({platform.processor() or platform.machine()}, Triton interpreter, dry run)"
     return {"device": name, "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda, "dtype": str(dtype).replace("torch.", ""), "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "timing": timing.label("median", device != "cuda"),
             "autotune (warps/stages)": device == "cuda" and os.environ.get("SPARSE_IO_ATTN_NO_AUTOTUNE", "0") != "1",
             "driver": _driver(device), "matmul_tflops": matmul_tflops(device, dtype)}
 
@@ -216,20 +215,21 @@ def run(args) -> tuple[dict, list[dict]]:
     from sparse_io_attn import block_sparse_attention
     from sparse_io_attn.accounting import traffic
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.smoke:
-        sys.exit("no CUDA device: this benchmark needs a GPU (use --smoke for a tiny CPU run of the script)")
-    if args.smoke:
-        args.n, args.d, args.batch, args.heads, args.block = [256], [64], 1, 2, 64
-        args.densities = [0.25, 1.0]
-        if device == "cpu":
-            args.no_flex = args.no_sdpa = True
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        sys.exit("no CUDA device: this benchmark needs a GPU (--dry-run runs it on a CPU)")
+    device = "cpu" if dry else "cuda"
+    if dry:   # every code path once: the first family, one density
+        args.n, args.d, args.batch, args.heads, args.block, args.dtype = [64], [16], 1, 2, 16, "fp32"
+        args.families, args.densities = args.families[:1], [0.5]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     header = machine_header(device, dtype)
-    bench = _timer(device)
-    flex = None
-    if not args.no_flex:
-        flex = compiled_flex()
+    flexes = {} if args.no_flex else {FLEX_MODES[m][1]: timing.flex(FLEX_MODES[m][0], dry=dry) for m in args.flex_modes}
+    sdpas = {} if args.no_sdpa else {name: timing.sdpa(b) for name, b in timing.sdpa_backends().items()}
+    header["flex"] = {FLEX_MODES[m][1]: f"torch.compile(flex_attention, dynamic=False, mode={FLEX_MODES[m][0]!r})"
+                      + (" (dry run: eager, forward only)" if dry else "") for m in ([] if args.no_flex else args.flex_modes)}
+    header["sdpa"] = {name: f"dense scaled_dot_product_attention under sdpa_kernel({b})" for name, b in
+                      ({} if args.no_sdpa else timing.sdpa_backends()).items()}
     B, H = args.batch, args.heads
     rows = []
     for n in args.n:
@@ -237,13 +237,15 @@ def run(args) -> tuple[dict, list[dict]]:
             q, k, v, do = (torch.randn(B, H, n, d, device=device, dtype=dtype) for _ in range(4))
             for t in (q, k, v):
                 t.requires_grad_()
-            sdpa_ms = {}
+            sdpa_cache = {}
             for family in args.families:
                 for target in args.densities:
+                    if target >= 1 and family not in DENSE_FAMILIES:
+                        continue   # the same dense layout as sliding_window's
                     layout, causal = make_layout(family, n, args.block, target, H)
                     layout = layout.to(device)
                     kept = layout.nnz_blocks * (B * H // layout.num_layouts)
-                    block_mask = layout.to_flex_block_mask(causal) if flex is not None else None
+                    block_mask = layout.to_flex_block_mask(causal) if flexes else None
                     for mode in args.modes:
                         bwd = mode != "fwd"
                         row = {"N": n, "D": d, "family": family, "target_density": target,
@@ -258,30 +260,20 @@ def run(args) -> tuple[dict, list[dict]]:
                         row["model_bytes"] = model.total_bytes
                         tri = lambda q, k, v, lay=layout, c=causal: block_sparse_attention(  # noqa: E731
                             q, k, v, lay, causal=c, backend="triton")
-                        row["triton_first_call_s"] = _first_call(_op(tri, q, k, v, do, mode), device)
-                        row["triton_ms"] = bench(_op(tri, q, k, v, do, mode), [q, k, v])
-                        if flex is not None:
-                            row.update(_flex_times(flex, block_mask, q, k, v, do, mode, device, bench))
-                            for col, ratio in (("flex_ms", "speedup_vs_flex"),
-                                               ("flex_64x64_ms", "speedup_vs_flex_64x64")):
-                                if col in row:
-                                    row[ratio] = row[col] / row["triton_ms"]
-                        if not args.no_sdpa:
-                            key = (mode, causal)
-                            if key not in sdpa_ms:
-                                from torch.nn.attention import SDPBackend, sdpa_kernel
-                                from torch.nn.functional import scaled_dot_product_attention as sdpa
-
-                                def dense(q, k, v, c=causal):
-                                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                                        return sdpa(q, k, v, is_causal=c)
-                                sdpa_ms[key] = bench(_op(dense, q, k, v, do, mode), [q, k, v])
-                            row["sdpa_dense_ms"] = sdpa_ms[key]
+                        row["triton_first_call_s"] = _first_call(_op(tri, q, k, v, do, mode), dry)
+                        row["triton_ms"] = timing.bench(_op(tri, q, k, v, do, mode), [q, k, v], dry=dry)
+                        for prefix, flex in flexes.items():
+                            row.update(_flex_times(flex, prefix, block_mask, q, k, v, do, mode, dry))
+                        if (mode, causal) not in sdpa_cache:
+                            sdpa_cache[mode, causal] = _sdpa_times(sdpas, q, k, v, do, mode, causal, dry)
+                        row.update(sdpa_cache[mode, causal])
+                        for col in [c for c in row if c.endswith("_ms") and c != "triton_ms"]:
+                            row[f"speedup_vs_{col[:-3]}"] = row[col] / row["triton_ms"]
                         row["triton_tflops"] = flops / row["triton_ms"] / 1e9
                         row["triton_us_per_kept_block"] = 1e3 * row["triton_ms"] / max(kept, 1)
                         if header.get("matmul_tflops"):
                             row["frac_of_matmul"] = row["triton_tflops"] / header["matmul_tflops"]
-                            for col in ("flex_ms", "flex_64x64_ms"):
+                            for col in ("flex_ms", "flex_mat_ms", "flex_64x64_ms"):
                                 if col in row:
                                     row[col.replace("_ms", "_tflops")] = flops / row[col] / 1e9
                         rows.append(row)
@@ -294,8 +286,9 @@ def run(args) -> tuple[dict, list[dict]]:
 
 COLUMNS = [("N", "{}"), ("D", "{}"), ("family", "{}"), ("density", "{:.3f}"), ("mode", "{}"),
            ("kept_blocks", "{}"), ("triton_ms", "{:.3f}"), ("flex_ms", "{:.3f}"), ("speedup_vs_flex", "{:.2f}x"),
+           ("flex_mat_ms", "{:.3f}"), ("speedup_vs_flex_mat", "{:.2f}x"),
            ("flex_64x64_ms", "{:.3f}"), ("speedup_vs_flex_64x64", "{:.2f}x"),
-           ("sdpa_dense_ms", "{:.3f}"), ("triton_tflops", "{:.1f}"), ("flex_tflops", "{:.1f}"),
+           ("sdpa_flash_ms", "{:.3f}"), ("sdpa_cudnn_ms", "{:.3f}"), ("triton_tflops", "{:.1f}"), ("flex_tflops", "{:.1f}"),
            ("frac_of_matmul", "{:.2f}"), ("triton_us_per_kept_block", "{:.3f}"),
            ("model_bytes", "{:,}")]
 
@@ -327,7 +320,7 @@ def main(argv=None) -> None:
     print(" | ".join(c for c, _ in COLUMNS))
     for r in rows:
         print(_fmt_row(r))
-    if args.out is not None or not args.smoke:
+    if args.out is not None or not args.dry_run:
         gpu = header["device"].replace(" ", "_").replace("/", "_")
         write_results(args.out or RESULTS / f"gpu_block_sparse_{gpu}", header, rows)
 

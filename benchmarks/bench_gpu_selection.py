@@ -8,17 +8,22 @@ previous; DSA one shared by all heads, single tokens, top 2048), causal, bf16, a
 * ``torch.compile(flex_attention)`` with an index ``mask_mod`` (a boolean table of the same
   selection: ``[G, N, key blocks]``, or ``[N, N]`` for DSA) and the ``BlockMask`` that
   ``create_block_mask`` builds from it (128 x 128 blocks, FlexAttention's default);
-* dense causal SDPA (``is_causal=True``, GQA through ``enable_gqa``).
+* dense causal SDPA (``is_causal=True``, GQA through ``enable_gqa``), once per backend named
+  (``sdpa_flash_*``, ``sdpa_cudnn_*``; a backend that cannot run records ``sdpa_<name>_error``).
+
+``--n`` takes several lengths (issue 47: N 8192-32768); DSA-shaped rows at N above ``--dsa-max-n``
+are skipped (its Flex table is ``[N, N]`` booleans).
 
 Part ``metadata``: per-step block selection at N = 8192 .. 32768 (B*H = 16, blocks of 128, k key
 blocks per query block): ``pooled_topk`` scoring + ``patterns.topk`` layout + ``plan`` on the device,
 against ``BlockMask.from_kv_blocks`` and ``create_block_mask`` for the same selection, next to the
 attention time (forward+backward, ``backend="triton"``).
 
-Times: ``triton.testing.do_bench`` medians (ms). Every row is appended to ``--jsonl`` when measured.
+Times: ``triton.testing.do_bench`` with ``return_mode="median"`` (ms; the header line says so). Every
+row is appended to ``--jsonl`` when measured.
 
     python benchmarks/bench_gpu_selection.py --jsonl out.jsonl
-    python benchmarks/bench_gpu_selection.py --smoke          # tiny, any device (CPU: interpreter, no Flex)
+    python benchmarks/bench_gpu_selection.py --dry-run        # tiny, on a CPU: interpreter, eager Flex forward
 """
 from __future__ import annotations
 
@@ -31,15 +36,16 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _gpu_timing as timing  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["selection", "metadata"], choices=["selection", "metadata"])
-    p.add_argument("--n", type=int, default=8192, help="N of the selection part")
+    p.add_argument("--n", type=int, nargs="+", default=[8192], help="N of the selection part")
+    p.add_argument("--dsa-max-n", type=int, default=16384, help="largest N of the DSA-shaped rows")
     p.add_argument("--meta-n", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)
@@ -47,24 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", default=["moba", "nsa", "dsa"])
     p.add_argument("--no-flex", action="store_true")
     p.add_argument("--jsonl", type=Path, default=None)
-    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--dry-run", "--smoke", dest="dry_run", action="store_true",
+                   help="tiny shapes on the CPU (interpreter, eager Flex forward only, perf_counter times)")
     return p.parse_args(argv)
-
-
-def _timer(device):
-    if device == "cuda":
-        import triton.testing
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)
-
-    def cpu(fn, reps=2):
-        fn()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
-    return cpu
 
 
 def _sync(device):
@@ -73,7 +64,8 @@ def _sync(device):
 
 
 def _wall_ms(fn, device, reps=5):
-    """Median wall time (host + device, synchronised) of a metadata builder."""
+    """Median wall time (host + device, synchronised) of a metadata builder (one call in a dry run)."""
+    reps = 1 if device == "cpu" else reps
     fn()
     _sync(device)
     ts = []
@@ -92,13 +84,15 @@ def _fwd(attn, *args):
     return run
 
 
-def _fwd_bwd(attn, q, k, v, do):
+def _fwd_bwd(attn, q, k, v, do, dry=False):
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
 
     def run():
         for t in (qq, kk, vv):
             t.grad = None
-        attn(qq, kk, vv).backward(do)
+        out = attn(qq, kk, vv)
+        if not (dry and out.grad_fn is None):   # a dry run's eager Flex: forward only (no CPU backward)
+            out.backward(do)
     return run
 
 
@@ -109,10 +103,9 @@ def _emit(args, row):
             f.write(json.dumps(row) + "\n")
 
 
-def _flex():
-    from bench_gpu_block_sparse import compiled_flex
+def _flex(dry):
     from torch.nn.attention.flex_attention import create_block_mask
-    return compiled_flex(), create_block_mask
+    return timing.flex(dry=dry), create_block_mask
 
 
 def part_selection(args, device, dtype, bench):
@@ -122,51 +115,67 @@ def part_selection(args, device, dtype, bench):
     from sparse_io_attn.selection.api import selection_attention
     from sparse_io_attn.selection.plan import SelectionPlan
 
-    N, Hq, Hkv, D = args.n, args.heads, args.kv_heads, args.d
+    Hq, Hkv, D, dry = args.heads, args.kv_heads, args.d, args.dry_run
     g = torch.Generator().manual_seed(0)
-    flex = None if args.no_flex else _flex()
-    q, k, v, do = (torch.randn(1, h, N, D, device=device, dtype=dtype) for h in (Hq, Hkv, Hkv, Hq))
-    for shape in args.shapes:
-        if shape == "dsa":
-            block, top_k, G = 1, min(2048, N // 2), 1
-            idx = dsa_indices(g, N, top_k)
-        else:
-            block, top_k = 64, (8 if shape == "moba" else 16)
-            G = Hq if shape == "moba" else Hkv
-            idx = (moba_indices if shape == "moba" else nsa_indices)(g, G, N, block, top_k)
-        idx = idx.to(device)
-        sel = Selection(idx, block)
-        plan_ms = _wall_ms(lambda: SelectionPlan(sel, N, 0).keys(), device)
-        plan = SelectionPlan(sel, N, 0)
-        ours = lambda q_, k_, v_: selection_attention(q_, k_, v_, plan, causal=True, backend="triton")  # noqa: E731
-        row = {"part": "selection", "shape": shape, "N": N, "Hq": Hq, "Hkv": Hkv, "G": G, "D": D, "block": block,
-               "K": top_k, "plan_ms": plan_ms}
-        row["ours_fwd_ms"] = bench(_fwd(ours, q, k, v))
-        row["ours_fwdbwd_ms"] = bench(_fwd_bwd(ours, q, k, v, do))
-        sdpa = lambda q_, k_, v_: F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=Hq != Hkv)  # noqa: E731
-        row["sdpa_fwd_ms"] = bench(_fwd(sdpa, q, k, v))
-        row["sdpa_fwdbwd_ms"] = bench(_fwd_bwd(sdpa, q, k, v, do))
-        if flex is not None:
-            fa, create = flex
-            nkb = math.ceil(N / block)
-            table = torch.zeros(G, N, nkb + 1, dtype=torch.bool, device=device)
-            table.scatter_(-1, torch.where(idx >= 0, idx, nkb).long(), True)
-            table = table[..., :nkb].contiguous()
-            per = Hq // G
+    flex = None if args.no_flex else _flex(dry)
+    sdpas = {name: timing.sdpa(b) for name, b in timing.sdpa_backends().items()}
+    for N in args.n:
+        q, k, v, do = (torch.randn(1, h, N, D, device=device, dtype=dtype) for h in (Hq, Hkv, Hkv, Hq))
+        for shape in args.shapes:
+            if shape == "dsa":
+                if N > args.dsa_max_n:
+                    continue
+                block, top_k, G = 1, min(2048, N // 2), 1
+                idx = dsa_indices(g, N, top_k)
+            else:
+                block, top_k = 64, (8 if shape == "moba" else 16)
+                G = Hq if shape == "moba" else Hkv
+                idx = (moba_indices if shape == "moba" else nsa_indices)(g, G, N, block, top_k)
+            idx = idx.to(device)
+            sel = Selection(idx, block)
+            plan_ms = _wall_ms(lambda: SelectionPlan(sel, N, 0).keys(), device)  # noqa: B023
+            plan = SelectionPlan(sel, N, 0)
+            ours = lambda q_, k_, v_: selection_attention(q_, k_, v_, plan, causal=True, backend="triton")  # noqa: E731,B023
+            row = {"part": "selection", "shape": shape, "N": N, "Hq": Hq, "Hkv": Hkv, "G": G, "D": D, "block": block,
+                   "K": top_k, "plan_ms": plan_ms}
+            row["ours_fwd_ms"] = bench(_fwd(ours, q, k, v))
+            row["ours_fwdbwd_ms"] = bench(_fwd_bwd(ours, q, k, v, do))
+            for name, call in sdpas.items():
+                dense = lambda q_, k_, v_: call(q_, k_, v_, True)  # noqa: E731,B023
+                try:
+                    row[f"sdpa_{name}_fwd_ms"] = bench(_fwd(dense, q, k, v))
+                    row[f"sdpa_{name}_fwdbwd_ms"] = bench(_fwd_bwd(dense, q, k, v, do))
+                    row[f"speedup_vs_sdpa_{name}_fwdbwd"] = row[f"sdpa_{name}_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
+                except Exception as exc:  # noqa: BLE001  (a backend this GPU or build does not have)
+                    row[f"sdpa_{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if flex is not None:
+                row.update(_flex_selection(flex, idx, G, block, q, k, v, do, device, bench, dry))
+                row["speedup_vs_flex_fwd"] = row["flex_fwd_ms"] / row["ours_fwd_ms"]
+                row["speedup_vs_flex_fwdbwd"] = row["flex_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
+            _emit(args, row)
 
-            def mask_mod(b, h, q_idx, kv_idx):
-                return table[h // per, q_idx, kv_idx // block] & (kv_idx <= q_idx)
-            build = lambda: create(mask_mod, 1, Hq, N, N, device=device, _compile=device == "cuda")  # noqa: E731
-            row["flex_create_block_mask_ms"] = _wall_ms(build, device, reps=3)
-            bm = build()
-            row["flex_sparsity_pct"] = float(bm.sparsity()) if hasattr(bm, "sparsity") else None
-            fx = lambda q_, k_, v_: fa(q_, k_, v_, block_mask=bm, enable_gqa=Hq != Hkv)  # noqa: E731
-            row["flex_fwd_ms"] = bench(_fwd(fx, q, k, v))
-            row["flex_fwdbwd_ms"] = bench(_fwd_bwd(fx, q, k, v, do))
-            row["speedup_vs_flex_fwd"] = row["flex_fwd_ms"] / row["ours_fwd_ms"]
-            row["speedup_vs_flex_fwdbwd"] = row["flex_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
-        row["speedup_vs_sdpa_fwdbwd"] = row["sdpa_fwdbwd_ms"] / row["ours_fwdbwd_ms"]
-        _emit(args, row)
+
+def _flex_selection(flex, idx, G, block, q, k, v, do, device, bench, dry) -> dict:
+    """Flex at its defaults with an index ``mask_mod`` over a boolean table of the selection and the
+    ``BlockMask`` ``create_block_mask`` builds from it."""
+    fa, create = flex
+    _, Hq, N, _ = q.shape
+    nkb = math.ceil(N / block)
+    table = torch.zeros(G, N, nkb + 1, dtype=torch.bool, device=device)
+    table.scatter_(-1, torch.where(idx >= 0, idx, nkb).long(), True)
+    table = table[..., :nkb].contiguous()
+    per = Hq // G
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return table[h // per, q_idx, kv_idx // block] & (kv_idx <= q_idx)
+    build = lambda: create(mask_mod, 1, Hq, N, N, device=device, _compile=not dry)  # noqa: E731
+    row = {"flex_create_block_mask_ms": _wall_ms(build, device, reps=3)}
+    bm = build()
+    row["flex_sparsity_pct"] = float(bm.sparsity()) if hasattr(bm, "sparsity") else None
+    fx = lambda q_, k_, v_: fa(q_, k_, v_, block_mask=bm, enable_gqa=Hq != k.shape[1])  # noqa: E731
+    row["flex_fwd_ms"] = bench(_fwd(fx, q, k, v))
+    row["flex_fwdbwd_ms"] = bench(_fwd_bwd(fx, q, k, v, do, dry))
+    return row
 
 
 def part_metadata(args, device, dtype, bench):
@@ -177,7 +186,7 @@ def part_metadata(args, device, dtype, bench):
     from sparse_io_attn.nn.selectors import pooled_topk
 
     block, H, D = 128, args.heads, args.d
-    flex = None if args.no_flex else _flex()
+    flex = None if args.no_flex else _flex(args.dry_run)
     for N in args.meta_n:
         kb = min(8, math.ceil(N / block))
         q, k, v, do = (torch.randn(1, H, N, D, device=device, dtype=dtype) for _ in range(4))
@@ -222,16 +231,21 @@ def part_metadata(args, device, dtype, bench):
 def main(argv=None):
     args = parse_args(argv)
     import sparse_io_attn._triton.runtime  # noqa: F401  (interpreter or compiled, before triton loads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.smoke:
-        args.n, args.meta_n, args.heads, args.kv_heads, args.d = 256, [512], 4, 2, 32
-        args.no_flex = args.no_flex or device == "cpu"
-    elif device == "cpu":
-        sys.exit("no CUDA device: use --smoke for a tiny CPU run of the script")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    bench = _timer(device)
-    print(json.dumps({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                      "torch": torch.__version__, "dtype": str(dtype)}), flush=True)
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        sys.exit("no CUDA device: this benchmark needs a GPU (--dry-run runs it on a CPU)")
+    device = "cpu" if dry else "cuda"
+    if dry:
+        args.n, args.meta_n, args.heads, args.kv_heads, args.d, args.dsa_max_n = [16], [128], 2, 1, 16, 16
+    dtype = torch.float32 if dry else torch.bfloat16
+
+    def bench(fn):
+        return timing.bench(fn, dry=dry)
+    print(json.dumps({"device": "cpu (dry run)" if dry else torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "dtype": str(dtype), "timing": timing.label("median", dry),
+                      "flex": "torch.compile(flex_attention) at its defaults" + (" (dry run: eager, forward only)"
+                                                                                  if dry else ""),
+                      "sdpa": {n: str(b) for n, b in timing.sdpa_backends().items()}}), flush=True)
     for part in args.parts:
         try:
             (part_selection if part == "selection" else part_metadata)(args, device, dtype, bench)

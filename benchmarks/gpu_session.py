@@ -1,17 +1,42 @@
-"""One GPU session (issue 33): every device check in one call, each step a subprocess with its own
-time limit, under one deadline. Steps that do not fit the time left are skipped (and listed).
+"""The prepared GPU session (issues 43, 46, 47): every device check, in two calls of at most 6 minutes.
 
-    python3 benchmarks/gpu_session.py --out $OUT --budget 450
+Each call runs one part; inside a part the steps run in priority order, each a subprocess with its own
+time limit, under one deadline (``--budget`` seconds): a step that no longer fits is skipped and listed,
+so the most important results land even when a call is cut. ``--list`` prints both parts' plans.
 
-Steps, in priority order: ``env`` (GPU, driver, CUDA, torch, triton; copy bandwidth and a bf16
-matmul measured here), ``tests`` (tests/gpu and the Triton correctness matrix, compiled on CUDA),
-``sanitizer`` (``compute-sanitizer --tool memcheck`` on one forward+backward of each op),
-``bench`` (benchmarks/bench_gpu_block_sparse.py at N = 8192, D = 128), ``ncu``
-(benchmarks/ncu_block_sparse.py per pattern), ``selection`` (benchmarks/bench_gpu_selection.py),
-``decode`` (benchmarks/bench_decode_kernels.py on CUDA: against flex-decode and SDPA),
-``bench_more`` (other N and D). Logs and result files go to a work folder; after every step the
-folder is packed into ``<out>/gpu_session.tar.gz`` (the device tool brings back at most 8 files),
-and ``<out>/summary.json`` says what ran, how long, and its exit status.
+    python3 benchmarks/gpu_session.py --part 1 --out $OUT        # call 1 (run tool: timeout_s 360)
+    python3 benchmarks/gpu_session.py --part 2 --out $OUT        # call 2
+    python3 benchmarks/gpu_session.py --part 1 --dry-run --out /tmp/dry    # on a CPU, before spending GPU time
+
+Part 1, correctness and the headline (budget 330 s):
+  ``env``       GPU, driver, CUDA, torch, triton; copy bandwidth and a bf16 matmul measured here
+  ``tests``     ``tests/gpu`` and the Triton correctness matrices compiled on CUDA (block-sparse, selection,
+                decode, the cached launch path), ``-k "triton or gpu"``
+  ``floor``     ``gpu_floor.py``: forward+backward at 2.5-10% kept, N 8192, D 128: ``do_bench``
+                (``return_mode="all"``), ``do_bench_cudagraph``, host enqueue time, a profiler trace of 5 steps
+  ``bench``     ``bench_gpu_block_sparse.py`` N 8192, D 128, sliding window and causal at 5/25/100%:
+                Flex at its defaults (the fixed export), SDPA flash and cuDNN, ``do_bench`` medians
+Part 2, the rest (budget 330 s), in this order:
+  ``sanitizer_warm``, ``sanitizer``  ``compute-sanitizer --tool memcheck`` on one forward+backward of each
+                op and one decode step of each (the warm run fills Triton's cache first)
+  ``bench_16k``  N 16384, D 128 (the first run had no time for it), sliding window and causal at 10/100%
+  ``selection``  MoBA, NSA, DSA shapes at N 8192, 16384, 32768 against Flex (index ``mask_mod``, its defaults)
+                and SDPA flash/cuDNN, with the per-step plan time
+  ``ncu_dkdv``   the dK/dV candidates of ``tiles.kernel_configs`` one at a time under ncu, next to the model
+  ``decode``     one token against 8k-1M cached keys: window and MoBA shapes against flex-decode and SDPA
+  ``ncu_dense``  the dense-form kernels (Algorithms 6 and 9) under ncu at M = d^2 and 4 d^2 (n 4096, d 128)
+  ``flex_autotune``  Flex with ``mode="max-autotune-no-cudagraphs"`` at two headline shapes
+  then, if time is left: ``ncu_bytes`` (every block-sparse kernel's bytes, causal), ``bench_more`` (D 64 at
+  N 4096/16384, BigBird and documents at 8192), ``metadata`` (per-step pooled top-k + plan, N 8192-32768)
+
+Every step writes its log and result files into a work folder, packed after each step into
+``<out>/gpu_session_part<N>.tar.gz`` (the device tool brings back at most 8 files); ``<out>/summary_part<N>.json``
+says what ran, how long, its exit status, and what was skipped. Timing labels (mean or median, compiled or
+not, SDPA backend, Flex mode) are in each result's header: ``benchmarks/_gpu_timing.py``.
+
+``--dry-run``: the same plan on a CPU: every script with its ``--dry-run`` (tiny shapes, the Triton
+interpreter, eager Flex forward, perf_counter times, the ncu/compute-sanitizer commands printed, not run),
+``pytest --collect-only`` for the tests; a typo costs seconds here, not device minutes.
 """
 from __future__ import annotations
 
@@ -23,34 +48,51 @@ import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+B = "benchmarks/"
 TRITON_MATRIX = ["tests/gpu", "tests/block_sparse/test_correctness.py", "tests/block_sparse/test_triton_block_sparse.py",
-                 "tests/block_sparse/test_traffic_block_sparse.py", "tests/selection/test_correctness.py",
-                 "tests/selection/test_triton_selection.py", "tests/selection/test_traffic_selection.py",
-                 "tests/block_sparse/test_decode.py", "tests/selection/test_decode_triton.py"]
+                 "tests/block_sparse/test_traffic_block_sparse.py", "tests/block_sparse/test_launch_cache.py",
+                 "tests/selection/test_correctness.py", "tests/selection/test_triton_selection.py",
+                 "tests/selection/test_traffic_selection.py", "tests/block_sparse/test_decode.py",
+                 "tests/selection/test_decode_triton.py"]
+BUDGET_S = 330
 
 ENV = r"""
-import json, subprocess, time, torch, triton, triton.testing
-smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm",
-                      "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
-p = torch.cuda.get_device_properties(0)
-x = torch.randn(2 ** 30 // 2, device="cuda", dtype=torch.bfloat16)   # 1 GiB
-y = torch.empty_like(x)
-copy_ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200)
-a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300)
-print(json.dumps({"nvidia_smi": smi, "torch": torch.__version__, "cuda": torch.version.cuda,
-                  "triton": triton.__version__, "sm_count": p.multi_processor_count,
-                  "l2_bytes": getattr(p, "L2_cache_size", None), "copy_TBps": 2 * x.numel() * 2 / copy_ms / 1e9,
-                  "bf16_matmul_8192_TFLOPs": 2 * 8192 ** 3 / mm_ms / 1e9,
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1))
+import json, subprocess, sys, time, torch, triton
+dry = "--dry-run" in sys.argv
+out = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+       "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+if not dry:
+    import triton.testing
+    out["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
+                                        "clocks.max.sm", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    p = torch.cuda.get_device_properties(0)
+    out.update(sm_count=p.multi_processor_count, l2_bytes=getattr(p, "L2_cache_size", None))
+    x = torch.randn(2 ** 30 // 2, device="cuda", dtype=torch.bfloat16)   # 1 GiB
+    y = torch.empty_like(x)
+    copy_ms = triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm_ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    out.update(copy_TBps=2 * x.numel() * 2 / copy_ms / 1e9, bf16_matmul_8192_TFLOPs=2 * 8192 ** 3 / mm_ms / 1e9,
+               timing="do_bench medians (random data)")
+print(json.dumps(out, indent=1))
 """
 
 
-def _tool(name: str) -> str:
+@dataclass
+class Step:
+    """One subprocess: ``name``, its time limit in seconds, the command, extra environment."""
+    name: str
+    limit: int
+    cmd: list
+    env: dict = field(default_factory=dict)
+
+
+def tool(name: str) -> str:
     """``name`` on the PATH, else the newest under /usr/local/cuda*/bin or /opt/nvidia."""
     import glob
     found = shutil.which(name)
@@ -60,91 +102,144 @@ def _tool(name: str) -> str:
     return hits[-1] if hits else name
 
 
-def steps(work: Path, quick: bool) -> list[tuple[str, list[str], int, dict]]:
-    b = "benchmarks/"
-    ncu, sanitizer = _tool("ncu"), _tool("compute-sanitizer")
+def _bench(work: Path, tag: str, *args: str) -> list:
+    return [PY, B + "bench_gpu_block_sparse.py", *args, "--jsonl", f"{work}/{tag}.jsonl", "--out", f"{work}/{tag}"]
+
+
+def plan(part: int, work: Path, dry: bool) -> list[Step]:
+    """The steps of ``part`` in priority order (a dry run: the same steps, each in its dry form)."""
+    ncu, sanitizer = tool("ncu"), tool("compute-sanitizer")
     no_tune = {"SPARSE_IO_ATTN_NO_AUTOTUNE": "1"}
-    out = [
-        ("env", [PY, "-c", ENV], 40, {}),
-        ("tests", [PY, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-k", "triton or gpu",
-                   "--timeout", "150", f"--junitxml={work}/tests.xml", *TRITON_MATRIX], 140, {}),
-        ("sanitizer_warm", [PY, b + "gpu_sanitize_case.py"], 45, no_tune),
-        ("sanitizer", [sanitizer, "--tool", "memcheck", "--leak-check", "no", "--error-exitcode", "3",
-                       PY, b + "gpu_sanitize_case.py"], 60, no_tune),
-        ("bench", [PY, b + "bench_gpu_block_sparse.py", "--n", "8192", "--d", "128",
-                   "--families", "sliding_window", "bigbird", "document", "causal",
-                   "--densities", "0.05", "0.25", "1.0", "--jsonl", f"{work}/bench_n8192_d128.jsonl",
-                   "--out", f"{work}/gpu_block_sparse_n8192_d128"], 170, {}),
-    ]
-    for fam, dens in (("sliding_window", "0.1"), ("causal", "1.0"), ("bigbird", "0.25")):
-        out.append((f"ncu_{fam}", [PY, b + "ncu_block_sparse.py", "--n", "8192", "--d", "128", "--family", fam,
-                                   "--density", dens, "--ncu", ncu, "--json", f"{work}/ncu_{fam}.json"], 40, {}))
-    out += [
-        ("selection", [PY, b + "bench_gpu_selection.py", "--jsonl", f"{work}/selection.jsonl"], 90, {}),
-        ("metadata", [PY, b + "bench_gpu_selection.py", "--parts", "metadata", "--meta-n", "8192", "16384", "32768",
-                      "--jsonl", f"{work}/metadata.jsonl"], 90, {}),
-        ("decode", [PY, b + "bench_decode_kernels.py", "--device", "cuda", "--seq-lens", "8192,65536,262144,1048576",
-                    "--dtypes", "bf16", "--rounds", "3", "--out", f"{work}/decode_gpu"], 150, {}),
-        ("bench_more", [PY, b + "bench_gpu_block_sparse.py", "--n", "4096", "16384", "--d", "64", "128",
-                        "--families", "sliding_window", "causal", "--densities", "0.1", "1.0",
-                        "--jsonl", f"{work}/bench_more.jsonl", "--out", f"{work}/gpu_block_sparse_more"], 200, {}),
-    ]
-    if quick:
-        out = [(n, c, min(t, 30), e) for n, c, t, e in out]
-    return out
+    if part == 1:
+        tests = [PY, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-k", "triton or gpu",
+                 "--timeout", "150", f"--junitxml={work}/tests.xml", *TRITON_MATRIX]
+        if dry:
+            tests = [PY, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "-k", "triton or gpu",
+                     *TRITON_MATRIX]
+        steps = [
+            Step("env", 30, [PY, "-c", ENV]),
+            Step("tests", 100, tests),
+            Step("floor", 60, [PY, B + "gpu_floor.py", "--out", f"{work}/floor"]),
+            Step("bench", 140, _bench(work, "bench_n8192_d128", "--n", "8192", "--d", "128", "--families",
+                                      "sliding_window", "causal", "--densities", "0.05", "0.25", "1.0")),
+        ]
+    elif part == 2:
+        sanitize = [sanitizer, "--tool", "memcheck", "--leak-check", "no", "--error-exitcode", "3",
+                    PY, B + "gpu_sanitize_case.py"]
+        steps = [
+            Step("sanitizer_warm", 25, [PY, B + "gpu_sanitize_case.py"], no_tune),
+            Step("sanitizer", 50, ["echo", "dry run: would run", *sanitize] if dry else sanitize, no_tune),
+            Step("bench_16k", 75, _bench(work, "bench_n16384_d128", "--n", "16384", "--d", "128", "--families",
+                                         "sliding_window", "causal", "--densities", "0.1", "1.0")),
+            Step("selection", 60, [PY, B + "bench_gpu_selection.py", "--parts", "selection", "--n", "8192", "16384",
+                                   "32768", "--jsonl", f"{work}/selection.jsonl"]),
+            Step("ncu_dkdv", 40, [PY, B + "ncu_block_sparse.py", "--dkdv-candidates", "--n", "8192", "--d", "128",
+                                  "--family", "causal", "--density", "1.0", "--ncu", ncu,
+                                  "--json", f"{work}/ncu_dkdv_candidates.json"]),
+            Step("decode", 45, [PY, B + "bench_decode_kernels.py", "--device", "cuda", "--seq-lens",
+                                "8192,65536,1048576", "--dtypes", "bf16", "--rounds", "2", "--no-before",
+                                "--out", f"{work}/decode_gpu"]),
+            Step("ncu_dense", 35, [PY, B + "ncu_dense.py", "--n", "4096", "--ncu", ncu,
+                                   "--json", f"{work}/ncu_dense.json"]),
+            Step("flex_autotune", 90, _bench(work, "flex_max_autotune", "--n", "8192", "--d", "128", "--families",
+                                             "causal", "sliding_window", "--densities", "0.05", "--flex-modes",
+                                             "max-autotune-no-cudagraphs", "--no-sdpa")),
+            Step("ncu_bytes", 30, [PY, B + "ncu_block_sparse.py", "--n", "8192", "--d", "128", "--family", "causal",
+                                   "--density", "1.0", "--ncu", ncu, "--json", f"{work}/ncu_causal.json"]),
+            Step("bench_more", 90, _bench(work, "bench_more", "--n", "4096", "16384", "--d", "64", "--families",
+                                          "sliding_window", "causal", "--densities", "0.1", "1.0")),
+            Step("metadata", 40, [PY, B + "bench_gpu_selection.py", "--parts", "metadata", "--meta-n", "8192",
+                                  "16384", "32768", "--jsonl", f"{work}/metadata.jsonl"]),
+        ]
+    else:
+        raise ValueError(f"part must be 1 or 2, got {part}")
+    if dry:
+        for s in steps:
+            if s.cmd[0] == PY and s.cmd[1] != "-m":
+                s.cmd = s.cmd + ["--dry-run"]
+            if s.name == "decode":
+                s.cmd = [a for a in s.cmd if a not in ("--device", "cuda")]
+    return steps
 
 
-def pack(work: Path, out: Path) -> None:
-    tmp = out / "gpu_session.tar.gz.tmp"
+def pack(work: Path, out: Path, part: int) -> None:
+    tmp = out / f"gpu_session_part{part}.tar.gz.tmp"
     with tarfile.open(tmp, "w:gz") as tar:
-        tar.add(work, arcname="gpu_session")
-    tmp.replace(out / "gpu_session.tar.gz")
+        tar.add(work, arcname=f"gpu_session_part{part}")
+    tmp.replace(out / f"gpu_session_part{part}.tar.gz")
 
 
-def main(argv=None) -> None:
+def run_step(step: Step, work: Path, env: dict, timeout: float) -> dict:
+    t0 = time.monotonic()
+    log = work / f"{step.name}.log"
+    with log.open("w") as f:
+        f.write("$ " + " ".join(map(str, step.cmd)) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(step.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**env, **step.env},
+                                timeout=timeout, start_new_session=True).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        except OSError as exc:
+            rc = f"could not start: {exc}"
+    return {"step": step.name, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "limit": step.limit}
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--budget", type=float, default=450, help="seconds for all steps together")
-    p.add_argument("--only", nargs="*", default=None, help="run only these steps")
-    p.add_argument("--skip", nargs="*", default=[], help="skip these steps")
-    p.add_argument("--quick", action="store_true", help="30 s per step (a dry run of the driver)")
+    p.add_argument("--part", type=int, choices=(1, 2), help="which call's steps")
+    p.add_argument("--out", type=Path, help="folder for the summary and the packed results")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for all steps together (default {BUDGET_S}; a dry run: no deadline)")
+    p.add_argument("--only", nargs="*", default=None, help="run only these steps (name prefixes)")
+    p.add_argument("--skip", nargs="*", default=[], help="skip these steps (name prefixes)")
+    p.add_argument("--dry-run", action="store_true", help="the plan on a CPU: every step in its dry form")
+    p.add_argument("--list", action="store_true", help="print both parts' plans and exit")
+    p.add_argument("--work", type=Path, default=None, help="work folder (default /tmp/gpu_session_part<N>[_dry])")
     args = p.parse_args(argv)
-    deadline = time.monotonic() + args.budget
+    if args.list:
+        for part in (1, 2):
+            steps = plan(part, Path("/tmp/gpu_session"), False)
+            print(f"part {part}: {sum(s.limit for s in steps)} s of limits, budget {BUDGET_S} s")
+            for s in steps:
+                print(f"  {s.name:15s} {s.limit:4d} s  {' '.join(map(str, s.cmd))[:150]}")
+        return 0
+    if args.part is None or args.out is None:
+        p.error("--part and --out are required (or --list)")
+    budget = args.budget if args.budget is not None else (1e9 if args.dry_run else BUDGET_S)
+    deadline = time.monotonic() + budget
     args.out.mkdir(parents=True, exist_ok=True)
-    work = Path("/tmp/gpu_session")
+    work = args.work or Path("/tmp") / f"gpu_session_part{args.part}{'_dry' if args.dry_run else ''}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    summary = []
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
-    for name, cmd, limit, extra in steps(work, args.quick):
-        if (args.only is not None and not any(name.startswith(o) for o in args.only)) or \
-                any(name.startswith(s) for s in args.skip):
+    if args.dry_run:
+        env["TRITON_INTERPRET"] = "1"
+    summary = {"part": args.part, "dry_run": args.dry_run, "budget_s": budget, "steps": []}
+    summary_file = args.out / f"summary_part{args.part}.json"
+    for step in plan(args.part, work, args.dry_run):
+        chosen = args.only is None or any(step.name.startswith(o) for o in args.only)
+        if not chosen or any(step.name.startswith(s) for s in args.skip):
+            summary["steps"].append({"step": step.name, "status": "not selected (--only/--skip)"})
             continue
         left = deadline - time.monotonic()
-        if left < min(limit, 20):
-            summary.append({"step": name, "status": "skipped (no time left)"})
+        if left < min(step.limit, 20):
+            summary["steps"].append({"step": step.name, "status": "skipped (no time left)"})
             continue
-        t0 = time.monotonic()
-        log = work / f"{name}.log"
-        with log.open("w") as f:
-            f.write("$ " + " ".join(cmd) + "\n")
-            f.flush()
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**env, **extra},
-                                    timeout=min(limit, left), start_new_session=True).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            except OSError as exc:
-                rc = f"could not start: {exc}"
-        summary.append({"step": name, "rc": rc, "seconds": round(time.monotonic() - t0, 1)})
-        tail = log.read_text(errors="replace").splitlines()[-6:]
-        print(f"== {name}: rc={rc} {summary[-1]['seconds']} s", *("   " + ln[:220] for ln in tail), sep="\n", flush=True)
-        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-        pack(work, args.out)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
-    pack(work, args.out)
+        timeout = min(step.limit, left) if not args.dry_run else max(step.limit, 300)
+        res = run_step(step, work, env, timeout)
+        res["status"] = "ok" if res["rc"] == 0 else "failed"
+        summary["steps"].append(res)
+        tail = (work / f"{step.name}.log").read_text(errors="replace").splitlines()[-6:]
+        print(f"== {step.name}: rc={res['rc']} {res['seconds']} s (limit {step.limit})",
+              *("   " + ln[:220] for ln in tail), sep="\n", flush=True)
+        summary_file.write_text(json.dumps(summary, indent=1))
+        pack(work, args.out, args.part)
+    summary_file.write_text(json.dumps(summary, indent=1))
+    pack(work, args.out, args.part)
     print(json.dumps(summary))
+    return 0 if all(s.get("status", "ok") != "failed" for s in summary["steps"]) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -7,8 +7,9 @@ and nothing else:
 * ``JITFunction.run`` and ``InterpretedFunction.run`` (Triton's launch of one kernel: argument
   binding, the compiled-kernel lookup and the driver call; on this machine the interpreter) return
   at once; each call is counted (launches per step);
-* the autotuner's timer (``Autotuner.do_bench``) returns the same time for every configuration,
-  so the first call of a tuning key tunes without a GPU (the first configuration wins);
+* the autotuner's benchmark of one configuration (``Autotuner._bench``, in every Triton 3.x) returns
+  the same times for every configuration, so the first call of a tuning key tunes without a GPU (the
+  first configuration wins);
 * ``sparse_io_attn._triton.runtime.autotune_enabled`` returns True: the launches take the path they
   take on CUDA (autotuned, ``COUNT_IO`` off), not the interpreter's fixed first configuration.
 
@@ -61,11 +62,11 @@ def stubbed_launches(record: list | None = None):
 
     saved = [(jit.JITFunction, "run", jit.JITFunction.run),
              (interpreter.InterpretedFunction, "run", interpreter.InterpretedFunction.run),
-             (autotuner.Autotuner, "do_bench", autotuner.Autotuner.__dict__["do_bench"]),
+             (autotuner.Autotuner, "_bench", autotuner.Autotuner._bench),
              (runtime, "autotune_enabled", runtime.autotune_enabled)]
     jit.JITFunction.run = run
     interpreter.InterpretedFunction.run = run
-    autotuner.Autotuner.do_bench = property(lambda self: lambda fn, quantiles: [1.0, 1.0, 1.0])
+    autotuner.Autotuner._bench = lambda self, *args, config, **meta: [1.0, 1.0, 1.0]
     runtime.autotune_enabled = lambda: True
     try:
         yield count
@@ -226,8 +227,8 @@ def compare(args, passthrough: list[str]) -> None:
         f"- shape: B {args.batch}, H {args.heads}, N {args.n}, D {args.d}, {args.dtype}, blocks of {args.block}; "
         f"sliding window of 2 blocks each side (not causal), causal layout (causal=True); the layout passed as "
         f"users do (the plan found in its cache)",
-        "- stub: `JITFunction.run`/`InterpretedFunction.run` return at once, the autotuner's timer returns one "
-        "time for every configuration, `autotune_enabled()` is True (the CUDA path); see the script's docstring",
+        "- stub: `JITFunction.run`/`InterpretedFunction.run` return at once, the autotuner's benchmark of a "
+        "configuration returns one time for all, `autotune_enabled()` is True (the CUDA path); see the script's docstring",
         "", *lines, ""])
     if args.out is not None:
         notes = ""
