@@ -145,3 +145,17 @@ def test_density_buckets_tune_apart(stubbed_launches, monkeypatch):
             _step(q, k, v, do, layout.to(DEVICE), False)
     buckets = {key[-1] for key in runtime._TUNED}
     assert buckets == {0, 3}
+
+
+def test_the_cache_stays_bounded(stubbed_launches, monkeypatch):
+    """Lengths varying from call to call (a new key each) never grow the cache past ``PREPARED_MAX``."""
+    monkeypatch.setattr(kit, "_PREPARED", {})
+    monkeypatch.setattr(kit, "PREPARED_MAX", 2)
+    sizes = []
+    with stubbed_launches():
+        for N in (32, 48, 64, 80, 96):
+            q, k, v, _ = helpers.make_inputs(1, 2, 2, N, N, 16, device=DEVICE)
+            with torch.no_grad():
+                block_sparse_attention(q, k, v, patterns.causal(N, 16).to(DEVICE), causal=True, backend="triton")
+            sizes.append(len(kit._PREPARED))
+    assert max(sizes) <= 2 and sizes[0] == 1

@@ -35,8 +35,8 @@ MERGE_CONFIG = triton.Config({}, num_warps=4, num_stages=2)
 MERGE_ROWS = 16   # rows per program of the decode merge
 _KEY_AXES = ("k", "v", "dk", "dv")   # tensors whose third axis is a key position (stride_*n)
 _LAST_TILES: dict[str, tuple[int, int]] = {}
-_PREPARED: dict = {}   # run_calls key -> tuple of Prepared launches, oldest first
-PREPARED_MAX = 512     # keys kept (a decode loop's growing lengths must not grow the cache without end)
+_PREPARED: dict = {}   # run_calls key -> tuple of Prepared launches
+PREPARED_MAX = 512     # keys kept (lengths varying from call to call must not grow the cache without end)
 
 
 @dataclass
@@ -205,7 +205,7 @@ def run_calls(key: tuple, build: Callable[[], list], tensors: tuple, tune_key: t
             prepared.append(Prepared.of(call, *launched, tensors, device))
     if key is not None:
         if len(_PREPARED) >= PREPARED_MAX:
-            del _PREPARED[next(iter(_PREPARED))]
+            _PREPARED.clear()     # many shapes (lengths varying per batch): start over (one atomic call)
         _PREPARED[key] = tuple(prepared)
 
 
