@@ -11,8 +11,8 @@ previous; DSA one shared by all heads, single tokens, top 2048), causal, bf16, a
 * dense causal SDPA (``is_causal=True``, GQA through ``enable_gqa``), once per backend named
   (``sdpa_flash_*``, ``sdpa_cudnn_*``; a backend that cannot run records ``sdpa_<name>_error``).
 
-``--n`` takes several lengths (issue 47: N 8192-32768); DSA-shaped rows at N above ``--dsa-max-n``
-are skipped (its Flex table is ``[N, N]`` booleans).
+``--n`` takes several lengths (issue 47: N 8192-32768), each length's rows in the order MoBA, NSA, DSA;
+DSA-shaped rows at N above ``--dsa-max-n`` are skipped (its Flex table is ``[N, N]`` booleans: 1 GiB at 32768).
 
 Part ``metadata``: per-step block selection at N = 8192 .. 32768 (B*H = 16, blocks of 128, k key
 blocks per query block): ``pooled_topk`` scoring + ``patterns.topk`` layout + ``plan`` on the device,
@@ -45,7 +45,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", nargs="+", default=["selection", "metadata"], choices=["selection", "metadata"])
     p.add_argument("--n", type=int, nargs="+", default=[8192], help="N of the selection part")
-    p.add_argument("--dsa-max-n", type=int, default=16384, help="largest N of the DSA-shaped rows")
+    p.add_argument("--dsa-max-n", type=int, default=32768, help="largest N of the DSA-shaped rows")
     p.add_argument("--meta-n", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=4)

@@ -26,8 +26,10 @@ Part 2, the rest (budget 330 s), in this order:
   ``decode``     one token against 8k-1M cached keys: window and MoBA shapes against flex-decode and SDPA
   ``ncu_dense``  the dense-form kernels (Algorithms 6 and 9) under ncu at M = d^2 and 4 d^2 (n 4096, d 128)
   ``flex_autotune``  Flex with ``mode="max-autotune-no-cudagraphs"`` at two headline shapes
-  then, if time is left: ``ncu_bytes`` (every block-sparse kernel's bytes, causal), ``bench_more`` (D 64 at
-  N 4096/16384, BigBird and documents at 8192), ``metadata`` (per-step pooled top-k + plan, N 8192-32768)
+  then, if time is left: ``ncu_bytes`` (every block-sparse kernel's bytes, causal), ``bench_4k`` (N 4096 at
+  D 64 and 128), ``bench_16k_d64``, ``metadata`` (per-step pooled top-k + plan, N 8192-32768)
+The first seven steps of part 2 fill its budget when each takes its whole limit; the last five run in the
+time the others leave.
 
 Every step writes its log and result files into a work folder, packed after each step into
 ``<out>/gpu_session_part<N>.tar.gz`` (the device tool brings back at most 8 files); ``<out>/summary_part<N>.json``
@@ -146,8 +148,10 @@ def plan(part: int, work: Path, dry: bool) -> list[Step]:
                                              "max-autotune-no-cudagraphs", "--no-sdpa")),
             Step("ncu_bytes", 30, [PY, B + "ncu_block_sparse.py", "--n", "8192", "--d", "128", "--family", "causal",
                                    "--density", "1.0", "--ncu", ncu, "--json", f"{work}/ncu_causal.json"]),
-            Step("bench_more", 90, _bench(work, "bench_more", "--n", "4096", "16384", "--d", "64", "--families",
-                                          "sliding_window", "causal", "--densities", "0.1", "1.0")),
+            Step("bench_4k", 60, _bench(work, "bench_n4096", "--n", "4096", "--d", "64", "128", "--families",
+                                        "sliding_window", "causal", "--densities", "0.1", "1.0")),
+            Step("bench_16k_d64", 60, _bench(work, "bench_n16384_d64", "--n", "16384", "--d", "64", "--families",
+                                             "sliding_window", "causal", "--densities", "0.1", "1.0")),
             Step("metadata", 40, [PY, B + "bench_gpu_selection.py", "--parts", "metadata", "--meta-n", "8192",
                                   "16384", "32768", "--jsonl", f"{work}/metadata.jsonl"]),
         ]
