@@ -7,6 +7,11 @@
   block of ``C``; it streams the rows of ``A`` and ``B``.
 * :func:`_delta_kernel`: ``v = (O o dO) 1`` (fp32), FlashAttention-2's preprocessing.
 
+Helpers of the kernels that read contiguous ``[Z, n, d]`` operands (the forward, the large-cache
+backward): :func:`_program` (the program's block and batch element, the head-dim columns) and
+:func:`_rows` (a block of rows: indices, masks, element offsets). :func:`_store_product`: a product
+kernel's last step (``C`` stored, its three slots tallied).
+
 Counting (``COUNT_IO``): each program tallies the bytes of every masked load/store (in-range
 lanes only, :func:`~sparse_io_attn._triton.jit.nbytes`) and adds them at its end with
 :func:`~sparse_io_attn._triton.jit.io_add`. Counter slots come from :mod:`.slots`, built from the
@@ -21,6 +26,36 @@ import triton
 import triton.language as tl
 
 from sparse_io_attn.dense.triton.slots import DELTA_DO, DELTA_O, DELTA_V, MATMUL_A, MATMUL_B, MATMUL_C
+
+
+@triton.jit
+def _program(seqlen, head_dim, HEAD_DIM: tl.constexpr):
+    """This program's block (grid axis 0) and batch element ``z`` (axis 1, int64), the element where
+    ``z``'s contiguous ``[n, d]`` operand starts, and the head-dim columns with their mask."""
+    off_z = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    return tl.program_id(0), off_z, off_z * seqlen * head_dim, offs_d, offs_d < head_dim
+
+
+@triton.jit
+def _rows(base, start, BLOCK: tl.constexpr, seqlen, head_dim, offs_d, mask_d):
+    """Rows ``[start, start + BLOCK)`` of a contiguous ``[n, d]`` operand starting at element
+    ``base``: their indices, in-range mask, the tile's ``[BLOCK, HEAD_DIM]`` mask and its element
+    offsets."""
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < seqlen
+    return offs, mask, mask[:, None] & mask_d[None, :], base + offs[:, None] * head_dim + offs_d[None, :]
+
+
+@triton.jit
+def _store_product(c_ptrs, c, mask_c, rd_a, rd_b, io_ptr, COUNT_IO: tl.constexpr):
+    """A product kernel's last step: ``c`` stored (in ``C``'s dtype) where ``mask_c``, and with
+    ``COUNT_IO`` the bytes of A and B read and of C written added to their slots."""
+    tl.store(c_ptrs, c.to(c_ptrs.dtype.element_ty), mask=mask_c)
+    if COUNT_IO:
+        io_add(io_ptr, MATMUL_A, rd_a, 0)
+        io_add(io_ptr, MATMUL_B, rd_b, 0)
+        io_add(io_ptr, MATMUL_C, 0, nbytes(mask_c, c_ptrs))
 
 
 @triton.jit
@@ -93,13 +128,8 @@ def _atb_kernel(
         if COUNT_IO:
             rd_a += nbytes(mask_a, a_ptr)
             rd_b += nbytes(mask_b, b_ptr)
-    mask_o = (offs_k[:, None] < d_a) & (offs_c[None, :] < d_b)
-    tl.store(c_ptr + off_z * stride_cz + offs_k[:, None] * stride_ck + offs_c[None, :] * stride_cn,
-             (acc * alpha).to(c_ptr.dtype.element_ty), mask=mask_o)
-    if COUNT_IO:
-        io_add(io_ptr, MATMUL_A, rd_a, 0)
-        io_add(io_ptr, MATMUL_B, rd_b, 0)
-        io_add(io_ptr, MATMUL_C, 0, nbytes(mask_o, c_ptr))
+    _store_product(c_ptr + off_z * stride_cz + offs_k[:, None] * stride_ck + offs_c[None, :] * stride_cn, acc * alpha,
+                   (offs_k[:, None] < d_a) & (offs_c[None, :] < d_b), rd_a, rd_b, io_ptr, COUNT_IO)
 
 
 @triton.jit
