@@ -6,7 +6,9 @@ One folder per capability (map in ``docs/ARCHITECTURE.md``), floor by floor:
   probe, the one Triton runtime layer, the one C++ build, the byte counters and traffic reports).
 * :mod:`.layout`: :class:`BlockSparseLayout` (the centre object), its conversions, ``patterns``,
   :class:`Selection` (per-token key-block choices) and :class:`BlockSparseMatrix` (block-sparse operands).
-* :mod:`.bounds`: the lower-bound calculator.
+* :mod:`.bounds`: the lower-bound calculator; :mod:`._attention`: the attention kit the ops share (the
+  call's checks and backend choice, the ``torch.library`` op wiring, the shared Triton helpers and
+  kernels, decode and traffic constants, the float64 masked-softmax reference).
 * :mod:`.block_sparse`: :func:`block_sparse_attention` with its plan, its ``torch.library`` custom
   ops (``block_sparse.op``), its backends (``cpu/``: the C++ kernel, ``triton/``, ``torch_path/``),
   float64 ``reference``, kernel ``tiles`` and exact ``traffic`` model.

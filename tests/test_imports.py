@@ -17,7 +17,7 @@ PACKAGE = "sparse_io_attn"
 #: top-level part of the package -> floor; a module may import its own floor and those below
 FLOORS = {
     "_memory": 0, "_triton": 0, "_cpu": 0, "tally": 0, "layout": 0,
-    "bounds": 1,
+    "bounds": 1, "_attention": 1,
     "block_sparse": 2, "dense": 2, "sparse_operands": 2, "selection": 2,
     "nn": 3, "integrations": 3, "distributed": 3,
     # the facade over every traffic model, context parallelism's (distributed/traffic.py) included: above them all
@@ -53,6 +53,8 @@ LAZY: dict[tuple[str, str], str] = {
         "backend 'triton' imports Triton (slow, optional): loaded when first chosen",
     ("sparse_io_attn.selection.op", "sparse_io_attn.selection.cpu"):
         "the C++ build module marks available_for_auto for torch.compile, which imports torch._dynamo and Triton",
+    ("sparse_io_attn._attention.checks", "sparse_io_attn._cpu.build"):
+        "backend 'auto' asks whether the C++ kernels build: the build module imports torch._dynamo and Triton",
     ("sparse_io_attn.cli.bench", "sparse_io_attn.block_sparse.cpu"):
         "the C++ build module imports torch._dynamo and Triton: only when --backends names cpu",
     ("sparse_io_attn.distributed", "sparse_io_attn.distributed.module"):
@@ -148,6 +150,17 @@ def test_no_import_runs_up_the_floors():
               for name, path in MODULES.items() for target, line, _ in _imports(name, path)
               if _floor(target) > _floor(name) and name not in ALIASES]
     assert not upward, "imports of a higher floor:\n" + "\n".join(upward)
+
+
+#: the ops: one floor, side by side; what they share lives in the kit (``_attention``) below them
+OPS = ("block_sparse", "selection", "dense", "sparse_operands")
+
+
+def test_the_ops_never_import_each_other():
+    crossing = [f"{name}:{line} -> {target}" for name, path in MODULES.items() for target, line, _ in _imports(name, path)
+                if "." in name and "." in target and name.split(".")[1] in OPS
+                and target.split(".")[1] in OPS and target.split(".")[1] != name.split(".")[1]]
+    assert not crossing, "an op imports another op (move what they share to sparse_io_attn/_attention):\n" + "\n".join(crossing)
 
 
 def test_no_import_cycle():

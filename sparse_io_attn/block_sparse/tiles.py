@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2, padded_dim
-from sparse_io_attn.bounds.units import itemsize
+from sparse_io_attn._attention.tiles import (DECODE_MAX_SPLITS, DECODE_SPLIT_KEYS, DECODE_TARGET_PROGRAMS,
+                                             element_size, padded_head_dim)
+from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
 
-MAX_HEAD_DIM = 256
 @dataclass(frozen=True)
 class KernelTiles:
     """Kernel tile sizes (elements). Each tile divides the layout block along its axis."""
@@ -63,15 +63,6 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return min(n & -n, cap)
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """``HEAD_DIM`` constexpr (:func:`~sparse_io_attn._triton.shapes.padded_dim`), after checking the
-    kernels' head-dim range."""
-    if not 1 <= head_dim <= MAX_HEAD_DIM:
-        raise NotImplementedError(f"backend 'triton' supports head_dim 1..{MAX_HEAD_DIM}, got {head_dim}; "
-                                  f"use backend='torch'")
-    return padded_dim(head_dim)
-
-
 def kernel_configs(kernel: str, block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> list[KernelConfig]:
     """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a layout block
     ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, head dim and dtype: the default first, then the other
@@ -108,20 +99,8 @@ def choose_tiles(block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16)
                        dkdv=(t["dkdv"].block_m, t["dkdv"].block_n), preprocess=t["dq"].block_m)
 
 
-def element_size(dtype: torch.dtype) -> int:
-    """Bytes per element of a dtype the kernels take (float32, float16, bfloat16)."""
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    return itemsize(dtype)
-
-
 # ------------------------------------------------------------------------------------------ decode
-#: query tokens up to which the forward runs the decode kernels (split-K over each row's kept blocks)
-DECODE_MAX_QUERIES = 16
 DECODE_MAX_ROWS = 64        # rows of a decode program (heads x tokens): the fp32 accumulator's height
-DECODE_SPLIT_KEYS = 512     # keys a split holds at least (when the row has that many)
-DECODE_MAX_SPLITS = 64
-DECODE_TARGET_PROGRAMS = 264  # programs aimed at over all splits (two per SM of an H100)
 
 
 @dataclass(frozen=True)

@@ -35,19 +35,18 @@ from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
-from sparse_io_attn.block_sparse.tiles import DECODE_MAX_QUERIES, KernelTiles, choose_tiles, decode_config, element_size
+from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config
+from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, element_size
+from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
+                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
 
-INDEX_BYTES = 4  # int32 crow/col/ccol/row indices
-STAT_BYTES = 4  # fp32 lse, delta and the two softmax statistics (row max, log2 row sum)
-
-# Tensor names of each kernel's I/O counter, in slot order (the kernels' named slots are built
-# from these tuples in :mod:`.triton.slots`).
-FWD_TENSORS = ("q", "k", "v", "o", "lse", "stats", "layout", "mask")
-PREPROCESS_TENSORS = ("o", "do", "delta")
-DKDV_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dk", "dv", "layout", "mask")
-DQ_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dq", "layout", "mask")
-DECODE_TENSORS = ("q", "k", "v", "o", "lse", "stats", "partial", "layout", "mask")
-DECODE_MERGE_TENSORS = ("partial", "o", "lse", "stats")
+# Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
+# then the layout's lists and masks (the kernels' named slots are built from these tuples in
+# :mod:`.triton.slots`; the preprocess and decode-merge kernels' are the kit's).
+FWD_TENSORS = FWD_BASE + ("layout", "mask")
+DKDV_TENSORS = DKDV_BASE + ("layout", "mask")
+DQ_TENSORS = DQ_BASE + ("layout", "mask")
+DECODE_TENSORS = DECODE_BASE + ("layout", "mask")
 
 
 def _layout_multiplicity(layout, batch: int, num_heads_q: int) -> torch.Tensor:
@@ -196,13 +195,7 @@ def block_sparse_decode_forward(layout: BlockSparseLayout, batch: int, num_heads
     rep = TrafficReport(source="predicted")
     read = {"q": S * n_rows * D * es, "k": kv, "v": kv, "layout": int(index.sum()) * INDEX_BYTES,
             "mask": mask_rows * _words(cfg.block_n) * INDEX_BYTES}
-    outputs = {"o": n_rows * D * es, "lse": n_rows * STAT_BYTES, "stats": n_rows * 2 * STAT_BYTES}
-    if S == 1:
-        rep.add("attn_decode", read, outputs)
-        return rep
-    partial = S * n_rows * (2 + D) * STAT_BYTES
-    rep.add("attn_decode", read, {"partial": partial})
-    rep.add("attn_decode_merge", {"partial": partial}, outputs)
+    add_decode(rep, "attn_decode", read, n_rows, S, D, es)
     return rep
 
 
@@ -217,7 +210,7 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
     rows_q = batch * num_heads_q * layout.seqlen_q
     rows_k = batch * num_heads_kv * layout.seqlen_k
     rep = TrafficReport(source="predicted")
-    rep.add("attn_bwd_preprocess", {"o": rows_q * D * es, "do": rows_q * D * es}, {"delta": rows_q * STAT_BYTES})
+    add_preprocess(rep, "attn_bwd_preprocess", rows_q, D, es)
 
     # every query head of a group walks its own mask; summing over (b, h) covers all programs
     index, queries, mask_rows = _walk(layout, layout.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True)

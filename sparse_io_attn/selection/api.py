@@ -11,57 +11,19 @@ compiled code. Backends share one interface (inputs validated, the plan on the i
 on demand, the causal offset, how ``[B, Hq]`` index it: :meth:`~.plan.SelectionPlan.head_map`).
 ``lse`` is fp32 ``[B, Hq, Nq]`` in natural-log units (``-inf`` on rows without an allowed key, whose
 output is 0); ``stats`` fp32 ``[2, B, Hq, Nq]`` is each row's base-2 score maximum and log2 of its
-sum (``+inf``/``0`` on empty rows), what backward recomputes the probabilities from.
+sum (``+inf``/``0`` on empty rows), what backward recomputes the probabilities from. The checks and
+the backend choice are the attention kit's (:mod:`sparse_io_attn._attention.checks`), the same as
+:func:`~sparse_io_attn.block_sparse_attention`'s.
 """
 from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.api import _SUPPORTED_DTYPES, _resolve_sm_scale
+from sparse_io_attn._attention.checks import BACKENDS, check_tensors, resolve_backend, resolve_sm_scale
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.selection.op import cpu_backend, selection_attn_fwd
 from sparse_io_attn.selection.plan import SelectionPlan
-
-BACKENDS = ("auto", "torch", "triton", "cpu")
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"auto"`` -> ``"triton"`` on CUDA, ``"cpu"`` on CPU when the C++ kernels build, else ``"torch"``."""
-    if backend == "auto":
-        if device.type == "cuda":
-            return "triton"
-        if device.type == "cpu" and cpu_backend().available_for_auto():
-            return "cpu"
-        return "torch"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
-
-
-def _check_tensors(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have shape [batch, heads, seqlen, head_dim], got {tuple(t.shape)}")
-        if t.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, Hq, Nq, D = q.shape
-    if k.shape[0] != B:
-        raise ValueError(f"q has batch {B} and k has batch {k.shape[0]}; they must match")
-    if k.shape[3] != D:
-        raise ValueError(f"q has head_dim {D} and k/v have {k.shape[3]}; they must match")
-    if k.shape[1] == 0 or Hq % k.shape[1]:
-        raise ValueError(f"q has {Hq} heads and k has {k.shape[1]}; num_heads_q must be a multiple of "
-                         f"num_heads_kv (GQA/MQA)")
-
 
 def as_selection(indices, block_size, counts) -> Selection:
     """``indices`` (a :class:`Selection`, or an index tensor with ``block_size`` and ``counts``) as a
@@ -83,7 +45,7 @@ def prepare(q, k, v, indices, *, block_size=None, counts=None, causal=False, sm_
             backend: str = "auto", check: bool = True):
     """Validate a call and plan it: ``(plan, sm_scale, backend)``. ``indices`` may be a
     :class:`~.plan.SelectionPlan` already built for these lengths and causality."""
-    _check_tensors(q, k, v)
+    check_tensors(q, k, v)
     backend = resolve_backend(backend, q.device)
     if backend == "cpu":
         cpu_backend().load()   # the plan's normalisations run in C++ once the extension is loaded
@@ -112,7 +74,7 @@ def prepare(q, k, v, indices, *, block_size=None, counts=None, causal=False, sm_
     if plan.device != q.device:
         raise ValueError(f"the plan is on {plan.device} but q on {q.device}")
     plan.head_map(B, Hq, k.shape[1])
-    return plan, _resolve_sm_scale(sm_scale, D), backend
+    return plan, resolve_sm_scale(sm_scale, D), backend
 
 
 def selection_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices, *, block_size: int | None = None,

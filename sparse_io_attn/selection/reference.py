@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from sparse_io_attn.block_sparse.reference import masked_attention
+from sparse_io_attn._attention.reference import float64_attention
 from sparse_io_attn.layout.causal import causal_offset as _causal_offset
 from sparse_io_attn.layout.selection import Selection
 
@@ -44,17 +44,9 @@ def selection_mask(selection: Selection, batch: int, num_heads_q: int, seqlen_k:
 def selection_reference(q, k, v, selection: Selection, *, causal=False, sm_scale: float | None = None,
                         do: torch.Tensor | None = None):
     """Float64 selection attention: ``(out, lse)`` or, with ``do``, ``(out, lse, dq, dk, dv)``."""
-    if sm_scale is None:
-        sm_scale = q.shape[-1] ** -0.5
     B, Hq, _, _ = q.shape
     mask = selection_mask(selection, B, Hq, k.shape[2], causal=causal, device=q.device)
-    q64, k64, v64 = (t.detach().double().requires_grad_(do is not None) for t in (q, k, v))
-    with torch.enable_grad():
-        out, lse = masked_attention(q64, k64, v64, mask, sm_scale)
-        if do is None:
-            return out.detach(), lse.detach()
-        dq, dk, dv = torch.autograd.grad(out, (q64, k64, v64), do.double())
-    return out.detach(), lse.detach(), dq, dk, dv
+    return float64_attention(q, k, v, mask, sm_scale, do)
 
 
 __all__ = ["selection_mask", "selection_reference"]

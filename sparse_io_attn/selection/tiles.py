@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
-from sparse_io_attn.block_sparse.tiles import (DECODE_MAX_QUERIES, DECODE_MAX_SPLITS, DECODE_SPLIT_KEYS,
-                                               DECODE_TARGET_PROGRAMS, element_size, padded_head_dim)
+from sparse_io_attn._attention.tiles import (DECODE_MAX_QUERIES, DECODE_MAX_SPLITS, DECODE_SPLIT_KEYS,
+                                             DECODE_TARGET_PROGRAMS, element_size, padded_head_dim)
 
 KERNELS = ("fwd", "dq", "dkdv")
 

@@ -33,20 +33,22 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.tiles import element_size
-from sparse_io_attn.block_sparse.traffic import DECODE_MERGE_TENSORS, INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES
+from sparse_io_attn._attention.tiles import element_size
+from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
+                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
                                             decode_config, key_step, key_tile, sel_heads)
 from sparse_io_attn._triton.shapes import next_pow2
 from sparse_io_attn.tally.report import TrafficReport
 
-# Tensor names of each kernel's I/O counter, in slot order (the kernels' named slots are built
-# from these tuples in :mod:`.triton.slots`; the preprocess kernel is the block-sparse one).
-FWD_TENSORS = ("q", "k", "v", "o", "lse", "stats", "plan")
-DKDV_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dk", "dv", "plan")
-DQ_TENSORS = ("q", "k", "v", "do", "stats", "delta", "dq", "plan")
-DECODE_TENSORS = ("q", "k", "v", "o", "lse", "stats", "partial", "plan")
+# Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
+# then the plan's rows (the kernels' named slots are built from these tuples in :mod:`.triton.slots`;
+# the preprocess and merge kernels are the attention kit's).
+FWD_TENSORS = FWD_BASE + ("plan",)
+DKDV_TENSORS = DKDV_BASE + ("plan",)
+DQ_TENSORS = DQ_BASE + ("plan",)
+DECODE_TENSORS = DECODE_BASE + ("plan",)
 KERNEL_NAMES = ("selection_fwd", "selection_bwd_preprocess", "selection_bwd_dkdv", "selection_bwd_dq")
 DECODE_KERNEL_NAMES = ("selection_decode", "selection_decode_merge")
 
@@ -165,13 +167,7 @@ def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, 
     if not rows:            # an empty grid is not launched
         return rep
     reads = {"q": S * rows * D * es, "k": keys * D * es, "v": keys * D * es, "plan": entries * INDEX_BYTES}
-    partial = S * rows * (2 + D) * STAT_BYTES
-    outputs = {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES}
-    if S == 1:
-        rep.add("selection_decode", reads, outputs)
-    else:
-        rep.add("selection_decode", reads, {"partial": partial})
-        rep.add("selection_decode_merge", {"partial": partial}, outputs)
+    add_decode(rep, "selection_decode", reads, rows, S, D, es)
     return rep
 
 
@@ -187,9 +183,7 @@ def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_he
     rows_q = batch * num_heads_q * Nq
     rows_k = batch * num_heads_kv * Nk
     rep = TrafficReport(source="predicted")
-    if rows_q:              # (an empty grid is not launched)
-        rep.add("selection_bwd_preprocess", {"o": rows_q * D * es, "do": rows_q * D * es},
-                {"delta": rows_q * STAT_BYTES})
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es)
 
     # dK/dV: live key tiles per block (a tile starting inside the block and the sequence)
     block_m, block_n = tiles.dkdv

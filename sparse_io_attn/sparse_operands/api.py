@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.api import resolve_backend
+from sparse_io_attn._attention.checks import resolve_backend
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands import torch_path

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sparse_io_attn._triton.shapes import padded_dim
-from sparse_io_attn.block_sparse.api import _resolve_sm_scale
+from sparse_io_attn._attention.checks import resolve_sm_scale
 from sparse_io_attn.layout._csr import INDEX_DTYPE
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
@@ -261,7 +261,7 @@ def check_scale(scale) -> float:
     if scale is None:
         raise TypeError("scale must be a finite real number (the paper uses 1.0), got None")
     try:
-        return _resolve_sm_scale(scale, 1)
+        return resolve_sm_scale(scale, 1)
     except TypeError:
         raise TypeError(f"scale must be a finite real number (int, float, NumPy scalar, 0-d real tensor), got "
                         f"{type(scale).__name__}" + (f" of shape {tuple(scale.shape)} and dtype {scale.dtype}"

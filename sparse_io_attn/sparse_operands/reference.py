@@ -1,7 +1,7 @@
 """Float64 reference of :func:`sparse_io_attn.sparse_operands.attention`, what the tests compare both
 backends with: every operand expanded to a dense float64 tensor, ``Q = A1 X``, ``h = A3 Y`` per
 ``(batch element, head)``, the QK block mask expanded to elements and masked with ``-inf``
-(:func:`sparse_io_attn.block_sparse.reference.masked_attention`: a query row with no key gives output
+(:func:`sparse_io_attn._attention.reference.masked_attention`: a query row with no key gives output
 0 and lse ``-inf``, not NaN), and the five gradients by float64 autograd. A block-sparse operand's
 expected gradient is the dense gradient restricted to its stored blocks (``values``-shaped; a
 list of matrices, per batch element or per head, gets a list), which is what the backends return on
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.reference import masked_attention
+from sparse_io_attn._attention.reference import masked_attention
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.matrix import BlockSparseMatrix
 from sparse_io_attn.sparse_operands.batch import dense_stack, is_list, squeeze

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn.block_sparse.reference import masked_attention
+from sparse_io_attn._attention.reference import masked_attention
 from sparse_io_attn.sparse_operands.batch import Batch, dense_stack, expand
 
 #: score bytes one masked-softmax pass works on at a time (a core's L2 share): larger ``[B, H, n, n]``

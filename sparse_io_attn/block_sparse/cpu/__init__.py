@@ -37,7 +37,9 @@ cached per checkout, Python environment, torch version and CPU kind). Without a 
 falls back to the torch path with one warning and ``backend="cpu"`` raises ``RuntimeError`` saying what is missing.
 """
 from sparse_io_attn._cpu.build import available_for_auto, is_available, load, unavailable_reason
-from sparse_io_attn.block_sparse.cpu._launch import DECODE_MAX_QUERIES, backward, decode_work_bytes, forward
+from sparse_io_attn._attention.cpu import decode_work_bytes
+from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES
+from sparse_io_attn.block_sparse.cpu._launch import backward, forward
 
 __all__ = ["forward", "backward", "available_for_auto", "decode_work_bytes", "DECODE_MAX_QUERIES", "is_available",
            "load", "unavailable_reason"]

@@ -3,19 +3,12 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._cpu.build import load
-from sparse_io_attn.block_sparse.plan import AttentionPlan
-
+from sparse_io_attn._attention.cpu import check_cpu
 # query tokens up to which the forward runs the decode kernel: one constant for every backend (the C++
 # decode ops take any Nq; MAX_QUERIES in _cpu/split_k.h names the same threshold)
-from sparse_io_attn.block_sparse.tiles import DECODE_MAX_QUERIES  # noqa: E402
-
-
-def _check_cpu(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise ValueError(f"backend 'cpu' runs on CPU tensors, got a tensor on {t.device}; use "
-                             f"backend='auto' or 'triton' for CUDA tensors")
+from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES
+from sparse_io_attn._cpu.build import load
+from sparse_io_attn.block_sparse.plan import AttentionPlan
 
 
 def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None):
@@ -23,7 +16,7 @@ def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | Non
 
     ``decode``: run the decode kernel (split-K over each row's kept blocks, K/V read in place, nothing
     packed or converted outside the kept blocks); ``None`` (default): when ``Nq <= 16``."""
-    _check_cpu(q, k, v)
+    check_cpu(q, k, v)
     stride_lb, stride_lh = plan.layout_strides(q.shape[0], q.shape[1])
     ops = load()
     if decode is None:
@@ -35,14 +28,8 @@ def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | Non
 
 def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float):
     """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
-    _check_cpu(do, q, k, v, out, stats)
+    check_cpu(do, q, k, v, out, stats)
     stride_lb, stride_lh = plan.layout_strides(q.shape[0], q.shape[1])
     return load().bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), stats.to(torch.float32), *plan.cols.tensors(),
                       plan.masks, plan.masks_t, plan.BLOCK_SIZE_Q, plan.BLOCK_SIZE_KV, stride_lb, stride_lh,
                       plan.causal_offset, float(sm_scale))
-
-
-def decode_work_bytes() -> int:
-    """Bytes of work buffers the last decode call (block-sparse or selection) allocated: per worker a
-    few tiles plus the splits' partial results, independent of the KV length (a check for tests)."""
-    return int(load().decode_work_bytes())

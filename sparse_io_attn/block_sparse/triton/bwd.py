@@ -2,7 +2,8 @@
 
 FlashAttention-2 style and deterministic (no atomics on data):
 
-* ``_attn_bwd_preprocess_kernel``: ``delta = rowsum(dO * O)`` (fp32 ``[B, Hq, Nq]``).
+* the preprocess ``delta = rowsum(dO * O)`` (fp32 ``[B, Hq, Nq]``) is the attention kit's
+  (:func:`~sparse_io_attn._attention.triton.kernels.attn_bwd_preprocess_kernel`).
 * ``_attn_bwd_dkdv_kernel``: one program per (key tile, batch x kv head). For every query head of
   the GQA group it walks the CSC schedule of its key block (partial query blocks, then full ones,
   each a flat loop over query tiles of ``BLOCK_M``), so dK/dV are summed over the group inside
@@ -18,53 +19,14 @@ get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _scores, _tile_bits
-from sparse_io_attn.block_sparse.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_LAYOUT,
-                                                      DKDV_STATS, DKDV_MASK, DKDV_Q, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ,
-                                                      DQ_K, DQ_LAYOUT, DQ_STATS, DQ_MASK, DQ_Q, DQ_V, PRE_DELTA,
-                                                      PRE_DO, PRE_O)
+from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
+from sparse_io_attn._attention.triton.tally import tally_dkdv, tally_dq
+from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _list_range, _query_tile, _tile_bits
+from sparse_io_attn.block_sparse.triton.slots import DKDV_LAYOUT, DKDV_MASK, DQ_LAYOUT, DQ_MASK
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-
-@triton.jit
-def _load_stats(stats_ptr, stats_stride, rows, mask_m):
-    """The forward's row maximum (base 2) and ``log2`` row sum; ``m = +inf`` on empty and padded
-    rows, so that ``p = exp2((s - m) - log2_sum) = 0`` there."""
-    m = tl.load(stats_ptr + rows, mask=mask_m, other=float("inf"))
-    log2_sum = tl.load(stats_ptr + stats_stride + rows, mask=mask_m, other=0.0)
-    return m, log2_sum
-
-
-@triton.jit
-def _attn_bwd_preprocess_kernel(
-    o_ptr, do_ptr, delta_ptr, io_ptr,
-    stride_oz, stride_oh, stride_om, stride_od,
-    stride_doz, stride_doh, stride_dom, stride_dod,
-    seqlen_q, num_heads_q, head_dim,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_zh = tl.program_id(1)
-    off_z = (pid_zh // num_heads_q).to(tl.int64)
-    off_h = (pid_zh % num_heads_q).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < seqlen_q
-    mask = mask_m[:, None] & (offs_d < head_dim)[None, :]
-    o = tl.load(o_ptr + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
-    do = tl.load(do_ptr + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
-    tl.store(delta_ptr + pid_zh.to(tl.int64) * seqlen_q + offs_m, delta, mask=mask_m)
-    if COUNT_IO:
-        rows = tl.sum(mask_m.to(tl.int64))
-        io_add(io_ptr, PRE_O, rows * head_dim * ELEM_BYTES, 0)
-        io_add(io_ptr, PRE_DO, rows * head_dim * ELEM_BYTES, 0)
-        io_add(io_ptr, PRE_DELTA, 0, rows * 4)
 
 
 @triton.jit
@@ -94,16 +56,15 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
                     mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
         do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                      mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-        m_row, log2_sum = _load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
+        m_row, log2_sum = load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
         delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
         row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
         valid = mask_m[:, None] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
                                              mask_m[:, None], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_M, BLOCK_N]
         if IS_CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
-        pT = tl.math.exp2(tl.where(tl.trans(valid), (sT - m_row[None, :]) - log2_sum[None, :],
-                                   float("-inf")))  # [BLOCK_N, BLOCK_M]
+        sT = tl.trans(tl.where(valid, score_tile(q, k, qk_scale, DOT_DTYPE), float("-inf")))  # [BLOCK_N, BLOCK_M]
+        pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
         if COUNT_IO:
             queries_loaded += tl.sum(mask_m.to(tl.int64))
             mask_rows += tl.where(mask_id >= 0, tl.sum(mask_m.to(tl.int64)), 0)
@@ -121,12 +82,9 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
         m_row = tl.load(stats_ptr + row_base + offs_m)  # [BLOCK_M], finite: the row keeps this block
         log2_sum = tl.load(stats_ptr + stats_stride + row_base + offs_m)
         delta = tl.load(delta_ptr + row_base + offs_m)
-        sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
-        pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
-    dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-    dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
-    dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
-    dk = dot(dsT, q, dk, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+        sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+        pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
+    dk, dv = dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
     return dk, dv, queries_loaded, mask_rows
 
 
@@ -177,11 +135,9 @@ def _attn_bwd_dkdv_kernel(
         q_base = q_ptr + off_z * stride_qz + off_h * stride_qh
         do_base = do_ptr + off_z * stride_doz + off_h * stride_doh
         row_base = (off_z * num_heads_q + off_h) * seqlen_q  # stats / delta are contiguous [.., B, Hq, Nq]
-        col = (off_z * stride_lb + off_h * stride_lh) * (num_kv_blocks + 1) + n_start // BLOCK_SIZE_KV
-        part_start = tl.load(part_ptr_ptr + col)
-        part_end = tl.load(part_ptr_ptr + col + 1)
-        full_start = tl.load(full_ptr_ptr + col)
-        full_end = tl.load(full_ptr_ptr + col + 1)
+        part_start, part_end, full_start, full_end = _list_range(
+            full_ptr_ptr, part_ptr_ptr,
+            (off_z * stride_lb + off_h * stride_lh) * (num_kv_blocks + 1) + n_start // BLOCK_SIZE_KV)
 
         # 1. partial blocks: padding, causal and element masks; 2. full blocks: no mask, no bounds checks
         for t in range(0, (part_end - part_start) * TILES_M):
@@ -209,16 +165,7 @@ def _attn_bwd_dkdv_kernel(
              + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
 
     if COUNT_IO:
-        rows = tl.sum(mask_n.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
-        io_add(io_ptr, DKDV_Q, queries_loaded * row_bytes, 0)
-        io_add(io_ptr, DKDV_K, rows * row_bytes, 0)
-        io_add(io_ptr, DKDV_V, rows * row_bytes, 0)
-        io_add(io_ptr, DKDV_DO, queries_loaded * row_bytes, 0)
-        io_add(io_ptr, DKDV_STATS, queries_loaded * 8, 0)
-        io_add(io_ptr, DKDV_DELTA, queries_loaded * 4, 0)
-        io_add(io_ptr, DKDV_DK, 0, rows * row_bytes)
-        io_add(io_ptr, DKDV_DV, 0, rows * row_bytes)
+        tally_dkdv(io_ptr, queries_loaded, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES)
         io_add(io_ptr, DKDV_LAYOUT, index_entries * 4, 0)
         io_add(io_ptr, DKDV_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)
 
@@ -236,17 +183,14 @@ def _attn_bwd_dq_step(dq, keys_loaded, mask_rows, q, do, m_row, log2_sum, delta,
         k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block,
         m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
         BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, MASKED)
-    s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]: as the forward rounds it
+    s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]: as the forward rounds it
     if MASKED:
-        p = tl.math.exp2(tl.where(valid, (s - m_row[:, None]) - log2_sum[:, None], float("-inf")))  # [BLOCK_M, BLOCK_N]
+        s = tl.where(valid, s, float("-inf"))
         if COUNT_IO:
             keys_loaded += keys
             mask_rows += tile_mask_rows
-    else:
-        p = tl.math.exp2((s - m_row[:, None]) - log2_sum[:, None])  # [BLOCK_M, BLOCK_N]
-    dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
-    ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-    dq = dot(ds, k, dq, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    p = probabilities(s, m_row[:, None], log2_sum[:, None])  # [BLOCK_M, BLOCK_N]
+    dq = dq_step(dq, p, do, k, v, delta, DOT_DTYPE)
     return dq, keys_loaded, mask_rows
 
 
@@ -266,17 +210,9 @@ def _attn_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
-    pid_m = tl.program_id(0)
     pid_zh = tl.program_id(1)
-    off_z = (pid_zh // num_heads_q).to(tl.int64)
-    off_h = pid_zh % num_heads_q
-    off_hkv = (off_h // (num_heads_q // num_heads_kv)).to(tl.int64)
-    m_start = pid_m * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < seqlen_q
-    mask_d = offs_d < head_dim
+    off_z, off_h, off_hkv, m_start, offs_m, offs_n, offs_d, mask_m, mask_d = _query_tile(
+        tl.program_id(0), pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, BLOCK_M, BLOCK_N, HEAD_DIM)
     mask_md = mask_m[:, None] & mask_d[None, :]
 
     q = tl.load(q_ptr + off_z * stride_qz + off_h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
@@ -284,16 +220,13 @@ def _attn_bwd_dq_kernel(
     do = tl.load(do_ptr + off_z * stride_doz + off_h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :] * stride_dod, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
     row_base = pid_zh.to(tl.int64) * seqlen_q
-    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
+    m_row, log2_sum = load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
     delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
-    row = (off_z * stride_lb + off_h * stride_lh) * (num_q_blocks + 1) + m_start // BLOCK_SIZE_Q
-    part_start = tl.load(part_ptr_ptr + row)
-    part_end = tl.load(part_ptr_ptr + row + 1)
-    full_start = tl.load(full_ptr_ptr + row)
-    full_end = tl.load(full_ptr_ptr + row + 1)
+    part_start, part_end, full_start, full_end = _list_range(
+        full_ptr_ptr, part_ptr_ptr, (off_z * stride_lb + off_h * stride_lh) * (num_q_blocks + 1) + m_start // BLOCK_SIZE_Q)
     row_in_block = m_start % BLOCK_SIZE_Q + tl.arange(0, BLOCK_M)
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
     qk_scale = sm_scale * LOG2E
@@ -323,16 +256,8 @@ def _attn_bwd_dq_kernel(
              + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_md)
 
     if COUNT_IO:
-        rows = tl.sum(mask_m.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
+        tally_dq(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES)
         n_part = (part_end - part_start).to(tl.int64) * TILES_N
         n_full = (full_end - full_start).to(tl.int64) * TILES_N
-        io_add(io_ptr, DQ_Q, rows * row_bytes, 0)
-        io_add(io_ptr, DQ_K, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DQ_V, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DQ_DO, rows * row_bytes, 0)
-        io_add(io_ptr, DQ_STATS, rows * 8, 0)
-        io_add(io_ptr, DQ_DELTA, rows * 4, 0)
-        io_add(io_ptr, DQ_DQ, 0, rows * row_bytes)
         io_add(io_ptr, DQ_LAYOUT, (4 + 2 * n_part + n_full) * 4, 0)
         io_add(io_ptr, DQ_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)

@@ -10,8 +10,9 @@ ones, as the forward walks them) are cut into ``NUM_SPLITS`` contiguous ranges; 
 the partial and full items of range ``s`` with the forward's step (:func:`.fwd._attn_fwd_step`:
 the same masks, scores and online softmax). With one split it writes ``o``, ``lse`` and ``stats``
 like the forward; otherwise its partial row results (``m``, ``l`` and the unnormalised ``acc``, fp32)
-go to the ``partial`` buffer and ``_attn_decode_merge_kernel`` merges each row's splits in split
-order (log-sum-exp), then writes ``o``, ``lse``, ``stats``. K/V are read where they live (any
+go to the ``partial`` buffer and the attention kit's merge kernel
+(:func:`~sparse_io_attn._attention.triton.kernels.attn_decode_merge_kernel`) merges each row's
+splits in split order (log-sum-exp), then writes ``o``, ``lse``, ``stats``. K/V are read where they live (any
 strides): nothing outside the kept blocks is touched.
 
 With ``COUNT_IO`` each program tallies the bytes it moves per tensor (the forward's convention;
@@ -19,28 +20,14 @@ the traffic model is :func:`sparse_io_attn.block_sparse.traffic.block_sparse_dec
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import LN2, LOG2E, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_step
-from sparse_io_attn.block_sparse.triton.slots import (DEC_K, DEC_LAYOUT, DEC_LSE, DEC_MASK, DEC_O, DEC_PARTIAL,
-                                                      DEC_Q, DEC_STATS, DEC_V, MERGE_LSE, MERGE_O, MERGE_PARTIAL,
-                                                      MERGE_STATS)
+from sparse_io_attn._attention.triton.softmax import store_split_rows
+from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_step, _list_range
+from sparse_io_attn.block_sparse.triton.slots import DEC_LAYOUT, DEC_MASK
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-
-@triton.jit
-def _store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, offs_d, mask_r, mask_d, stats_stride):
-    """The rows' outputs from ``(acc, l, m)``: ``o = acc / l`` (0 on empty rows), ``lse`` (natural log,
-    ``-inf`` on empty rows) and ``stats`` (row maximum, log2 row sum; ``+inf``/0 on empty rows)."""
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
-    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=mask_r[:, None] & mask_d[None, :])
-    tl.store(lse_ptr + rows_out, tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2), mask=mask_r)
-    tl.store(stats_ptr + rows_out, tl.where(empty, float("inf"), m_i), mask=mask_r)
-    tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_r)
 
 
 @triton.jit
@@ -82,11 +69,8 @@ def _attn_decode_kernel(
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
     # the program's list row, and its items: partial tiles [0, P), full tiles [P, T); split s takes [lo, hi)
-    row = (off_z * stride_lb + h0 * stride_lh) * (num_q_blocks + 1) + r
-    part_start = tl.load(part_ptr_ptr + row)
-    part_end = tl.load(part_ptr_ptr + row + 1)
-    full_start = tl.load(full_ptr_ptr + row)
-    full_end = tl.load(full_ptr_ptr + row + 1)
+    part_start, part_end, full_start, full_end = _list_range(
+        full_ptr_ptr, part_ptr_ptr, (off_z * stride_lb + h0 * stride_lh) * (num_q_blocks + 1) + r)
     n_part = (part_end - part_start) * TILES_N
     n_items = n_part + (full_end - full_start) * TILES_N
     lo = (split * n_items) // NUM_SPLITS
@@ -118,75 +102,14 @@ def _attn_decode_kernel(
             MASKED=False)
 
     rows_out = (off_z * num_heads_q + head) * seqlen_q + offs_m      # [BLOCK_M]: the rows' flat index
-    if NUM_SPLITS == 1:
-        _store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out,
-                    off_z * stride_oz + head.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
-                    mask_m, mask_d, stats_stride)
-    else:   # partial [NUM_SPLITS, rows, 2 + HEAD_DIM]: m, l, acc of each (split, row)
-        base = partial_ptr + (split * stats_stride + rows_out.to(tl.int64)) * (2 + HEAD_DIM)
-        tl.store(base, m_i, mask=mask_m)
-        tl.store(base + 1, l_i, mask=mask_m)
-        tl.store(base[:, None] + 2 + offs_d[None, :], acc, mask=mask_m[:, None] & mask_d[None, :])
+    store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
+                     off_z * stride_oz + head.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
+                     offs_d, mask_m, mask_d, stats_stride, HEAD_DIM, NUM_SPLITS)
 
     if COUNT_IO:
-        rows = tl.sum(mask_m.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
         keys_loaded += (full_hi - full_lo).to(tl.int64) * BLOCK_N
-        io_add(io_ptr, DEC_Q, rows * row_bytes, 0)
-        io_add(io_ptr, DEC_K, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DEC_V, keys_loaded * row_bytes, 0)
-        if NUM_SPLITS == 1:
-            io_add(io_ptr, DEC_O, 0, rows * row_bytes)
-            io_add(io_ptr, DEC_LSE, 0, rows * 4)
-            io_add(io_ptr, DEC_STATS, 0, rows * 8)
-        else:
-            io_add(io_ptr, DEC_PARTIAL, 0, rows * (2 + head_dim) * 4)
+        tally_forward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, NUM_SPLITS)
         n_tiles = (part_hi - lo).to(tl.int64)
         n_tiles = tl.where(n_tiles > 0, n_tiles, 0)
         io_add(io_ptr, DEC_LAYOUT, (4 + 2 * n_tiles + (full_hi - full_lo)) * 4, 0)
         io_add(io_ptr, DEC_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)
-
-
-@triton.jit
-def _attn_decode_merge_kernel(
-    partial_ptr, o_ptr, lse_ptr, stats_ptr, io_ptr,
-    stride_oz, stride_oh, stride_om, stride_od,
-    num_rows, seqlen_q, num_heads_q, head_dim,
-    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    COUNT_IO: tl.constexpr,
-):
-    """One program per ``BLOCK_R`` rows: the splits' partial results merged in split order
-    (``M = max m_s``, ``L = sum l_s 2^(m_s - M)``, ``o = sum acc_s 2^(m_s - M) / L``, as a running
-    merge), then ``o``, ``lse``, ``stats``. Splits without an allowed key (``l_s = 0``) add nothing."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rows < num_rows
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < head_dim
-    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    for s in tl.range(0, NUM_SPLITS, num_stages=2):   # (its own stages: the pipeliner multi-buffers the loads)
-        base = partial_ptr + (s * num_rows + rows.to(tl.int64)) * (2 + HEAD_DIM)
-        m_s = tl.load(base, mask=mask_r, other=float("-inf"))
-        l_s = tl.load(base + 1, mask=mask_r, other=0.0)
-        a_s = tl.load(base[:, None] + 2 + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
-        live = l_s != 0.0
-        m_new = tl.where(live, tl.maximum(m_i, m_s), m_i)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)    # finite: no -inf - -inf
-        alpha = tl.where(m_i == float("-inf"), 0.0, tl.math.exp2(m_i - m_ref))
-        beta = tl.where(live, tl.math.exp2(m_s - m_ref), 0.0)
-        l_i = l_i * alpha + l_s * beta
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        m_i = m_new
-    z = rows // (num_heads_q * seqlen_q)
-    h = (rows // seqlen_q) % num_heads_q
-    m = rows % seqlen_q
-    _store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows,
-                z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + m * stride_om, offs_d * stride_od,
-                mask_r, mask_d, num_rows)
-    if COUNT_IO:
-        n = tl.sum(mask_r.to(tl.int64))
-        io_add(io_ptr, MERGE_PARTIAL, n * NUM_SPLITS * (2 + head_dim) * 4, 0)
-        io_add(io_ptr, MERGE_O, 0, n * head_dim * ELEM_BYTES)
-        io_add(io_ptr, MERGE_LSE, 0, n * 4)
-        io_add(io_ptr, MERGE_STATS, 0, n * 8)

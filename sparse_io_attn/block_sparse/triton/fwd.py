@@ -15,14 +15,19 @@ multi-buffer the K/V loads:
 Online softmax in base 2 with ``sm_scale * LOG2E`` folded into one multiply; fp32 accumulators.
 Writes ``o`` (input dtype), ``lse`` (fp32, natural log, ``-inf`` on rows with no allowed key,
 whose output is 0) and ``stats`` (fp32 ``[2, rows]``: the base-2 row maximum ``m`` and ``log2`` of
-the row sum, ``+inf``/``0`` on empty rows), from which backward recomputes ``P`` exactly as here. With ``COUNT_IO`` each program tallies the bytes it moves per tensor and adds
-them once at its end (compiled out otherwise).
+the row sum, ``+inf``/``0`` on empty rows), from which backward recomputes ``P`` as here (the
+attention kit's :mod:`~sparse_io_attn._attention.triton.softmax`). With ``COUNT_IO`` each program
+tallies the bytes it moves per tensor and adds them once at its end (compiled out otherwise).
+
+The prologue every row kernel shares (forward, dQ, decode: the program's query tile and its lists'
+ranges) is :func:`_query_tile` and :func:`_list_range`.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import FP32_MAX, LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.slots import (FWD_K, FWD_LAYOUT, FWD_LSE, FWD_MASK, FWD_O, FWD_Q, FWD_STATS,
-                                                      FWD_V)
+from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
+from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.block_sparse.triton.slots import FWD_LAYOUT, FWD_MASK
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -40,14 +45,27 @@ def _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block, load_ok,
 
 
 @triton.jit
-def _scores(q, k, qk_scale, DOT_DTYPE: tl.constexpr):
-    """Base-2 scores ``q @ k^T * qk_scale`` (``[rows of q, rows of k]``, fp32), saturated to the
-    finite fp32 range: a score past it would be +-inf and the row maximum's subtraction
-    ``inf - inf`` NaN; saturated, a row's largest scores share its probability. Every kernel forms
-    its scores here, so backward recomputes them exactly as the forward did. NaN stays NaN."""
-    s = dot(q, tl.trans(k), None, DOT_DTYPE) * qk_scale
-    return tl.minimum(tl.maximum(s, -FP32_MAX, propagate_nan=tl.PropagateNan.ALL), FP32_MAX,
-                      propagate_nan=tl.PropagateNan.ALL)
+def _query_tile(pid_m, pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The query tile of program ``(pid_m, pid_zh = batch x query head)``: ``(off_z, off_h, off_hkv,
+    m_start, offs_m, offs_n, offs_d, mask_m, mask_d)`` (the KV head of the GQA group; key lanes
+    ``offs_n`` of a tile, head-dim lanes ``offs_d``)."""
+    off_z = (pid_zh // num_heads_q).to(tl.int64)
+    off_h = pid_zh % num_heads_q
+    off_hkv = (off_h // (num_heads_q // num_heads_kv)).to(tl.int64)
+    m_start = pid_m * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    return (off_z, off_h, off_hkv, m_start, offs_m, tl.arange(0, BLOCK_N), offs_d, offs_m < seqlen_q,
+            offs_d < head_dim)
+
+
+@triton.jit
+def _list_range(full_ptr_ptr, part_ptr_ptr, entry):
+    """``(part_start, part_end, full_start, full_end)``: the partial and full lists' ranges of one CSR
+    row (or CSC column) ``entry`` of the schedule."""
+    return (tl.load(part_ptr_ptr + entry), tl.load(part_ptr_ptr + entry + 1), tl.load(full_ptr_ptr + entry),
+            tl.load(full_ptr_ptr + entry + 1))
 
 
 @triton.jit
@@ -113,22 +131,14 @@ def _attn_fwd_step(acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, idx
         k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block,
         m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
         BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, MASKED)
-    s = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
+    s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
         if COUNT_IO:
             keys_loaded += keys
             mask_rows += tile_mask_rows
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M], finite: every element allowed
-        m_shift = m_new
-    p = tl.math.exp2(s - m_shift[:, None])  # [BLOCK_M, BLOCK_N]
-    alpha = tl.math.exp2(m_i - m_shift)  # [BLOCK_M]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
-    return acc, l_i, m_new, keys_loaded, mask_rows
+    acc, l_i, m_i = softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE, MAY_BE_EMPTY=MASKED)
+    return acc, l_i, m_i, keys_loaded, mask_rows
 
 
 @triton.jit
@@ -146,17 +156,9 @@ def _attn_fwd_kernel(
     IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
-    pid_m = tl.program_id(0)
     pid_zh = tl.program_id(1)
-    off_z = (pid_zh // num_heads_q).to(tl.int64)
-    off_h = pid_zh % num_heads_q
-    off_hkv = (off_h // (num_heads_q // num_heads_kv)).to(tl.int64)
-    m_start = pid_m * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_m = offs_m < seqlen_q
-    mask_d = offs_d < head_dim
+    off_z, off_h, off_hkv, m_start, offs_m, offs_n, offs_d, mask_m, mask_d = _query_tile(
+        tl.program_id(0), pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, BLOCK_M, BLOCK_N, HEAD_DIM)
 
     q = tl.load(q_ptr + off_z * stride_qz + off_h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM]
@@ -164,11 +166,8 @@ def _attn_fwd_kernel(
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
     # this tile's row of the schedule (absolute offsets into the lists)
-    row = (off_z * stride_lb + off_h * stride_lh) * (num_q_blocks + 1) + m_start // BLOCK_SIZE_Q
-    part_start = tl.load(part_ptr_ptr + row)
-    part_end = tl.load(part_ptr_ptr + row + 1)
-    full_start = tl.load(full_ptr_ptr + row)
-    full_end = tl.load(full_ptr_ptr + row + 1)
+    part_start, part_end, full_start, full_end = _list_range(
+        full_ptr_ptr, part_ptr_ptr, (off_z * stride_lb + off_h * stride_lh) * (num_q_blocks + 1) + m_start // BLOCK_SIZE_Q)
     row_in_block = m_start % BLOCK_SIZE_Q + tl.arange(0, BLOCK_M)
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1   # last real query row of the tile
 
@@ -197,28 +196,13 @@ def _attn_fwd_kernel(
     if COUNT_IO:
         keys_loaded += (full_end - full_start).to(tl.int64) * BLOCK_SIZE_KV
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
-    row_max = tl.where(empty, float("inf"), m_i)
-    lse = tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2)
-    tl.store(o_ptr + off_z * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
-             + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-    rows_out = pid_zh.to(tl.int64) * seqlen_q + offs_m
-    tl.store(lse_ptr + rows_out, lse, mask=mask_m)
-    tl.store(stats_ptr + rows_out, row_max, mask=mask_m)
-    tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_m)
+    store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, pid_zh.to(tl.int64) * seqlen_q + offs_m,
+               off_z * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
+               mask_m, mask_d, stats_stride)
 
     if COUNT_IO:
-        rows = tl.sum(mask_m.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
+        tally_forward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, 1)
         n_part = (part_end - part_start).to(tl.int64) * TILES_N
         n_full = (full_end - full_start).to(tl.int64) * TILES_N
-        io_add(io_ptr, FWD_Q, rows * row_bytes, 0)
-        io_add(io_ptr, FWD_K, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, FWD_V, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, FWD_O, 0, rows * row_bytes)
-        io_add(io_ptr, FWD_LSE, 0, rows * 4)
-        io_add(io_ptr, FWD_STATS, 0, rows * 8)
         io_add(io_ptr, FWD_LAYOUT, (4 + 2 * n_part + n_full) * 4, 0)
         io_add(io_ptr, FWD_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)

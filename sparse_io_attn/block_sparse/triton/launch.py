@@ -11,9 +11,10 @@ plan on the tensors' device):
 
 The kernels walk the lists of an :class:`~sparse_io_attn.block_sparse.plan.AttentionPlan`:
 partial blocks masked, full blocks unmasked. Each launch is described once by a *call* (kernel,
-grid, counter names, configs, arguments: :func:`forward_calls`, :func:`backward_calls`), used by
-the launchers and by :mod:`.report`, which compiles the same calls for a GPU architecture. Launch
-configurations (tiles, warps, stages) come from :func:`sparse_io_attn.block_sparse.tiles.kernel_configs`:
+grid, counter names, configs, arguments: the attention kit's
+:class:`~sparse_io_attn._attention.triton.launch.Call`; :func:`forward_calls`, :func:`backward_calls`),
+run by the kit's :func:`~sparse_io_attn._attention.triton.launch.run` and compiled for a GPU
+architecture by :mod:`.report` from the same calls. Launch configurations (tiles, warps, stages) come from :func:`sparse_io_attn.block_sparse.tiles.kernel_configs`:
 on CUDA the kernels are autotuned over them, otherwise (interpreter, counting with
 :class:`~sparse_io_attn.accounting.IOCounter`, ``SPARSE_IO_ATTN_NO_AUTOTUNE=1``) the first runs,
 whose tiles the traffic model assumes by default; :func:`launched_tiles` gives the tiles the last
@@ -21,48 +22,28 @@ launches used (pass them to the traffic model after autotuning).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
+from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, padded_head_dim
+from sparse_io_attn._attention.triton.launch import (Call, decode_partial, forward_outputs, last_tiles, merge_call,
+                                                     preprocess_call, run, strides)
+from sparse_io_attn._triton.runtime import check_device, dot_dtype
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists
-from sparse_io_attn.block_sparse.tiles import (DECODE_MAX_QUERIES, KernelTiles, choose_tiles, decode_config,
-                                               kernel_configs, padded_head_dim)
-from sparse_io_attn.block_sparse.traffic import (DECODE_MERGE_TENSORS, DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS,
-                                                 FWD_TENSORS, PREPROCESS_TENSORS)
-from sparse_io_attn.block_sparse.triton.bwd import (_attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel,
-                                                    _attn_bwd_preprocess_kernel)
-from sparse_io_attn.block_sparse.triton.decode import _attn_decode_kernel, _attn_decode_merge_kernel
+from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, kernel_configs
+from sparse_io_attn.block_sparse.traffic import DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS
+from sparse_io_attn.block_sparse.triton.bwd import _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+from sparse_io_attn.block_sparse.triton.decode import _attn_decode_kernel
 from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_kernel
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
 TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE_Q", "BLOCK_SIZE_KV")
-PREPROCESS_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
-MERGE_ROWS = 16   # rows per program of the decode merge
-_LAST_TILES: dict[str, tuple[int, int]] = {}
-
-
-@dataclass
-class Call:
-    """One kernel launch: ``kernel[grid(meta)](**kwargs, **config.kwargs)`` for ``config`` in ``configs``."""
-    name: str
-    kernel: object
-    grid: object
-    tensors: tuple
-    configs: list
-    kwargs: dict = field(default_factory=dict)
+KERNEL_NAMES = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")
 
 
 def _configs(kind: str, q: torch.Tensor, plan: AttentionPlan) -> list:
     return [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
             for c in kernel_configs(kind, plan.block_size, q.shape[-1], q.dtype)]
-
-
-def _strides(t: torch.Tensor, prefix: str) -> dict:
-    return {f"stride_{prefix}{ax}": s for ax, s in zip("zh" + ("n" if prefix in ("k", "v", "dk", "dv") else "m") + "d",
-                                                         t.stride())}
 
 
 def _common(q, k, plan: AttentionPlan, sm_scale: float) -> dict:
@@ -86,14 +67,12 @@ def _lists(lists: BlockLists, masks: torch.Tensor) -> dict:
 def forward_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
     """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
     B, Hq, Nq, D = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
+    out, lse, stats = forward_outputs(q)
     call = Call("attn_fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
                 FWD_TENSORS, _configs("fwd", q, plan), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats,
-                    **_lists(plan.rows, plan.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
-                    **_strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq,
+                    **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
+                    **strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq,
                     **_common(q, k, plan, sm_scale)))
     return call, out, lse, stats
 
@@ -105,27 +84,19 @@ def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
     cfg = decode_config(plan, B, Hq, Hkv, D, q.dtype)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
+    out, lse, stats = forward_outputs(q)
     common = _common(q, k, plan, sm_scale)
     rows = B * Hq * Nq
-    partial = torch.empty((cfg.splits, rows, 2 + common["HEAD_DIM"]) if cfg.splits > 1 else (1,),
-                          dtype=torch.float32, device=q.device)   # [splits, rows, m, l, acc]
+    partial = decode_partial(cfg.splits, rows, common["HEAD_DIM"], q.device)
     config = triton.Config({}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (cfg.splits, B * (Hq // cfg.heads) * plan.num_q_blocks)
     calls = [Call("attn_decode", _attn_decode_kernel, grid, DECODE_TENSORS, [config], dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, partial_ptr=partial,
-        **_lists(plan.rows, plan.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
-        **_strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=rows, HEADS=cfg.heads,
+        **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
+        **strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=rows, HEADS=cfg.heads,
         TOKENS=cfg.tokens, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits, **common))]
     if cfg.splits > 1:
-        calls.append(Call("attn_decode_merge", _attn_decode_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),),
-                          DECODE_MERGE_TENSORS, [triton.Config({}, num_warps=4, num_stages=2)], dict(
-                              partial_ptr=partial, o_ptr=out, lse_ptr=lse, stats_ptr=stats, **_strides(out, "o"),
-                              num_rows=rows, seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_R=MERGE_ROWS,
-                              HEAD_DIM=common["HEAD_DIM"], NUM_SPLITS=cfg.splits,
-                              ELEM_BYTES=common["ELEM_BYTES"])))
+        calls.append(merge_call("attn_decode_merge", partial, out, lse, stats, cfg.splits, common["HEAD_DIM"]))
     return calls, out, lse, stats
 
 
@@ -134,39 +105,24 @@ def backward_calls(do, q, k, v, out, stats, plan: AttentionPlan, sm_scale: float
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     common = _common(q, k, plan, sm_scale)
-    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     pre_m = kernel_configs("dq", plan.block_size, D, q.dtype)[0].block_m
-    pre = Call("attn_bwd_preprocess", _attn_bwd_preprocess_kernel, (triton.cdiv(Nq, pre_m), B * Hq),
-               PREPROCESS_TENSORS, [PREPROCESS_CONFIG], dict(
-                   o_ptr=out, do_ptr=do, delta_ptr=delta, **_strides(out, "o"), **_strides(do, "do"),
-                   seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_M=pre_m, HEAD_DIM=common["HEAD_DIM"],
-                   ELEM_BYTES=common["ELEM_BYTES"]))
+    pre, delta = preprocess_call("attn_bwd_preprocess", out, do, pre_m, common["HEAD_DIM"])
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dkdv = Call("attn_bwd_dkdv", _attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
                 DKDV_TENSORS, _configs("dkdv", q, plan), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
-                    **_lists(plan.cols, plan.masks), **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
-                    **_strides(do, "do"), **_strides(dk, "dk"), **_strides(dv, "dv"),
+                    **_lists(plan.cols, plan.masks), **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
+                    **strides(do, "do"), **strides(dk, "dk"), **strides(dv, "dv"),
                     num_kv_blocks=plan.num_kv_blocks, stats_stride=B * Hq * Nq, **common))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dq_call = Call("attn_bwd_dq", _attn_bwd_dq_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
                    DQ_TENSORS, _configs("dq", q, plan), dict(
                        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
-                       **_lists(plan.rows, plan.masks), **_strides(q, "q"), **_strides(k, "k"),
-                       **_strides(v, "v"), **_strides(do, "do"), **_strides(dq, "dq"),
+                       **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"),
+                       **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"),
                        num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq, **common))
     return [pre, dkdv, dq_call], dq, dk, dv
-
-
-def _run(call: Call, device) -> None:
-    if call.grid.__class__ is tuple:   # fixed tiles (preprocess): no tile autotuning
-        launch(call.kernel, call.grid, call.name, call.tensors, device, **call.kwargs,
-               num_warps=call.configs[0].num_warps, num_stages=call.configs[0].num_stages)
-        return
-    used = launch(call.kernel, call.grid, call.name, call.tensors, device, configs=call.configs, key=TUNE_KEY,
-                  **call.kwargs)
-    _LAST_TILES[call.name] = (used.kwargs["BLOCK_M"], used.kwargs["BLOCK_N"])
 
 
 def tiles_for(q: torch.Tensor, block_size) -> KernelTiles:
@@ -178,10 +134,11 @@ def tiles_for(q: torch.Tensor, block_size) -> KernelTiles:
 def launched_tiles() -> KernelTiles | None:
     """The tiles the last forward and backward launches used (autotuning's choice on CUDA), for
     :func:`sparse_io_attn.accounting.traffic.block_sparse` ``(tiles=...)``; None before any launch."""
-    if not all(k in _LAST_TILES for k in ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")):
+    tiles = last_tiles(*KERNEL_NAMES)
+    if tiles is None:
         return None
-    return KernelTiles(fwd=_LAST_TILES["attn_fwd"], dq=_LAST_TILES["attn_bwd_dq"], dkdv=_LAST_TILES["attn_bwd_dkdv"],
-                       preprocess=_LAST_TILES["attn_bwd_dq"][0])
+    fwd, dq, dkdv = tiles
+    return KernelTiles(fwd=fwd, dq=dq, dkdv=dkdv, preprocess=dq[0])
 
 
 def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None):
@@ -192,10 +149,10 @@ def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | Non
     if decode:
         calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale)
         for call in calls:
-            _run(call, q.device)
+            run(call, q.device, TUNE_KEY)
         return out, lse, stats
     call, out, lse, stats = forward_calls(q, k, v, plan, sm_scale)
-    _run(call, q.device)
+    run(call, q.device, TUNE_KEY)
     return out, lse, stats
 
 
@@ -203,5 +160,5 @@ def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float):
     check_device(q, "backend 'triton'")
     calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), plan, sm_scale)
     for call in calls:
-        _run(call, q.device)
+        run(call, q.device, TUNE_KEY)
     return dq, dk, dv

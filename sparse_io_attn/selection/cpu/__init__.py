@@ -39,7 +39,7 @@ run the extension's ``selection_rows`` / ``selection_keys`` on CPU tensors once 
 results). The extension is built on first use (:mod:`sparse_io_attn._cpu.build`).
 """
 from sparse_io_attn._cpu.build import available_for_auto, is_available, load, unavailable_reason
-from sparse_io_attn.block_sparse.cpu._launch import decode_work_bytes
+from sparse_io_attn._attention.cpu import decode_work_bytes
 from sparse_io_attn.selection.cpu._launch import FAMILY_ENV, backward, family, forward
 
 __all__ = ["forward", "backward", "family", "FAMILY_ENV", "available_for_auto", "decode_work_bytes", "is_available",

@@ -6,8 +6,9 @@ import os
 
 import torch
 
+from sparse_io_attn._attention.cpu import check_cpu
+from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES
 from sparse_io_attn._cpu.build import load
-from sparse_io_attn.block_sparse.cpu._launch import DECODE_MAX_QUERIES
 from sparse_io_attn.selection.plan import SelectionPlan
 
 #: which kernel family runs: ``"key"`` (key-major: gathered queries per key block, dense tiles) or
@@ -38,15 +39,6 @@ def family(plan: SelectionPlan, name: str | None = None, q: torch.Tensor | None 
     return "key"
 
 
-def _check_cpu(plan: SelectionPlan, *tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise ValueError(f"backend 'cpu' runs on CPU tensors, got a tensor on {t.device}; use "
-                             f"backend='auto' or 'triton' for CUDA tensors")
-    if plan.device.type != "cpu":
-        raise ValueError(f"backend 'cpu' needs a plan on the CPU, got one on {plan.device}")
-
-
 def _plan_args(plan: SelectionPlan, q: torch.Tensor, k: torch.Tensor, lists: bool) -> tuple:
     head_map = plan.head_map(q.shape[0], q.shape[1], k.shape[1])
     keys = plan.keys() if lists else (None, None, None)
@@ -61,7 +53,7 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, family_name: str |
     ``decode``: run the decode kernel (split-K over each token's selected keys, K/V read in place, no
     key lists, nothing proportional to Nk), with the scores formed as the family's backward forms
     them; ``None`` (default): when ``Nq <= 16``."""
-    _check_cpu(plan, q, k, v)
+    check_cpu(q, k, v, plan_device=plan.device)
     ops = load()
     fam = family(plan, family_name, q)
     if decode is None:
@@ -75,7 +67,7 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, family_name: str |
 
 def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
     """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
-    _check_cpu(plan, do, q, k, v, out, stats)
+    check_cpu(do, q, k, v, out, stats, plan_device=plan.device)
     ops = load()
     fam = family(plan, family_name, q)
     tensors, ints = _plan_args(plan, q, k, lists=True)

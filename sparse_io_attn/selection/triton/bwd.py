@@ -2,8 +2,8 @@
 
 Deterministic, no atomics on data:
 
-* ``delta = rowsum(dO * O)``: the block-sparse preprocess kernel
-  (:func:`~sparse_io_attn.block_sparse.triton.bwd._attn_bwd_preprocess_kernel`).
+* ``delta = rowsum(dO * O)``: the attention kit's preprocess kernel
+  (:func:`~sparse_io_attn._attention.triton.kernels.attn_bwd_preprocess_kernel`).
 * ``_sel_bwd_dkdv_kernel``: **key-major**, one program per (key tile of ``BLOCK_N`` keys inside key
   block ``c``, batch x KV head ``j``). For every selection serving the query heads of group ``j``
   it walks the key-major list of ``(l, c)`` (``plan.keys()``: the tokens that chose ``c``,
@@ -18,19 +18,17 @@ Deterministic, no atomics on data:
   token, batch x head unit), the heads as the tile's rows, the row's blocks in key steps.
 
 Probabilities are recomputed as the forward computed them, ``p = exp2((s - m) - log2_sum)`` from its
-``stats`` (scores by the shared :func:`~sparse_io_attn.block_sparse.triton.fwd._scores`; the dK/dV
+``stats`` (scores by the kit's :func:`~sparse_io_attn._attention.triton.softmax.score_tile`; the dK/dV
 kernel transposes ``q @ k^T`` rather than forming ``k @ q^T``); empty and padded rows (``m = +inf``)
 get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.bwd import _load_stats
-from sparse_io_attn.block_sparse.triton.fwd import _scores
-from sparse_io_attn.selection.triton.fwd import _key_step
-from sparse_io_attn.selection.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_PLAN,
-                                                   DKDV_Q, DKDV_STATS, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ, DQ_K,
-                                                   DQ_PLAN, DQ_Q, DQ_STATS, DQ_V)
+from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
+from sparse_io_attn._attention.triton.tally import tally_dkdv, tally_dq
+from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step
+from sparse_io_attn.selection.triton.slots import DKDV_PLAN, DQ_PLAN
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -59,21 +57,16 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, n, i,
     do = tl.load(do_base + hh[:, None] * stride_doh + tok[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
     rows = row_base + hh.to(tl.int64) * seqlen_q + tok  # [BLOCK_M] rows of stats / delta
-    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, rows, row_ok)  # [BLOCK_M] x2
+    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows, row_ok)  # [BLOCK_M] x2
     delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
-    sT = tl.trans(_scores(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+    sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
     if MASKED:
         valid = mask_n[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M]
         if IS_CAUSAL:
             valid = valid & (offs_n[:, None] <= tok[None, :] + causal_offset)
-        pT = tl.math.exp2(tl.where(valid, (sT - m_row[None, :]) - log2_sum[None, :], float("-inf")))
-    else:
-        pT = tl.math.exp2((sT - m_row[None, :]) - log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
-    dv = dot(pT, do, dv, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-    dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
-    dsT = pT * (dpT - delta[None, :])  # [BLOCK_N, BLOCK_M]
-    dk = dot(dsT, q, dk, DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-    return dk, dv
+        sT = tl.where(valid, sT, float("-inf"))
+    pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
+    return dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
 
 
 @triton.jit
@@ -158,21 +151,11 @@ def _sel_bwd_dkdv_kernel(
              + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
 
     if COUNT_IO:
-        keys = tl.sum(mask_n.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
-        gathered = entries * SEL_HEADS  # (token, head) rows read
         if SEL_ROWS > BLOCK_M:   # a tile inside one token's heads reads its entry once
             reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * (SEL_ROWS // BLOCK_M)
         else:                    # each entry once
             reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries
-        io_add(io_ptr, DKDV_Q, gathered * row_bytes, 0)
-        io_add(io_ptr, DKDV_K, keys * row_bytes, 0)
-        io_add(io_ptr, DKDV_V, keys * row_bytes, 0)
-        io_add(io_ptr, DKDV_DO, gathered * row_bytes, 0)
-        io_add(io_ptr, DKDV_STATS, gathered * 8, 0)
-        io_add(io_ptr, DKDV_DELTA, gathered * 4, 0)
-        io_add(io_ptr, DKDV_DK, 0, keys * row_bytes)
-        io_add(io_ptr, DKDV_DV, 0, keys * row_bytes)
+        tally_dkdv(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES)
         io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
 
 
@@ -187,19 +170,15 @@ def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr,
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
                                   stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
                                   BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
-    sc = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
+    sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
     if MASKED:
-        p = tl.math.exp2(tl.where(valid[None, :], (sc - m_row[:, None]) - log2_sum[:, None], float("-inf")))
+        sc = tl.where(valid[None, :], sc, float("-inf"))
         if COUNT_IO:
             keys_loaded += keys
     elif MASK_LANES:
-        p = tl.math.exp2(tl.where(valid[None, :], (sc - m_row[:, None]) - log2_sum[:, None], float("-inf")))
-    else:
-        p = tl.math.exp2((sc - m_row[:, None]) - log2_sum[:, None])  # [BLOCK_H, BLOCK_N]
-    dp = dot(do, tl.trans(v), None, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
-    ds = p * (dp - delta[:, None])  # [BLOCK_H, BLOCK_N]
-    dq = dot(ds, k, dq, DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
-    return dq, keys_loaded
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+    p = probabilities(sc, m_row[:, None], log2_sum[:, None])  # [BLOCK_H, BLOCK_N]
+    return dq_step(dq, p, do, k, v, delta, DOT_DTYPE), keys_loaded
 
 
 @triton.jit
@@ -217,18 +196,9 @@ def _sel_bwd_dq_kernel(
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
     COUNT_IO: tl.constexpr,
 ):
-    CHUNKS: tl.constexpr = (SEL_HEADS + BLOCK_H - 1) // BLOCK_H
     t = tl.program_id(0)  # the query token
-    pid = tl.program_id(1)  # (batch, head unit, chunk of BLOCK_H heads)
-    units = num_heads_q // SEL_HEADS
-    off_z = (pid // (units * CHUNKS)).to(tl.int64)
-    unit = (pid // CHUNKS) % units
-    chunk = pid % CHUNKS
-    offs_hh = tl.arange(0, BLOCK_H)
-    mask_h = offs_hh < SEL_HEADS - chunk * BLOCK_H
-    offs_h = (unit * SEL_HEADS + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
-    off_l = off_z * stride_lb + (unit * SEL_HEADS) // heads_per_selection
-    off_hkv = ((unit * SEL_HEADS) // (num_heads_q // num_heads_kv)).to(tl.int64)
+    off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
+                                                       heads_per_selection, SEL_HEADS, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
@@ -240,7 +210,7 @@ def _sel_bwd_dq_kernel(
     do = tl.load(do_ptr + off_z * stride_doz + offs_h[:, None] * stride_doh + t64 * stride_dom
                  + offs_d[None, :] * stride_dod, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of stats / delta
-    m_row, log2_sum = _load_stats(stats_ptr, stats_stride, rows_out, mask_h)  # [BLOCK_H] x2
+    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows_out, mask_h)  # [BLOCK_H] x2
     delta = tl.load(delta_ptr + rows_out, mask=mask_h, other=0.0)  # [BLOCK_H]
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
@@ -270,14 +240,6 @@ def _sel_bwd_dq_kernel(
              + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_hd)
 
     if COUNT_IO:
-        heads = tl.sum(mask_h.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE
-        io_add(io_ptr, DQ_Q, heads * row_bytes, 0)
-        io_add(io_ptr, DQ_K, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DQ_V, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DQ_DO, heads * row_bytes, 0)
-        io_add(io_ptr, DQ_STATS, heads * 8, 0)
-        io_add(io_ptr, DQ_DELTA, heads * 4, 0)
-        io_add(io_ptr, DQ_DQ, 0, heads * row_bytes)
+        tally_dq(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES)
         io_add(io_ptr, DQ_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)

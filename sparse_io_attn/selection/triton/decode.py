@@ -14,9 +14,8 @@ live (any strides), only the selected keys.
 
 With one split it writes ``o``, ``lse`` and ``stats`` like the forward; otherwise its partial row
 results (``m``, ``l`` and the unnormalised ``acc``, fp32) go to the ``partial`` buffer
-``[NUM_SPLITS, B * Hq * Nq, 2 + HEAD_DIM]`` and the block-sparse merge kernel
-(:func:`sparse_io_attn.block_sparse.triton.decode._attn_decode_merge_kernel`: same buffer layout,
-rows flat ``(b, h, t)``) merges each row's splits in split order (log-sum-exp), bitwise repeatable,
+``[NUM_SPLITS, B * Hq * Nq, 2 + HEAD_DIM]`` and the attention kit's merge kernel
+(:func:`sparse_io_attn._attention.triton.kernels.attn_decode_merge_kernel`: rows flat ``(b, h, t)``) merges each row's splits in split order (log-sum-exp), bitwise repeatable,
 into ``o``, ``lse`` and the ``stats`` the backward kernels read.
 
 With ``COUNT_IO`` each program tallies its bytes per tensor (the forward's convention: allowed keys
@@ -25,11 +24,11 @@ per program); the traffic model is :func:`sparse_io_attn.selection.traffic.selec
 """
 from __future__ import annotations
 
+from sparse_io_attn._attention.triton.softmax import store_split_rows
+from sparse_io_attn._attention.triton.tally import tally_forward
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.decode import _store_rows
-from sparse_io_attn.selection.triton.fwd import _sel_fwd_step
-from sparse_io_attn.selection.triton.slots import (DEC_K, DEC_LSE, DEC_O, DEC_PARTIAL, DEC_PLAN, DEC_Q, DEC_STATS,
-                                                   DEC_V)
+from sparse_io_attn.selection.triton.fwd import _head_unit, _sel_fwd_step
+from sparse_io_attn.selection.triton.slots import DEC_PLAN
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -49,20 +48,11 @@ def _sel_decode_kernel(
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
-    CHUNKS: tl.constexpr = (SEL_HEADS + BLOCK_H - 1) // BLOCK_H
     pid = tl.program_id(0)  # ((batch, head unit, chunk of BLOCK_H heads), query token)
     split = tl.program_id(1)
     t = pid % seqlen_q
-    prog = pid // seqlen_q
-    units = num_heads_q // SEL_HEADS
-    off_z = (prog // (units * CHUNKS)).to(tl.int64)
-    unit = (prog // CHUNKS) % units
-    chunk = prog % CHUNKS
-    offs_hh = tl.arange(0, BLOCK_H)
-    mask_h = offs_hh < SEL_HEADS - chunk * BLOCK_H
-    offs_h = (unit * SEL_HEADS + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
-    off_l = off_z * stride_lb + (unit * SEL_HEADS) // heads_per_selection  # the heads' selection
-    off_hkv = ((unit * SEL_HEADS) // (num_heads_q // num_heads_kv)).to(tl.int64)
+    off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(pid // seqlen_q, num_heads_q, num_heads_kv, stride_lb,
+                                                       heads_per_selection, SEL_HEADS, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
@@ -102,28 +92,12 @@ def _sel_decode_kernel(
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats / partial
-    if NUM_SPLITS == 1:
-        _store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out,
-                    off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
-                    mask_h, mask_d, stats_stride)
-    else:  # partial [NUM_SPLITS, rows, 2 + HEAD_DIM]: m, l, acc of each (split, row)
-        base = partial_ptr + (split * stats_stride + rows_out) * (2 + HEAD_DIM)
-        tl.store(base, m_i, mask=mask_h)
-        tl.store(base + 1, l_i, mask=mask_h)
-        tl.store(base[:, None] + 2 + offs_d[None, :], acc, mask=mask_hd)
+    store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
+                     off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
+                     offs_d, mask_h, mask_d, stats_stride, HEAD_DIM, NUM_SPLITS)
 
     if COUNT_IO:
-        heads = tl.sum(mask_h.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
-        io_add(io_ptr, DEC_Q, heads * row_bytes, 0)
-        io_add(io_ptr, DEC_K, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, DEC_V, keys_loaded * row_bytes, 0)
-        if NUM_SPLITS == 1:
-            io_add(io_ptr, DEC_O, 0, heads * row_bytes)
-            io_add(io_ptr, DEC_LSE, 0, heads * 4)
-            io_add(io_ptr, DEC_STATS, 0, heads * 8)
-        else:
-            io_add(io_ptr, DEC_PARTIAL, 0, heads * (2 + head_dim) * 4)
+        tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, NUM_SPLITS)
         entries = cnt * TILES  # the row's entries (a slot per step of a TILES-step block; slots once)
         taken = tl.minimum(hi * SLOTS, entries) - tl.minimum(lo * SLOTS, entries)
         io_add(io_ptr, DEC_PLAN, (1 + taken.to(tl.int64)) * 4, 0)

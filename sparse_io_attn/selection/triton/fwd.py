@@ -19,19 +19,40 @@ unmasked (``MASKED=False``: no per-element test; ``MASK_LANES`` only when the bl
 the count (``MASKED=True``). Keys past the diagonal or the sequence are not loaded.
 
 Online softmax in base 2 (``sm_scale * LOG2E`` folded into one multiply, scores formed by the
-block-sparse kernels' :func:`~sparse_io_attn.block_sparse.triton.fwd._scores`, so every backend
-rounds them alike); writes ``o``, ``lse`` (natural log, ``-inf`` on empty rows) and ``stats``
+attention kit's :func:`~sparse_io_attn._attention.triton.softmax.score_tile`, as every kernel forms
+them); writes ``o``, ``lse`` (natural log, ``-inf`` on empty rows) and ``stats``
 (base-2 row maximum, log2 row sum; ``+inf``/``0`` on empty rows). With ``COUNT_IO`` each program
 adds its bytes per tensor at its end.
 """
 from __future__ import annotations
 
-from sparse_io_attn._triton.jit import LN2, LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.block_sparse.triton.fwd import _scores
-from sparse_io_attn.selection.triton.slots import FWD_K, FWD_LSE, FWD_O, FWD_PLAN, FWD_Q, FWD_STATS, FWD_V
+from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
+from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn.selection.triton.slots import FWD_PLAN
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _head_unit(prog, num_heads_q, num_heads_kv, stride_lb, heads_per_selection,
+               SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The rows of row program ``prog`` (batch, head unit, chunk of ``BLOCK_H`` heads) of the forward,
+    decode and dQ kernels: ``(off_z, offs_h, mask_h, off_l, off_hkv)``, the batch element, the
+    ``BLOCK_H`` query heads (``mask_h``: those of the unit), the stored selection they share and their
+    KV head."""
+    CHUNKS: tl.constexpr = (SEL_HEADS + BLOCK_H - 1) // BLOCK_H
+    units = num_heads_q // SEL_HEADS
+    off_z = (prog // (units * CHUNKS)).to(tl.int64)
+    unit = (prog // CHUNKS) % units
+    chunk = prog % CHUNKS
+    offs_hh = tl.arange(0, BLOCK_H)
+    mask_h = offs_hh < SEL_HEADS - chunk * BLOCK_H
+    offs_h = (unit * SEL_HEADS + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
+    off_l = off_z * stride_lb + (unit * SEL_HEADS) // heads_per_selection  # the heads' selection
+    off_hkv = ((unit * SEL_HEADS) // (num_heads_q // num_heads_kv)).to(tl.int64)
+    return off_z, offs_h, mask_h, off_l, off_hkv
 
 
 @triton.jit
@@ -97,23 +118,15 @@ def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
                                   stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
                                   BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
-    sc = _scores(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
-    if MASKED:
+    sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
+    if MASKED:   # (a step keeps its block's first key: never an empty row)
         sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))  # [BLOCK_H]
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # (never: a step keeps its block's first key)
         if COUNT_IO:
             keys_loaded += keys
-    else:
-        if MASK_LANES:
-            sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))  # [BLOCK_H], finite: every block key is allowed
-        m_shift = m_new
-    p = tl.math.exp2(sc - m_shift[:, None])  # [BLOCK_H, BLOCK_N]
-    alpha = tl.math.exp2(m_i - m_shift)  # [BLOCK_H]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [BLOCK_H, HEAD_DIM]
-    return acc, l_i, m_new, keys_loaded
+    elif MASK_LANES:
+        sc = tl.where(valid[None, :], sc, float("-inf"))
+    acc, l_i, m_i = softmax_step(acc, l_i, m_i, sc, v, DOT_DTYPE, MAY_BE_EMPTY=MASKED)
+    return acc, l_i, m_i, keys_loaded
 
 
 @triton.jit
@@ -130,18 +143,9 @@ def _sel_fwd_kernel(
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
     COUNT_IO: tl.constexpr,
 ):
-    CHUNKS: tl.constexpr = (SEL_HEADS + BLOCK_H - 1) // BLOCK_H
     t = tl.program_id(0)  # the query token
-    pid = tl.program_id(1)  # (batch, head unit, chunk of BLOCK_H heads)
-    units = num_heads_q // SEL_HEADS
-    off_z = (pid // (units * CHUNKS)).to(tl.int64)
-    unit = (pid // CHUNKS) % units
-    chunk = pid % CHUNKS
-    offs_hh = tl.arange(0, BLOCK_H)
-    mask_h = offs_hh < SEL_HEADS - chunk * BLOCK_H
-    offs_h = (unit * SEL_HEADS + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
-    off_l = off_z * stride_lb + (unit * SEL_HEADS) // heads_per_selection  # the heads' selection
-    off_hkv = ((unit * SEL_HEADS) // (num_heads_q // num_heads_kv)).to(tl.int64)
+    off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
+                                                       heads_per_selection, SEL_HEADS, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
@@ -176,26 +180,11 @@ def _sel_fwd_kernel(
             stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
-    row_max = tl.where(empty, float("inf"), m_i)
-    lse = tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2)
-    tl.store(o_ptr + off_z * stride_oz + offs_h[:, None] * stride_oh + t.to(tl.int64) * stride_om
-             + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=mask_hd)
-    rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats
-    tl.store(lse_ptr + rows_out, lse, mask=mask_h)
-    tl.store(stats_ptr + rows_out, row_max, mask=mask_h)
-    tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_h)
+    store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, (off_z * num_heads_q + offs_h) * seqlen_q + t,
+               off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
+               mask_h, mask_d, stats_stride)
 
     if COUNT_IO:
-        heads = tl.sum(mask_h.to(tl.int64))
-        row_bytes = head_dim * ELEM_BYTES
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE  # whole blocks of the unmasked steps
-        io_add(io_ptr, FWD_Q, heads * row_bytes, 0)
-        io_add(io_ptr, FWD_K, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, FWD_V, keys_loaded * row_bytes, 0)
-        io_add(io_ptr, FWD_O, 0, heads * row_bytes)
-        io_add(io_ptr, FWD_LSE, 0, heads * 4)
-        io_add(io_ptr, FWD_STATS, 0, heads * 8)
+        tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, 1)
         io_add(io_ptr, FWD_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)

@@ -15,7 +15,7 @@ selection and a KV head, :mod:`.fwd`), dK/dV key-major over ``plan.keys()`` (:mo
 16`` the forward runs the decode kernels (:mod:`.decode`: the same row programs split-K over each
 row's key steps, then a merge in split order; :func:`decode_calls`), whose outputs the same backward
 takes; they read the plan's rows only, never its key lists. Each launch
-is described once by a :class:`~sparse_io_attn.block_sparse.triton.launch.Call`
+is described once by the attention kit's :class:`~sparse_io_attn._attention.triton.launch.Call`
 (:func:`forward_calls`, :func:`backward_calls`), used by the launchers and by :mod:`.report`, which
 compiles the same calls for a GPU architecture. Configurations come from
 :func:`sparse_io_attn.selection.tiles.kernel_configs`: autotuned on CUDA, the first under the
@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._triton.runtime import check_device, dot_dtype, launch
+from sparse_io_attn._attention.tiles import padded_head_dim
+from sparse_io_attn._attention.triton.launch import (Call, decode_partial, forward_outputs, last_tiles, merge_call,
+                                                     preprocess_call, run, strides)
+from sparse_io_attn._triton.runtime import check_device, dot_dtype
 from sparse_io_attn._triton.shapes import next_pow2
-from sparse_io_attn.block_sparse.tiles import padded_head_dim
-from sparse_io_attn.block_sparse.traffic import DECODE_MERGE_TENSORS
-from sparse_io_attn.block_sparse.triton.bwd import _attn_bwd_preprocess_kernel
-from sparse_io_attn.block_sparse.triton.decode import _attn_decode_merge_kernel
-from sparse_io_attn.block_sparse.triton.launch import MERGE_ROWS, PREPROCESS_CONFIG, Call
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
                                             decode_config, head_rows, kernel_configs, key_step, key_tile, sel_heads)
-from sparse_io_attn.selection.traffic import (DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS,
-                                              PREPROCESS_TENSORS)
+from sparse_io_attn.selection.traffic import DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS
 from sparse_io_attn.selection.triton.bwd import _sel_bwd_dkdv_kernel, _sel_bwd_dq_kernel
 from sparse_io_attn.selection.triton.decode import _sel_decode_kernel
 from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
@@ -46,12 +43,7 @@ import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
 TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE", "SEL_HEADS", "max_blocks")
 PREPROCESS_BLOCK_M = 64
-_LAST_TILES: dict[str, tuple[int, int]] = {}
-
-
-def _strides(t: torch.Tensor, prefix: str) -> dict:
-    axes = "zh" + ("n" if prefix in ("k", "v", "dk", "dv") else "m") + "d"
-    return {f"stride_{prefix}{ax}": s for ax, s in zip(axes, t.stride())}
+KERNEL_NAMES = ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")
 
 
 def _row_configs(kind: str, q: torch.Tensor, plan: SelectionPlan) -> list:
@@ -99,14 +91,12 @@ def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
     B, Hq, Nq, D = q.shape
     common = _common(q, k, plan, sm_scale)
     block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
+    out, lse, stats = forward_outputs(q)
     grid = _row_grid(q, common, block_h)
     call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
-        row_counts_ptr=plan.row_counts, **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
-        **_strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
+        row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
+        **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
     return call, out, lse, stats
 
 
@@ -120,28 +110,20 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
     common = _common(q, k, plan, sm_scale)
     cfg = decode_config(plan.block_size, plan.max_blocks, B, Hq, Hkv, plan.num_selections, Nq, D, q.dtype,
                         split_keys=split_keys)
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
+    out, lse, stats = forward_outputs(q)
     rows = B * Hq * Nq
-    partial = torch.empty((cfg.splits, rows, 2 + common["HEAD_DIM"]) if cfg.splits > 1 else (1,),
-                          dtype=torch.float32, device=q.device)   # [splits, rows, m, l, acc]
+    partial = decode_partial(cfg.splits, rows, common["HEAD_DIM"], q.device)
     r = common["SEL_HEADS"]
     grid = (B * (Hq // r) * triton.cdiv(r, cfg.block_h) * Nq, cfg.splits)
     calls = [Call("selection_decode", _sel_decode_kernel, grid, DECODE_TENSORS,
                   [triton.Config({}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)], dict(
                       q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, partial_ptr=partial,
-                      rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **_strides(q, "q"), **_strides(k, "k"),
-                      **_strides(v, "v"), **_strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=rows,
+                      rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
+                      **strides(v, "v"), **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=rows,
                       BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SLOTS=cfg.slots, TILES=cfg.tiles,
                       MASK_LANES=cfg.mask_lanes, NUM_SPLITS=cfg.splits, **common))]
     if cfg.splits > 1:
-        calls.append(Call("selection_decode_merge", _attn_decode_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),),
-                          DECODE_MERGE_TENSORS, [triton.Config({}, num_warps=4, num_stages=2)], dict(
-                              partial_ptr=partial, o_ptr=out, lse_ptr=lse, stats_ptr=stats, **_strides(out, "o"),
-                              num_rows=rows, seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_R=MERGE_ROWS,
-                              HEAD_DIM=common["HEAD_DIM"], NUM_SPLITS=cfg.splits,
-                              ELEM_BYTES=common["ELEM_BYTES"])))
+        calls.append(merge_call("selection_decode_merge", partial, out, lse, stats, cfg.splits, common["HEAD_DIM"]))
     return calls, out, lse, stats
 
 
@@ -151,21 +133,16 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
     Hkv, Nk = k.shape[1], k.shape[2]
     common = _common(q, k, plan, sm_scale)
     keys = plan.keys()
-    delta = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
-    pre = Call("selection_bwd_preprocess", _attn_bwd_preprocess_kernel, (triton.cdiv(Nq, PREPROCESS_BLOCK_M), B * Hq),
-               PREPROCESS_TENSORS, [PREPROCESS_CONFIG], dict(
-                   o_ptr=out, do_ptr=do, delta_ptr=delta, **_strides(out, "o"), **_strides(do, "do"),
-                   seqlen_q=Nq, num_heads_q=Hq, head_dim=D, BLOCK_M=PREPROCESS_BLOCK_M,
-                   HEAD_DIM=common["HEAD_DIM"], ELEM_BYTES=common["ELEM_BYTES"]))
+    pre, delta = preprocess_call("selection_bwd_preprocess", out, do, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     num_kv_blocks = plan.num_kv_blocks
     dkdv = Call("selection_bwd_dkdv", _sel_bwd_dkdv_kernel,
                 lambda meta: (num_kv_blocks * meta["KEY_TILES"], B * Hkv), DKDV_TENSORS, _dkdv_configs(q, plan), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
-                    col_ptr_ptr=keys.col_ptr, col_query_ptr=keys.col_query, **_strides(q, "q"),
-                    **_strides(k, "k"), **_strides(v, "v"), **_strides(do, "do"), **_strides(dk, "dk"),
-                    **_strides(dv, "dv"), num_kv_blocks=num_kv_blocks, stats_stride=B * Hq * Nq,
+                    col_ptr_ptr=keys.col_ptr, col_query_ptr=keys.col_query, **strides(q, "q"),
+                    **strides(k, "k"), **strides(v, "v"), **strides(do, "do"), **strides(dk, "dk"),
+                    **strides(dv, "dv"), num_kv_blocks=num_kv_blocks, stats_stride=B * Hq * Nq,
                     SEL_ROWS=next_pow2(common["SEL_HEADS"]), **common))
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
@@ -173,24 +150,10 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
     dq_call = Call("selection_bwd_dq", _sel_bwd_dq_kernel, lambda meta: grid, DQ_TENSORS,
                    _row_configs("dq", q, plan), dict(
                        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
-                       rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **_strides(q, "q"), **_strides(k, "k"),
-                       **_strides(v, "v"), **_strides(do, "do"), **_strides(dq, "dq"), max_blocks=plan.max_blocks,
+                       rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
+                       **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"), max_blocks=plan.max_blocks,
                        stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
     return [pre, dkdv, dq_call], dq, dk, dv
-
-
-def _run(call: Call, device) -> None:
-    if call.grid.__class__ is tuple:   # fixed tiles (preprocess): no autotuning
-        if 0 in call.grid:
-            return
-        launch(call.kernel, call.grid, call.name, call.tensors, device, **call.kwargs,
-               num_warps=call.configs[0].num_warps, num_stages=call.configs[0].num_stages)
-        return
-    if 0 in call.grid(dict(call.kwargs, **call.configs[0].kwargs)):
-        return
-    used = launch(call.kernel, call.grid, call.name, call.tensors, device, configs=call.configs, key=TUNE_KEY,
-                  **call.kwargs)
-    _LAST_TILES[call.name] = (used.kwargs.get("BLOCK_M", call.kwargs.get("BLOCK_H")), used.kwargs["BLOCK_N"])
 
 
 def tiles_for(q: torch.Tensor, k: torch.Tensor, plan: SelectionPlan) -> SelectionTiles:
@@ -202,10 +165,11 @@ def launched_tiles() -> SelectionTiles | None:
     """The tiles the last forward and backward launches used (autotuning's choice on CUDA), for
     :func:`sparse_io_attn.selection.traffic.selection` ``(tiles=...)``; None before any launch. The
     forward's are the prefill kernel's: the decode kernels have one configuration, from the shapes."""
-    if not all(k in _LAST_TILES for k in ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")):
+    tiles = last_tiles(*KERNEL_NAMES)
+    if tiles is None:
         return None
-    return SelectionTiles(fwd=_LAST_TILES["selection_fwd"], dq=_LAST_TILES["selection_bwd_dq"],
-                          dkdv=_LAST_TILES["selection_bwd_dkdv"])
+    fwd, dq, dkdv = tiles
+    return SelectionTiles(fwd=fwd, dq=dq, dkdv=dkdv)
 
 
 def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | None = None,
@@ -218,10 +182,10 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | Non
     if decode:
         calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, split_keys=split_keys)
         for call in calls:
-            _run(call, q.device)
+            run(call, q.device, TUNE_KEY)
         return out, lse, stats
     call, out, lse, stats = forward_calls(q, k, v, plan, sm_scale)
-    _run(call, q.device)
+    run(call, q.device, TUNE_KEY)
     return out, lse, stats
 
 
@@ -229,7 +193,7 @@ def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float):
     check_device(q, "backend 'triton'")
     calls, dq, dk, dv = backward_calls(do.to(q.dtype), q, k, v, out, stats.contiguous(), plan, sm_scale)
     for call in calls:
-        _run(call, q.device)
+        run(call, q.device, TUNE_KEY)
     return dq, dk, dv
 
 

@@ -1,0 +1,94 @@
+"""The kernels both attention ops launch as they are (``@triton.jit`` only; the launch descriptions
+are :func:`~.launch.preprocess_call` and :func:`~.launch.merge_call`):
+
+* ``attn_bwd_preprocess_kernel``: the backward's ``delta = rowsum(dO * O)`` (fp32 ``[B, Hq, Nq]``).
+* ``attn_decode_merge_kernel``: the split-K decode's partial rows merged in split order.
+
+With ``COUNT_IO`` each program tallies the bytes it moves per tensor (slots :mod:`.slots`, model
+:mod:`sparse_io_attn._attention.traffic`)."""
+from __future__ import annotations
+
+from sparse_io_attn._attention.triton.slots import (MERGE_LSE, MERGE_O, MERGE_PARTIAL, MERGE_STATS, PRE_DELTA,
+                                                    PRE_DO, PRE_O)
+from sparse_io_attn._attention.triton.softmax import store_rows
+from sparse_io_attn._triton.jit import io_add  # (sets TRITON_INTERPRET first)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    o_ptr, do_ptr, delta_ptr, io_ptr,
+    stride_oz, stride_oh, stride_om, stride_od,
+    stride_doz, stride_doh, stride_dom, stride_dod,
+    seqlen_q, num_heads_q, head_dim,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_zh = tl.program_id(1)
+    off_z = (pid_zh // num_heads_q).to(tl.int64)
+    off_h = (pid_zh % num_heads_q).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_m = offs_m < seqlen_q
+    mask = mask_m[:, None] & (offs_d < head_dim)[None, :]
+    o = tl.load(o_ptr + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om
+                + offs_d[None, :] * stride_od, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
+    do = tl.load(do_ptr + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_d[None, :] * stride_dod, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+    tl.store(delta_ptr + pid_zh.to(tl.int64) * seqlen_q + offs_m, delta, mask=mask_m)
+    if COUNT_IO:
+        rows = tl.sum(mask_m.to(tl.int64))
+        io_add(io_ptr, PRE_O, rows * head_dim * ELEM_BYTES, 0)
+        io_add(io_ptr, PRE_DO, rows * head_dim * ELEM_BYTES, 0)
+        io_add(io_ptr, PRE_DELTA, 0, rows * 4)
+
+
+@triton.jit
+def attn_decode_merge_kernel(
+    partial_ptr, o_ptr, lse_ptr, stats_ptr, io_ptr,
+    stride_oz, stride_oh, stride_om, stride_od,
+    num_rows, seqlen_q, num_heads_q, head_dim,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    COUNT_IO: tl.constexpr,
+):
+    """One program per ``BLOCK_R`` rows: the splits' partial results merged in split order
+    (``M = max m_s``, ``L = sum l_s 2^(m_s - M)``, ``o = sum acc_s 2^(m_s - M) / L``, as a running
+    merge), then ``o``, ``lse``, ``stats``. Splits without an allowed key (``l_s = 0``) add nothing."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < num_rows
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
+    for s in tl.range(0, NUM_SPLITS, num_stages=2):   # (its own stages: the pipeliner multi-buffers the loads)
+        base = partial_ptr + (s * num_rows + rows.to(tl.int64)) * (2 + HEAD_DIM)
+        m_s = tl.load(base, mask=mask_r, other=float("-inf"))
+        l_s = tl.load(base + 1, mask=mask_r, other=0.0)
+        a_s = tl.load(base[:, None] + 2 + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+        live = l_s != 0.0
+        m_new = tl.where(live, tl.maximum(m_i, m_s), m_i)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)    # finite: no -inf - -inf
+        alpha = tl.where(m_i == float("-inf"), 0.0, tl.math.exp2(m_i - m_ref))
+        beta = tl.where(live, tl.math.exp2(m_s - m_ref), 0.0)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_i = m_new
+    z = rows // (num_heads_q * seqlen_q)
+    h = (rows // seqlen_q) % num_heads_q
+    m = rows % seqlen_q
+    store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows,
+               z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + m * stride_om, offs_d * stride_od,
+               mask_r, mask_d, num_rows)
+    if COUNT_IO:
+        n = tl.sum(mask_r.to(tl.int64))
+        io_add(io_ptr, MERGE_PARTIAL, n * NUM_SPLITS * (2 + head_dim) * 4, 0)
+        io_add(io_ptr, MERGE_O, 0, n * head_dim * ELEM_BYTES)
+        io_add(io_ptr, MERGE_LSE, 0, n * 4)
+        io_add(io_ptr, MERGE_STATS, 0, n * 8)
+
+
+__all__ = ["attn_bwd_preprocess_kernel", "attn_decode_merge_kernel"]
