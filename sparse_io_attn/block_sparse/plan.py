@@ -321,9 +321,30 @@ class AttentionPlan:
         self.meta = self.meta[:-1] + (1,)
         return self
 
+    # ------------------------------------------------------------------ copies
+    def __reduce__(self):
+        """Pickling, ``copy.copy`` and ``copy.deepcopy``: the packed index (without the weak reference
+        :meth:`register` sets on it), ``meta``, ``causal`` and the layouts. The copy is a plan of its
+        own: registered on its index, validated once, its version taken from its copied layout (a
+        layout's version counters do not survive a copy), so it is stale exactly when this plan is;
+        what backends derived (:meth:`derived`) is rebuilt on use."""
+        return (_rebuilt_plan, (self.index.detach(), self.meta, self.causal, self.layout, self.source,
+                                self.is_stale()))
+
     def __repr__(self) -> str:
         return (f"AttentionPlan(seqlen={self.seqlen}, block_size={self.block_size}, causal={self.causal!r}, "
                 f"layouts={self.layout_batch}x{self.layout_heads}, slots={self.slots}, device={self.device})")
+
+
+#: the version of a copied stale plan: equal to no layout's version_key(), so the copy stays stale
+_STALE = ("stale",)
+
+
+def _rebuilt_plan(index: torch.Tensor, meta: tuple, causal, layout, source, stale: bool) -> AttentionPlan:
+    """A copy of a plan (:meth:`AttentionPlan.__reduce__`)."""
+    version = _STALE if stale else (None if source is None else source.version_key())
+    copy = AttentionPlan(index, tuple(meta)[:-1] + (0,), causal, layout=layout, source=source, version=version)
+    return copy.validate().register()
 
 
 def _causal_for_offset(delta: int | None, seqlen_q: int, seqlen_k: int):
