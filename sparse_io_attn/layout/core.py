@@ -505,8 +505,22 @@ class BlockSparseLayout:
                                 fixed_capacity=self.fixed_capacity)
         return out._mark_checked() if self.checked else out
 
-    def expand_dense_mask(self, batch: int, num_heads_q: int) -> torch.Tensor:
-        """Element mask broadcast to ``[batch, num_heads_q, seqlen_q, seqlen_k]`` (a view)."""
+    def expand_dense_mask(self, batch: int, num_heads_q: int, num_heads_kv: int | None = None) -> torch.Tensor:
+        """Element mask broadcast to ``[batch, num_heads_q, seqlen_q, seqlen_k]``: what the attention
+        applies. A layout of 1 or ``num_heads_q`` head masks is expanded (a view); one of one mask per
+        KV head (``layout_heads == num_heads_kv``; when ``num_heads_kv`` is not given, any head count
+        dividing ``num_heads_q`` is taken as that) serves the query heads of each GQA group, as in
+        :meth:`for_query_heads`."""
+        lh = self.layout_heads
+        if lh not in (1, num_heads_q) and (num_heads_kv is None or num_heads_kv == lh) and num_heads_q % lh == 0:
+            self._check_broadcast(batch, lh)
+            mask = self.to_dense_mask().repeat_interleave(num_heads_q // lh, 1)
+            return mask.expand(batch, num_heads_q, self.seqlen_q, self.seqlen_k)
+        if lh not in (1, num_heads_q):
+            kv = "" if num_heads_kv is None else f" and k/v {num_heads_kv}"
+            raise ValueError(f"layout has {lh} head masks but q has {num_heads_q} heads{kv}; build it with 1 "
+                             f"(shared), {num_heads_q} (one per query head) or one per KV head (a head count "
+                             f"dividing {num_heads_q}, equal to k/v's)")
         self._check_broadcast(batch, num_heads_q)
         return self.to_dense_mask().expand(batch, num_heads_q, self.seqlen_q, self.seqlen_k)
 
