@@ -13,9 +13,9 @@ A call that finds no cache (the first forward after the hook is installed, ``use
 ``torch.compile``) selects over the whole key cache as before, and the next call with a cache rebuilds
 the state from its keys once (``O(Nk x D)``).
 
-When it is used: no element mask (no padding, no packing: with a padded or packed batch the
-per-sequence selection over the whole cache runs, see ``layouts.selection_layout_with_mask``) and a
-layer with a ``layer_idx``. A state continues only the cache it was built for: its length must be the
+When it is used: no element mask (no padding, no packing, no static cache: with those the
+per-sequence selection over each sequence's written tokens runs, see
+``layouts.selection_layout_with_mask``) and a layer with a ``layer_idx``. A state continues only the cache it was built for: its length must be the
 cache's minus this call's queries, its batch, heads, dtype and device the keys'; otherwise it is
 rebuilt from ``key[:, :, :Nk - Nq]``. ``crop`` and ``reset`` on the cache (assisted decoding, a reused
 cache) drop the states of that cache, which then rebuild on the next call; ``reorder_cache``,

@@ -114,22 +114,14 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                 return out.transpose(1, 2).contiguous(), None
         else:
             layout, backend = layout_no_mask(module, q, kv, device, causal)
-    elif selector is not None and selector.per_token:   # chosen per sequence of the padded or packed batch
+    elif selector is not None:   # chosen per sequence of the padded, packed or static-cache batch
         layout = selection_layout_with_mask(selector, attention_mask, query, key, (selector.block_size,) * 2)
-        causal = False
+        causal = False  # the element mask carries the model's causality
     else:
         layout, backend = layout_with_mask(module, attention_mask, q, kv, kwargs.get("position_ids"), device)
-        causal = False  # the element mask carries the model's causality
-        if selector is not None:   # the selection, within the mask's blocks
-            layout = _intersect(selector(query, key), layout)
+        causal = False
     out = block_sparse_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend)
     return out.transpose(1, 2).contiguous(), None
-
-
-@torch.compiler.disable(reason="sparse_io_attn: a selection under a padded or packed mask is intersected with "
-                        "the mask's per-batch layout (data-dependent)")
-def _intersect(selected, mask_layout):
-    return selected & mask_layout
 
 
 def register(name: str = DEFAULT_NAME) -> str:
