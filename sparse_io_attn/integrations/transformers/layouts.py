@@ -394,6 +394,8 @@ def selection_layout_with_mask(selector, mask: torch.Tensor, query: torch.Tensor
     q_offset, kv_offset, _ = _MASK_INFO.get(mask, (kv - q, 0, False))
     pos = torch.arange(q, device=query.device) + (int(q_offset) - int(kv_offset))   # key index of each row
     causal = selector.causal is not False
+    if causal and hasattr(selector, "with_causal"):
+        selector = selector.with_causal("bottom_right")     # each sequence's rows are its last tokens
     groups: dict = {}
     for b, seqs in enumerate(_sequences(selector, allowed, pos, causal)):
         for seq in seqs:
