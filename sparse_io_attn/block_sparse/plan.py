@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout._grid_shape import GridShape
 from sparse_io_attn.layout._csr import INDEX_DTYPE, csc_order, front_slots, group_offsets, pack_front, slot_entries
 from sparse_io_attn.layout.causal import CAUSAL_MODES, causal_blocks, causal_offset, mask_offsets
 from sparse_io_attn.layout.core import BlockSparseLayout
@@ -138,7 +139,7 @@ def _build_parts(layout: BlockSparseLayout, delta: int | None) -> dict:
 PLAN_ATTR = "_sparse_io_attn_plan"
 
 
-class AttentionPlan:
+class AttentionPlan(GridShape):
     """A layout planned for the kernels under one causal mode (see the module docstring).
 
     Build it with :func:`plan`; pass it to :func:`~sparse_io_attn.block_sparse_attention` wherever a
@@ -223,22 +224,6 @@ class AttentionPlan:
         return self.index.device
 
     @property
-    def BLOCK_SIZE_Q(self) -> int:  # noqa: N802 (the name the kernels use)
-        return self.block_size[0]
-
-    @property
-    def BLOCK_SIZE_KV(self) -> int:  # noqa: N802
-        return self.block_size[1]
-
-    @property
-    def seqlen_q(self) -> int:
-        return self.seqlen[0]
-
-    @property
-    def seqlen_k(self) -> int:
-        return self.seqlen[1]
-
-    @property
     def num_q_blocks(self) -> int:
         return math.ceil(self.seqlen[0] / self.block_size[0])
 
@@ -254,6 +239,10 @@ class AttentionPlan:
         """Whether the layout this plan was built from has been edited in place since."""
         return (self.source is not None and self.version is not None
                 and not torch.compiler.is_compiling() and self.source.version_key() != self.version)
+
+    def check_heads(self, batch: int, num_heads_q: int, num_heads_kv: int) -> None:
+        """Refuse inputs of ``batch`` x ``num_heads_q`` heads the plan's masks do not broadcast over."""
+        self.layout_strides(batch, num_heads_q)
 
     def layout_strides(self, batch: int, num_heads_q: int) -> tuple[int, int]:
         """``(stride_lb, stride_lh)``: batch ``b``, query head ``h`` use mask ``b * stride_lb + h *

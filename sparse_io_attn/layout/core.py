@@ -15,6 +15,7 @@ from sparse_io_attn.layout._args import as_pair
 from sparse_io_attn.layout._assemble import inrange_words, lead_dims, validate_partial, words_at
 from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_fits_int32, check_index_capacity, csr_row_ids,
                                         csr_to_mask, csr_transpose, mask_to_csr, validate_csr)
+from sparse_io_attn.layout._grid_shape import GridShape
 from sparse_io_attn.layout._kv_indices import check_selection, csr_from_kv_lists, repeat_matrices
 
 _DRAW_LIMIT = 64  # rows/cols drawn by __str__ before truncating
@@ -26,7 +27,7 @@ def _part(build: str, i: int, doc: str | None = None) -> property:
     return property(lambda self: getattr(self, build)()[i], doc=doc)
 
 
-class BlockSparseLayout:
+class BlockSparseLayout(GridShape):
     r"""The layout is the mask: full blocks and element-masked partial blocks.
 
     The score matrix of one (batch, head) is cut into blocks of ``BLOCK_SIZE_Q x BLOCK_SIZE_KV``
@@ -369,23 +370,7 @@ class BlockSparseLayout:
         """See :func:`sparse_io_attn.layout.convert.to_flex_block_mask`."""
         return convert.to_flex_block_mask(self, causal, separate_full_blocks=separate_full_blocks)
 
-    # ------------------------------------------------------------------ views
-    @property
-    def seqlen_q(self) -> int:
-        return self.seqlen[0]
-
-    @property
-    def seqlen_k(self) -> int:
-        return self.seqlen[1]
-
-    @property
-    def BLOCK_SIZE_Q(self) -> int:  # noqa: N802 (the name the kernels use)
-        return self.block_size[0]
-
-    @property
-    def BLOCK_SIZE_KV(self) -> int:  # noqa: N802
-        return self.block_size[1]
-
+    # ------------------------------------------------------------------ views (and GridShape's)
     @property
     def num_layouts(self) -> int:
         return self.layout_batch * self.layout_heads
