@@ -231,10 +231,6 @@ class AttentionPlan(GridShape):
     def num_kv_blocks(self) -> int:
         return math.ceil(self.seqlen[1] / self.block_size[1])
 
-    @property
-    def num_layouts(self) -> int:
-        return self.layout_batch * self.layout_heads
-
     def is_stale(self) -> bool:
         """Whether the layout this plan was built from has been edited in place since."""
         return (self.source is not None and self.version is not None
@@ -247,12 +243,7 @@ class AttentionPlan(GridShape):
     def layout_strides(self, batch: int, num_heads_q: int) -> tuple[int, int]:
         """``(stride_lb, stride_lh)``: batch ``b``, query head ``h`` use mask ``b * stride_lb + h *
         stride_lh``; ``ValueError`` when the plan's masks do not fit ``[batch, num_heads_q]``."""
-        if self.layout_batch not in (1, batch):
-            raise ValueError(f"layout has {self.layout_batch} batch masks but the input has batch "
-                             f"{batch}; build it with 1 (shared) or {batch} batch masks")
-        if self.layout_heads not in (1, num_heads_q):
-            raise ValueError(f"layout has {self.layout_heads} head masks but q has {num_heads_q} heads; "
-                             f"build it with 1 (shared) or {num_heads_q} head masks (one per query head)")
+        self.check_broadcast(batch, num_heads_q)
         return (self.layout_heads if self.layout_batch > 1 else 0), (1 if self.layout_heads > 1 else 0)
 
     def derived(self, key, build):

@@ -372,10 +372,6 @@ class BlockSparseLayout(GridShape):
 
     # ------------------------------------------------------------------ views (and GridShape's)
     @property
-    def num_layouts(self) -> int:
-        return self.layout_batch * self.layout_heads
-
-    @property
     def device(self) -> torch.device:
         return self.crow_indices.device
 
@@ -461,14 +457,6 @@ class BlockSparseLayout(GridShape):
         the current query positions (:func:`sparse_io_attn.layout.convert.row_blocks`)."""
         return assemble(**convert.row_blocks(self, start, stop)._asdict(), name=f"{self.name}[{start}:{stop}]")
 
-    def _check_broadcast(self, batch: int, num_heads_q: int) -> None:
-        if self.layout_batch not in (1, batch):
-            raise ValueError(f"layout has {self.layout_batch} batch masks but the input has batch "
-                             f"{batch}; build it with 1 (shared) or {batch} batch masks")
-        if self.layout_heads not in (1, num_heads_q):
-            raise ValueError(f"layout has {self.layout_heads} head masks but q has {num_heads_q} heads; "
-                             f"build it with 1 (shared) or {num_heads_q} head masks (one per query head)")
-
     def for_query_heads(self, num_heads_q: int, num_heads_kv: int) -> "BlockSparseLayout":
         """The layout serving ``num_heads_q`` query heads: ``self`` when it holds 1 or ``num_heads_q``
         head masks; when it holds one mask per KV head (``layout_heads == num_heads_kv``, a selection
@@ -498,7 +486,7 @@ class BlockSparseLayout(GridShape):
         :meth:`for_query_heads`."""
         lh = self.layout_heads
         if lh not in (1, num_heads_q) and (num_heads_kv is None or num_heads_kv == lh) and num_heads_q % lh == 0:
-            self._check_broadcast(batch, lh)
+            self.check_broadcast(batch, lh)
             mask = self.to_dense_mask().repeat_interleave(num_heads_q // lh, 1)
             return mask.expand(batch, num_heads_q, self.seqlen_q, self.seqlen_k)
         if lh not in (1, num_heads_q):
@@ -506,7 +494,7 @@ class BlockSparseLayout(GridShape):
             raise ValueError(f"layout has {lh} head masks but q has {num_heads_q} heads{kv}; build it with 1 "
                              f"(shared), {num_heads_q} (one per query head) or one per KV head (a head count "
                              f"dividing {num_heads_q}, equal to k/v's)")
-        self._check_broadcast(batch, num_heads_q)
+        self.check_broadcast(batch, num_heads_q)
         return self.to_dense_mask().expand(batch, num_heads_q, self.seqlen_q, self.seqlen_k)
 
     # ------------------------------------------------------------------ device / algebra
