@@ -143,7 +143,12 @@ struct Work {
   }
 };
 
-// K^T of nc fp32 key rows (ld) -> kt [D, CHUNK]
+// K^T of nc fp32 key rows (ld) -> kt [D, CHUNK]. Flattened: at::vec's transpose inlined here with
+// CHUNK and its whole 16 x 16 tiles constant, whatever the caller's size (an out-of-line 16 x 16
+// tile of unknown size and stride cost the block-sparse decode about 15%).
+#if defined(__GNUC__)
+__attribute__((flatten))
+#endif
 static inline void transpose_keys(const float* k, int64_t ld, int64_t nc, int64_t D, float* kt) {
   at::vec::transpose_mxn<float>(k, ld, kt, CHUNK, static_cast<int>(nc), static_cast<int>(D));
 }
