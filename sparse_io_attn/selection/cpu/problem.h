@@ -155,14 +155,18 @@ static Problem make_problem(const Dims& d, const at::Tensor& rows, const at::Ten
   const bool slots = P.family == KEY_MAJOR;
   std::atomic<int64_t> bad{-1};
   at::parallel_for(0, P.L * nkb, 16, [&](int64_t lo, int64_t hi) {
+    const int64_t Nq = P.Nq;
+    const int32_t *query = P.col_query, *slot = P.col_slot;
     for (int64_t x = lo; x < hi; ++x) {
       const int64_t l = x / nkb, c = x % nkb;
       const int32_t* p = P.col_ptr + l * (nkb + 1) + c;
+      const int32_t* count = P.counts + l * Nq;  // selection l's rows
+      const int32_t* row = P.rows + l * Nq * K;
       int64_t prev = -1;
-      for (int64_t e = p[0]; e < p[1]; ++e) {
-        const int64_t t = P.col_query[e], j = P.col_slot[e];
-        bool ok = t > prev && t < P.Nq && j >= 0 && j < P.counts[l * P.Nq + t];
-        if (ok && slots) ok = P.rows[(l * P.Nq + t) * K + j] == c;
+      for (int64_t e = p[0], end = p[1]; e < end; ++e) {
+        const int64_t t = query[e], j = slot[e];
+        bool ok = t > prev && t < Nq && j >= 0 && j < count[t];
+        if (ok && slots) ok = row[t * K + j] == c;
         prev = t;
         if (!ok) {
           int64_t expect = -1;
