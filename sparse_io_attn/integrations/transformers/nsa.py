@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from sparse_io_attn.integrations.transformers.config import module_pattern
-from sparse_io_attn.integrations.transformers.decode_state import state_on_cache, watch_cache
+from sparse_io_attn.integrations.transformers import decode_state
 from sparse_io_attn.integrations.transformers.layouts import check_lengths
 from sparse_io_attn.nn.nsa import NSAAttention
 
@@ -83,7 +83,7 @@ def add_nsa_gates(model: nn.Module) -> list[str]:
             module.register_forward_pre_hook(_note_hidden, with_kwargs=True)
             module.register_forward_hook(_forget_hidden, always_call=True)
             setattr(module, _HOOKED_ATTR, True)
-        watch_cache(module)            # the first forward finds its cache
+        decode_state.watch_cache(module)            # the first forward finds its cache
         names.append(name)
     if not names:
         raise ValueError("add_nsa_gates: no attention module of this model runs 'nsa:...' (set "
@@ -126,7 +126,7 @@ def nsa_forward(module, nsa: NSAAttention, query: torch.Tensor, key: torch.Tenso
 
 @torch.compiler.disable(reason="sparse_io_attn: NSA's decode state lives in Python objects on the KV cache")
 def _state(module, nsa, query, key, value, kwargs):
-    return state_on_cache(module, nsa, query.shape[2], (key, value), kwargs)
+    return decode_state.state_on_cache(module, nsa, query.shape[2], (key, value), kwargs)
 
 
 __all__ = ["GATES", "add_nsa_gates", "nsa_forward"]
