@@ -45,6 +45,8 @@ _SPEC_ALIASES = {"block": "block_size", "b": "block_size", "k": "num_blocks", "t
 #: decode layouts an NSAAttention keeps (LRU): a step's window layout is the same at every step once the
 #: cache is longer than the window, its compressed layout for ``block_size`` steps
 _ROWS_CACHE_SIZE = 8
+#: prefill lengths whose layouts an NSAAttention keeps (the oldest dropped first)
+_PREFILL_CACHE_SIZE = 64
 
 
 class NSAAttention:
@@ -136,9 +138,9 @@ class NSAAttention:
     # ------------------------------------------------------------------------------------ layouts
     def layouts(self, seqlen: int, device=None) -> tuple[BlockSparseLayout | None, BlockSparseLayout | None]:
         """``(sliding window [T, T] or None, compressed [T, T // block_size] or None)``: the two
-        static layouts of a prefill of ``seqlen`` tokens (built once per length and device, planned,
-        outside any ``torch.compile`` trace; run one eager forward per length before compiling with
-        ``fullgraph=True``)."""
+        static layouts of a prefill of ``seqlen`` tokens (built once per length and device, the last
+        64 lengths kept, planned, outside any ``torch.compile`` trace; run one eager forward per length
+        before compiling with ``fullgraph=True``)."""
         device = torch.device("cpu" if device is None else device)
         hit = self._layouts.get((int(seqlen), str(device)))
         return hit if hit is not None else self._build_layouts(int(seqlen), device)
@@ -151,6 +153,8 @@ class NSAAttention:
         nf = T // self.block_size
         cmp = self._compressed_layout(torch.arange(T), nf, device) if nf else None
         self._layouts[(T, str(device))] = (swa, cmp)
+        while len(self._layouts) > _PREFILL_CACHE_SIZE:
+            del self._layouts[next(iter(self._layouts))]
         return swa, cmp
 
     def _window_layout(self, seqlen_q: int, seqlen_k: int, device) -> BlockSparseLayout | None:
@@ -341,7 +345,6 @@ class NativeSparseAttention(nn.Module):
         self.rope_theta = float(rope_theta)
         self.attention = NSAAttention(self.block_size, self.selected_blocks, window, backend=backend,
                                       layout_block_size=layout_block_size)
-        self.window, self.backend, self.layout_block_size = window, backend, self.attention.layout_block_size
         factory = {"device": device, "dtype": dtype}
         self.q_proj = nn.Linear(embed_dim, num_heads * head_dim, bias=qkv_bias, **factory)
         self.k_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
@@ -359,6 +362,27 @@ class NativeSparseAttention(nn.Module):
     def selector(self):
         """The selected branch's :func:`~sparse_io_attn.nn.selectors.nsa` selector."""
         return self.attention.selector
+
+    @property
+    def window(self) -> int:
+        """The sliding window's keys (0: no window branch)."""
+        return self.attention.window
+
+    @property
+    def layout_block_size(self) -> int:
+        """Block size of the window and compressed layouts."""
+        return self.attention.layout_block_size
+
+    @property
+    def backend(self) -> str:
+        """The three branches' backend (settable: ``layer.backend = "cpu"``)."""
+        return self.attention.backend
+
+    @backend.setter
+    def backend(self, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.attention.backend = backend
 
     def layouts(self, seqlen: int, device=None) -> tuple[BlockSparseLayout | None, BlockSparseLayout | None]:
         """The prefill's window and compressed layouts (:meth:`NSAAttention.layouts`)."""

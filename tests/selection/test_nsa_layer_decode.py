@@ -177,3 +177,7 @@ def test_cache_errors():
             NSAAttention.from_spec(bad)
     spec = NSAAttention.from_spec(" nsa : block=4, top_k=3, window=0")
     assert (spec.block_size, spec.num_blocks, spec.window) == (4, 3, 0)
+    layer.backend = "cpu"                                             # the branches' backend, settable
+    assert layer.attention.backend == "cpu" and layer.window == 6
+    with pytest.raises(ValueError, match="backend must be one of"):
+        layer.backend = "cuda"
