@@ -398,6 +398,12 @@ class NSASelector:
             raise ValueError(f"sm_scale must be a finite number or None (head_dim ** -0.5), got {sm_scale!r}")
         self.sm_scale = sm_scale
 
+    def with_causal(self, causal) -> "NSASelector":
+        """This selector (NSA is bottom-right by definition, which a prefill's ``True`` equals);
+        ``causal=False`` raises ``ValueError`` (NSA has no non-causal form)."""
+        _causal_only(causal, "nsa")
+        return self
+
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, Nq, ceil(Nk / block_size)]`` in q's dtype: the group-mean block probabilities over
         complete blocks (0 elsewhere), 1.0 on forced blocks."""
@@ -528,9 +534,14 @@ def lightning_topk(index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.
 
 
 # ------------------------------------------------------------------------------------------ specs
+def _nsa_selection(block_size: int, num_blocks: int, *, causal=True) -> NSASelector:
+    """The ``"nsa_selection:..."`` spec: :func:`nsa` (causal by definition)."""
+    return nsa(block_size, num_blocks).with_causal(causal)
+
+
 #: the selector classes a spec string names (what ``config.sparse_attention`` of the Hugging Face
 #: integration accepts as an object, too)
-SPEC_TYPES = (MoBASelector, PooledTopKSelector)
+SPEC_TYPES = (MoBASelector, PooledTopKSelector, NSASelector)
 
 #: selector spec names -> (factory, parameter names in positional order, aliases)
 SPECS = {
@@ -538,24 +549,23 @@ SPECS = {
                                              "b": "chunk_size", "k": "top_k", "topk": "top_k"}),
     "pooled_topk": (pooled_topk, ("block_size", "top_k"), {"block": "block_size", "b": "block_size", "k": "top_k",
                                                            "topk": "top_k"}),
+    "nsa_selection": (_nsa_selection, ("block_size", "num_blocks"),
+                      {"block": "block_size", "b": "block_size", "k": "num_blocks", "top_k": "num_blocks",
+                       "topk": "num_blocks", "block_counts": "num_blocks"}),
 }
 
 
 def is_spec(spec) -> bool:
-    """Whether ``spec`` is a selector spec string (``"moba:..."``, ``"pooled_topk:..."``) rather than a
-    static pattern's."""
+    """Whether ``spec`` is a selector spec string (``"moba:..."``, ``"pooled_topk:..."``,
+    ``"nsa_selection:..."``) rather than a static pattern's."""
     return isinstance(spec, str) and spec.strip().split(":", 1)[0].strip() in SPECS
 
 
-def from_spec(spec: str, *, causal=True):
-    """A selector from a spec string: ``"moba:block=64,top_k=8"`` (exact MoBA, :func:`moba`) or
-    ``"pooled_topk:block=64,top_k=8"`` (:func:`pooled_topk`), or positionally ``"moba:64,8"``; keys
-    ``block``/``block_size`` (``chunk`` for moba), ``top_k``/``k``. ``ValueError`` naming the accepted
-    form otherwise."""
+def spec_values(spec: str, params: tuple, aliases: dict) -> dict:
+    """``{parameter: int}`` of a spec string ``"name:key=value,..."`` (or positional values in the
+    order of ``params``; keys through ``aliases``); every parameter required. ``ValueError`` naming the
+    accepted form otherwise."""
     name, _, args = spec.strip().partition(":")
-    if name.strip() not in SPECS:
-        raise ValueError(f"unknown selector {name!r} in {spec!r}; available: {sorted(SPECS)}")
-    factory, params, aliases = SPECS[name.strip()]
     form = f"{name.strip()}:" + ",".join(f"{p}=<int>" for p in params)
     values: dict = {}
     for i, arg in enumerate(a.strip() for a in args.split(",") if a.strip()):
@@ -563,16 +573,30 @@ def from_spec(spec: str, *, causal=True):
         key = aliases.get(key.strip(), key.strip()) if eq else (params[i] if i < len(params) else None)
         value = value if eq else arg
         if key not in params or key in values:
-            raise ValueError(f"selector spec {spec!r}: unexpected argument {arg!r}; expected {form}")
+            raise ValueError(f"spec {spec!r}: unexpected argument {arg!r}; expected {form}")
         try:
             values[key] = int(value)
         except ValueError:
-            raise ValueError(f"selector spec {spec!r}: {key} must be an int, got {value!r}") from None
+            raise ValueError(f"spec {spec!r}: {key} must be an int, got {value!r}") from None
     missing = [p for p in params if p not in values]
     if missing:
-        raise ValueError(f"selector spec {spec!r} misses {missing}; expected {form}")
-    return factory(**values, causal=causal)
+        raise ValueError(f"spec {spec!r} misses {missing}; expected {form}")
+    return values
+
+
+def from_spec(spec: str, *, causal=True):
+    """A selector from a spec string: ``"moba:block=64,top_k=8"`` (exact MoBA, :func:`moba`),
+    ``"pooled_topk:block=64,top_k=8"`` (:func:`pooled_topk`) or ``"nsa_selection:block=64,num_blocks=16"``
+    (NSA's block top-k, :func:`nsa`), or positionally ``"moba:64,8"``; keys ``block``/``block_size``
+    (``chunk`` for moba), ``top_k``/``k`` (``num_blocks`` for nsa_selection). ``ValueError`` naming
+    the accepted form otherwise."""
+    name = spec.strip().partition(":")[0].strip()
+    if name not in SPECS:
+        raise ValueError(f"unknown selector {name!r} in {spec!r}; available: {sorted(SPECS)}")
+    factory, params, aliases = SPECS[name]
+    return factory(**spec_values(spec, params, aliases), causal=causal)
 
 
 __all__ = ["MoBASelector", "NSASelector", "PooledTopKSelector", "SPEC_TYPES", "block_means", "from_spec",
-           "is_spec", "lightning_scores", "lightning_topk", "moba", "nsa", "pooled_topk", "whole_block_means"]
+           "is_spec", "lightning_scores", "lightning_topk", "moba", "nsa", "pooled_topk", "spec_values",
+           "whole_block_means"]

@@ -189,7 +189,7 @@ def _build_selector(module, causal):
             raise ValueError(f"config.{CONFIG_ATTR}: {exc} (this model's attention is not causal)") from None
         if selector.per_token and getattr(module, "sliding_window", None) is not None:
             raise NotImplementedError(f"config.{CONFIG_ATTR}: {selector!r} under the model's own sliding window "
-                                      f"({module.sliding_window}) has no reference semantics (MoBA's chunks and gate "
+                                      f"({module.sliding_window}) has no reference semantics (its blocks and scores "
                                       f"see the whole sequence); set sliding_window=None on the config, or use "
                                       f"'pooled_topk:...'")
     return _remember(module, ("selector", causal), (selector, pat.backend))
