@@ -59,6 +59,56 @@ def check_close(got, ref, tol=FP32_TOL):
     assert not bad, f"relative errors above {tol}: {bad}"
 
 
+def tiny_llama(spec, seed: int = 0, *, gates: bool = True):
+    """A random 2-layer Llama (vocab 97, hidden 64, 4 query and 2 KV heads of 16) with
+    ``config.sparse_attention = {"pattern": spec, "backend": "torch"}`` under ``attn_implementation=
+    "sparse_io_attn"``, in eval mode; an ``"nsa:..."`` spec gets NSA's gates (``add_nsa_gates``, random
+    weights, so not every gate is 1/2) unless ``gates=False``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from sparse_io_attn.integrations import transformers as sia_hf
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg.sparse_attention = {"pattern": spec, "backend": "torch"}
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=sia_hf.register()).eval()
+    if gates and isinstance(spec, str) and spec.startswith("nsa:"):
+        sia_hf.add_nsa_gates(model)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.g_proj.weight.normal_(0, 0.5)
+    return model
+
+
+@torch.no_grad()
+def greedy_by_prefill(model, ids: torch.Tensor, steps: int):
+    """Greedy decoding without a cache, a full forward over the whole sequence per new token:
+    ``(sequences, raw logits of each new token [B, steps, V])``. Like ``generate(min_new_tokens=steps)``
+    it never picks the model's end-of-sequence token (if it has one)."""
+    logits, eos = [], model.generation_config.eos_token_id
+    for _ in range(steps):
+        last = model(ids, use_cache=False).logits[:, -1]
+        logits.append(last)
+        pick = last if eos is None else last.index_fill(-1, torch.tensor(eos).flatten(), -torch.inf)
+        ids = torch.cat([ids, pick.argmax(-1, keepdim=True)], 1)
+    return ids, torch.stack(logits, 1)
+
+
+def init_state_calls(owner):
+    """``(calls, patch)``: under ``patch``, each ``owner.init_state(...)`` call (a selector or
+    ``NSAAttention``) appends whether it absorbed cached tensors (a decode state rebuilt, O(Nk x D))."""
+    from unittest import mock
+
+    calls = []
+    real = owner.init_state
+
+    def counting(self, *cached):
+        calls.append(bool(cached))
+        return real(self, *cached)
+    return calls, mock.patch.object(owner, "init_state", counting)
+
+
 class _NoHostSync(torch.overrides.TorchFunctionMode):
     """Raises on every tensor operation that reads data back to the host (a synchronisation on CUDA):
     ``.item()``, ``.tolist()``, ``bool()``/``int()``/``float()`` of a tensor, ``nonzero``, boolean-mask

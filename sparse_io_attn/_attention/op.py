@@ -57,18 +57,19 @@ class AttentionOp:
     """The custom ops of one attention op family and its backends.
 
     ``name``: ops ``sparse_io_attn::{name}_fwd`` / ``{name}_bwd``; ``plan_args``: the schema of the
-    plan's tensors (``"Tensor index"``, ``"Tensor rows, Tensor row_counts"``); ``plan_from_op(q, k,
-    *plan_tensors, meta, causal_offset)``: the plan those tensors describe (checked against the
-    inputs); ``backends``: backend name -> a function returning the backend's module.
+    plan's tensors (``"Tensor index"``, ``"Tensor rows, Tensor row_counts"``); ``plan_cls``: the plan
+    class, whose ``from_op(*plan_tensors, meta, causal_offset)`` finds (or rebuilds) the plan those
+    tensors describe and whose ``check_heads(batch, num_heads_q, num_heads_kv)`` refuses inputs it
+    cannot serve; ``backends``: backend name -> a function returning the backend's module.
 
     Attributes: ``fwd`` (the forward op, ``torch.ops.sparse_io_attn.{name}_fwd.default``), ``bwd`` (the
     backward op); methods :meth:`forward` / :meth:`backward` run a backend on a plan directly (what
     context parallelism calls for its parts).
     """
 
-    def __init__(self, name: str, plan_args: str, plan_from_op: Callable, backends: dict[str, Callable]):
+    def __init__(self, name: str, plan_args: str, plan_cls: type, backends: dict[str, Callable]):
         self.name = name
-        self.plan_from_op = plan_from_op
+        self.plan_cls = plan_cls
         self.backends = backends
         self.num_plan_tensors = plan_args.count("Tensor")
         tail = f"{plan_args}, int[] meta, int? causal_offset, float sm_scale, str backend"
@@ -96,6 +97,15 @@ class AttentionOp:
         return self.backends[backend]().backward(do, q, k, v, out, stats, plan, sm_scale=sm_scale)
 
     # ------------------------------------------------------------------------------ op kernels
+    def plan_from_op(self, q: Tensor, k: Tensor, *plan_tensors_meta_offset):
+        """The plan the op's tensors describe, checked against the inputs' lengths and heads."""
+        plan = self.plan_cls.from_op(*plan_tensors_meta_offset)
+        if plan.seqlen != (q.shape[2], k.shape[2]):
+            raise ValueError(f"the plan is for seqlen (q, k) = {plan.seqlen} but the inputs have "
+                             f"({q.shape[2]}, {k.shape[2]})")
+        plan.check_heads(q.shape[0], q.shape[1], k.shape[1])
+        return plan
+
     def _fwd_impl(self, q, k, v, *args):
         *plan_tensors, meta, causal_offset, sm_scale, backend = args
         plan = self.plan_from_op(q, k, *plan_tensors, meta, causal_offset)

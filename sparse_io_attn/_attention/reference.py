@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from sparse_io_attn.layout.causal import causal_offset
+
 
 def masked_attention(q, k, v, mask, sm_scale):
     """Masked softmax attention in the input's dtype, differentiable, NaN-free on empty rows.
@@ -33,6 +35,18 @@ def masked_attention(q, k, v, mask, sm_scale):
     return out, lse
 
 
+def with_causal(mask: torch.Tensor, causal) -> torch.Tensor:
+    """``mask [..., Nq, Nk]`` intersected with ``causal`` (:func:`~sparse_io_attn.layout.causal.causal_offset`:
+    key ``j`` allowed for query ``i`` iff ``j <= i + delta``); unchanged for ``causal=False``."""
+    nq, nk = mask.shape[-2:]
+    delta = causal_offset(causal, nq, nk)
+    if delta is None:
+        return mask
+    i = torch.arange(nq, device=mask.device)[:, None]
+    j = torch.arange(nk, device=mask.device)[None, :]
+    return mask & (j <= i + delta)
+
+
 def float64_attention(q, k, v, mask, sm_scale: float | None, do=None):
     """Float64 masked attention of ``q, k, v`` (any dtype): ``(out, lse)`` or, with ``do``,
     ``(out, lse, dq, dk, dv)``; ``sm_scale`` ``None`` is ``D ** -0.5``. What each op's reference
@@ -48,4 +62,4 @@ def float64_attention(q, k, v, mask, sm_scale: float | None, do=None):
     return out.detach(), lse.detach(), dq, dk, dv
 
 
-__all__ = ["float64_attention", "masked_attention"]
+__all__ = ["float64_attention", "masked_attention", "with_causal"]

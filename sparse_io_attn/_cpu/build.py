@@ -3,7 +3,8 @@
 One extension holds every op's CPU kernels: the translation units in :data:`SOURCES` (one
 ``kernel.cpp`` per op folder's ``cpu/``), which include their own headers and the shared ones in
 this folder (``simd.h``: ISA selection and vector helpers; ``tiles.h``: work buffers, task runner,
-tile products, packing). It is compiled on first use with :func:`torch.utils.cpp_extension.load`
+tile products, packing; ``softmax.h``: the online-softmax row step and row store; ``entry.h``: the ops'
+argument checks and result shapes; ``split_k.h``: the decode split and merge). It is compiled on first use with :func:`torch.utils.cpp_extension.load`
 (ninja, the translation units in parallel, ``-O3`` and ``-march=native`` on x86-64) into torch's default extensions
 directory (``$TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). The extension's name, hence
 its build directory, carries a digest of everything that changes the build (:func:`build_inputs`: the

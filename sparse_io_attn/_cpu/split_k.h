@@ -8,7 +8,7 @@
 // one (unit, split): an online softmax over its items, K and V read where they live (strided views
 // of a cache, any dtype: a chunk is converted to fp32 only when it is not fp32 with a unit head-dim
 // stride), leaving a partial (m, l, acc) per row. The last task of a unit to finish merges the
-// unit's partials in split order through their log-sum-exp (merge_unit), so results are bitwise
+// unit's partials in split order through their log-sum-exp (merge_row), so results are bitwise
 // identical across runs and thread counts; with S = 1 the merge is the identity.
 //
 // Memory: per worker a few tiles (rows x CHUNK scores, CHUNK x D keys, D x CHUNK K^T), plus the
@@ -21,6 +21,7 @@
 // the one its backward uses.
 #pragma once
 
+#include "softmax.h"
 #include "tiles.h"
 
 #include <type_traits>
@@ -103,6 +104,26 @@ static inline const float* rows_f32(const Operand<T>& x, int64_t b, int64_t h, i
   return buf;
 }
 
+// A decode call's operands (read in place) and results (q's dtype; lse, stats fp32).
+template <typename T>
+struct In {
+  Operand<T> q, k, v;
+  T* out;
+  float *lse, *st_m, *st_l;
+  In(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, at::Tensor& out_, at::Tensor& lse_,
+     at::Tensor& stats)
+      : q(q_), k(k_), v(v_), out(out_.data_ptr<T>()), lse(lse_.data_ptr<float>()), st_m(stats.data_ptr<float>()),
+        st_l(st_m + lse_.numel()) {}
+};
+
+// The query rows of a unit: heads [h0, h0 + R / nt) x tokens [m0, m0 + nt) of batch b, head-major
+// (row i is head h0 + i / nt at token m0 + i % nt).
+struct UnitRows {
+  int64_t b, h0, m0, nt, R;
+  int64_t head(int64_t i) const { return h0 + i / nt; }
+  int64_t token(int64_t i) const { return m0 + i % nt; }
+};
+
 // One worker's buffers for units of up to R rows.
 struct Work {
   Buf q, kt, kv, s, acc, st;
@@ -122,45 +143,15 @@ struct Work {
   }
 };
 
-// K^T of nc fp32 key rows (ld) -> kt [D, CHUNK]
+// K^T of nc fp32 key rows (ld) -> kt [D, CHUNK]. Flattened: at::vec's transpose inlined here with
+// CHUNK and its whole 16 x 16 tiles constant, whatever the caller's size (an out-of-line 16 x 16
+// tile of unknown size and stride cost the block-sparse decode about 15%).
+#if defined(__GNUC__)
+__attribute__((flatten))
+#endif
 static inline void transpose_keys(const float* k, int64_t ld, int64_t nc, int64_t D, float* kt) {
   at::vec::transpose_mxn<float>(k, ld, kt, CHUNK, static_cast<int>(nc), static_cast<int>(D));
 }
-
-// Online-softmax step of row i over one tile of nc raw scores s (the row's LDS-wide slice): t =
-// fl(c s) saturated, lanes whose `bits(jv)` are 0 (and past nc) -inf, the running maximum and sum
-// updated, acc rescaled; s becomes p = exp2(t - m) (0 where masked).
-template <typename Bits>
-static inline void softmax_row(float* s, int64_t nc, float c2, float& m, float& l, float* acc, int64_t D,
-                               Bits&& bits) {
-  const int64_t ncv = round_up(nc, VL);
-  const Vec vc(c2);
-  Vec vmax(NEG_INF);
-  for (int64_t jv = 0; jv < ncv; jv += VL) {
-    const Vec x = keep_bits(saturate(Vec::loadu(s + jv) * vc), bits(jv) & len_bits(nc - jv));
-    x.store(s + jv);
-    vmax = at::vec::maximum(vmax, x);
-  }
-  const float mo = m, mn = std::max(mo, hmax(vmax));
-  if (mn > mo && mo != NEG_INF) {  // the running maximum grew: rescale
-    const float alpha = std::exp2(mo - mn);
-    l *= alpha;
-    scale_row(acc, D, alpha);
-  }
-  const Vec vm(mn == NEG_INF ? 0.f : mn);
-  Vec vsum(0.f);
-  for (int64_t jv = 0; jv < ncv; jv += VL) {
-    const Vec p = vexp2(Vec::loadu(s + jv) - vm);
-    p.store(s + jv);
-    vsum = vsum + p;
-  }
-  l += hsum(vsum);
-  m = mn;
-}
-
-struct AllBits {
-  uint32_t operator()(int64_t) const { return FULL_BITS; }
-};
 
 // A task's partial [R] m, [R] l, [R, D] acc at `slot`.
 static inline void write_partial(float* slot, const Work& w, int64_t R, int64_t D) {
@@ -170,8 +161,8 @@ static inline void write_partial(float* slot, const Work& w, int64_t R, int64_t 
 }
 
 // Row i of the merged partials of a unit's S splits (slots `stride` floats apart), in split order:
-// M = max m_s, L = sum l_s 2^(m_s - M), o = sum acc_s 2^(m_s - M) / L; then the row's output (q's
-// dtype), lse (natural log) and stats (M, log2 L): output 0, lse -inf, stats (+inf, 0) when L = 0.
+// M = max m_s, L = sum l_s 2^(m_s - M), acc = sum acc_s 2^(m_s - M) (in tmp [D]); then the row's
+// output, lse and stats (store_row).
 template <typename T>
 static inline void merge_row(const float* part, int64_t S, int64_t stride, int64_t R, int64_t D, int64_t i,
                              float* tmp, T* o, float* lse, float* st_m, float* st_l) {
@@ -198,24 +189,57 @@ static inline void merge_row(const float* part, int64_t S, int64_t stride, int64
       for (; d < D; ++d) tmp[d] += acc[d] * a;
     }
   }
-  if (L == 0.f) {
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(0.f);
-    *lse = NEG_INF;
-    *st_m = POS_INF;
-    *st_l = 0.f;
-    return;
-  }
-  for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(tmp[d] / L);
-  const float log2l = std::log2(L);
-  *lse = (M + log2l) * LN2;
-  *st_m = M;
-  *st_l = log2l;
+  store_row(tmp, M, L, D, o, lse, st_m, st_l);
 }
 
-// Task t -> (unit, split) over units whose first tasks are task0[0..U) (ascending).
-static inline std::pair<int64_t, int64_t> task_of(const std::vector<int64_t>& task0, int64_t t) {
-  const int64_t u = std::upper_bound(task0.begin(), task0.end(), t) - task0.begin() - 1;
-  return {u, t - task0[u]};
+// A call's tasks: unit u's splits are tasks [task0[u], task0[u] + splits), its partials (splits x
+// rows x (D + 2) floats) start at part0[u]; units are added in order.
+struct Tasks {
+  std::vector<int64_t> task0, part0;
+  int64_t tasks = 0, partial_floats = 0;
+  void add_unit(int64_t splits, int64_t rows, int64_t D) {
+    task0.push_back(tasks);
+    part0.push_back(partial_floats);
+    tasks += splits;
+    partial_floats += splits * rows * (D + 2);
+  }
+  // task t -> (unit, split)
+  std::pair<int64_t, int64_t> of(int64_t t) const {
+    const int64_t u = std::upper_bound(task0.begin(), task0.end(), t) - task0.begin() - 1;
+    return {u, t - task0[u]};
+  }
+};
+
+// A call's partials and, per unit, how many of its tasks have finished.
+struct Partials {
+  Buf buf;
+  std::vector<std::atomic<int64_t>> done;
+  Partials(const Tasks& t, Tally& tally) : buf(t.partial_floats), done(t.task0.size()) {
+    tally.add(buf);
+    for (auto& d : done) d.store(0);
+  }
+};
+
+// A task's start: the unit's query rows in fp32 (w.q), the running maximum, sum and accumulator reset.
+template <typename T>
+static inline void start_split(const In<T>& in, const UnitRows& u, int64_t D, Work& w) {
+  for (int64_t i = 0; i < u.R; ++i) to_f32(in.q.row(u.b, u.head(i), u.token(i)), in.q.sd, D, w.q.p + i * D);
+  w.reset(u.R, D);
+}
+
+// A task's end: its partial at split s of unit `unit`; the unit's last task to finish merges the
+// unit's S splits in order into the results' rows (of Hq heads x Nq tokens per batch).
+template <typename T>
+static inline void finish_split(const In<T>& in, const UnitRows& u, int64_t Hq, int64_t Nq, int64_t D,
+                                const Tasks& tasks, Partials& pp, int64_t unit, int64_t s, int64_t S, Work& w) {
+  const int64_t R = u.R, stride = R * (D + 2);
+  float* part = pp.buf.p + tasks.part0[unit];
+  write_partial(part + s * stride, w, R, D);
+  if (pp.done[unit].fetch_add(1, std::memory_order_acq_rel) + 1 != S) return;
+  for (int64_t i = 0; i < R; ++i) {  // the unit's last task: merge its splits in order
+    const int64_t row = (u.b * Hq + u.head(i)) * Nq + u.token(i);
+    merge_row(part, S, stride, R, D, i, w.kv.p, in.out + row * D, in.lse + row, in.st_m + row, in.st_l + row);
+  }
 }
 
 // Items [lo, hi) of split s of a unit with `items` items in S splits.

@@ -158,6 +158,20 @@ static Rows as_rows(const at::Tensor& x, int64_t NP, std::unique_ptr<Buf>& store
   return Rows{dst, H * NP * D, NP * D, D};
 }
 
+// q, k, v (and a backward's dout) as fp32 rows (as_rows: q and dout padded to NqP rows, k and v to
+// NkP), owning the packed copies.
+struct OperandRows {
+  std::unique_ptr<Buf> store[4];
+  Rows Q, K, V, dO;
+  OperandRows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t NqP, int64_t NkP)
+      : Q(as_rows(q, NqP, store[0])), K(as_rows(k, NkP, store[1])), V(as_rows(v, NkP, store[2])) {}
+  OperandRows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, int64_t NqP,
+              int64_t NkP)
+      : OperandRows(q, k, v, NqP, NkP) {
+    dO = as_rows(dout, NqP, store[3]);
+  }
+};
+
 // x [B, H, N, D] -> fp32 [B, H, nblk, D, blk]: per block of `blk` rows its transpose (zero padded)
 static void pack_transposed(const at::Tensor& x, int64_t blk, int64_t nblk, float* dst) {
   const int64_t B = x.size(0), H = x.size(1), N = x.size(2), D = x.size(3);
@@ -191,6 +205,15 @@ static void pack_transposed(const at::Tensor& x, int64_t blk, int64_t nblk, floa
       }
     });
   });
+}
+
+// n elements of a task's fp32 dK, dV sums into the results in their dtype: dk = sm_scale dK, dv = dV.
+template <typename T>
+static inline void store_dkv(const float* dK, const float* dV, int64_t n, float sm_scale, T* dk, T* dv) {
+  for (int64_t i = 0; i < n; ++i) {
+    dk[i] = static_cast<T>(dK[i] * sm_scale);
+    dv[i] = static_cast<T>(dV[i]);
+  }
 }
 
 }  // namespace sia

@@ -24,8 +24,6 @@ CPU) and ``"torch"`` (plain PyTorch, any device).
 """
 from __future__ import annotations
 
-from torch import Tensor
-
 from sparse_io_attn._attention.op import AttentionOp
 from sparse_io_attn.block_sparse import torch_path
 from sparse_io_attn.block_sparse.plan import AttentionPlan
@@ -44,15 +42,7 @@ def _triton_backend():
     return launch
 
 
-def _plan(q: Tensor, k: Tensor, index: Tensor, meta, causal_offset) -> AttentionPlan:
-    plan = AttentionPlan.from_op(index, meta, causal_offset)
-    if plan.seqlen != (q.shape[2], k.shape[2]):
-        raise ValueError(f"the plan is for seqlen (q, k) = {plan.seqlen} but the inputs have "
-                         f"({q.shape[2]}, {k.shape[2]})")
-    return plan
-
-
-OP = AttentionOp("block_sparse_attn", "Tensor index", _plan,
+OP = AttentionOp("block_sparse_attn", "Tensor index", AttentionPlan,
                  {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path})
 #: the forward op (``torch.ops.sparse_io_attn.block_sparse_attn_fwd.default``) and the backward op
 block_sparse_attn_fwd = OP.fwd

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn.layout import _bits
+from sparse_io_attn.layout._grid_shape import GridShape
 from sparse_io_attn.layout._csr import INDEX_DTYPE, csc_order, front_slots, group_offsets, pack_front, slot_entries
 from sparse_io_attn.layout.causal import CAUSAL_MODES, causal_blocks, causal_offset, mask_offsets
 from sparse_io_attn.layout.core import BlockSparseLayout
@@ -138,7 +139,7 @@ def _build_parts(layout: BlockSparseLayout, delta: int | None) -> dict:
 PLAN_ATTR = "_sparse_io_attn_plan"
 
 
-class AttentionPlan:
+class AttentionPlan(GridShape):
     """A layout planned for the kernels under one causal mode (see the module docstring).
 
     Build it with :func:`plan`; pass it to :func:`~sparse_io_attn.block_sparse_attention` wherever a
@@ -223,32 +224,12 @@ class AttentionPlan:
         return self.index.device
 
     @property
-    def BLOCK_SIZE_Q(self) -> int:  # noqa: N802 (the name the kernels use)
-        return self.block_size[0]
-
-    @property
-    def BLOCK_SIZE_KV(self) -> int:  # noqa: N802
-        return self.block_size[1]
-
-    @property
-    def seqlen_q(self) -> int:
-        return self.seqlen[0]
-
-    @property
-    def seqlen_k(self) -> int:
-        return self.seqlen[1]
-
-    @property
     def num_q_blocks(self) -> int:
         return math.ceil(self.seqlen[0] / self.block_size[0])
 
     @property
     def num_kv_blocks(self) -> int:
         return math.ceil(self.seqlen[1] / self.block_size[1])
-
-    @property
-    def num_layouts(self) -> int:
-        return self.layout_batch * self.layout_heads
 
     @property
     def kept_fraction(self) -> float:
@@ -262,15 +243,14 @@ class AttentionPlan:
         return (self.source is not None and self.version is not None
                 and not torch.compiler.is_compiling() and self.source.version_key() != self.version)
 
+    def check_heads(self, batch: int, num_heads_q: int, num_heads_kv: int) -> None:
+        """Refuse inputs of ``batch`` x ``num_heads_q`` heads the plan's masks do not broadcast over."""
+        self.layout_strides(batch, num_heads_q)
+
     def layout_strides(self, batch: int, num_heads_q: int) -> tuple[int, int]:
         """``(stride_lb, stride_lh)``: batch ``b``, query head ``h`` use mask ``b * stride_lb + h *
         stride_lh``; ``ValueError`` when the plan's masks do not fit ``[batch, num_heads_q]``."""
-        if self.layout_batch not in (1, batch):
-            raise ValueError(f"layout has {self.layout_batch} batch masks but the input has batch "
-                             f"{batch}; build it with 1 (shared) or {batch} batch masks")
-        if self.layout_heads not in (1, num_heads_q):
-            raise ValueError(f"layout has {self.layout_heads} head masks but q has {num_heads_q} heads; "
-                             f"build it with 1 (shared) or {num_heads_q} head masks (one per query head)")
+        self.check_broadcast(batch, num_heads_q)
         return (self.layout_heads if self.layout_batch > 1 else 0), (1 if self.layout_heads > 1 else 0)
 
     def derived(self, key, build):
@@ -328,9 +308,30 @@ class AttentionPlan:
         self.meta = self.meta[:-1] + (1,)
         return self
 
+    # ------------------------------------------------------------------ copies
+    def __reduce__(self):
+        """Pickling, ``copy.copy`` and ``copy.deepcopy``: the packed index (without the weak reference
+        :meth:`register` sets on it), ``meta``, ``causal`` and the layouts. The copy is a plan of its
+        own: registered on its index, validated once, its version taken from its copied layout (a
+        layout's version counters do not survive a copy), so it is stale exactly when this plan is;
+        what backends derived (:meth:`derived`) is rebuilt on use."""
+        return (_rebuilt_plan, (self.index.detach(), self.meta, self.causal, self.layout, self.source,
+                                self.is_stale()))
+
     def __repr__(self) -> str:
         return (f"AttentionPlan(seqlen={self.seqlen}, block_size={self.block_size}, causal={self.causal!r}, "
                 f"layouts={self.layout_batch}x{self.layout_heads}, slots={self.slots}, device={self.device})")
+
+
+#: the version of a copied stale plan: equal to no layout's version_key(), so the copy stays stale
+_STALE = ("stale",)
+
+
+def _rebuilt_plan(index: torch.Tensor, meta: tuple, causal, layout, source, stale: bool) -> AttentionPlan:
+    """A copy of a plan (:meth:`AttentionPlan.__reduce__`)."""
+    version = _STALE if stale else (None if source is None else source.version_key())
+    copy = AttentionPlan(index, tuple(meta)[:-1] + (0,), causal, layout=layout, source=source, version=version)
+    return copy.validate().register()
 
 
 def _causal_for_offset(delta: int | None, seqlen_q: int, seqlen_k: int):

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._attention.reference import float64_attention, masked_attention
-from sparse_io_attn.layout.causal import causal_offset
+from sparse_io_attn._attention.reference import float64_attention, masked_attention, with_causal
 from sparse_io_attn.layout.core import BlockSparseLayout
 
 
@@ -28,12 +27,7 @@ def element_mask(layout: BlockSparseLayout | None, batch: int, num_heads_q: int,
     else:
         layout = layout.for_query_heads(num_heads_q, num_heads_kv or num_heads_q)
         mask = layout.to(device or layout.device).expand_dense_mask(batch, num_heads_q)
-    delta = causal_offset(causal, seqlen_q, seqlen_k)
-    if delta is not None:
-        i = torch.arange(seqlen_q, device=mask.device)[:, None]
-        j = torch.arange(seqlen_k, device=mask.device)[None, :]
-        mask = mask & (j <= i + delta)
-    return mask
+    return with_causal(mask, causal)
 
 
 def attention_reference(q, k, v, layout: BlockSparseLayout | None = None, *, causal=False,

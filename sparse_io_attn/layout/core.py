@@ -15,12 +15,19 @@ from sparse_io_attn.layout._args import as_pair
 from sparse_io_attn.layout._assemble import inrange_words, lead_dims, validate_partial, words_at
 from sparse_io_attn.layout._csr import (INDEX_DTYPE, check_fits_int32, check_index_capacity, csr_row_ids,
                                         csr_to_mask, csr_transpose, mask_to_csr, validate_csr)
+from sparse_io_attn.layout._grid_shape import GridShape
 from sparse_io_attn.layout._kv_indices import check_selection, csr_from_kv_lists, repeat_matrices
 
 _DRAW_LIMIT = 64  # rows/cols drawn by __str__ before truncating
 
 
-class BlockSparseLayout:
+def _part(build: str, i: int, doc: str | None = None) -> property:
+    """A read-only property: element ``i`` of the tuple the layout's method ``build`` returns (one
+    cached build read by several properties)."""
+    return property(lambda self: getattr(self, build)()[i], doc=doc)
+
+
+class BlockSparseLayout(GridShape):
     r"""The layout is the mask: full blocks and element-masked partial blocks.
 
     The score matrix of one (batch, head) is cut into blocks of ``BLOCK_SIZE_Q x BLOCK_SIZE_KV``
@@ -163,17 +170,13 @@ class BlockSparseLayout:
         self._edits += 1
         return self
 
-    @property
-    def col_indices(self) -> torch.Tensor:
-        """Column (key-block) index of every kept block, ``int32 [nnz_blocks]``, sorted inside each row."""
-        return self._used_slots()[0]
-
-    @property
-    def partial_ids(self) -> torch.Tensor:
-        """``-1`` (full block) or the element-mask id of every kept block, ``int32 [nnz_blocks]``."""
-        return self._used_slots()[1]
+    col_indices = _part("_used_slots", 0, "Column (key-block) index of every kept block, ``int32 [nnz_blocks]``, "
+                                          "sorted inside each row.")
+    partial_ids = _part("_used_slots", 1, "``-1`` (full block) or the element-mask id of every kept block, "
+                                          "``int32 [nnz_blocks]``.")
 
     def _used_slots(self):
+        """``(col_indices, partial_ids)``: the used slots (cached for a fixed-capacity layout)."""
         if not self.fixed_capacity:
             return self.col_slots, self.partial_id_slots
 
@@ -367,27 +370,7 @@ class BlockSparseLayout:
         """See :func:`sparse_io_attn.layout.convert.to_flex_block_mask`."""
         return convert.to_flex_block_mask(self, causal, separate_full_blocks=separate_full_blocks)
 
-    # ------------------------------------------------------------------ views
-    @property
-    def seqlen_q(self) -> int:
-        return self.seqlen[0]
-
-    @property
-    def seqlen_k(self) -> int:
-        return self.seqlen[1]
-
-    @property
-    def BLOCK_SIZE_Q(self) -> int:  # noqa: N802 (the name the kernels use)
-        return self.block_size[0]
-
-    @property
-    def BLOCK_SIZE_KV(self) -> int:  # noqa: N802
-        return self.block_size[1]
-
-    @property
-    def num_layouts(self) -> int:
-        return self.layout_batch * self.layout_heads
-
+    # ------------------------------------------------------------------ views (and GridShape's)
     @property
     def device(self) -> torch.device:
         return self.crow_indices.device
@@ -407,18 +390,11 @@ class BlockSparseLayout:
         """Kept blocks / all blocks, over all stored masks."""
         return self.nnz_blocks / (self.num_layouts * self.num_q_blocks * self.num_kv_blocks)
 
-    @property
-    def ccol_indices(self) -> torch.Tensor:
-        return self._transposed()[0]
-
-    @property
-    def row_indices(self) -> torch.Tensor:
-        return self._transposed()[1]
-
-    @property
-    def csc_partial_ids(self) -> torch.Tensor:
-        """``partial_ids`` in the order of the transposed copy (``row_indices``)."""
-        return self._transposed()[2]
+    ccol_indices = _part("_transposed", 0, "Column pointers of the transposed copy (CSC), "
+                                           "``int32 [L, num_kv_blocks + 1]``.")
+    row_indices = _part("_transposed", 1, "Row (query-block) index of every slot in CSC order, ``int32`` "
+                                          "(a fixed-capacity layout's unused slots last).")
+    csc_partial_ids = _part("_transposed", 2, "``partial_ids`` in the order of the transposed copy (``row_indices``).")
 
     def _transposed(self):
         """``(ccol_indices, row_indices, csc_partial_ids)`` (cached). For a fixed-capacity layout the
@@ -481,14 +457,6 @@ class BlockSparseLayout:
         the current query positions (:func:`sparse_io_attn.layout.convert.row_blocks`)."""
         return assemble(**convert.row_blocks(self, start, stop)._asdict(), name=f"{self.name}[{start}:{stop}]")
 
-    def _check_broadcast(self, batch: int, num_heads_q: int) -> None:
-        if self.layout_batch not in (1, batch):
-            raise ValueError(f"layout has {self.layout_batch} batch masks but the input has batch "
-                             f"{batch}; build it with 1 (shared) or {batch} batch masks")
-        if self.layout_heads not in (1, num_heads_q):
-            raise ValueError(f"layout has {self.layout_heads} head masks but q has {num_heads_q} heads; "
-                             f"build it with 1 (shared) or {num_heads_q} head masks (one per query head)")
-
     def for_query_heads(self, num_heads_q: int, num_heads_kv: int) -> "BlockSparseLayout":
         """The layout serving ``num_heads_q`` query heads: ``self`` when it holds 1 or ``num_heads_q``
         head masks; when it holds one mask per KV head (``layout_heads == num_heads_kv``, a selection
@@ -510,9 +478,23 @@ class BlockSparseLayout:
                                 fixed_capacity=self.fixed_capacity)
         return out._mark_checked() if self.checked else out
 
-    def expand_dense_mask(self, batch: int, num_heads_q: int) -> torch.Tensor:
-        """Element mask broadcast to ``[batch, num_heads_q, seqlen_q, seqlen_k]`` (a view)."""
-        self._check_broadcast(batch, num_heads_q)
+    def expand_dense_mask(self, batch: int, num_heads_q: int, num_heads_kv: int | None = None) -> torch.Tensor:
+        """Element mask broadcast to ``[batch, num_heads_q, seqlen_q, seqlen_k]``: what the attention
+        applies. A layout of 1 or ``num_heads_q`` head masks is expanded (a view); one of one mask per
+        KV head (``layout_heads == num_heads_kv``; when ``num_heads_kv`` is not given, any head count
+        dividing ``num_heads_q`` is taken as that) serves the query heads of each GQA group, as in
+        :meth:`for_query_heads`."""
+        lh = self.layout_heads
+        if lh not in (1, num_heads_q) and (num_heads_kv is None or num_heads_kv == lh) and num_heads_q % lh == 0:
+            self.check_broadcast(batch, lh)
+            mask = self.to_dense_mask().repeat_interleave(num_heads_q // lh, 1)
+            return mask.expand(batch, num_heads_q, self.seqlen_q, self.seqlen_k)
+        if lh not in (1, num_heads_q):
+            kv = "" if num_heads_kv is None else f" and k/v {num_heads_kv}"
+            raise ValueError(f"layout has {lh} head masks but q has {num_heads_q} heads{kv}; build it with 1 "
+                             f"(shared), {num_heads_q} (one per query head) or one per KV head (a head count "
+                             f"dividing {num_heads_q}, equal to k/v's)")
+        self.check_broadcast(batch, num_heads_q)
         return self.to_dense_mask().expand(batch, num_heads_q, self.seqlen_q, self.seqlen_k)
 
     # ------------------------------------------------------------------ device / algebra

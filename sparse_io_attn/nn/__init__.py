@@ -3,7 +3,8 @@
 ``torch.compile(fullgraph=True)`` traces through it); ``selectors``: what each query attends, chosen
 from the activations at every forward (:func:`selectors.moba`, :func:`selectors.nsa`,
 :func:`selectors.lightning_topk`, :func:`selectors.pooled_topk`); :class:`NativeSparseAttention`
-(fla's NSA layer: compressed, selected and sliding-window branches); :class:`LightningIndexer`
+(fla's NSA layer: compressed, selected and sliding-window branches, with a KV cache:
+``layer.init_cache()``); :class:`LightningIndexer`
 (DeepSeek Sparse Attention's indexer); :class:`PaperAttention`: the paper's sparse-operand form as a
 layer (per-head block-sparse ``W_Q W_K^T`` and ``W_V W_O``)."""
 from sparse_io_attn.nn import selectors

@@ -26,22 +26,34 @@ import torch
 
 class BlockKeyState:
     """Per-block key summaries of one layer's KV cache (see the module docstring). Made by a
-    selector's ``init_state()`` and advanced by that selector's ``step``; ``kind`` names the
-    selector it belongs to (a state passed to another selector raises ``ValueError``);
+    selector's ``init_state()`` and advanced by that selector's ``step``; ``kind`` and ``params``
+    (``(name, value)`` pairs: block size, top-k, ...) name the selector it belongs to, and a step of
+    another kind or parameters raises ``ValueError`` (:meth:`check`); the keys' batch, heads, head
+    dim, dtype and device are fixed by the first keys appended (:meth:`append` refuses others).
     ``summarise(keys [B, Hkv, m * block_size, D]) -> [B, Hkv, m, D]`` is the selector's summary of
     ``m`` complete blocks."""
 
-    def __init__(self, kind: str, block_size: int, summarise: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, kind: str, block_size: int, summarise: Callable[[torch.Tensor], torch.Tensor],
+                 params: tuple = ()):
         self.kind, self.block_size, self.summarise = kind, block_size, summarise
+        self.params = tuple(params)
         self.summaries: torch.Tensor | None = None
         self.tail: torch.Tensor | None = None
         self.length = 0
 
-    def check(self, kind: str, who: str) -> None:
-        if not isinstance(self, BlockKeyState) or self.kind != kind:
-            got = self.kind if isinstance(self, BlockKeyState) else type(self).__name__
-            raise ValueError(f"{who}: the state belongs to {got}, not to this selector ({kind}); make it with "
-                             f"this selector's init_state()")
+    @property
+    def owner(self) -> str:
+        """The selector this state belongs to, as its parameters name it (``moba(chunk_size=16, top_k=2)``)."""
+        return _owner(self.kind, self.params)
+
+    def check(self, kind: str, params: tuple, who: str) -> None:
+        """``ValueError`` unless this is a :class:`BlockKeyState` made by the selector ``kind(params)``
+        (called unbound, ``BlockKeyState.check(state, ...)``, so any object can be checked)."""
+        want = _owner(kind, params)
+        if not isinstance(self, BlockKeyState) or (self.kind, self.params) != (kind, tuple(params)):
+            got = self.owner if isinstance(self, BlockKeyState) else type(self).__name__
+            raise ValueError(f"{who}: expected a state made by {want} (this selector), got one that belongs to "
+                             f"{got}; make the state with this selector's init_state()")
 
     def append(self, k_new: torch.Tensor, who: str = "BlockKeyState.append") -> "BlockKeyState":
         """Append ``k_new [B, Hkv, n, D]`` (the next ``n`` keys; the blocks they complete get their
@@ -49,11 +61,13 @@ class BlockKeyState:
         if not isinstance(k_new, torch.Tensor) or k_new.dim() != 4:
             raise ValueError(f"{who}: keys must be a tensor [B, Hkv, n, D], got "
                              f"{tuple(k_new.shape) if isinstance(k_new, torch.Tensor) else type(k_new).__name__}")
-        if self.tail is not None and (k_new.shape[:2] != self.tail.shape[:2] or k_new.shape[3] != self.tail.shape[3]
-                                      or k_new.dtype != self.tail.dtype or k_new.device != self.tail.device):
+        t = self.tail
+        if t is not None and (k_new.shape[:2] != t.shape[:2] or k_new.shape[3] != t.shape[3]
+                              or k_new.dtype != t.dtype or k_new.device != t.device):
+            B, Hkv, _, D = t.shape
             raise ValueError(f"{who}: new keys {tuple(k_new.shape)} {k_new.dtype} on {k_new.device} do not continue "
-                             f"the state's cache of [B, Hkv, *, D] = {tuple(self.tail.shape)} {self.tail.dtype} on "
-                             f"{self.tail.device} (a new sequence or batch needs a new init_state())")
+                             f"the state's cache: expected [B={B}, Hkv={Hkv}, n, D={D}] {t.dtype} on {t.device}; "
+                             f"a new sequence, batch, head count, dtype or device needs a new init_state()")
         keys = k_new.detach() if self.tail is None else torch.cat([self.tail, k_new.detach()], 2)
         bs = self.block_size
         whole = keys.shape[2] // bs * bs
@@ -85,8 +99,12 @@ class BlockKeyState:
         self.length = 0
 
     def __repr__(self) -> str:
-        return (f"BlockKeyState({self.kind}, block_size={self.block_size}, length={self.length}, "
+        return (f"BlockKeyState({self.owner}, block_size={self.block_size}, length={self.length}, "
                 f"complete_blocks={self.num_blocks}, tail={0 if self.tail is None else self.tail.shape[2]})")
+
+
+def _owner(kind: str, params) -> str:
+    return f"{kind}({', '.join(f'{name}={value!r}' for name, value in params)})"
 
 
 class IndexKeyState:

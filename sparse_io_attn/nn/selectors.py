@@ -58,6 +58,9 @@ def _check_qk(q: torch.Tensor, k: torch.Tensor, who: str) -> None:
             or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"{who} takes q [B, Hq, Nq, D] and k [B, Hkv, Nk, D] with Hq a multiple of Hkv, "
                          f"got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.device != k.device:
+        raise ValueError(f"{who} takes q and k on one device, got q on {q.device} and k on {k.device}; move them "
+                         f"together (.to(device))")
     if 0 in (q.shape[0], q.shape[2], k.shape[2]):
         raise ValueError(f"{who} chooses for at least one query and key position and batch element, got q "
                          f"{tuple(q.shape)} and k {tuple(k.shape)}; an empty batch or sequence has nothing to "
@@ -77,14 +80,21 @@ def _causal_only(causal, who: str):
     return causal
 
 
-def _check_step(q: torch.Tensor, k: torch.Tensor, state, kind: str, who: str) -> None:
+def _check_step(q: torch.Tensor, k: torch.Tensor, state, kind: str, params: tuple) -> None:
     """A decode step's ``q [B, Hq, n, D]`` and ``k [B, Hkv, n, D]``: the ``n`` new tokens' queries and
-    keys (as many of each), and a state of this selector."""
-    _check_qk(q, k, who)
+    keys (as many of each), and a state made by this selector (its kind and parameters; the keys'
+    batch, heads, dtype and device are checked as they are appended)."""
+    _check_qk(q, k, kind)
     if q.shape[2] != k.shape[2]:
-        raise ValueError(f"{who}.step takes the new tokens' queries and keys, as many of each (the cached keys "
+        raise ValueError(f"{kind}.step takes the new tokens' queries and keys, as many of each (the cached keys "
                          f"live in the state), got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    BlockKeyState.check(state, kind, f"{who}.step")
+    BlockKeyState.check(state, kind, params, f"{kind}.step")
+
+
+def _new_state(kind: str, params: tuple, block_size: int, summarise, keys) -> BlockKeyState:
+    """A selector's empty state, or one holding ``keys [B, Hkv, N, D]`` (``O(N * D)`` once)."""
+    state = BlockKeyState(kind, block_size, summarise, params)
+    return state if keys is None else state.append(keys, f"{kind}.init_state")
 
 
 def _summaries(state: BlockKeyState, like: torch.Tensor, dtype) -> torch.Tensor:
@@ -162,8 +172,11 @@ class PooledTopKSelector:
         empty, or holding ``keys [B, Hkv, N, D]`` (a cache filled without the state: ``O(N * D)``
         once)."""
         bs = self.block_size
-        state = BlockKeyState("pooled_topk", bs, lambda x: block_means(x, bs))
-        return state if keys is None else state.append(keys, "pooled_topk.init_state")
+        return _new_state("pooled_topk", self._state_params, bs, lambda x: block_means(x, bs), keys)
+
+    @property
+    def _state_params(self) -> tuple:
+        return (("block_size", self.block_size), ("top_k", self.top_k))
 
     def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> BlockSparseLayout:
         """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
@@ -173,7 +186,7 @@ class PooledTopKSelector:
         ``self.with_causal("bottom_right")(q, <all Nk keys>)``: the query blocks are this call's (rows
         ``0..block_size-1`` of ``q``, ...), so a decode step's choice is the full selector's on the
         same rows, not the prefill's, whose query blocks pool queries of later tokens."""
-        _check_step(q, k, state, "pooled_topk", "pooled_topk")
+        _check_step(q, k, state, "pooled_topk", self._state_params)
         if self.causal is False:
             raise ValueError("pooled_topk.step decodes causally (the new queries are the last keys); this "
                              "selector has causal=False")
@@ -305,8 +318,11 @@ class MoBASelector:
         MoBA never scores the incomplete chunk (it is the own chunk of the rows in it, forced, and in
         the future of every earlier row), so its mean is never needed: it is taken, with the same
         operation as the prefill's, when the chunk completes."""
-        state = BlockKeyState("moba", self.chunk_size, self._chunk_means)
-        return state if keys is None else state.append(keys, "moba.init_state")
+        return _new_state("moba", self._state_params, self.chunk_size, self._chunk_means, keys)
+
+    @property
+    def _state_params(self) -> tuple:
+        return (("chunk_size", self.chunk_size), ("top_k", self.top_k))
 
     def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> Selection:
         """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
@@ -316,7 +332,7 @@ class MoBASelector:
         ``O(n * Nk / chunk_size * D)``. Row for row the chunks ``self(q_all, k_all)`` chooses at those
         positions (the gate of a position depends only on the complete chunks before it; its width
         ``K = min(top_k, Nk // chunk_size + 1)`` is the one of a call over ``Nk`` keys)."""
-        _check_step(q, k, state, "moba", "moba")
+        _check_step(q, k, state, "moba", self._state_params)
         with torch.no_grad():
             state.append(k, "moba.step")
             Nk = state.length
@@ -382,6 +398,12 @@ class NSASelector:
             raise ValueError(f"sm_scale must be a finite number or None (head_dim ** -0.5), got {sm_scale!r}")
         self.sm_scale = sm_scale
 
+    def with_causal(self, causal) -> "NSASelector":
+        """This selector (NSA is bottom-right by definition, which a prefill's ``True`` equals);
+        ``causal=False`` raises ``ValueError`` (NSA has no non-causal form)."""
+        _causal_only(causal, "nsa")
+        return self
+
     def scores(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``[B, Hkv, Nq, ceil(Nk / block_size)]`` in q's dtype: the group-mean block probabilities over
         complete blocks (0 elsewhere), 1.0 on forced blocks."""
@@ -427,8 +449,11 @@ class NSASelector:
         N, D]``. NSA compresses and scores complete blocks only (an incomplete block is only ever
         kept as a forced one, unscored), so the state never pools a partial block."""
         bs = self.block_size
-        state = BlockKeyState("nsa", bs, lambda x: whole_block_means(x, bs))
-        return state if keys is None else state.append(keys, "nsa.init_state")
+        return _new_state("nsa", self._state_params, bs, lambda x: whole_block_means(x, bs), keys)
+
+    @property
+    def _state_params(self) -> tuple:
+        return (("block_size", self.block_size), ("num_blocks", self.num_blocks), ("sm_scale", self.sm_scale))
 
     def step(self, q: torch.Tensor, k: torch.Tensor, state: BlockKeyState) -> Selection:
         """Decode (or prefill, on an empty state) ``n`` new tokens: append their keys ``k [B, Hkv, n, D]``
@@ -436,7 +461,7 @@ class NSASelector:
         of the ``Nk = state.length`` keys, bottom-right as always for NSA), reading the cached keys
         only through the state: ``O(n * Nk / block_size * D)``. Row for row the blocks
         ``self(q_all, k_all)`` chooses at those positions; indices ``[B, Hkv, n, num_blocks]``."""
-        _check_step(q, k, state, "nsa", "nsa")
+        _check_step(q, k, state, "nsa", self._state_params)
         with torch.no_grad():
             state.append(k, "nsa.step")
             Nk = state.length
@@ -509,9 +534,14 @@ def lightning_topk(index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.
 
 
 # ------------------------------------------------------------------------------------------ specs
+def _nsa_selection(block_size: int, num_blocks: int, *, causal=True) -> NSASelector:
+    """The ``"nsa_selection:..."`` spec: :func:`nsa` (causal by definition)."""
+    return nsa(block_size, num_blocks).with_causal(causal)
+
+
 #: the selector classes a spec string names (what ``config.sparse_attention`` of the Hugging Face
 #: integration accepts as an object, too)
-SPEC_TYPES = (MoBASelector, PooledTopKSelector)
+SPEC_TYPES = (MoBASelector, PooledTopKSelector, NSASelector)
 
 #: selector spec names -> (factory, parameter names in positional order, aliases)
 SPECS = {
@@ -519,24 +549,23 @@ SPECS = {
                                              "b": "chunk_size", "k": "top_k", "topk": "top_k"}),
     "pooled_topk": (pooled_topk, ("block_size", "top_k"), {"block": "block_size", "b": "block_size", "k": "top_k",
                                                            "topk": "top_k"}),
+    "nsa_selection": (_nsa_selection, ("block_size", "num_blocks"),
+                      {"block": "block_size", "b": "block_size", "k": "num_blocks", "top_k": "num_blocks",
+                       "topk": "num_blocks", "block_counts": "num_blocks"}),
 }
 
 
 def is_spec(spec) -> bool:
-    """Whether ``spec`` is a selector spec string (``"moba:..."``, ``"pooled_topk:..."``) rather than a
-    static pattern's."""
+    """Whether ``spec`` is a selector spec string (``"moba:..."``, ``"pooled_topk:..."``,
+    ``"nsa_selection:..."``) rather than a static pattern's."""
     return isinstance(spec, str) and spec.strip().split(":", 1)[0].strip() in SPECS
 
 
-def from_spec(spec: str, *, causal=True):
-    """A selector from a spec string: ``"moba:block=64,top_k=8"`` (exact MoBA, :func:`moba`) or
-    ``"pooled_topk:block=64,top_k=8"`` (:func:`pooled_topk`), or positionally ``"moba:64,8"``; keys
-    ``block``/``block_size`` (``chunk`` for moba), ``top_k``/``k``. ``ValueError`` naming the accepted
-    form otherwise."""
+def spec_values(spec: str, params: tuple, aliases: dict) -> dict:
+    """``{parameter: int}`` of a spec string ``"name:key=value,..."`` (or positional values in the
+    order of ``params``; keys through ``aliases``); every parameter required. ``ValueError`` naming the
+    accepted form otherwise."""
     name, _, args = spec.strip().partition(":")
-    if name.strip() not in SPECS:
-        raise ValueError(f"unknown selector {name!r} in {spec!r}; available: {sorted(SPECS)}")
-    factory, params, aliases = SPECS[name.strip()]
     form = f"{name.strip()}:" + ",".join(f"{p}=<int>" for p in params)
     values: dict = {}
     for i, arg in enumerate(a.strip() for a in args.split(",") if a.strip()):
@@ -544,16 +573,30 @@ def from_spec(spec: str, *, causal=True):
         key = aliases.get(key.strip(), key.strip()) if eq else (params[i] if i < len(params) else None)
         value = value if eq else arg
         if key not in params or key in values:
-            raise ValueError(f"selector spec {spec!r}: unexpected argument {arg!r}; expected {form}")
+            raise ValueError(f"spec {spec!r}: unexpected argument {arg!r}; expected {form}")
         try:
             values[key] = int(value)
         except ValueError:
-            raise ValueError(f"selector spec {spec!r}: {key} must be an int, got {value!r}") from None
+            raise ValueError(f"spec {spec!r}: {key} must be an int, got {value!r}") from None
     missing = [p for p in params if p not in values]
     if missing:
-        raise ValueError(f"selector spec {spec!r} misses {missing}; expected {form}")
-    return factory(**values, causal=causal)
+        raise ValueError(f"spec {spec!r} misses {missing}; expected {form}")
+    return values
+
+
+def from_spec(spec: str, *, causal=True):
+    """A selector from a spec string: ``"moba:block=64,top_k=8"`` (exact MoBA, :func:`moba`),
+    ``"pooled_topk:block=64,top_k=8"`` (:func:`pooled_topk`) or ``"nsa_selection:block=64,num_blocks=16"``
+    (NSA's block top-k, :func:`nsa`), or positionally ``"moba:64,8"``; keys ``block``/``block_size``
+    (``chunk`` for moba), ``top_k``/``k`` (``num_blocks`` for nsa_selection). ``ValueError`` naming
+    the accepted form otherwise."""
+    name = spec.strip().partition(":")[0].strip()
+    if name not in SPECS:
+        raise ValueError(f"unknown selector {name!r} in {spec!r}; available: {sorted(SPECS)}")
+    factory, params, aliases = SPECS[name]
+    return factory(**spec_values(spec, params, aliases), causal=causal)
 
 
 __all__ = ["MoBASelector", "NSASelector", "PooledTopKSelector", "SPEC_TYPES", "block_means", "from_spec",
-           "is_spec", "lightning_scores", "lightning_topk", "moba", "nsa", "pooled_topk", "whole_block_means"]
+           "is_spec", "lightning_scores", "lightning_topk", "moba", "nsa", "pooled_topk", "spec_values",
+           "whole_block_means"]

@@ -15,8 +15,6 @@ backends are plain functions of ``(q, k, v, plan, sm_scale)``: ``"cpu"`` (C++), 
 """
 from __future__ import annotations
 
-from torch import Tensor
-
 from sparse_io_attn._attention.op import AttentionOp
 from sparse_io_attn.selection import torch_path
 from sparse_io_attn.selection.plan import SelectionPlan
@@ -34,16 +32,7 @@ def _triton_backend():
     return launch
 
 
-def _plan(q: Tensor, k: Tensor, rows: Tensor, row_counts: Tensor, meta, causal_offset) -> SelectionPlan:
-    plan = SelectionPlan.from_op(rows, row_counts, meta, causal_offset)
-    if plan.seqlen != (q.shape[2], k.shape[2]):
-        raise ValueError(f"the selection plan is for seqlen (q, k) = {plan.seqlen} but the inputs have "
-                         f"({q.shape[2]}, {k.shape[2]})")
-    plan.head_map(q.shape[0], q.shape[1], k.shape[1])
-    return plan
-
-
-OP = AttentionOp("selection_attn", "Tensor rows, Tensor row_counts", _plan,
+OP = AttentionOp("selection_attn", "Tensor rows, Tensor row_counts", SelectionPlan,
                  {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path})
 #: the forward op (``torch.ops.sparse_io_attn.selection_attn_fwd.default``) and the backward op
 selection_attn_fwd = OP.fwd

@@ -224,6 +224,10 @@ class SelectionPlan:
             self._keys = key_lists(self.rows, self.num_kv_blocks)
         return self._keys
 
+    def check_heads(self, batch: int, num_heads_q: int, num_heads_kv: int) -> None:
+        """Refuse inputs whose batch and heads the plan's selections cannot serve (:meth:`head_map`)."""
+        self.head_map(batch, num_heads_q, num_heads_kv)
+
     def head_map(self, batch: int, num_heads_q: int, num_heads_kv: int) -> HeadMap:
         """How a call's ``[batch, heads]`` index this plan; ``ValueError`` when they do not fit."""
         G = self.num_selections

@@ -11,8 +11,7 @@ import math
 
 import torch
 
-from sparse_io_attn._attention.reference import float64_attention
-from sparse_io_attn.layout.causal import causal_offset as _causal_offset
+from sparse_io_attn._attention.reference import float64_attention, with_causal
 from sparse_io_attn.layout.selection import Selection
 
 
@@ -33,12 +32,7 @@ def selection_mask(selection: Selection, batch: int, num_heads_q: int, seqlen_k:
     blocks.scatter_(-1, torch.where(valid, idx, nkb), True)
     keys = blocks[..., :nkb].repeat_interleave(bs, dim=-1)[..., :seqlen_k]        # [Lb, G, Nq, Nk]
     mask = keys.repeat_interleave(num_heads_q // G, dim=1).expand(batch, num_heads_q, Nq, seqlen_k)
-    delta = _causal_offset(causal, Nq, seqlen_k)
-    if delta is not None:
-        t = torch.arange(Nq, device=idx.device)[:, None]
-        s = torch.arange(seqlen_k, device=idx.device)[None, :]
-        mask = mask & (s <= t + delta)
-    return mask
+    return with_causal(mask, causal)
 
 
 def selection_reference(q, k, v, selection: Selection, *, causal=False, sm_scale: float | None = None,

@@ -1,12 +1,17 @@
 """Layouts chosen from data (``from_kv_indices``, ``patterns.topk``) through every backend against the
-float64 reference with the same element mask, and caches that follow in-place edits of a layout's
-tensors on every backend."""
+float64 reference with the same element mask, caches that follow in-place edits of a layout's
+tensors on every backend, and copies of a plan (``pickle``, ``copy.copy``, ``copy.deepcopy``): a plan
+of its own, with the same packed index, running to the same output as the original on the cpu and
+torch backends; stale exactly when the original was."""
+import copy
 import math
+import pickle
 
 import pytest
 import torch
 
-from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns, plan
+from sparse_io_attn.block_sparse.plan import PLAN_ATTR
 from sparse_io_attn.block_sparse.reference import attention_reference
 
 from helpers import BACKENDS, check_close, make_inputs, run
@@ -98,7 +103,6 @@ def test_writes_that_bypass_version_counters_need_mark_edited():
     """A refill through ``.numpy()`` is invisible to the version counters: the cached plan serves the
     old blocks until ``layout.mark_edited()``, after which every backend sees the new ones (and a
     plan held from before the edit is refused as stale)."""
-    from sparse_io_attn import plan
     nkb = 3
     layout = BlockSparseLayout.from_kv_indices(torch.randint(-1, nkb, (2, 3, 2)), 32, 96)
     other = BlockSparseLayout.from_kv_indices(torch.randint(-1, nkb, (2, 3, 2)), 32, 96)
@@ -114,3 +118,50 @@ def test_writes_that_bypass_version_counters_need_mark_edited():
                     attention_reference(q, k, v, other, causal=True, do=do))
     with pytest.raises(ValueError, match="edited in place after the plan was built"):
         block_sparse_attention(q, k, v, held, causal=True)
+
+
+COPIES = {"pickle": lambda p: pickle.loads(pickle.dumps(p)), "deepcopy": copy.deepcopy, "copy": copy.copy}
+
+
+def _layouts():
+    """(layout, causal, Hq, Hkv): partial blocks under a causal diagonal; one mask per KV head."""
+    window = patterns.sliding_window(70, 16, window=20)
+    pooled = patterns.topk(torch.randn(1, 2, 4, 4), 2, 16, 64, causal=True)    # one mask per KV head
+    return {"window-causal": (window, True, 2, 2), "per-kv-head-gqa": (pooled, True, 4, 2),
+            "bottom-right": (window.rows(38, 70), "bottom_right", 2, 1)}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("which", ["window-causal", "per-kv-head-gqa", "bottom-right"])
+def test_a_copied_plan_runs_as_the_original(backend, how, which):
+    layout, causal, Hq, Hkv = _layouts()[which]
+    held = plan(layout, causal=causal, num_heads_q=Hq, num_heads_kv=Hkv)
+    q, k, v, do = make_inputs(1, Hq, Hkv, *layout.seqlen, 8)
+    want = run(q, k, v, do, held, causal, backend=backend)            # forward and backward
+    copied = COPIES[how](held)
+    assert copied is not held and torch.equal(copied.index, held.index) and copied.meta == held.meta
+    assert copied.causal == held.causal and not copied.is_stale()
+    assert getattr(copied.index, PLAN_ATTR)() is copied            # registered: the op finds the copy
+    if how != "copy":
+        assert copied.index.data_ptr() != held.index.data_ptr()    # its own tensors
+    for got, ref in zip(run(q, k, v, do, copied, causal, backend=backend), want):
+        assert torch.equal(got, ref)
+    check_close(want, attention_reference(q, k, v, layout, causal=causal, do=do))
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_copies_follow_their_own_layout_and_a_stale_plan_stays_stale(how):
+    layout = BlockSparseLayout.from_kv_indices(torch.tensor([[0, -1], [0, 1], [1, 2]]), 16, 48)
+    held = plan(layout, causal=True)
+    copied = COPIES[how](held)
+    q, k, v, _ = make_inputs(1, 2, 2, 48, 48, 8)
+    want = block_sparse_attention(q, k, v, held, causal=True, backend="torch")
+    layout.col_slots[0] = 2                                           # the original's layout edited in place
+    assert held.is_stale() and not copied.is_stale()                  # the copy holds the layout as it was
+    assert torch.equal(block_sparse_attention(q, k, v, copied, causal=True, backend="torch"), want)
+    stale = COPIES[how](held)
+    assert stale.is_stale()
+    for p in (held, stale):
+        with pytest.raises(ValueError, match="edited in place after the plan was built"):
+            block_sparse_attention(q, k, v, p, causal=True, backend="torch")

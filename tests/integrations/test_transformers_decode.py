@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import greedy_by_prefill
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from sparse_io_attn.block_sparse.reference import rel_err
@@ -39,17 +40,6 @@ def _greedy(model, ids):
     return out.sequences, torch.stack(out.logits, 1)
 
 
-@torch.no_grad()
-def _greedy_by_prefill(model, ids):
-    """The same greedy decoding without a cache: a full forward over the whole sequence per token."""
-    logits = []
-    for _ in range(NEW):
-        last = model(ids, use_cache=False).logits[:, -1]
-        logits.append(last)
-        ids = torch.cat([ids, last.argmax(-1, keepdim=True)], 1)
-    return ids, torch.stack(logits, 1)
-
-
 def test_dense_generate_equals_sdpa():
     ref = _model(attn_implementation="sdpa")
     sp = _model(state=ref.state_dict())
@@ -77,11 +67,11 @@ def test_sparse_generate_equals_greedy_by_full_prefills(spec, monkeypatch):
     monkeypatch.setattr(hf_layouts, "_square_layout", lambda pat, n: squares.append(n) or real(pat, n))
     got, got_logits = _greedy(sp, ids)
     assert squares and set(squares) == {ids.shape[1]}, squares          # the prefill's, once per length
-    want, want_logits = _greedy_by_prefill(sp, ids)
+    want, want_logits = greedy_by_prefill(sp, ids, NEW)
     assert torch.equal(got, want)
     assert rel_err(got_logits, want_logits) < 1e-5
     # and the pattern is not dense at these lengths: the dense model decodes differently
-    dense_logits = _greedy_by_prefill(_model(state=sp.state_dict()), ids)[1]
+    dense_logits = greedy_by_prefill(_model(state=sp.state_dict()), ids, NEW)[1]
     assert rel_err(dense_logits[:, :1], want_logits[:, :1]) > 1e-3
 
 
@@ -182,7 +172,7 @@ def test_callable_pattern_decodes_from_its_square_layout():
     sp = _model(fn)
     ids = torch.randint(1, VOCAB, (2, 8))
     got, got_logits = _greedy(sp, ids)
-    want, want_logits = _greedy_by_prefill(sp, ids)
+    want, want_logits = greedy_by_prefill(sp, ids, NEW)
     assert torch.equal(got, want)
     assert rel_err(got_logits, want_logits) < 1e-5
     assert {(n, n, layer) for n in range(8, 8 + NEW) for layer in (0, 1)} <= set(calls)

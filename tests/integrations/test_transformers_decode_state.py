@@ -1,31 +1,26 @@
 """The selector's decode state on the Hugging Face KV cache (``integrations/transformers/decode_state.py``):
 greedy ``generate()`` with the cache, whose steps select from the per-chunk state, equals greedy
 decoding recomputed by full prefill passes without a cache (MoBA: a decode row selects as the same
-row in prefill), for a batch of 2; speculative multi-token steps and a cropped cache; pooled top-k
-with the state equals pooled top-k re-pooling the cache; a step reads no cached key."""
+row in prefill), for a batch of 2; speculative multi-token steps and a cropped cache (MoBA, and NSA's
+state of ``"nsa:"``); beam search moves the states; pooled top-k with the state equals pooled top-k
+re-pooling the cache; a step reads no cached key."""
 from __future__ import annotations
 
 from unittest import mock
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from helpers import greedy_by_prefill, init_state_calls, tiny_llama
 
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.integrations import transformers as sia_hf
-from sparse_io_attn.integrations.transformers import decode_state, interface
+from sparse_io_attn.integrations.transformers import decode_state
 from sparse_io_attn.nn import selectors
+from sparse_io_attn.nn.nsa import NSAAttention
 
-NAME = sia_hf.register()
 VOCAB = 97
-
-
-def _model(spec, seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    cfg.sparse_attention = {"pattern": spec, "backend": "torch"}
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME).eval()
+#: an NSA model ("nsa:", NSA's gated branches: its state on the cache holds compressed keys and values)
+NSA = "nsa:block=4,num_blocks=2,window=5"
 
 
 GEN = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -36,36 +31,20 @@ def _generate(model, ids, **kw):
     return out.sequences, torch.stack(out.logits, 1), getattr(out, "past_key_values", None)
 
 
-def _no_cache_greedy(model, ids, steps):
-    """Greedy decoding by a full prefill forward (no cache) per new token: ``(sequences, logits)``."""
-    logits = []
-    for _ in range(steps):
-        last = model(ids, use_cache=False).logits[:, -1]
-        logits.append(last)
-        ids = torch.cat([ids, last.argmax(-1, keepdim=True)], 1)
-    return ids, torch.stack(logits, 1)
-
-
-def _init_state_calls():
-    """Counts ``MoBASelector.init_state`` calls that absorb cached keys (a rebuild, O(Nk x D))."""
-    calls = []
-    real = selectors.MoBASelector.init_state
-
-    def counting(self, keys=None):
-        calls.append(keys is not None)
-        return real(self, keys)
-    return calls, mock.patch.object(selectors.MoBASelector, "init_state", counting)
+def _without_state():
+    """Every call over the whole cache, no state."""
+    return mock.patch.object(decode_state, "state_on_cache", lambda *a: None)
 
 
 def test_moba_generate_with_state_is_greedy_prefill_decoding():
-    model = _model("moba:block=8,top_k=3")
+    model = tiny_llama("moba:block=8,top_k=3")
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(0))   # 13 + 10: ragged
     with torch.no_grad():
         _generate(model, ids[:, :4])                                  # installs the cache hooks
-        calls, patch = _init_state_calls()
+        calls, patch = init_state_calls(selectors.MoBASelector)
         with patch:
             seq, logits, cache = _generate(model, ids)
-        want_seq, want_logits = _no_cache_greedy(model, ids, 10)
+        want_seq, want_logits = greedy_by_prefill(model, ids, 10)
     assert torch.equal(seq, want_seq)
     assert rel_err(logits, want_logits) < 1e-5
     assert calls and not any(calls)                                   # prefill built every state, no rebuild
@@ -76,10 +55,11 @@ def test_moba_generate_with_state_is_greedy_prefill_decoding():
         assert state.numel() <= 2 * 2 * (22 // 8 + 8) * 16
 
 
-def test_speculative_steps_and_a_cropped_cache_continue_the_state():
+@pytest.mark.parametrize("spec", ["moba:block=4,top_k=2", NSA])
+def test_speculative_steps_and_a_cropped_cache_continue_the_state(spec):
     """1..16 new tokens per call over the cache (speculative verification), and ``crop`` (assisted
     decoding) dropping the states, give the rows of a full prefill."""
-    model = _model("moba:block=4,top_k=2", seed=1)
+    model = tiny_llama(spec, seed=1)
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(ids[:, :2])                                             # installs the cache hooks
@@ -101,13 +81,13 @@ def test_speculative_steps_and_a_cropped_cache_continue_the_state():
 def test_pooled_generate_with_state_is_pooled_over_the_whole_cache():
     """pooled_topk's query blocks are a call's rows (a decode step is not the prefill's choice), so
     the check is against the same selector re-pooling every cached key at every step."""
-    model = _model("pooled_topk:block=8,top_k=2", seed=2)
+    model = tiny_llama("pooled_topk:block=8,top_k=2", seed=2)
     ids = torch.randint(0, VOCAB, (2, 19), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         _generate(model, ids[:, :4])
         seq, logits, cache = _generate(model, ids)
         assert len(getattr(cache, decode_state.STATES_ATTR)) == 2
-        with mock.patch.object(interface, "select_with_state", lambda *a: None):
+        with _without_state():
             want_seq, want_logits, cache = _generate(model, ids)
     assert not getattr(cache, decode_state.STATES_ATTR, None)
     assert torch.equal(seq, want_seq) and rel_err(logits, want_logits) < 1e-6
@@ -116,7 +96,7 @@ def test_pooled_generate_with_state_is_pooled_over_the_whole_cache():
 @pytest.mark.parametrize("spec", ["moba:block=4,top_k=3", "pooled_topk:block=4,top_k=2"])
 def test_a_step_reads_only_the_new_keys(spec):
     """The cached part of ``key`` is NaN: the step's selection is still the full selector's."""
-    model = _model(spec)
+    model = tiny_llama(spec)
     attn = model.model.layers[0].self_attn
     selector, _ = sia_hf.layouts.module_selector(attn, "bottom_right")
     g = torch.Generator().manual_seed(3)
@@ -145,25 +125,26 @@ def test_a_step_reads_only_the_new_keys(spec):
                        want.to_dense_mask() if hasattr(want, "to_dense_mask") else want.indices)
 
 
-def test_beam_search_moves_the_states_with_the_cache():
+@pytest.mark.parametrize("spec,owner", [("moba:block=4,top_k=2", selectors.MoBASelector), (NSA, NSAAttention)])
+def test_beam_search_moves_the_states_with_the_cache(spec, owner):
     """``reorder_cache`` (beam search) reorders the states' batch rows: beam search with the state
     equals beam search re-selecting over the whole cache at every step."""
-    model = _model("moba:block=4,top_k=2", seed=4)
+    model = tiny_llama(spec, seed=4)
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
     beam = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, num_beams=3, num_return_sequences=3)
     with torch.no_grad():
         model(ids[:, :2])                                             # installs the cache hooks
-        calls, patch = _init_state_calls()
+        calls, patch = init_state_calls(owner)
         with patch:
             got = model.generate(ids, **beam)
-        with mock.patch.object(interface, "select_with_state", lambda *a: None):
+        with _without_state():
             want = model.generate(ids, **beam)
     assert torch.equal(got, want)
     assert calls and not any(calls)                                   # no rebuild: the states were reordered
 
 
 def test_crop_zero_keeps_the_states():
-    model = _model("moba:block=4,top_k=2")
+    model = tiny_llama("moba:block=4,top_k=2")
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         model(ids[:, :2])
@@ -175,7 +156,7 @@ def test_crop_zero_keeps_the_states():
 
 
 def test_a_cache_that_takes_no_state_selects_over_the_whole_cache():
-    model = _model("moba:block=4,top_k=2")
+    model = tiny_llama("moba:block=4,top_k=2")
     attn = model.model.layers[0].self_attn
     selector, _ = sia_hf.layouts.module_selector(attn, "bottom_right")
 

@@ -6,19 +6,23 @@ registered as an attention implementation; padded (left and right) and packed ba
 same model run on each sequence alone (MoBA's varlen semantics: chunks restart per sequence);
 generation with the KV cache (decode rows, bottom-right) against generation that re-runs MoBA's
 prefill at every step. ``"pooled_topk:..."`` (the former ``"moba:..."`` selector) against ``sdpa``
-under the element mask the selector chooses. And the specs' errors."""
+under the element mask the selector chooses; padded, packed and static-cache calls against the same
+sequence alone (in float64, and against the float64 reference), generation with a static cache or a
+left-padded batch against each prompt's generation alone. And the specs' errors."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from selection.transcribed import moba
-from sparse_io_attn.block_sparse.reference import rel_err
+from sparse_io_attn import BlockSparseLayout, Selection, block_sparse_attention
+from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 from sparse_io_attn.integrations import transformers as sia_hf
-from sparse_io_attn.integrations.transformers.layouts import selection_layout_with_mask
+from sparse_io_attn.integrations.transformers.layouts import remember_mask, selection_layout_with_mask
+from sparse_io_attn.selection.reference import selection_reference
 from sparse_io_attn.nn import selectors
 
 NAME = sia_hf.register()
@@ -159,6 +163,74 @@ def test_masks_without_per_sequence_meaning_are_refused():
         sia_hf.layouts.module_selector(attn, False)
 
 
+# ------------------------------------------------------------------ any selector under an element mask
+def _masked_case(case: str):
+    """``(allowed bool [B, 1, q, kv], q, q_offset, sequences [(b, r0, r1, a, end)], window)``: a model's
+    element mask and the sequences in it (query rows ``r0:r1`` of batch element ``b`` over keys
+    ``a:end``); ``window`` a sliding window the mask adds (or ``None``)."""
+    kv, window, pads = 26, None, (0, 0)
+    if case == "static-cache":          # 15 queries at positions 0..14, 26 preallocated slots
+        q, q_offset, lens = 15, 0, (15, 15)
+    elif case == "decode":              # 2 new tokens at positions 24, 25 over a left-padded cache
+        q, q_offset, lens, pads = 2, 24, (26, 26), (5, 0)
+    else:
+        q, q_offset, lens = kv, 0, ((21, 26) if case == "right-padded" else (26, 26))
+        pads = (5, 0) if case in ("left-padded", "window") else pads
+        window = 7 if case == "window" else None
+    i = torch.arange(q)[:, None] + q_offset
+    j = torch.arange(kv)[None, :]
+    allowed = torch.stack([(j <= i) & (j >= pads[b]) & (j < lens[b]) for b in range(2)])[:, None]
+    if window is not None:
+        allowed &= j > i - window
+    if case == "packed":                # documents [0, 11) and [11, 26) of row 0
+        doc = (torch.arange(kv) >= 11).long()
+        allowed[0, 0] &= doc[:, None] == doc[None, :]
+        seqs = [(0, 0, 11, 0, 11), (0, 11, 26, 11, 26), (1, 0, 26, 0, 26)]
+    else:
+        seqs = [(b, max(pads[b] - q_offset, 0), min(lens[b], i[-1, 0] + 1) - q_offset, pads[b],
+                 min(lens[b], i[-1, 0] + 1)) for b in range(2)]
+    return allowed, q, q_offset, seqs, window
+
+
+def _alone_reference(sel, q, k, v, window):
+    """float64 output of ``sel``'s choice on one sequence alone (bottom-right, no mask; within
+    ``window`` if given)."""
+    chosen = sel(q, k)
+    if isinstance(chosen, Selection):
+        return selection_reference(q, k, v, chosen, causal="bottom_right")[0]
+    if window is not None:
+        i = torch.arange(q.shape[2])[:, None] + k.shape[2] - q.shape[2]
+        j = torch.arange(k.shape[2])[None, :]
+        chosen = chosen & BlockSparseLayout.from_dense_mask(j > i - window, chosen.block_size)
+    return attention_reference(q, k, v, chosen, causal="bottom_right")[0]
+
+
+@pytest.mark.parametrize("kind", ["pooled_topk", "moba"])
+@pytest.mark.parametrize("case", ["left-padded", "right-padded", "packed", "static-cache", "decode", "window"])
+def test_selectors_under_a_mask_choose_from_each_sequence_alone(kind, case):
+    """The selection under a padded, packed, static-cache, decode-over-a-padded-cache or windowed mask,
+    run by the attention, gives each sequence's rows the float64 output of the selector run on that
+    sequence alone (its rows, its written keys); rows in no sequence (right padding's pad rows, a
+    static cache's absent rows) output 0. A per-token selector under a window is refused."""
+    sel = selectors.pooled_topk(4, 2, causal="bottom_right") if kind == "pooled_topk" else \
+        selectors.moba(4, 3, causal="bottom_right")
+    allowed, nq, q_offset, seqs, window = _masked_case(case)
+    q, k, v = torch.randn(2, 4, nq, 8), torch.randn(2, 2, 26, 8), torch.randn(2, 2, 26, 8)
+    mask = remember_mask(allowed.clone(), q_offset, 0, False)     # where the queries sit, as the model's mask
+    if window is not None and sel.per_token:
+        with pytest.raises(NotImplementedError, match="not one sequence"):
+            selection_layout_with_mask(sel, mask, q, k, (4, 4))
+        return
+    layout = selection_layout_with_mask(sel, mask, q, k, (4, 4))
+    got = block_sparse_attention(q, k, v, layout, causal=False, backend="torch")
+    covered = torch.zeros(2, nq, dtype=torch.bool)
+    for b, r0, r1, a, end in seqs:
+        want = _alone_reference(sel, q[b:b + 1, :, r0:r1], k[b:b + 1, :, a:end], v[b:b + 1, :, a:end], window)
+        assert rel_err(got[b:b + 1, :, r0:r1], want) < 1e-5, (b, r0, r1)
+        covered[b, r0:r1] = True
+    assert torch.equal(got.permute(0, 2, 1, 3)[~covered], torch.zeros_like(got.permute(0, 2, 1, 3)[~covered]))
+
+
 # ------------------------------------------------------------------------------------ pooled top-k
 def test_pooled_spec_matches_reference_logits_and_grads():
     torch.manual_seed(0)
@@ -170,21 +242,64 @@ def test_pooled_spec_matches_reference_logits_and_grads():
         assert rel_err(ga[name], g) < 1e-4, name
 
 
-def test_pooled_spec_with_padding_and_generation():
-    torch.manual_seed(1)
+def _alone(model, ids):
+    with torch.no_grad():
+        return model(ids).logits[0]
+
+
+# each sequence's real tokens are not a multiple of the block (8), so padding would enter its blocks
+@pytest.mark.parametrize("case", ["left-padded", "right-padded", "packed", "static-cache"])
+def test_pooled_spec_chooses_from_each_sequence_alone(case):
+    """Left and right padding, two documents packed in one row (restarting position_ids) and a
+    static cache (a 21-token prefill in 40 slots): every real token's logits equal the same
+    sequence run alone without padding, packing or cache, and equal the float64 reference on that
+    sequence alone (pad tokens, a neighbour document or unwritten cache slots never enter the
+    selector's block means)."""
+    torch.manual_seed(7)
     ref, sp = _pair(POOLED, "sdpa_pooled_reference")
-    ids = torch.randint(0, VOCAB, (2, 30))
-    am = torch.ones(2, 30, dtype=torch.long)
-    am[1, 22:] = 0                                   # right padding: the mask path intersects
+    ref.double()
+    a, b = torch.randint(0, VOCAB, (1, 21)), torch.randint(0, VOCAB, (1, 13))
+    pad = torch.zeros(1, 6, dtype=torch.long)
     with torch.no_grad():
-        a = sp(ids, attention_mask=am).logits
-        b = ref(ids, attention_mask=am).logits
-    assert rel_err(a[am.bool()], b[am.bool()]) < 1e-5
-    prompt = ids[:1, :20]
+        if case == "left-padded":
+            ids, am = torch.cat([pad, a], 1), torch.cat([torch.zeros(1, 6), torch.ones(1, 21)], 1).long()
+            got = [sp(ids, attention_mask=am).logits[0, 6:]]
+        elif case == "right-padded":
+            ids, am = torch.cat([a, pad], 1), torch.cat([torch.ones(1, 21), torch.zeros(1, 6)], 1).long()
+            got = [sp(ids, attention_mask=am).logits[0, :21]]
+        elif case == "packed":
+            pid = torch.cat([torch.arange(21), torch.arange(13)])[None]
+            out = sp(torch.cat([a, b], 1), position_ids=pid, use_cache=False).logits[0]
+            got = [out[:21], out[21:]]
+        else:
+            cache = StaticCache(config=sp.config, max_cache_len=40)
+            got = [sp(a, cache=cache).logits[0]]
+    for g, seq in zip(got, (a, b)):
+        assert rel_err(g, _alone(sp, seq)) < 1e-5           # RoPE at shifted positions: rounding only
+        assert rel_err(g.double(), _alone(ref, seq)) < 1e-5
+
+
+def test_pooled_spec_generates_as_each_prompt_alone_with_static_cache_and_left_padding():
+    """Greedy generate() with a static cache equals generate() with the dynamic cache (its decode steps
+    select over the written slots only), and a left-padded batch generates what each prompt
+    generates alone."""
+    torch.manual_seed(5)
+    _, sp = _pair(POOLED, "sdpa_pooled_reference")
+    prompts = [torch.randint(0, VOCAB, (1, n)) for n in (19, 12)]
+    gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True,
+               output_logits=True)
     with torch.no_grad():
-        got = sp.generate(prompt, max_new_tokens=6, do_sample=False)
-        want = ref.generate(prompt, max_new_tokens=6, do_sample=False)
-    assert torch.equal(got, want)
+        alone = [sp.generate(p, **gen) for p in prompts]
+        static = sp.generate(prompts[0], cache_implementation="static", **gen)
+        assert torch.equal(static.sequences, alone[0].sequences)
+        assert rel_err(torch.stack(static.logits, 1), torch.stack(alone[0].logits, 1)) < 1e-5
+        batch, am = torch.zeros(2, 19, dtype=torch.long), torch.zeros(2, 19, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            batch[r, 19 - p.shape[1]:], am[r, 19 - p.shape[1]:] = p[0], 1
+        padded = sp.generate(batch, attention_mask=am, pad_token_id=0, **gen)
+    for r, p in enumerate(prompts):
+        assert torch.equal(padded.sequences[r, 19:], alone[r].sequences[0, p.shape[1]:]), r
+        assert rel_err(torch.stack(padded.logits, 1)[r], torch.stack(alone[r].logits, 1)[0]) < 1e-5, r
 
 
 def test_selector_specs_and_errors():

@@ -121,6 +121,23 @@ def test_plan_layout_strides_and_expand():
     assert torch.equal(full[1, 2], m[2].repeat_interleave(4, 0).repeat_interleave(4, 1)[:7, :8])
 
 
+def test_expand_dense_mask_serves_a_per_kv_head_layout_as_the_attention_does():
+    """A layout of one mask per KV head (what pooled top-k returns for GQA) expands to the query heads of
+    each group, as the attention applies it; other head counts raise naming 1, Hq and per KV head."""
+    m = torch.rand(2, 2, 3, 3) > 0.4
+    lo = BlockSparseLayout.from_block_mask(m, 4, (11, 12))                     # batch 2, 2 KV heads
+    want = lo.for_query_heads(6, 2).to_dense_mask()
+    assert torch.equal(lo.expand_dense_mask(2, 6), want)
+    assert torch.equal(lo.expand_dense_mask(2, 6, num_heads_kv=2), want)
+    assert torch.equal(lo.expand_dense_mask(2, 6)[1, 4], m[1, 1].repeat_interleave(4, 0).repeat_interleave(4, 1)[:11, :12])
+    with pytest.raises(ValueError, match="2 head masks but q has 6 heads and k/v 3; .*1 \\(shared\\), 6 .*per KV head"):
+        lo.expand_dense_mask(2, 6, num_heads_kv=3)
+    with pytest.raises(ValueError, match="2 head masks but q has 5 heads; .*one per KV head"):
+        lo.expand_dense_mask(2, 5)
+    with pytest.raises(ValueError, match="2 batch masks but the input has batch 3"):
+        lo.expand_dense_mask(3, 6)
+
+
 def test_to_same_device_and_equal_ignores_name():
     m = torch.rand(3, 3) > 0.5
     a = BlockSparseLayout.from_block_mask(m, 8, name="a")

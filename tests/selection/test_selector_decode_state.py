@@ -156,6 +156,63 @@ def test_step_errors():
     assert state.length == 0 and state.numel() == 0
 
 
+# (selector that steps, selector whose init_state() made the state, what differs)
+MISMATCHES = [
+    pytest.param(selectors.moba(32, 2), selectors.moba(16, 2), "chunk_size=16", id="moba-chunk-size"),
+    pytest.param(selectors.moba(16, 3), selectors.moba(16, 2), "top_k=2", id="moba-top-k"),
+    pytest.param(selectors.nsa(32, 2), selectors.nsa(16, 2), "block_size=16", id="nsa-block"),
+    pytest.param(selectors.nsa(16, 4), selectors.nsa(16, 2), "num_blocks=2", id="nsa-num-blocks"),
+    pytest.param(selectors.nsa(16, 2, sm_scale=0.5), selectors.nsa(16, 2), "sm_scale=None", id="nsa-sm-scale"),
+    pytest.param(selectors.pooled_topk(32, 2), selectors.pooled_topk(16, 2), "block_size=16", id="pooled-block"),
+    pytest.param(selectors.pooled_topk(16, 3), selectors.pooled_topk(16, 2), "top_k=2", id="pooled-top-k"),
+]
+
+
+@pytest.mark.parametrize("keys", [0, 40], ids=["empty-state", "filled-state"])
+@pytest.mark.parametrize("sel,maker,got", MISMATCHES)
+def test_a_state_of_other_parameters_is_refused(sel, maker, got, keys):
+    """A state carries its selector's kind and parameters: a step of a selector with another block
+    size, top-k or scale raises ValueError naming the expected selector, the state's and the fix,
+    and leaves the state as it was (a 16-key chunk mean is never read as a 32-key one)."""
+    q, k = _qk(1, 4, 2, keys + 1, 8, torch.float32, seed=keys)
+    state = maker.init_state(k[:, :, :keys]) if keys else maker.init_state()
+    before = (state.length, None if state.summaries is None else state.summaries.clone())
+    kind = repr(sel).split("(")[0]
+    with pytest.raises(ValueError, match=rf"{kind}\.step: expected a state made by {kind}\(.*\) \(this selector\), "
+                                         rf"got one that belongs to {kind}\(.*{got}.*\); make the state with this "
+                                         rf"selector's init_state\(\)"):
+        sel.step(q[:, :, keys:], k[:, :, keys:], state)
+    assert state.length == before[0]
+    assert before[1] is None or torch.equal(state.summaries, before[1])
+    sel.step(q[:, :, keys:], k[:, :, keys:], sel.init_state(k[:, :, :keys]) if keys else sel.init_state())
+
+
+@pytest.mark.parametrize("sel", [selectors.moba(4, 2), selectors.nsa(4, 2), selectors.pooled_topk(4, 2)],
+                         ids=["moba", "nsa", "pooled_topk"])
+@pytest.mark.parametrize("change", ["batch", "heads", "head_dim", "dtype", "device"])
+def test_keys_that_do_not_continue_the_state_are_refused(sel, change):
+    """After its first keys a state holds one cache geometry: new keys of another batch, KV head
+    count, head dim, dtype or device raise ValueError naming the state's [B, Hkv, n, D], dtype and
+    device, what was given and the fix (a new init_state())."""
+    q, k = _qk(2, 4, 2, 9, 8, torch.float32, seed=3)
+    state = sel.init_state(k[:, :, :8])
+    q1, k1 = q[:, :, 8:], k[:, :, 8:]
+    q1, k1 = {"batch": lambda: (q1[:1], k1[:1]), "heads": lambda: (q1, k1[:, :1]),
+              "head_dim": lambda: (q1[..., :4], k1[..., :4]), "dtype": lambda: (q1.double(), k1.double()),
+              "device": lambda: (q1.to("meta"), k1.to("meta"))}[change]()
+    with pytest.raises(ValueError, match=r"do not continue the state's cache: expected \[B=2, Hkv=2, n, D=8\] "
+                                         r"torch.float32 on cpu; .*needs a new init_state\(\)"):
+        sel.step(q1, k1, state)
+    assert state.length == 8
+
+
+def test_q_and_k_on_different_devices_are_refused():
+    q, k = _qk(1, 2, 1, 8, 8, torch.float32, seed=0)
+    for sel in (selectors.moba(4, 2), selectors.nsa(4, 2), selectors.pooled_topk(4, 2)):
+        with pytest.raises(ValueError, match="on one device, got q on cpu and k on meta"):
+            sel(q, k.to("meta"))
+
+
 @pytest.mark.parametrize("prefix", [0, 7, 8, 9])
 def test_a_state_from_cached_keys_continues_as_one_built_by_steps(prefix):
     """``init_state(keys)`` (a cache filled without the state) holds what steps over those keys hold."""

@@ -8,9 +8,10 @@ Implements the backend interface of :mod:`sparse_io_attn.block_sparse.api`:
 with the semantics of the other backends (element-exact partial blocks, both causal alignments,
 GQA, per-head/per-batch layouts, empty rows -> output 0, lse ``-inf``, zero gradients).
 
-How it works (``kernel.cpp``: op registration, including ``simd.h`` vector helpers, ``tiles.h``
-buffers/packing/tile products, ``schedule.h`` the problem and the checked schedule lists, ``forward.h``,
-``backward.h``; one translation unit):
+How it works (``kernel.cpp``: op registration, including the shared ``_cpu/`` headers (``simd.h`` vector
+helpers, ``tiles.h`` buffers/packing/tile products, ``softmax.h``, ``entry.h``, ``split_k.h``),
+``schedule.h`` the problem and the checked schedule lists, ``forward.h``, ``backward.h``, ``decode.h``; one
+translation unit):
 
 * It walks the lists of an :class:`~sparse_io_attn.block_sparse.plan.AttentionPlan`:
   forward and dQ run one task per (batch, query head, query tile of up to 128 rows: the layout's

@@ -7,8 +7,8 @@
 namespace sia {
 
 // ------------------------------------------------------------------------------ backward
-struct BwdIn {
-  Rows Q, dO, K, V;           // fp32 rows (views or packed copies)
+struct BwdIn : OperandRows {  // Q, K, V, dO: fp32 rows (views or packed copies)
+  using OperandRows::OperandRows;
   const float *QT, *dOT;      // [B, Hq, nqb, D, bq]
   const float* KT;            // [B, Hkv, nkb, D, bk]
   const float *m, *l2, *dl;   // [B*Hq, ldst]: row max (+inf on padding), log2 row sum, delta
@@ -183,10 +183,7 @@ static void bwd_task(const Problem& P, const Lists& L, const BwdIn& in, T* dk, T
     }
 
     const int64_t obase = ((b * P.Hkv + g) * P.Nk + n0) * D;
-    for (int64_t i = 0; i < nk * D; ++i) {
-      dk[obase + i] = static_cast<T>(dK[i] * P.sm_scale);
-      dv[obase + i] = static_cast<T>(dV[i]);
-    }
+    store_dkv(dK, dV, nk * D, P.sm_scale, dk + obase, dv + obase);
   }
 }
 
@@ -225,39 +222,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& part_idx, const at::Tensor& part_mask, const at::Tensor& masks, const at::Tensor& masks_t,
     int64_t block_q, int64_t block_k, int64_t stride_lb, int64_t stride_lh, std::optional<int64_t> causal_offset,
     double sm_scale) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && dout.device().is_cpu() &&
-                  out.device().is_cpu() && stats.device().is_cpu(),
-              "sparse_io_attn cpu: tensors must be on the CPU");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
-                  q.size(3) == k.size(3),
-              "sparse_io_attn cpu: q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] expected");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "sparse_io_attn cpu: q, k, v, out, dout must share a dtype");
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "sparse_io_attn cpu: bad dout/out shape");
-  Problem P = make_problem(q, k, block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale, masks);
+  const Dims dims = check_qkv(q, k, v);
+  check_grad_inputs(q, dout, out, stats);
+  Problem P = make_problem(dims, block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale, masks);
   TORCH_CHECK(masks_t.scalar_type() == at::kInt && masks_t.is_contiguous() && masks_t.dim() == 3 &&
                   masks_t.size(0) == masks.size(0) && masks_t.size(1) == block_k && masks_t.size(2) == P.WT,
               "sparse_io_attn cpu: masks_t must be transpose_masks(masks)");
-  TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.dim() == 4 && stats.size(0) == 2 &&
-                  stats.size(1) == q.size(0) && stats.size(2) == q.size(1) && stats.size(3) == q.size(2),
-              "sparse_io_attn cpu: stats must be fp32 [2, B, Hq, Nq]");
   P.masks_t = masks_t.data_ptr<int32_t>();
   const Lists C = lists_of(P, false, full_ptr, full_idx, part_ptr, part_idx, part_mask);
   const int64_t B = P.B, Hq = P.Hq, Hkv = P.Hkv, Nq = P.Nq, Nk = P.Nk, D = P.D;
   const int64_t NqP = P.nqb * P.bq, NkP = P.nkb * P.bk;
 
-  auto dq = at::empty({B, Hq, Nq, D}, q.options());
-  auto dk = at::empty({B, Hkv, Nk, D}, k.options());
-  auto dv = at::empty({B, Hkv, Nk, D}, v.options());
+  at::Tensor dq, dk, dv;
+  std::tie(dq, dk, dv) = grad_results(q, k, v);
   if (B * Hq * Nq * D == 0 || B * Hkv * Nk == 0) return {dq, dk, dv};
 
-  BwdIn in;
-  std::unique_ptr<Buf> q_store, do_store, k_store, v_store;
-  in.Q = as_rows(q, NqP, q_store);
-  in.dO = as_rows(dout, NqP, do_store);
-  in.K = as_rows(k, NkP, k_store);
-  in.V = as_rows(v, NkP, v_store);
+  BwdIn in(q, k, v, dout, NqP, NkP);
   Buf qt(B * Hq * NqP * D), dot(B * Hq * NqP * D), kt(B * Hkv * NkP * D);
   pack_transposed(q, P.bq, P.nqb, qt.p);
   pack_transposed(dout, P.bq, P.nqb, dot.p);
@@ -272,41 +252,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   in.m = mbuf.p;
   in.l2 = lbuf.p;
   in.dl = dbuf.p;
+  row_deltas(out, dout, dbuf.p, in.ldst, 1);
   {
     const auto st = stats.contiguous();
     const float* sm = st.data_ptr<float>();
     const float* sl = sm + B * Hq * Nq;
     const int64_t ldst = in.ldst;
-    dispatch(q.scalar_type(), [&](auto tag) {
-      using scalar_t = decltype(tag);
-      const scalar_t* o = typed<scalar_t>(out);
-      const scalar_t* g = typed<scalar_t>(dout);
-      const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2), o3 = out.stride(3);
-      const int64_t g0 = dout.stride(0), g1 = dout.stride(1), g2 = dout.stride(2), g3 = dout.stride(3);
-      at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
-        for (int64_t bh = lo; bh < hi; ++bh) {
-          const int64_t b = bh / Hq, h = bh % Hq;
-          float* mm = mbuf.p + bh * ldst;
-          float* ll = lbuf.p + bh * ldst;
-          float* dd = dbuf.p + bh * ldst;
-          for (int64_t i = 0; i < Nq; ++i) {
-            mm[i] = sm[bh * Nq + i];
-            ll[i] = sl[bh * Nq + i];
-            const scalar_t* orow = o + b * o0 + h * o1 + i * o2;
-            const scalar_t* grow = g + b * g0 + h * g1 + i * g2;
-            float acc = 0.f;
-            for (int64_t d = 0; d < D; ++d)
-              acc += static_cast<float>(orow[d * o3]) * static_cast<float>(grow[d * g3]);
-            dd[i] = acc;
-          }
-          for (int64_t i = Nq; i < ldst; ++i) {
-            mm[i] = POS_INF;
-            ll[i] = 0.f;
-            dd[i] = 0.f;
-          }
-        }
-      });
-    });
+    for (int64_t bh = 0; bh < B * Hq; ++bh) {
+      std::copy(sm + bh * Nq, sm + (bh + 1) * Nq, mbuf.p + bh * ldst);
+      std::copy(sl + bh * Nq, sl + (bh + 1) * Nq, lbuf.p + bh * ldst);
+      std::fill(mbuf.p + bh * ldst + Nq, mbuf.p + (bh + 1) * ldst, POS_INF);
+      std::fill(lbuf.p + bh * ldst + Nq, lbuf.p + (bh + 1) * ldst, 0.f);
+      std::fill(dbuf.p + bh * ldst + Nq, dbuf.p + (bh + 1) * ldst, 0.f);
+    }
   }
 
   // key segments: about TARGET_TASKS tasks in all (a function of the shapes only)

@@ -28,12 +28,10 @@ struct DecUnit {
   int64_t rows() const { return nh * nt; }
 };
 
-struct DecPlan {
+struct DecPlan : dec::Tasks {
   std::vector<DecUnit> units;
-  std::vector<int64_t> pre;    // per unit: items before each entry
-  std::vector<int64_t> task0;  // per unit: its first task
-  std::vector<int64_t> part0;  // per unit: offset of its partial slots (floats)
-  int64_t tasks = 0, partial_floats = 0, max_rows = 0;
+  std::vector<int64_t> pre;  // per unit: items before each entry
+  int64_t max_rows = 0;
 };
 
 // Whether list rows x and y hold the same entries.
@@ -75,36 +73,23 @@ static DecPlan decode_plan(const Problem& P, const Lists& L) {
       }
   const int64_t U = static_cast<int64_t>(dp.units.size());
   for (DecUnit& u : dp.units) {
-    u.splits = u.items == 0 ? 1 : dec::num_splits(u.ne * P.bk, u.items, U);
-    dp.task0.push_back(dp.tasks);
-    dp.part0.push_back(dp.partial_floats);
-    dp.tasks += u.splits;
-    dp.partial_floats += u.splits * u.rows() * (P.D + 2);
+    u.splits = dec::num_splits(u.ne * P.bk, u.items, U);
+    dp.add_unit(u.splits, u.rows(), P.D);
     dp.max_rows = std::max(dp.max_rows, u.rows());
   }
   return dp;
 }
 
-template <typename T>
-struct DecIn {
-  dec::Operand<T> q, k, v;
-  T* out;
-  float *lse, *st_m, *st_l;
-};
-
 // Task (unit u, split s): the online softmax over the split's items, then its partial; the unit's
 // last task merges.
 template <typename T>
-static void decode_task(const Problem& P, const Lists& L, const DecPlan& dp, const DecIn<T>& in, float* partials,
-                        std::atomic<int64_t>* done, int64_t task, dec::Work& w) {
-  const auto [ui, s] = dec::task_of(dp.task0, task);
+static void decode_task(const Problem& P, const Lists& L, const DecPlan& dp, const dec::In<T>& in,
+                        dec::Partials& pp, int64_t task, dec::Work& w) {
+  const auto [ui, s] = dp.of(task);
   const DecUnit& u = dp.units[ui];
   const int64_t D = P.D, R = u.rows(), nt = u.nt;
-  const int64_t stride = R * (D + 2);
-  float* slot = partials + dp.part0[ui] + s * stride;
-  // the unit's query rows (head-major: row i is head h0 + i / nt, token m0 + i % nt) in fp32
-  for (int64_t i = 0; i < R; ++i) dec::to_f32(in.q.row(u.b, u.h0 + i / nt, u.m0 + i % nt), in.q.sd, D, w.q.p + i * D);
-  w.reset(R, D);
+  const dec::UnitRows rows{u.b, u.h0, u.m0, nt, R};
+  dec::start_split(in, rows, D, w);
   const auto [lo, hi] = dec::split_items(u.items, u.splits, s);
   const int64_t* pre = dp.pre.data() + u.pre;
   int64_t e = std::upper_bound(pre, pre + u.ne + 1, lo) - pre - 1;
@@ -135,13 +120,13 @@ static void decode_task(const Problem& P, const Lists& L, const DecPlan& dp, con
     for (int64_t i = 0; i < R; ++i) {
       float* srow = w.s.p + i * dec::LDS;
       if (!partial) {
-        dec::softmax_row(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, dec::AllBits{});
+        softmax_step(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, AllBits{});
         continue;
       }
-      const int64_t m = u.m0 + i % nt;  // the row's query token
+      const int64_t m = rows.token(i);
       const int64_t nallow = P.causal ? std::min(nc, m + P.delta - k0 + 1) : nc;
       const int32_t* bits = mid >= 0 ? P.masks + (static_cast<int64_t>(mid) * P.bq + (m - u.r * P.bq)) * P.W : nullptr;
-      dec::softmax_row(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, [&](int64_t jv) {
+      softmax_step(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, [&](int64_t jv) {
         const uint32_t kb = len_bits(nallow - jv);
         return bits != nullptr && kb ? kb & word_bits(bits, a + jv) : kb;
       });
@@ -149,13 +134,7 @@ static void decode_task(const Problem& P, const Lists& L, const DecPlan& dp, con
     const float* vr = dec::rows_f32(in.v, u.b, u.kv, k0, nc, D, w.kv.p, ldv);
     gemm(R, D, nc, dec::LDS, ldv, D, true, w.s.p, vr, w.acc.p);  // acc += P V  [R, D]
   }
-  dec::write_partial(slot, w, R, D);
-  if (done[ui].fetch_add(1, std::memory_order_acq_rel) + 1 != u.splits) return;
-  for (int64_t i = 0; i < R; ++i) {  // the unit's last task: merge its splits in order
-    const int64_t row = (u.b * P.Hq + u.h0 + i / nt) * P.Nq + u.m0 + i % nt;
-    dec::merge_row(partials + dp.part0[ui], u.splits, stride, R, D, i, w.kv.p, in.out + row * D, in.lse + row,
-                   in.st_m + row, in.st_l + row);
-  }
+  dec::finish_split(in, rows, P.Hq, P.Nq, D, dp, pp, ui, s, u.splits, w);
 }
 
 // The decode forward op: fwd's arguments and results (see kernel.cpp), for any Nq (meant for
@@ -165,33 +144,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_decode(
     const at::Tensor& full_idx, const at::Tensor& part_ptr, const at::Tensor& part_idx,
     const at::Tensor& part_mask, const at::Tensor& masks, int64_t block_q, int64_t block_k, int64_t stride_lb,
     int64_t stride_lh, std::optional<int64_t> causal_offset, double sm_scale) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "sparse_io_attn cpu: tensors must be on the CPU");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
-                  q.size(3) == k.size(3),
-              "sparse_io_attn cpu: q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] expected");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "sparse_io_attn cpu: q, k, v must share a dtype");
+  const Dims d = check_qkv(q, k, v);
   dec::Tally tally;
-  const Problem P = make_problem(q, k, block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale, masks);
+  const Problem P = make_problem(d, block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale, masks);
   const Lists L = lists_of(P, true, full_ptr, full_idx, part_ptr, part_idx, part_mask);
-  auto out = at::empty({P.B, P.Hq, P.Nq, P.D}, q.options());
-  auto f32 = q.options().dtype(at::kFloat);
-  auto lse = at::empty({P.B, P.Hq, P.Nq}, f32);
-  auto stats = at::empty({2, P.B, P.Hq, P.Nq}, f32);
+  at::Tensor out, lse, stats;
+  std::tie(out, lse, stats) = forward_results(q);
   if (P.B * P.Hq * P.Nq * P.D == 0) return {out, lse, stats};
   const DecPlan dp = decode_plan(P, L);
-  Buf partials(dp.partial_floats);
-  tally.add(partials);
-  std::vector<std::atomic<int64_t>> done(dp.units.size());
-  for (auto& d : done) d.store(0);
-  float* st_m = stats.data_ptr<float>();
+  dec::Partials pp(dp, tally);
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    const DecIn<scalar_t> in{dec::Operand<scalar_t>(q), dec::Operand<scalar_t>(k), dec::Operand<scalar_t>(v),
-                             out.data_ptr<scalar_t>(), lse.data_ptr<float>(), st_m, st_m + P.B * P.Hq * P.Nq};
+    const dec::In<scalar_t> in(q, k, v, out, lse, stats);
     run_tasks(dp.tasks, [&] { return std::make_unique<dec::Work>(dp.max_rows, P.D, 0, tally); },
-              [&](int64_t t, dec::Work& w) { decode_task<scalar_t>(P, L, dp, in, partials.p, done.data(), t, w); });
+              [&](int64_t t, dec::Work& w) { decode_task<scalar_t>(P, L, dp, in, pp, t, w); });
   });
   return {out, lse, stats};
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "schedule.h"
+#include "softmax.h"
 
 namespace sia {
 
@@ -183,23 +184,8 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
 
   const int64_t rbase = (b * P.Hq + h) * P.Nq + m0;
   T* o = out + rbase * D;
-  for (int64_t i = 0; i < mrows; ++i) {
-    const float l = li[i];
-    T* orow = o + i * D;
-    const float* arow = acc + i * D;
-    if (l == 0.f) {
-      for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(0.f);
-      lse[rbase + i] = NEG_INF;
-      st_m[rbase + i] = POS_INF;
-      st_l[rbase + i] = 0.f;
-    } else {
-      for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(arow[d] / l);
-      const float log2l = std::log2(l);
-      lse[rbase + i] = (mi[i] + log2l) * LN2;
-      st_m[rbase + i] = mi[i];
-      st_l[rbase + i] = log2l;
-    }
-  }
+  for (int64_t i = 0; i < mrows; ++i)
+    store_row(acc + i * D, mi[i], li[i], D, o + i * D, lse + rbase + i, st_m + rbase + i, st_l + rbase + i);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
@@ -207,21 +193,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
     const at::Tensor& full_idx, const at::Tensor& part_ptr, const at::Tensor& part_idx,
     const at::Tensor& part_mask, const at::Tensor& masks, int64_t block_q, int64_t block_k, int64_t stride_lb,
     int64_t stride_lh, std::optional<int64_t> causal_offset, double sm_scale) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "sparse_io_attn cpu: tensors must be on the CPU");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
-                  q.size(3) == k.size(3),
-              "sparse_io_attn cpu: q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] expected");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "sparse_io_attn cpu: q, k, v must share a dtype");
-  const Problem P = make_problem(q, k, block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale, masks);
+  const Problem P = make_problem(check_qkv(q, k, v), block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale,
+                                 masks);
   const Lists L = lists_of(P, true, full_ptr, full_idx, part_ptr, part_idx, part_mask);
   const int64_t B = P.B, Hq = P.Hq, Nq = P.Nq, D = P.D;
 
-  auto out = at::empty({B, Hq, Nq, D}, q.options());
-  auto f32 = q.options().dtype(at::kFloat);
-  auto lse = at::empty({B, Hq, Nq}, f32);
-  auto stats = at::empty({2, B, Hq, Nq}, f32);
+  at::Tensor out, lse, stats;
+  std::tie(out, lse, stats) = forward_results(q);
   if (B * Hq * Nq * D == 0) return {out, lse, stats};
 
   std::unique_ptr<Buf> q_store, v_store;

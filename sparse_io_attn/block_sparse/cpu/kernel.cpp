@@ -1,9 +1,10 @@
 // Backend "cpu" of sparse_io_attn: fused block-sparse flash attention, forward and backward.
 //
-// One translation unit (this file and the headers simd.h, tiles.h, schedule.h, forward.h,
-// backward.h, included in that order), JIT-built with the other ops' kernels by sparse_io_attn/_cpu/build.py
-// (torch.utils.cpp_extension.load) and registered as torch ops in the namespace
-// `sparse_io_attn_cpu` (TORCH_LIBRARY_FRAGMENT: no pybind11, which keeps the build short).
+// One translation unit (this file and the headers schedule.h, forward.h, backward.h, decode.h, with
+// the shared simd.h, tiles.h, entry.h, softmax.h and split_k.h of sparse_io_attn/_cpu/), JIT-built
+// with the other ops' kernels by sparse_io_attn/_cpu/build.py (torch.utils.cpp_extension.load) and
+// registered as torch ops in the namespace `sparse_io_attn_cpu` (TORCH_LIBRARY_FRAGMENT: no
+// pybind11, which keeps the build short).
 //
 // Math (the same as the Triton kernels and the torch path): scores in base 2,
 // t = (q . k) * c with c = sm_scale * log2(e); online softmax over the kept key blocks of a

@@ -2,7 +2,7 @@
 // Part of kernel.cpp's single translation unit (see kernel.cpp for the overview).
 #pragma once
 
-#include "tiles.h"
+#include "entry.h"
 
 namespace sia {
 
@@ -14,8 +14,8 @@ struct Lists {  // one order (CSR rows or CSC columns) of the schedule
   }
 };
 
-struct Problem {
-  int64_t B, Hq, Hkv, G, Nq, Nk, D, bq, bk, nqb, nkb, W, WT, slb, slh, NM;
+struct Problem : Dims {
+  int64_t G, bq, bk, nqb, nkb, W, WT, slb, slh, NM;
   bool causal;
   int64_t delta;
   float c2, sm_scale;
@@ -25,6 +25,7 @@ struct Problem {
   const int32_t* masks = nullptr;    // [NM, bq, W]
   const int32_t* masks_t = nullptr;  // [NM, bk, WT]
   std::vector<int32_t> boxes;        // [NM, 4]: rows [r0, r1) x columns [c0, c1) holding the set bits
+  explicit Problem(const Dims& d) : Dims(d) {}
 };
 
 // The bounding box of every element mask (empty masks get r0 >= r1).
@@ -60,17 +61,10 @@ static std::pair<int64_t, int64_t> split(int64_t n, int64_t cap) {
   return {size, cdiv(n, size)};
 }
 
-static Problem make_problem(const at::Tensor& q, const at::Tensor& k, int64_t bq, int64_t bk, int64_t slb,
-                            int64_t slh, std::optional<int64_t> causal_offset, double sm_scale,
-                            const at::Tensor& masks) {
-  Problem P;
-  P.B = q.size(0);
-  P.Hq = q.size(1);
-  P.Nq = q.size(2);
-  P.D = q.size(3);
-  P.Hkv = k.size(1);
-  P.Nk = k.size(2);
-  TORCH_CHECK(P.Hkv > 0 && P.Hq % P.Hkv == 0, "sparse_io_attn cpu: Hq must be a multiple of Hkv");
+// The problem of operands of sizes d (check_qkv's).
+static Problem make_problem(const Dims& d, int64_t bq, int64_t bk, int64_t slb, int64_t slh,
+                            std::optional<int64_t> causal_offset, double sm_scale, const at::Tensor& masks) {
+  Problem P(d);
   TORCH_CHECK(bq > 0 && bk > 0, "sparse_io_attn cpu: block sizes must be positive");
   P.G = P.Hq / P.Hkv;
   P.bq = bq;

@@ -12,7 +12,8 @@ absolute positions of the cache) allows **and** the model's own mask allows (cau
 packed documents, a built-in sliding window): the pattern never widens the model's mask. Without
 padding or packing no element mask is built and the layout runs with ``causal="bottom_right"``.
 Unsupported features (dropout > 0, softcap, attention sinks, position biases, paged caches) raise
-``NotImplementedError``. Change ``config.sparse_attention`` after a forward only with
+``NotImplementedError``. ``"nsa:block=..,num_blocks=..,window=.."`` replaces the attention by NSA's
+three gated branches and needs NSA's gate weights (:func:`add_nsa_gates`). Change ``config.sparse_attention`` after a forward only with
 :func:`reset_layouts` afterwards.
 """
 from sparse_io_attn.integrations.transformers.config import (CONFIG_ATTR, DEFAULT_BLOCK_SIZE, LayerPattern,
@@ -20,6 +21,7 @@ from sparse_io_attn.integrations.transformers.config import (CONFIG_ATTR, DEFAUL
 from sparse_io_attn.integrations.transformers.interface import (DEFAULT_NAME, register, sparse_io_attn_forward,
                                                                 sparse_io_attn_mask)
 from sparse_io_attn.integrations.transformers.layouts import pattern_layout, reset_layouts
+from sparse_io_attn.integrations.transformers.nsa import add_nsa_gates
 
 __all__ = ["register", "sparse_io_attn_forward", "sparse_io_attn_mask", "LayerPattern", "layer_pattern",
-           "pattern_layout", "reset_layouts", "DEFAULT_NAME", "DEFAULT_BLOCK_SIZE", "CONFIG_ATTR"]
+           "pattern_layout", "reset_layouts", "add_nsa_gates", "DEFAULT_NAME", "DEFAULT_BLOCK_SIZE", "CONFIG_ATTR"]

@@ -10,6 +10,7 @@ from sparse_io_attn.block_sparse.api import BACKENDS
 from sparse_io_attn.layout import patterns
 from sparse_io_attn.layout._args import as_pair
 from sparse_io_attn.nn import selectors
+from sparse_io_attn.nn.nsa import NSAAttention, is_nsa_spec
 
 #: block size of spec strings and dense layers when the config gives none
 DEFAULT_BLOCK_SIZE = 64
@@ -17,16 +18,20 @@ DEFAULT_BLOCK_SIZE = 64
 CONFIG_ATTR = "sparse_attention"
 
 _DICT_KEYS = {"pattern", "block_size", "backend"}
+#: objects that choose from the activations (what a selector spec or ``"nsa:..."`` resolves to)
+SELECTOR_TYPES = selectors.SPEC_TYPES + (NSAAttention,)
 
 
 @dataclass(frozen=True)
 class LayerPattern:
     """The resolved pattern of one layer: ``pattern`` is ``None`` (dense), a spec string or a
     callable ``(seqlen_q, seqlen_k, layer_idx) -> layout``; ``selector`` (from a selector spec such as
-    ``"moba:block=64,top_k=8"`` or ``"pooled_topk:block=64,top_k=8"``, or a
-    :class:`~sparse_io_attn.nn.selectors.MoBASelector` / ``PooledTopKSelector``) chooses what each
-    query attends from the activations at every forward, within the model's mask (the static
-    ``pattern`` is then dense, ``block_size`` the selector's)."""
+    ``"moba:block=64,top_k=8"``, ``"pooled_topk:block=64,top_k=8"`` or
+    ``"nsa_selection:block=64,num_blocks=16"``, or a :class:`~sparse_io_attn.nn.selectors.MoBASelector` /
+    ``PooledTopKSelector`` / ``NSASelector``) chooses what each query attends from the activations at
+    every forward, within the model's mask (the static ``pattern`` is then dense, ``block_size`` the
+    selector's); an :class:`~sparse_io_attn.nn.nsa.NSAAttention` (``"nsa:block=..,num_blocks=..,window=.."``)
+    replaces the attention by NSA's three gated branches."""
 
     pattern: Any
     block_size: tuple[int, int]
@@ -67,9 +72,10 @@ def _entry(raw, block_size, backend, where: str):
         raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
     if raw is None:
         return None, block_size, backend
-    if isinstance(raw, selectors.SPEC_TYPES) or selectors.is_spec(raw):
+    if isinstance(raw, SELECTOR_TYPES) or selectors.is_spec(raw) or is_nsa_spec(raw):
         try:
-            selector = raw if isinstance(raw, selectors.SPEC_TYPES) else selectors.from_spec(raw)
+            selector = raw if isinstance(raw, SELECTOR_TYPES) else \
+                NSAAttention.from_spec(raw) if is_nsa_spec(raw) else selectors.from_spec(raw)
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         return selector, (selector.block_size,) * 2, backend
@@ -85,7 +91,8 @@ def _entry(raw, block_size, backend, where: str):
     if callable(raw):
         return raw, block_size, backend
     raise TypeError(f"{where}: expected None, a pattern spec string (e.g. 'sliding_window:window=256'), a "
-                    f"selector spec (e.g. 'moba:block=64,top_k=8' or 'pooled_topk:block=64,top_k=8'), a "
+                    f"selector spec (e.g. 'moba:block=64,top_k=8', 'pooled_topk:block=64,top_k=8' or "
+                    f"'nsa_selection:block=64,num_blocks=16'), NSA ('nsa:block=64,num_blocks=16,window=512'), a "
                     f"callable (seqlen_q, seqlen_k, layer_idx) -> BlockSparseLayout, a dict "
                     f"{{'pattern': ..., 'block_size': ...}} or a per-layer list; got {type(raw).__name__}")
 
@@ -109,7 +116,7 @@ def layer_pattern(config, layer_idx: Optional[int] = None) -> LayerPattern:
         where = f"{where}[{layer_idx}]"
         raw = raw[layer_idx]
     pattern, block_size, backend = _entry(raw, block_size, backend, where)
-    if isinstance(pattern, selectors.SPEC_TYPES):
+    if isinstance(pattern, SELECTOR_TYPES):
         return LayerPattern(None, block_size, backend, layer_idx, selector=pattern)
     return LayerPattern(pattern, block_size, backend, layer_idx)
 

@@ -1,9 +1,11 @@
 """Selector state kept with a Hugging Face KV cache, so that a decode step of a data-dependent selector
-(``config.sparse_attention = "moba:..."`` or ``"pooled_topk:..."``) reads the per-block key summaries
-of :class:`~sparse_io_attn.nn.selector_state.BlockKeyState` instead of re-pooling the whole key cache:
-``O(key blocks x D)`` per new token and layer instead of ``O(Nk x D)``.
+(``config.sparse_attention = "moba:..."``, ``"pooled_topk:..."`` or ``"nsa_selection:..."``) reads the
+per-block key summaries of :class:`~sparse_io_attn.nn.selector_state.BlockKeyState` instead of
+re-pooling the whole key cache: ``O(key blocks x D)`` per new token and layer instead of ``O(Nk x D)``.
+``"nsa:..."`` keeps NSA's :class:`~sparse_io_attn.nn.nsa_cache.NSAState` (compressed keys and values)
+the same way (:func:`state_on_cache`).
 
-Where the state lives: a dict ``{(layer_idx, selector): BlockKeyState}`` set as an attribute of the
+Where the state lives: a dict ``{(layer_idx, repr(owner)): state}`` set as an attribute of the
 model's ``Cache`` object (a ``DynamicCache`` that ``generate()`` makes per call), so it starts empty
 for every new ``generate()`` and dies with its cache. Transformers does not pass the cache to the
 attention function (``LlamaAttention.forward`` keeps it), so the first selector call on an attention
@@ -13,9 +15,9 @@ A call that finds no cache (the first forward after the hook is installed, ``use
 ``torch.compile``) selects over the whole key cache as before, and the next call with a cache rebuilds
 the state from its keys once (``O(Nk x D)``).
 
-When it is used: no element mask (no padding, no packing: with a padded or packed batch the
-per-sequence selection over the whole cache runs, see ``layouts.selection_layout_with_mask``) and a
-layer with a ``layer_idx``. A state continues only the cache it was built for: its length must be the
+When it is used: no element mask (no padding, no packing, no static cache: with those the
+per-sequence selection over each sequence's written tokens runs, see
+``layouts.selection_layout_with_mask``) and a layer with a ``layer_idx``. A state continues only the cache it was built for: its length must be the
 cache's minus this call's queries, its batch, heads, dtype and device the keys'; otherwise it is
 rebuilt from ``key[:, :, :Nk - Nq]``. ``crop`` and ``reset`` on the cache (assisted decoding, a reused
 cache) drop the states of that cache, which then rebuild on the next call; ``reorder_cache``,
@@ -73,12 +75,20 @@ def find_cache(module, kwargs) -> Optional[object]:
     cache = _cache_of(kwargs)
     if cache is not None:
         return cache
-    if not getattr(module, _HOOKED_ATTR, False):
-        module.register_forward_pre_hook(_note_cache, with_kwargs=True)
-        setattr(module, _HOOKED_ATTR, True)
+    if watch_cache(module):
         return None        # this forward started before the hook: its cache is unknown
     ref = getattr(module, _CACHE_ATTR, None)
     return None if ref is None else ref()
+
+
+def watch_cache(module) -> bool:
+    """Install the pre-hook that notes each forward's cache on ``module`` (once); ``True`` if it was
+    installed now."""
+    if getattr(module, _HOOKED_ATTR, False):
+        return False
+    module.register_forward_pre_hook(_note_cache, with_kwargs=True)
+    setattr(module, _HOOKED_ATTR, True)
+    return True
 
 
 def _dropping(method, states: dict):
@@ -130,14 +140,15 @@ def _continues(state, key: torch.Tensor, past: int) -> bool:
                          and t.device == key.device)
 
 
-@torch.compiler.disable(reason="sparse_io_attn: the selector's decode state lives in Python objects on the KV cache")
-def select_with_state(module, selector, query: torch.Tensor, key: torch.Tensor, kwargs):
-    """The selection (a :class:`Selection` or :class:`BlockSparseLayout`) of ``query [B, Hq, Nq, D]``
-    against ``key [B, Hkv, Nk, D]`` (the cache after this call's append; the queries are its last
-    ``Nq`` positions) through the selector's state on the model's cache, or ``None`` when this call
-    has no usable cache (then the caller selects over the whole key cache)."""
+def state_on_cache(module, owner, new_tokens: int, tensors: tuple, kwargs):
+    """The decode state of ``owner`` (a selector, or an ``NSAAttention``) for this module's layer,
+    kept on the call's KV cache: one that holds the first ``Nk - new_tokens`` tokens of
+    ``tensors`` (``(key,)`` or ``(key, value)``, ``[B, Hkv, Nk, D]``, the cache after this call's
+    append), rebuilt from them (``owner.init_state(*cached parts)``) when the kept one does not
+    continue the cache; ``None`` when this call has no usable cache (no ``layer_idx``, no cache found,
+    a cache object that takes no attribute)."""
     layer = getattr(module, "layer_idx", None)
-    if not hasattr(selector, "step") or layer is None:
+    if layer is None:
         return None
     cache = find_cache(module, kwargs)
     if cache is None:
@@ -145,13 +156,27 @@ def select_with_state(module, selector, query: torch.Tensor, key: torch.Tensor, 
     states = cache_states(cache)
     if states is None:
         return None
-    slot = (layer, repr(selector))
-    Nq, Nk = query.shape[2], key.shape[2]
+    slot = (layer, repr(owner))
+    past = tensors[0].shape[2] - new_tokens
     state = states.get(slot)
-    if not _continues(state, key, Nk - Nq):
-        state = selector.init_state(key[:, :, :Nk - Nq]) if Nk > Nq else selector.init_state()
+    if not _continues(state, tensors[0], past):
+        state = owner.init_state(*(t[:, :, :past] for t in tensors)) if past else owner.init_state()
         states[slot] = state
-    return selector.step(query, key[:, :, Nk - Nq:], state)
+    return state
 
 
-__all__ = ["BATCH_MAPS", "INVALIDATING", "STATES_ATTR", "cache_states", "find_cache", "select_with_state"]
+@torch.compiler.disable(reason="sparse_io_attn: the selector's decode state lives in Python objects on the KV cache")
+def select_with_state(module, selector, query: torch.Tensor, key: torch.Tensor, kwargs):
+    """The selection (a :class:`Selection` or :class:`BlockSparseLayout`) of ``query [B, Hq, Nq, D]``
+    against ``key [B, Hkv, Nk, D]`` (the cache after this call's append; the queries are its last
+    ``Nq`` positions) through the selector's state on the model's cache, or ``None`` when this call
+    has no usable cache (then the caller selects over the whole key cache)."""
+    if not hasattr(selector, "step"):
+        return None
+    Nq, Nk = query.shape[2], key.shape[2]
+    state = state_on_cache(module, selector, Nq, (key,), kwargs)
+    return None if state is None else selector.step(query, key[:, :, Nk - Nq:], state)
+
+
+__all__ = ["BATCH_MAPS", "INVALIDATING", "STATES_ATTR", "cache_states", "find_cache", "select_with_state",
+           "state_on_cache", "watch_cache"]

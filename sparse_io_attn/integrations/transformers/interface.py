@@ -17,8 +17,10 @@ from sparse_io_attn.integrations.transformers.decode_state import select_with_st
 from sparse_io_attn.integrations.transformers.layouts import (check_lengths, layout_no_mask, layout_with_mask,
                                                               module_selector, remember_mask,
                                                               selection_layout_with_mask)
+from sparse_io_attn.integrations.transformers.nsa import nsa_forward
 from sparse_io_attn.block_sparse.api import block_sparse_attention
 from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.nn.nsa import NSAAttention
 from sparse_io_attn.selection.api import selection_attention
 
 DEFAULT_NAME = "sparse_io_attn"
@@ -82,7 +84,7 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     """The ``AttentionInterface`` entry: ``query [B, Hq, Nq, D]``, ``key/value [B, Hkv, Nk, D]`` ->
     ``(out [B, Nq, Hq, D], None)``. The layout comes from ``module.config.sparse_attention``
     (:mod:`.config`); ``attention_mask`` is ``None`` or the element mask of
-    :func:`sparse_io_attn_mask`."""
+    :func:`sparse_io_attn_mask`. ``"nsa:..."`` runs NSA's gated branches instead (:mod:`.nsa`)."""
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"sparse_io_attn does not support {what} ({name}=...); use "
@@ -100,6 +102,8 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     q, kv, device = query.shape[2], key.shape[2], query.device
     causal_model = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     selector, backend = module_selector(module, "bottom_right" if causal_model else False)
+    if isinstance(selector, NSAAttention):   # "nsa:...": NSA's three gated branches
+        return nsa_forward(module, selector, query, key, value, attention_mask, scaling, backend, kwargs)
     if attention_mask is None:
         causal = "bottom_right" if causal_model else False
         if selector is not None:   # chosen from this call's queries and keys (the queries are the last q keys)
@@ -114,22 +118,14 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                 return out.transpose(1, 2).contiguous(), None
         else:
             layout, backend = layout_no_mask(module, q, kv, device, causal)
-    elif selector is not None and selector.per_token:   # chosen per sequence of the padded or packed batch
+    elif selector is not None:   # chosen per sequence of the padded, packed or static-cache batch
         layout = selection_layout_with_mask(selector, attention_mask, query, key, (selector.block_size,) * 2)
-        causal = False
+        causal = False  # the element mask carries the model's causality
     else:
         layout, backend = layout_with_mask(module, attention_mask, q, kv, kwargs.get("position_ids"), device)
-        causal = False  # the element mask carries the model's causality
-        if selector is not None:   # the selection, within the mask's blocks
-            layout = _intersect(selector(query, key), layout)
+        causal = False
     out = block_sparse_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend)
     return out.transpose(1, 2).contiguous(), None
-
-
-@torch.compiler.disable(reason="sparse_io_attn: a selection under a padded or packed mask is intersected with "
-                        "the mask's per-batch layout (data-dependent)")
-def _intersect(selected, mask_layout):
-    return selected & mask_layout
 
 
 def register(name: str = DEFAULT_NAME) -> str:

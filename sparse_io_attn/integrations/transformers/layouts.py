@@ -1,8 +1,8 @@
 """Layouts per call: the pattern on ``n`` positions (cached, shared by every model and layer), its
 rows and columns for a KV-cache call (queries at absolute positions ``q_start..``, keys at
 ``kv_start..``), and its intersection with the model's element mask (padding, packed documents,
-static caches, a model's own sliding window); a per-token selector's choice under an element mask,
-made per sequence (:func:`selection_layout_with_mask`). Building is kept out of ``torch.compile``
+static caches, a model's own sliding window); a selector's choice under an element mask, made per
+sequence (:func:`selection_layout_with_mask`). Building is kept out of ``torch.compile``
 graphs."""
 from __future__ import annotations
 
@@ -189,7 +189,7 @@ def _build_selector(module, causal):
             raise ValueError(f"config.{CONFIG_ATTR}: {exc} (this model's attention is not causal)") from None
         if selector.per_token and getattr(module, "sliding_window", None) is not None:
             raise NotImplementedError(f"config.{CONFIG_ATTR}: {selector!r} under the model's own sliding window "
-                                      f"({module.sliding_window}) has no reference semantics (MoBA's chunks and gate "
+                                      f"({module.sliding_window}) has no reference semantics (its blocks and scores "
                                       f"see the whole sequence); set sliding_window=None on the config, or use "
                                       f"'pooled_topk:...'")
     return _remember(module, ("selector", causal), (selector, pat.backend))
@@ -310,34 +310,82 @@ def layout_with_mask(module, mask: torch.Tensor, q: int, kv: int, position_ids, 
     return entry
 
 
-def _runs(values: list) -> list[tuple[int, int, int]]:
-    """``[(value, start, stop)]``: the maximal runs of equal consecutive values."""
-    runs, r0 = [], 0
-    for t in range(1, len(values) + 1):
-        if t == len(values) or values[t] != values[r0]:
-            runs.append((values[r0], r0, t))
-            r0 = t
-    return runs
+def _sequences(selector, allowed: torch.Tensor, pos: torch.Tensor, causal: bool) -> list[list[tuple]]:
+    """Per batch element, its query rows' sequences ``(r0, r1, a, end)``: rows ``r0..r1 - 1`` are
+    consecutive tokens of one sequence whose keys are ``a..end - 1`` (its written tokens: a padded
+    row's real keys, a packed document, a static cache's filled slots), what the selector sees.
+
+    A row belongs to a sequence iff it sees its own position (the pad rows of right padding, which
+    do not, belong to none and attend nothing). Causal: a sequence starts at the first allowed key
+    ``a`` of its first row and ends at its last row's position; a row whose first allowed key is its
+    own position starts a new one (a packed document); a row that starts its keys later than its
+    sequence (a model's own sliding window) stays in it for a layout selector and is refused for a
+    per-token one (no reference semantics). Not causal: the rows allowing the same keys ``a..e``."""
+    q, kv = allowed.shape[1:]
+    live = allowed.any(-1)
+    as_int = allowed.to(torch.int8)
+    first = torch.where(live, as_int.argmax(-1), -1)
+    last = torch.where(live, kv - 1 - as_int.flip(-1).argmax(-1), -1)
+    inside = (pos >= 0) & (pos < kv)
+    own = allowed.gather(-1, pos.clamp(0, kv - 1).expand(allowed.shape[0], q)[..., None])[..., 0] & inside
+    if causal and bool((live & (last > pos)).any()):
+        raise NotImplementedError(f"sparse_io_attn: {selector!r} under an attention mask that lets a query see a "
+                                  f"key after its own position is not supported (this selector is causal)")
+    positions = pos.tolist()
+    out = []
+    for b, (own_b, first_b, last_b) in enumerate(zip(own.tolist(), first.tolist(), last.tolist())):
+        seqs, cur = [], None                      # cur: [r0, r1, a, end]
+        for r in range(q):
+            a, p, end = first_b[r], positions[r], (positions[r] if causal else last_b[r]) + 1
+            if not own_b[r]:
+                cur = None
+            elif cur is not None and (cur[2] <= a < p if causal else (a, end) == (cur[2], cur[3])):
+                if a != cur[2] and selector.per_token:
+                    raise NotImplementedError(_not_one_sequence(selector, b, r, a, cur[2], p))
+                cur[1], cur[3] = r + 1, end
+            elif cur is not None and causal and a != p:
+                raise NotImplementedError(_not_one_sequence(selector, b, r, a, cur[2], p))
+            else:
+                cur = [r, r + 1, a, end]
+                seqs.append(cur)
+        out.append([tuple(x) for x in seqs])
+    return out
 
 
-@torch.compiler.disable(reason="sparse_io_attn: a per-token selection under a padded or packed mask is made per "
-                        "sequence and becomes a per-batch layout (data-dependent)")
+def _not_one_sequence(selector, b: int, r: int, a: int, start: int, p: int) -> str:
+    return (f"sparse_io_attn: {selector!r} under this attention mask: query row {r} of batch element {b} starts "
+            f"its keys at {a}, not at its sequence's start {start} nor at its own position {p}, so its keys are "
+            f"not one sequence (a model's sliding window?); "
+            + ("per-token selectors need causal masks of padded or packed sequences" if selector.per_token else
+               "selectors need causal masks of padded, packed or windowed sequences"))
+
+
+def _chosen_mask(selected, seqlen_q: int, seqlen_k: int, causal) -> torch.Tensor:
+    """``bool [b or 1, heads, seqlen_q, seqlen_k]``: the elements a selector's result keeps."""
+    if isinstance(selected, BlockSparseLayout):
+        return selected.to_dense_mask()
+    return layout_from_selection(selected, seqlen_k, block_size_q=seqlen_q, causal=causal).to_dense_mask()
+
+
+@torch.compiler.disable(reason="sparse_io_attn: a selection under a padded, packed or static-cache mask is made "
+                        "per sequence and becomes a per-batch layout (data-dependent)")
 def selection_layout_with_mask(selector, mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                                block_size) -> BlockSparseLayout:
-    """The layout of a per-token selector's choice (a :class:`~sparse_io_attn.Selection`, e.g. exact
-    MoBA) under the model's element mask: each query row's sequence is the run of keys its mask
-    allows, from its first allowed key ``a`` to its own position ``p``; the selector runs on each
-    sequence alone (keys ``a..p``, bottom-right), as the reference does per sequence of a varlen
-    batch (MoBA's ``cu_seqlens``: chunks restart at every sequence start), and the choice is
-    intersected with the mask element by element. Exact for right and left padding, packed
-    documents (``position_ids`` restarting) and decoding over a padded cache.
+    """The layout of a selector's choice (a per-token :class:`~sparse_io_attn.Selection`, e.g. exact
+    MoBA, or a pooled top-k layout) under the model's element mask: the selector runs on each
+    sequence alone (:func:`_sequences`: a padded row's real tokens, a packed document, a static
+    cache's written slots; its query rows and its keys only, bottom-right), as the reference does
+    per sequence of a varlen batch (MoBA's ``cu_seqlens``: chunks, and pooled top-k's query and key
+    blocks, restart at every sequence start), and the choice is intersected with the mask element
+    by element. So a sequence's output equals the same sequence run alone, without padding, packing
+    or a static cache. Batch elements with the same sequences share one selector call.
 
-    Refused (``NotImplementedError``): a mask whose rows allow a key after the row's own position
-    (not causal) or one that does not follow a sequence (a row that starts a new run of keys not at
-    its own position, e.g. a model's own sliding window), and per-head masks. Cost: one
-    ``bool [B, Hq, Nq, Nk]`` element mask per call, and one selector call per sequence."""
-    q, kv = query.shape[2], key.shape[2]
-    B, Hq = query.shape[:2]
+    Refused (``NotImplementedError``): for a causal selector, a mask whose rows allow a key after the
+    row's own position; for a per-token selector, one whose rows do not follow a sequence (a model's
+    own sliding window); per-head masks. Cost: one ``bool [B, H, Nq, Nk]`` element mask per call (``H``
+    the selection's heads: ``Hq`` for MoBA, ``Hkv`` for pooled top-k), and one selector call per
+    distinct sequence."""
+    q, kv, B = query.shape[2], key.shape[2], query.shape[0]
     allowed = _element_mask(mask, q, kv)
     if allowed.shape[1] != 1:
         raise NotImplementedError(f"sparse_io_attn: {selector!r} under a per-head attention mask "
@@ -345,31 +393,23 @@ def selection_layout_with_mask(selector, mask: torch.Tensor, query: torch.Tensor
     allowed = allowed[:, 0].expand(B, q, kv).to(query.device)
     q_offset, kv_offset, _ = _MASK_INFO.get(mask, (kv - q, 0, False))
     pos = torch.arange(q, device=query.device) + (int(q_offset) - int(kv_offset))   # key index of each row
-    live = allowed.any(-1)
-    start = torch.where(live, allowed.to(torch.int8).argmax(-1), -1)               # first allowed key
-    j = torch.arange(kv, device=query.device)
-    inside = (j >= start[..., None]) & (j <= pos[:, None])
-    if bool((allowed & ~inside).any()):
-        raise NotImplementedError(f"sparse_io_attn: {selector!r} under an attention mask that lets a query see a "
-                                  f"key after its own position is not supported (per-token selectors here are causal)")
-    chosen = torch.zeros(B, Hq, q, kv, dtype=torch.bool, device=query.device)
-    positions = pos.tolist()
-    for b in range(B):
-        first = True
-        for a, r0, r1 in _runs(start[b].tolist()):
-            if a < 0:
-                continue
-            if not first and a != positions[r0]:
-                raise NotImplementedError(
-                    f"sparse_io_attn: {selector!r} under this attention mask: query row {r0} of batch element {b} "
-                    f"starts its keys at {a}, not at its own position {positions[r0]}, so its keys are not one "
-                    f"sequence (a model's sliding window?); per-token selectors need causal masks of padded or "
-                    f"packed sequences")
-            first = False
-            end = positions[r1 - 1] + 1
-            sub = selector(query[b:b + 1, :, r0:r1], key[b:b + 1, :, a:end])
-            rows = layout_from_selection(sub, end - a, block_size_q=r1 - r0, causal="bottom_right").to_dense_mask()
-            chosen[b, :, r0:r1, a:end] = rows[0].repeat_interleave(Hq // sub.num_selections, 0)
+    causal = selector.causal is not False
+    if causal and hasattr(selector, "with_causal"):
+        selector = selector.with_causal("bottom_right")     # each sequence's rows are its last tokens
+    groups: dict = {}
+    for b, seqs in enumerate(_sequences(selector, allowed, pos, causal)):
+        for seq in seqs:
+            groups.setdefault(seq, []).append(b)
+    chosen = None          # bool [B, H, q, kv], H the selection's heads (Hq for MoBA, Hkv for pooled top-k)
+    for (r0, r1, a, end), batch in groups.items():
+        idx = torch.tensor(batch, device=query.device)
+        rows = _chosen_mask(selector(query[idx, :, r0:r1], key[idx, :, a:end]), r1 - r0, end - a,
+                            "bottom_right" if causal else False)
+        if chosen is None:
+            chosen = torch.zeros(B, rows.shape[1], q, kv, dtype=torch.bool, device=query.device)
+        chosen[idx, :, r0:r1, a:end] = rows
+    if chosen is None:     # no row in any sequence: nothing to attend
+        chosen = torch.zeros(B, 1, q, kv, dtype=torch.bool, device=query.device)
     layout = BlockSparseLayout.from_dense_mask(chosen & allowed[:, None], block_size, name=f"{selector!r} & mask")
     plan(layout, causal=False)
     return layout

@@ -10,7 +10,8 @@ both with an optional ``family_name=`` (``"key"``, ``"query"``; default: ``$SPAR
 else by block size) that forces a kernel family (tests run both on every case).
 
 How it works (``kernel.cpp``: overview and op registration; ``plan_ops.h``, ``problem.h``, ``dots.h``,
-``query_major.h``, ``key_major.h``; the shared ``_cpu/simd.h`` and ``_cpu/tiles.h``):
+``query_major.h``, ``key_major.h``, ``decode.h``; the shared ``_cpu/simd.h``, ``tiles.h``, ``softmax.h``,
+``entry.h`` and ``split_k.h``):
 
 * **Key-major** (blocks of 16 keys and more): a task per (batch, kv head, key block, fixed-size chunk
   of the query rows that chose it: the plan's key lists, every query head of the selection in this

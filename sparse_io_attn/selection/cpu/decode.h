@@ -30,10 +30,10 @@ struct DecodeUnit {
   int64_t items, splits;
 };
 
-struct DecodePlan {
+struct DecodePlan : dec::Tasks {
   std::vector<DecodeUnit> units;
-  std::vector<int64_t> pre, task0, part0;
-  int64_t tasks = 0, partial_floats = 0, max_keys = 0;
+  std::vector<int64_t> pre;
+  int64_t max_keys = 0;
 };
 
 static DecodePlan decode_plan(const Problem& P) {
@@ -60,25 +60,15 @@ static DecodePlan decode_plan(const Problem& P) {
     }
   const int64_t U = static_cast<int64_t>(dp.units.size());
   for (DecodeUnit& u : dp.units) {
-    u.splits = u.items == 0 ? 1 : dec::num_splits(u.keys, u.items, U);
-    dp.task0.push_back(dp.tasks);
-    dp.part0.push_back(dp.partial_floats);
-    dp.tasks += u.splits;
-    dp.partial_floats += u.splits * P.R * (P.D + 2);
+    u.splits = dec::num_splits(u.keys, u.items, U);
+    dp.add_unit(u.splits, P.R, P.D);
   }
   return dp;
 }
 
-template <typename T>
-struct DecodeIn {
-  dec::Operand<T> q, k, v;
-  T* out;
-  float *lse, *st_m, *st_l;
-};
-
 // Key-major items [lo, hi) of unit u: chunks of consecutive keys of one block.
 template <typename T>
-static void decode_blocks(const Problem& P, const DecodePlan& dp, const DecodeIn<T>& in, const DecodeUnit& u,
+static void decode_blocks(const Problem& P, const DecodePlan& dp, const dec::In<T>& in, const DecodeUnit& u,
                           const int32_t* row, int64_t lo, int64_t hi, dec::Work& w) {
   const int64_t D = P.D, R = P.R, b = P.unit_b(u.pu), kv = P.unit_kv(u.pu);
   const int64_t* pre = dp.pre.data() + u.pre;
@@ -92,15 +82,37 @@ static void decode_blocks(const Problem& P, const DecodePlan& dp, const DecodeIn
     dec::transpose_keys(kr, ldk, nc, D, w.kt.p);
     gemm(R, nc, D, D, dec::CHUNK, dec::LDS, false, w.q.p, w.kt.p, w.s.p);  // S = Q K^T  [R, nc]
     for (int64_t i = 0; i < R; ++i)
-      dec::softmax_row(w.s.p + i * dec::LDS, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, dec::AllBits{});
+      softmax_step(w.s.p + i * dec::LDS, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, AllBits{});
     const float* vr = dec::rows_f32(in.v, b, kv, k0, nc, D, w.kv.p, ldv);
     gemm(R, D, nc, dec::LDS, ldv, D, true, w.s.p, vr, w.acc.p);  // acc += P V  [R, D]
   }
 }
 
+// Rows ki[0..nc) of (b, kv) of a decode operand as dots.h addresses rows (base + idx[j] * ld): the
+// operand in place with idx = ki when it is fp32 with a unit head-dim stride, else the rows converted
+// into buf (ld D) with idx = 0, 1, ..., nc - 1.
+struct Gathered {
+  const float* base;
+  int64_t ld;
+  const int32_t* idx;
+};
+
+template <typename T>
+static inline Gathered gathered(const dec::Operand<T>& x, int64_t b, int64_t kv, const int32_t* ki, int64_t nc,
+                                int64_t D, float* buf) {
+  static const int32_t iota[dec::CHUNK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                           16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+                                           32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
+                                           48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+  static_assert(dec::CHUNK == 64, "iota covers one chunk");
+  if (x.direct(D)) return Gathered{reinterpret_cast<const float*>(x.row(b, kv, 0)), x.sn, ki};
+  for (int64_t j = 0; j < nc; ++j) dec::to_f32(x.row(b, kv, ki[j]), x.sd, D, buf + j * D);
+  return Gathered{buf, D, iota};
+}
+
 // Query-major items [lo, hi) of unit u: CHUNK keys of the row's key list at a time.
 template <typename T, int NC>
-static void decode_keys(Kern<NC>, const Problem& P, const DecodeIn<T>& in, const DecodeUnit& u, const int32_t* row,
+static void decode_keys(Kern<NC>, const Problem& P, const dec::In<T>& in, const DecodeUnit& u, const int32_t* row,
                         int64_t lo, int64_t hi, dec::Work& w) {
   using Kn = Kern<NC>;
   const int64_t D = P.D, R = P.R, b = P.unit_b(u.pu), kv = P.unit_kv(u.pu);
@@ -114,73 +126,35 @@ static void decode_keys(Kern<NC>, const Problem& P, const DecodeIn<T>& in, const
     }
     keys = out;
   }
-  static const int32_t iota[dec::CHUNK] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
-                                           16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
-                                           32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47,
-                                           48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
-  static_assert(dec::CHUNK == 64, "iota covers one chunk");
   int32_t pad[DOTS];
-  const bool direct_k = in.k.direct(D), direct_v = in.v.direct(D);
   for (int64_t it = lo; it < hi; ++it) {
     const int64_t j0 = it * dec::CHUNK, nc = std::min(dec::CHUNK, u.keys - j0);
     const int32_t* ki = keys + j0;
-    const float* kb;
-    int64_t ldk;
-    const int32_t* kidx;
-    if (direct_k) {
-      kb = reinterpret_cast<const float*>(in.k.row(b, kv, 0));
-      ldk = in.k.sn;
-      kidx = ki;
-    } else {  // gather the chunk's rows into the fp32 tile
-      for (int64_t j = 0; j < nc; ++j) dec::to_f32(in.k.row(b, kv, ki[j]), in.k.sd, D, w.kv.p + j * D);
-      kb = w.kv.p;
-      ldk = D;
-      kidx = iota;
-    }
+    const Gathered kr = gathered(in.k, b, kv, ki, nc, D, w.kv.p);
     for (int64_t i = 0; i < R; ++i) {
       float* s = w.s.p + i * dec::LDS;
-      for (int64_t z = 0; z < nc; z += DOTS) Kn::dots(w.q.p + i * D, kb, ldk, group16(kidx, z, nc, pad), D, s + z);
-      dec::softmax_row(s, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, dec::AllBits{});
+      for (int64_t z = 0; z < nc; z += DOTS)
+        Kn::dots(w.q.p + i * D, kr.base, kr.ld, group16(kr.idx, z, nc, pad), D, s + z);
+      softmax_step(s, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, AllBits{});
     }
-    const float* vb;
-    int64_t ldv;
-    const int32_t* vidx;
-    if (direct_v) {
-      vb = reinterpret_cast<const float*>(in.v.row(b, kv, 0));
-      ldv = in.v.sn;
-      vidx = ki;
-    } else {
-      for (int64_t j = 0; j < nc; ++j) dec::to_f32(in.v.row(b, kv, ki[j]), in.v.sd, D, w.kv.p + j * D);
-      vb = w.kv.p;
-      ldv = D;
-      vidx = iota;
-    }
-    for (int64_t i = 0; i < R; ++i) Kn::axpy(w.acc.p + i * D, w.s.p + i * dec::LDS, nc, vb, ldv, vidx, D);
+    const Gathered vr = gathered(in.v, b, kv, ki, nc, D, w.kv.p);
+    for (int64_t i = 0; i < R; ++i) Kn::axpy(w.acc.p + i * D, w.s.p + i * dec::LDS, nc, vr.base, vr.ld, vr.idx, D);
   }
 }
 
 // Task (unit, split): its items, its partial; the unit's last task merges the unit's splits in order.
 template <typename T, int NC>
-static void decode_task(Kern<NC> kern, const Problem& P, const DecodePlan& dp, const DecodeIn<T>& in,
-                        float* partials, std::atomic<int64_t>* done, int64_t task, dec::Work& w) {
-  const std::pair<int64_t, int64_t> us = dec::task_of(dp.task0, task);
-  const int64_t ui = us.first, s = us.second;
+static void decode_task(Kern<NC> kern, const Problem& P, const DecodePlan& dp, const dec::In<T>& in,
+                        dec::Partials& pp, int64_t task, dec::Work& w) {
+  const auto [ui, s] = dp.of(task);
   const DecodeUnit& u = dp.units[ui];
-  const int64_t D = P.D, R = P.R, b = P.unit_b(u.pu), h0 = P.unit_h0(u.pu);
-  const int64_t stride = R * (D + 2);
-  for (int64_t i = 0; i < R; ++i) dec::to_f32(in.q.row(b, h0 + i, u.t), in.q.sd, D, w.q.p + i * D);
-  w.reset(R, D);
+  const dec::UnitRows rows{P.unit_b(u.pu), P.unit_h0(u.pu), u.t, 1, P.R};
+  dec::start_split(in, rows, P.D, w);
   const int32_t* row = P.rows + (P.unit_l(u.pu) * P.Nq + u.t) * P.K;
   const std::pair<int64_t, int64_t> range = dec::split_items(u.items, u.splits, s);
   if (P.family == KEY_MAJOR) decode_blocks(P, dp, in, u, row, range.first, range.second, w);
   else decode_keys(kern, P, in, u, row, range.first, range.second, w);
-  float* slot = partials + dp.part0[ui];
-  dec::write_partial(slot + s * stride, w, R, D);
-  if (done[ui].fetch_add(1, std::memory_order_acq_rel) + 1 != u.splits) return;
-  for (int64_t i = 0; i < R; ++i) {
-    const int64_t r = (b * P.Hq + h0 + i) * P.Nq + u.t;
-    dec::merge_row(slot, u.splits, stride, R, D, i, w.kv.p, in.out + r * D, in.lse + r, in.st_m + r, in.st_l + r);
-  }
+  dec::finish_split(in, rows, P.Hq, P.Nq, P.D, dp, pp, ui, s, u.splits, w);
 }
 
 // The decode forward op: selection_fwd's arguments without the key lists, and its results.
@@ -188,30 +162,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_decode_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
     const at::Tensor& row_counts, int64_t block_size, int64_t stride_lb, int64_t heads_per_selection,
     std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
-  check_qkv(q, k, v);
+  const Dims d = check_qkv(q, k, v);
   dec::Tally tally;
-  const Problem P = make_problem(q, k, rows, row_counts, std::nullopt, std::nullopt, std::nullopt, block_size,
-                                 stride_lb, heads_per_selection, causal_offset, sm_scale, family, false);
-  auto out = at::empty({P.B, P.Hq, P.Nq, P.D}, q.options());
-  auto f32 = q.options().dtype(at::kFloat);
-  auto lse = at::empty({P.B, P.Hq, P.Nq}, f32);
-  auto stats = at::empty({2, P.B, P.Hq, P.Nq}, f32);
+  const Problem P = make_problem(d, rows, row_counts, std::nullopt, std::nullopt, std::nullopt, block_size, stride_lb,
+                                 heads_per_selection, causal_offset, sm_scale, family, false);
+  at::Tensor out, lse, stats;
+  std::tie(out, lse, stats) = forward_results(q);
   if (P.B * P.Hq * P.Nq == 0) return {out, lse, stats};
   TORCH_CHECK(P.D > 0, "sparse_io_attn cpu: head_dim must be positive");
   const DecodePlan dp = decode_plan(P);
-  Buf partials(dp.partial_floats);
-  tally.add(partials);
-  std::vector<std::atomic<int64_t>> done(dp.units.size());
-  for (auto& d : done) d.store(0);
+  dec::Partials pp(dp, tally);
   const int64_t nkeys = P.family == QUERY_MAJOR && P.bs > 1 ? dp.max_keys : 0;
-  float* st_m = stats.data_ptr<float>();
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    const DecodeIn<scalar_t> in{dec::Operand<scalar_t>(q), dec::Operand<scalar_t>(k), dec::Operand<scalar_t>(v),
-                                out.data_ptr<scalar_t>(), lse.data_ptr<float>(), st_m, st_m + P.B * P.Hq * P.Nq};
+    const dec::In<scalar_t> in(q, k, v, out, lse, stats);
     dispatch_dim(P.D, [&](auto kern) {
       run_tasks(dp.tasks, [&] { return std::make_unique<dec::Work>(P.R, P.D, nkeys, tally); },
-                [&](int64_t t, dec::Work& w) { decode_task<scalar_t>(kern, P, dp, in, partials.p, done.data(), t, w); });
+                [&](int64_t t, dec::Work& w) { decode_task<scalar_t>(kern, P, dp, in, pp, t, w); });
     });
   });
   return {out, lse, stats};

@@ -2,8 +2,9 @@
 // backward, and the plan's normalisations (selection_rows, selection_keys).
 //
 // One translation unit (this file and the headers plan_ops.h, problem.h, dots.h, query_major.h,
-// key_major.h, with the shared simd.h and tiles.h of sparse_io_attn/_cpu/), built into the library's
-// one extension by sparse_io_attn/_cpu/build.py and registered in the namespace `sparse_io_attn_cpu`.
+// key_major.h, decode.h, with the shared simd.h, tiles.h, entry.h, softmax.h and split_k.h of
+// sparse_io_attn/_cpu/), built into the library's one extension by sparse_io_attn/_cpu/build.py and
+// registered in the namespace `sparse_io_attn_cpu`.
 //
 // Math: the block-sparse kernel's (block_sparse/cpu/kernel.cpp): scores in base 2, t = fl(c s) with
 // c = sm_scale * log2(e), saturated to the finite fp32 range; stats = (row maximum m of those t, log2
@@ -52,11 +53,7 @@ namespace sel {
 
 static void run_forward(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         at::Tensor& out, float* lse, float* st_m, float* st_l) {
-  Inputs in;
-  std::unique_ptr<Buf> q_store, k_store, v_store;
-  in.Q = as_rows(q, P.Nq, q_store);
-  in.K = as_rows(k, P.Nk, k_store);
-  in.V = as_rows(v, P.Nk, v_store);
+  const Inputs in(q, k, v, P.Nq, P.Nk);
   const int64_t nchunk = cdiv(P.Nq, QM_TOKENS);
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -86,16 +83,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_fwd(
     const at::Tensor& row_counts, const std::optional<at::Tensor>& col_ptr, const std::optional<at::Tensor>& col_query,
     const std::optional<at::Tensor>& col_slot, int64_t block_size, int64_t stride_lb, int64_t heads_per_selection,
     std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
-  check_qkv(q, k, v);
+  const Dims d = check_qkv(q, k, v);
   const bool key_major = family == KEY_MAJOR ||
                          (family == AUTO && rows.dim() == 3 &&
-                          key_major_by_default(block_size, q.size(0), q.size(1), q.size(2), rows.size(2), q.size(3)));
-  const Problem P = make_problem(q, k, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
+                          key_major_by_default(block_size, d.B, d.Hq, d.Nq, rows.size(2), d.D));
+  const Problem P = make_problem(d, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
                                  heads_per_selection, causal_offset, sm_scale, family, key_major);
-  auto out = at::empty({P.B, P.Hq, P.Nq, P.D}, q.options());
-  auto f32 = q.options().dtype(at::kFloat);
-  auto lse = at::empty({P.B, P.Hq, P.Nq}, f32);
-  auto stats = at::empty({2, P.B, P.Hq, P.Nq}, f32);
+  at::Tensor out, lse, stats;
+  std::tie(out, lse, stats) = forward_results(q);
   if (P.B * P.Hq * P.Nq == 0) return {out, lse, stats};
   TORCH_CHECK(P.D > 0, "sparse_io_attn cpu: head_dim must be positive");
   float* st_m = stats.data_ptr<float>();
@@ -108,22 +103,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
     const at::Tensor& stats, const at::Tensor& rows, const at::Tensor& row_counts, const at::Tensor& col_ptr,
     const at::Tensor& col_query, const at::Tensor& col_slot, int64_t block_size, int64_t stride_lb,
     int64_t heads_per_selection, std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
-  check_qkv(q, k, v);
-  TORCH_CHECK(dout.device().is_cpu() && out.device().is_cpu() && stats.device().is_cpu(),
-              "sparse_io_attn cpu: tensors must be on the CPU");
-  TORCH_CHECK(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "sparse_io_attn cpu: q, k, v, out, dout must share a dtype");
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "sparse_io_attn cpu: out and dout must have ",
-              "q's shape ", q.sizes(), ", got ", out.sizes(), " and ", dout.sizes());
-  TORCH_CHECK(stats.scalar_type() == at::kFloat && stats.dim() == 4 && stats.size(0) == 2 &&
-                  stats.size(1) == q.size(0) && stats.size(2) == q.size(1) && stats.size(3) == q.size(2),
-              "sparse_io_attn cpu: stats must be fp32 [2, B, Hq, Nq]");
-  const Problem P = make_problem(q, k, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
+  const Dims dims = check_qkv(q, k, v);
+  check_grad_inputs(q, dout, out, stats);
+  const Problem P = make_problem(dims, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
                                  heads_per_selection, causal_offset, sm_scale, family, true);
   const int64_t B = P.B, Hq = P.Hq, Hkv = P.Hkv, Nq = P.Nq, Nk = P.Nk, D = P.D;
-  auto dq = at::empty({B, Hq, Nq, D}, q.options());
-  auto dk = at::empty({B, Hkv, Nk, D}, k.options());
-  auto dv = at::empty({B, Hkv, Nk, D}, v.options());
+  at::Tensor dq, dk, dv;
+  std::tie(dq, dk, dv) = grad_results(q, k, v);
   if (B * Hkv * Nk * D == 0) {
     dq.zero_();
     return {dq, dk, dv};
@@ -133,41 +119,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
     dv.zero_();
     return {dq, dk, dv};
   }
-  Inputs in;
-  std::unique_ptr<Buf> q_store, do_store, k_store, v_store;
-  in.Q = as_rows(q, Nq, q_store);
-  in.dO = as_rows(dout, Nq, do_store);
-  in.K = as_rows(k, Nk, k_store);
-  in.V = as_rows(v, Nk, v_store);
+  Inputs in(q, k, v, dout, Nq, Nk);
   // row statistics, [row, 4]: m, log2 l from the forward, delta = rowsum(dO * O), 0
   const auto st = stats.contiguous();
   const float* sm = st.data_ptr<float>();
   const float* sl = sm + B * Hq * Nq;
   Buf sbuf(B * Hq * Nq * 4);
   in.st = sbuf.p;
-  dispatch(q.scalar_type(), [&](auto tag) {
-    using scalar_t = decltype(tag);
-    const scalar_t* o = typed<scalar_t>(out);
-    const scalar_t* g = typed<scalar_t>(dout);
-    const int64_t o0 = out.stride(0), o1 = out.stride(1), o2 = out.stride(2), o3 = out.stride(3);
-    const int64_t g0 = dout.stride(0), g1 = dout.stride(1), g2 = dout.stride(2), g3 = dout.stride(3);
-    at::parallel_for(0, B * Hq, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t bh = lo; bh < hi; ++bh) {
-        const int64_t b = bh / Hq, h = bh % Hq;
-        for (int64_t i = 0; i < Nq; ++i) {
-          const scalar_t* orow = o + b * o0 + h * o1 + i * o2;
-          const scalar_t* grow = g + b * g0 + h * g1 + i * g2;
-          float acc = 0.f;
-          for (int64_t d = 0; d < D; ++d) acc += static_cast<float>(orow[d * o3]) * static_cast<float>(grow[d * g3]);
-          float* s = sbuf.p + (bh * Nq + i) * 4;
-          s[0] = sm[bh * Nq + i];
-          s[1] = sl[bh * Nq + i];
-          s[2] = acc;
-          s[3] = 0.f;
-        }
-      }
-    });
-  });
+  row_deltas(out, dout, sbuf.p + 2, Nq * 4, 4);
+  for (int64_t r = 0; r < B * Hq * Nq; ++r) {
+    float* s = sbuf.p + r * 4;
+    s[0] = sm[r];
+    s[1] = sl[r];
+    s[3] = 0.f;
+  }
   const int64_t nchunk = cdiv(Nq, QM_TOKENS);
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);

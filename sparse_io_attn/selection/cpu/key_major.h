@@ -12,6 +12,7 @@
 
 #include "problem.h"
 #include "query_major.h"
+#include "softmax.h"
 
 namespace sia {
 namespace sel {
@@ -49,6 +50,16 @@ static Chunks make_chunks(const Problem& P, int64_t chunk) {
   }
   return C;
 }
+
+// Key-major task `task`: the gathered rows [r_lo, r_hi) of (b, kv, key block c), x = (b * Hkv + kv) *
+// nkb + c (the last x with first[x] <= task); the block's keys [n0, n0 + nblk).
+struct ChunkTask {
+  int64_t x, c, b, kv, r_lo, r_hi, n0, nblk;
+  ChunkTask(const Problem& P, const Chunks& C, int64_t task)
+      : x(static_cast<int64_t>(std::upper_bound(C.first.begin(), C.first.end(), task) - C.first.begin()) - 1),
+        c(x % P.nkb), b(x / P.nkb / P.Hkv), kv(x / P.nkb % P.Hkv), r_lo((task - C.first[x]) * C.chunk),
+        r_hi(std::min(C.rows[x], r_lo + C.chunk)), n0(c * P.bs), nblk(std::min(P.bs, P.Nk - n0)) {}
+};
 
 // dst[0..n) = src[0..n): a pair's partial row, read back only by the merge/reduce pass much later,
 // so written around the cache (no read for ownership) where dst is 64-byte aligned
@@ -101,9 +112,11 @@ struct KState {
   int64_t lds;
   explicit KState(const Problem& P, bool backward)
       : qg(TM * P.D), gg(backward ? TM * P.D : 1), s(TM * stride(P)), dp(backward ? TM * stride(P) : 1),
-        t1(backward ? std::min(P.bs, BWD_KEYS) * (TM + 16) : 1), acc(TM * P.D),
-        dk(backward ? P.bs * P.D : 1), dv(backward ? P.bs * P.D : 1), stat(8 * (TM + 16)), refs(TM),
+        t1(backward ? std::min(P.bs, BWD_KEYS) * LDC : 1), acc(TM * P.D),
+        dk(backward ? P.bs * P.D : 1), dv(backward ? P.bs * P.D : 1), stat(8 * LDC), refs(TM),
         lds(stride(P)) {}
+  static constexpr int64_t LDC = TM + 16;  // per-row columns (stat) and transposed tiles (t1): leading dimension
+  float* col(int64_t k) { return stat.p + k * LDC; }
   // leading dimension of the score tiles: whole vectors of the widest key chunk, plus 16
   static int64_t stride(const Problem& P) { return round_up(std::min(P.bs, KEY_CHUNK), 16) + 16; }
 };
@@ -117,18 +130,12 @@ struct Partials {  // per pair slot (b, h, t, j)
 
 static void km_fwd_task(const Problem& P, const Inputs& in, const float* KT, const Chunks& C, const Partials& out,
                         int64_t task, KState& w) {
-  // (b, kv, c) of the task: the last x with first[x] <= task
-  const int64_t x = static_cast<int64_t>(std::upper_bound(C.first.begin(), C.first.end(), task) - C.first.begin()) - 1;
-  const int64_t bk = x / P.nkb, c = x % P.nkb, b = bk / P.Hkv, kv = bk % P.Hkv;
-  const int64_t r_lo = (task - C.first[x]) * C.chunk, r_hi = std::min(C.rows[x], r_lo + C.chunk);
-  const int64_t D = P.D, lds = w.lds, n0 = c * P.bs, nblk = std::min(P.bs, P.Nk - n0);
-  const float* kt = KT + (bk * P.nkb + c) * D * P.bs;  // [D, bs]
-  float* Qg = w.qg.p;
-  float* S = w.s.p;
-  float* acc = w.acc.p;
-  float* mi = w.stat.p;
-  float* li = mi + TM + 16;
-  float* al = li + TM + 16;
+  const ChunkTask ct(P, C, task);
+  const int64_t b = ct.b, kv = ct.kv, c = ct.c, n0 = ct.n0, nblk = ct.nblk, r_lo = ct.r_lo, r_hi = ct.r_hi;
+  const int64_t D = P.D, lds = w.lds;
+  const float* kt = KT + ct.x * D * P.bs;  // [D, bs]
+  float *Qg = w.qg.p, *S = w.s.p, *acc = w.acc.p;
+  float *mi = w.col(0), *li = w.col(1), *al = w.col(2);  // row maximum, row sum, rescale factor
   const Vec vc(P.c2);
   for (int64_t r0 = r_lo; r0 < r_hi; r0 += TM) {
     const int64_t tm = std::min(TM, r_hi - r0);
@@ -144,23 +151,11 @@ static void km_fwd_task(const Problem& P, const Inputs& in, const float* KT, con
       for (int64_t i = 0; i < tm; ++i) {
         float* s = S + i * lds;
         const int64_t allow = std::min(nc, ref[i].na - a);
-        Vec vmax(NEG_INF);
-        for (int64_t jv = 0; jv < ncv; jv += VL) {
-          const Vec xv = keep_bits(saturate(Vec::loadu(s + jv) * vc), len_bits(allow - jv));
-          xv.store(s + jv);
-          vmax = at::vec::maximum(vmax, xv);
-        }
-        const float mn = std::max(mi[i], hmax(vmax));
-        const Vec vm(mn == NEG_INF ? 0.f : mn);
-        Vec vsum(0.f);
-        for (int64_t jv = 0; jv < ncv; jv += VL) {
-          const Vec p = vexp2(Vec::loadu(s + jv) - vm);
-          p.store(s + jv);
-          vsum = vsum + p;
-        }
+        const float mn = std::max(mi[i], scaled_max(s, ncv, vc, [&](int64_t jv) { return len_bits(allow - jv); }));
+        const float psum = exp2_sum(s, ncv, mn);
         const float alpha = mi[i] == NEG_INF ? 0.f : std::exp2(mi[i] - mn);
         al[i] = alpha;
-        li[i] = li[i] * alpha + hsum(vsum);
+        li[i] = li[i] * alpha + psum;
         mi[i] = mn;
       }
       if (a > 0)
@@ -191,7 +186,6 @@ static void km_merge_task(const Problem& P, const Partials& pp, T* out, float* l
     const int64_t s0 = row * P.K;
     float m = NEG_INF;
     for (int64_t j = 0; j < cnt; ++j) m = std::max(m, pp.m[s0 + j]);
-    T* o = out + row * D;
     float lsum = 0.f;
     if (m != NEG_INF) {
       std::fill(acc, acc + D, 0.f);
@@ -205,18 +199,7 @@ static void km_merge_task(const Problem& P, const Partials& pp, T* out, float* l
         for (; d < D; ++d) acc[d] = std::fma(wj, src[d], acc[d]);
       }
     }
-    if (lsum == 0.f) {
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(0.f);
-      lse[row] = NEG_INF;
-      st_m[row] = POS_INF;
-      st_l[row] = 0.f;
-    } else {
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] / lsum);
-      const float log2l = std::log2(lsum);
-      lse[row] = (m + log2l) * LN2;
-      st_m[row] = m;
-      st_l[row] = log2l;
-    }
+    store_row(acc, m, lsum, D, out + row * D, lse + row, st_m + row, st_l + row);
   }
 }
 
@@ -230,24 +213,13 @@ struct KBwd {
 template <typename T>
 static void km_bwd_task(const Problem& P, const Inputs& in, const KBwd& kb, const Chunks& C, T* dk, T* dv,
                         int64_t task, KState& w) {
-  const int64_t x = static_cast<int64_t>(std::upper_bound(C.first.begin(), C.first.end(), task) - C.first.begin()) - 1;
-  const int64_t bk = x / P.nkb, c = x % P.nkb, b = bk / P.Hkv, kv = bk % P.Hkv;
-  const int64_t r_lo = (task - C.first[x]) * C.chunk, r_hi = std::min(C.rows[x], r_lo + C.chunk);
-  const int64_t D = P.D, lds = w.lds, n0 = c * P.bs, nblk = std::min(P.bs, P.Nk - n0);
-  const int64_t ldt = TM + 16;
-  const float* kt = kb.KT + (bk * P.nkb + c) * D * P.bs;
-  const float* vt = kb.VT + (bk * P.nkb + c) * D * P.bs;
-  float* Qg = w.qg.p;
-  float* Gg = w.gg.p;
-  float* S = w.s.p;
-  float* dP = w.dp.p;
-  float* Tr = w.t1.p;
-  float* dQ = w.acc.p;
-  float* dK = w.dk.p;
-  float* dV = w.dv.p;
-  float* mr = w.stat.p;
-  float* lr = mr + TM + 16;
-  float* dr = lr + TM + 16;
+  const ChunkTask ct(P, C, task);
+  const int64_t x = ct.x, b = ct.b, kv = ct.kv, c = ct.c, n0 = ct.n0, nblk = ct.nblk, r_lo = ct.r_lo, r_hi = ct.r_hi;
+  const int64_t D = P.D, lds = w.lds, ldt = KState::LDC;
+  const float* kt = kb.KT + x * D * P.bs;
+  const float* vt = kb.VT + x * D * P.bs;
+  float *Qg = w.qg.p, *Gg = w.gg.p, *S = w.s.p, *dP = w.dp.p, *Tr = w.t1.p, *dQ = w.acc.p, *dK = w.dk.p, *dV = w.dv.p;
+  float *mr = w.col(0), *lr = w.col(1), *dr = w.col(2);  // the rows' m, log2 l, delta
   std::fill(dK, dK + nblk * D, 0.f);
   std::fill(dV, dV + nblk * D, 0.f);
   const Vec vc(P.c2);
@@ -294,10 +266,7 @@ static void km_bwd_task(const Problem& P, const Inputs& in, const KBwd& kb, cons
   stream_fence();
   if (C.first[x + 1] - C.first[x] == 1) {
     const int64_t obase = ((b * P.Hkv + kv) * P.Nk + n0) * D;
-    for (int64_t i = 0; i < nblk * D; ++i) {
-      dk[obase + i] = static_cast<T>(dK[i] * P.sm_scale);
-      dv[obase + i] = static_cast<T>(dV[i]);
-    }
+    store_dkv(dK, dV, nblk * D, P.sm_scale, dk + obase, dv + obase);
   } else {
     float* dst = kb.dkvp + task * 2 * P.bs * D;
     std::memcpy(dst, dK, nblk * D * sizeof(float));

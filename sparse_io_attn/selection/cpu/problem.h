@@ -2,7 +2,7 @@
 // Part of kernel.cpp's translation unit (see kernel.cpp for the overview).
 #pragma once
 
-#include "tiles.h"
+#include "entry.h"
 
 namespace sia {
 namespace sel {
@@ -18,8 +18,7 @@ static bool key_major_by_default(int64_t bs, int64_t B, int64_t Hq, int64_t Nq, 
   return bs >= KEY_MAJOR_MIN_BLOCK && B * Hq * Nq * K * (D + 2) * int64_t(sizeof(float)) <= MAX_PARTIAL_BYTES;
 }
 
-struct Problem {
-  int64_t B, Hq, Hkv, Nq, Nk, D;
+struct Problem : Dims {
   int64_t bs, nkb, K, L;    // block size, key blocks, slots per row, selections stored
   int64_t Gq;               // query heads per kv head
   int64_t hps;              // query heads per selection (head h uses selection b * slb + h / hps)
@@ -49,19 +48,8 @@ struct Problem {
     if (causal) n = std::min(n, t + delta - n0 + 1);
     return std::max<int64_t>(n, 0);
   }
+  explicit Problem(const Dims& d) : Dims(d) {}
 };
-
-static void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "sparse_io_attn cpu: tensors must be on the CPU");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
-                  q.size(3) == k.size(3),
-              "sparse_io_attn cpu: q [B, Hq, Nq, D], k and v [B, Hkv, Nk, D] expected, got ", q.sizes(), ", ",
-              k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "sparse_io_attn cpu: q, k, v must share a dtype");
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "sparse_io_attn cpu: Hq must be a multiple of Hkv");
-}
 
 static void check_index(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu(), "sparse_io_attn cpu: ", name,
@@ -72,19 +60,13 @@ static void check_index(const at::Tensor& t, const char* name) {
 // and, when given, the key lists (offsets non-decreasing inside the storage, tokens in [0, Nq)
 // strictly ascending per list, slots below their row's count, as many entries per selection as its
 // rows hold, and for key-major work each entry naming its own block: rows[l, t, j] == c, so every
-// pair slot is written exactly once).
-static Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& rows,
-                            const at::Tensor& row_counts, const std::optional<at::Tensor>& col_ptr,
-                            const std::optional<at::Tensor>& col_query, const std::optional<at::Tensor>& col_slot,
-                            int64_t block_size, int64_t stride_lb, int64_t heads_per_selection,
-                            std::optional<int64_t> causal_offset, double sm_scale, int64_t family, bool need_lists) {
-  Problem P;
-  P.B = q.size(0);
-  P.Hq = q.size(1);
-  P.Nq = q.size(2);
-  P.D = q.size(3);
-  P.Hkv = k.size(1);
-  P.Nk = k.size(2);
+// pair slot is written exactly once). d: the operands' sizes (check_qkv's).
+static Problem make_problem(const Dims& d, const at::Tensor& rows, const at::Tensor& row_counts,
+                            const std::optional<at::Tensor>& col_ptr, const std::optional<at::Tensor>& col_query,
+                            const std::optional<at::Tensor>& col_slot, int64_t block_size, int64_t stride_lb,
+                            int64_t heads_per_selection, std::optional<int64_t> causal_offset, double sm_scale,
+                            int64_t family, bool need_lists) {
+  Problem P(d);
   P.Gq = P.Hq / P.Hkv;
   TORCH_CHECK(block_size >= 1, "sparse_io_attn cpu: block_size must be >= 1, got ", block_size);
   P.bs = block_size;
@@ -173,14 +155,18 @@ static Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::
   const bool slots = P.family == KEY_MAJOR;
   std::atomic<int64_t> bad{-1};
   at::parallel_for(0, P.L * nkb, 16, [&](int64_t lo, int64_t hi) {
+    const int64_t Nq = P.Nq;
+    const int32_t *query = P.col_query, *slot = P.col_slot;
     for (int64_t x = lo; x < hi; ++x) {
       const int64_t l = x / nkb, c = x % nkb;
       const int32_t* p = P.col_ptr + l * (nkb + 1) + c;
+      const int32_t* count = P.counts + l * Nq;  // selection l's rows
+      const int32_t* row = P.rows + l * Nq * K;
       int64_t prev = -1;
-      for (int64_t e = p[0]; e < p[1]; ++e) {
-        const int64_t t = P.col_query[e], j = P.col_slot[e];
-        bool ok = t > prev && t < P.Nq && j >= 0 && j < P.counts[l * P.Nq + t];
-        if (ok && slots) ok = P.rows[(l * P.Nq + t) * K + j] == c;
+      for (int64_t e = p[0], end = p[1]; e < end; ++e) {
+        const int64_t t = query[e], j = slot[e];
+        bool ok = t > prev && t < Nq && j >= 0 && j < count[t];
+        if (ok && slots) ok = row[t * K + j] == c;
         prev = t;
         if (!ok) {
           int64_t expect = -1;

@@ -9,6 +9,7 @@
 
 #include "dots.h"
 #include "problem.h"
+#include "softmax.h"
 
 namespace sia {
 namespace sel {
@@ -21,8 +22,8 @@ constexpr int64_t QM_TOKEN_TILE = 1024;  // tokens per dK/dV sweep (their q, dO 
 constexpr int64_t QCH = 64;              // rows per step: dot products, then exponentials, then updates
 constexpr int64_t AHEAD = QCH;           // rows prefetched one step ahead
 
-struct Inputs {        // fp32 rows of the operands (views or packed copies)
-  Rows Q, K, V, dO;
+struct Inputs : OperandRows {  // Q, K, V (dO in a backward): fp32 rows (views or packed copies)
+  using OperandRows::OperandRows;
   const float* st = nullptr;  // [B*Hq*Nq, 4]: per query row m, log2 l (the forward's stats), delta, 0
 };
 
@@ -103,85 +104,82 @@ struct QState {
 
 static inline int64_t qm_tasks(const Problem& P) { return P.units() * cdiv(P.Nq, TokenTile::qm_tile(P)); }
 
+// f(j0, nc): the entries [j0, j0 + nc) of a row list idx[0..n), QCH at a time, the rows x + idx[j] ldx
+// and y + idx[j] ldy of the step after prefetched.
+template <typename Kn, typename F>
+static inline void by_steps(const float* x, int64_t ldx, const float* y, int64_t ldy, const int32_t* idx, int64_t n,
+                            F&& f) {
+  Kn::prefetch(x, ldx, idx, std::min(AHEAD, n));
+  Kn::prefetch(y, ldy, idx, std::min(AHEAD, n));
+  for (int64_t j0 = 0; j0 < n; j0 += QCH) {
+    if (j0 + AHEAD < n) {
+      Kn::prefetch(x, ldx, idx + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
+      Kn::prefetch(y, ldy, idx + j0 + AHEAD, std::min(QCH, n - j0 - AHEAD));
+    }
+    f(j0, std::min(QCH, n - j0));
+  }
+}
+
+// Query-major forward/dQ task `task`: tokens [t0, t1) of unit (b, kv head, first query head h0,
+// selection l), their key lists built in w.tile and their accumulators zeroed; kb, vb: the kv head's
+// K and V rows.
+struct TileTask {
+  int64_t b, kv, h0, l, t0, t1;
+  const float *kb, *vb;
+  int64_t ldk, ldv;
+  TokenTile& tile;
+  TileTask(const Problem& P, const Inputs& in, int64_t task, QState& w) : tile(w.tile) {
+    const int64_t TT = TokenTile::qm_tile(P), nchunk = cdiv(P.Nq, TT), u = task / nchunk;
+    b = P.unit_b(u);
+    kv = P.unit_kv(u);
+    h0 = P.unit_h0(u);
+    l = P.unit_l(u);
+    t0 = (task % nchunk) * TT;
+    t1 = std::min(P.Nq, t0 + TT);
+    kb = in.K.at(b, kv, 0);
+    vb = in.V.at(b, kv, 0);
+    ldk = in.K.ld;
+    ldv = in.V.ld;
+    tile.build(P, l, t0, t1);
+    std::fill(w.acc.p, w.acc.p + tile.tokens * P.R * P.D, 0.f);
+  }
+  // f(i, j0, nc): keys [j0, j0 + nc) of token i, in TokenTile::sweep's order, QCH at a time (their K
+  // and V rows of the step after prefetched)
+  template <typename Kn, typename F>
+  void sweep(F&& f) {
+    tile.sweep([&](int64_t i, int64_t s0, int64_t ns) {
+      by_steps<Kn>(kb, ldk, vb, ldv, tile.idx[i] + s0, ns, [&](int64_t j, int64_t nc) { f(i, s0 + j, nc); });
+    });
+  }
+};
+
 template <typename T, int NC>
 static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, T* out, float* lse, float* st_m,
                         float* st_l, int64_t task, QState& w) {
   using Kn = Kern<NC>;
-  const int64_t TT = TokenTile::qm_tile(P), nchunk = cdiv(P.Nq, TT);
-  const int64_t u = task / nchunk, t0 = (task % nchunk) * TT, t1 = std::min(P.Nq, t0 + TT);
-  const int64_t b = P.unit_b(u), kv = P.unit_kv(u), h0 = P.unit_h0(u), l = P.unit_l(u);
-  const int64_t R = P.R, D = P.D;
-  const float* kb = in.K.at(b, kv, 0);
-  const float* vb = in.V.at(b, kv, 0);
-  const int64_t ldk = in.K.ld, ldv = in.V.ld;
+  TileTask tt(P, in, task, w);
+  const TokenTile& tile = tt.tile;
+  const int64_t R = P.R, D = P.D, b = tt.b, h0 = tt.h0;
   alignas(64) float sb[QCH + DOTS];
   int32_t pad[DOTS];
-  const Vec vc(P.c2);
-  TokenTile& tile = w.tile;
-  tile.build(P, l, t0, t1);
-  std::fill(w.acc.p, w.acc.p + tile.tokens * R * D, 0.f);
   std::fill(w.m.begin(), w.m.begin() + tile.tokens * R, NEG_INF);
   std::fill(w.l.begin(), w.l.begin() + tile.tokens * R, 0.f);
-  tile.sweep([&](int64_t i, int64_t s0, int64_t ns) {
-    const int64_t t = t0 + i, n = tile.n[i];
+  tt.sweep<Kn>([&](int64_t i, int64_t j0, int64_t nc) {
     const int32_t* ki = tile.idx[i];
-    Kn::prefetch(kb, ldk, ki + s0, std::min(AHEAD, ns));
-    Kn::prefetch(vb, ldv, ki + s0, std::min(AHEAD, ns));
-    for (int64_t j0 = s0; j0 < s0 + ns; j0 += QCH) {
-      const int64_t nc = std::min(QCH, s0 + ns - j0), ncv = round_up(nc, VL);
-      if (j0 + AHEAD < s0 + ns) {
-        Kn::prefetch(kb, ldk, ki + j0 + AHEAD, std::min(QCH, s0 + ns - j0 - AHEAD));
-        Kn::prefetch(vb, ldv, ki + j0 + AHEAD, std::min(QCH, s0 + ns - j0 - AHEAD));
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        const float* qr = in.Q.at(b, h0 + r, t);
-        for (int64_t z = 0; z < nc; z += DOTS) Kn::dots(qr, kb, ldk, group16(ki, j0 + z, n, pad), D, sb + z);
-        Vec vmax(NEG_INF);
-        for (int64_t z = 0; z < ncv; z += VL) {
-          const Vec x = keep_bits(saturate(Vec::loadu(sb + z) * vc), len_bits(nc - z));
-          x.store(sb + z);
-          vmax = at::vec::maximum(vmax, x);
-        }
-        float& mr = w.m[i * R + r];
-        float& lr = w.l[i * R + r];
-        float* ar = w.acc.p + (i * R + r) * D;
-        const float mo = mr, mn = std::max(mo, hmax(vmax));
-        if (mn > mo && mo != NEG_INF) {  // the running maximum grew: rescale
-          const float alpha = std::exp2(mo - mn);
-          lr *= alpha;
-          scale_row(ar, D, alpha);
-        }
-        const Vec vm(mn == NEG_INF ? 0.f : mn);
-        Vec vsum(0.f);
-        for (int64_t z = 0; z < ncv; z += VL) {
-          const Vec p = vexp2(Vec::loadu(sb + z) - vm);
-          p.store(sb + z);
-          vsum = vsum + p;
-        }
-        lr += hsum(vsum);
-        mr = mn;
-        Kn::axpy(ar, sb, nc, vb, ldv, ki + j0, D);
-      }
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = in.Q.at(b, h0 + r, tt.t0 + i);
+      for (int64_t z = 0; z < nc; z += DOTS)
+        Kn::dots(qr, tt.kb, tt.ldk, group16(ki, j0 + z, tile.n[i], pad), D, sb + z);
+      float* ar = w.acc.p + (i * R + r) * D;
+      softmax_step(sb, nc, P.c2, w.m[i * R + r], w.l[i * R + r], ar, D, AllBits{});
+      Kn::axpy(ar, sb, nc, tt.vb, tt.ldv, ki + j0, D);
     }
   });
   for (int64_t i = 0; i < tile.tokens; ++i)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t row = (b * P.Hq + h0 + r) * P.Nq + t0 + i;
-      T* o = out + row * D;
-      const float lsum = w.l[i * R + r], m = w.m[i * R + r];
-      const float* ar = w.acc.p + (i * R + r) * D;
-      if (lsum == 0.f) {
-        std::fill(o, o + D, static_cast<T>(0.f));
-        lse[row] = NEG_INF;
-        st_m[row] = POS_INF;
-        st_l[row] = 0.f;
-      } else {
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(ar[d] / lsum);
-        const float log2l = std::log2(lsum);
-        lse[row] = (m + log2l) * LN2;
-        st_m[row] = m;
-        st_l[row] = log2l;
-      }
+      const int64_t row = (b * P.Hq + h0 + r) * P.Nq + tt.t0 + i;
+      store_row(w.acc.p + (i * R + r) * D, w.m[i * R + r], w.l[i * R + r], D, out + row * D, lse + row, st_m + row,
+                st_l + row);
     }
 }
 
@@ -189,52 +187,38 @@ static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, T* out, fl
 template <typename T, int NC>
 static void qm_dq_task(Kern<NC>, const Problem& P, const Inputs& in, T* dq, int64_t task, QState& w) {
   using Kn = Kern<NC>;
-  const int64_t TT = TokenTile::qm_tile(P), nchunk = cdiv(P.Nq, TT);
-  const int64_t u = task / nchunk, t0 = (task % nchunk) * TT, t1 = std::min(P.Nq, t0 + TT);
-  const int64_t b = P.unit_b(u), kv = P.unit_kv(u), h0 = P.unit_h0(u), l = P.unit_l(u);
-  const int64_t R = P.R, D = P.D;
-  const float* kb = in.K.at(b, kv, 0);
-  const float* vb = in.V.at(b, kv, 0);
-  const int64_t ldk = in.K.ld, ldv = in.V.ld;
+  TileTask tt(P, in, task, w);
+  const TokenTile& tile = tt.tile;
+  const int64_t R = P.R, D = P.D, b = tt.b, h0 = tt.h0;
+  const float *kb = tt.kb, *vb = tt.vb;
+  const int64_t ldk = tt.ldk, ldv = tt.ldv;
   alignas(64) float sb[QCH + DOTS], pb[QCH + DOTS];
   int32_t pad[DOTS];
   const Vec vc(P.c2);
-  TokenTile& tile = w.tile;
-  tile.build(P, l, t0, t1);
-  std::fill(w.acc.p, w.acc.p + tile.tokens * R * D, 0.f);
-  tile.sweep([&](int64_t i, int64_t s0, int64_t ns) {
-    const int64_t t = t0 + i, n = tile.n[i];
+  tt.sweep<Kn>([&](int64_t i, int64_t j0, int64_t nc) {
+    const int64_t t = tt.t0 + i, ncv = round_up(nc, VL);
     const int32_t* ki = tile.idx[i];
-    Kn::prefetch(kb, ldk, ki + s0, std::min(AHEAD, ns));
-    Kn::prefetch(vb, ldv, ki + s0, std::min(AHEAD, ns));
-    for (int64_t j0 = s0; j0 < s0 + ns; j0 += QCH) {
-      const int64_t nc = std::min(QCH, s0 + ns - j0), ncv = round_up(nc, VL);
-      if (j0 + AHEAD < s0 + ns) {
-        Kn::prefetch(kb, ldk, ki + j0 + AHEAD, std::min(QCH, s0 + ns - j0 - AHEAD));
-        Kn::prefetch(vb, ldv, ki + j0 + AHEAD, std::min(QCH, s0 + ns - j0 - AHEAD));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = (b * P.Hq + h0 + r) * P.Nq + t;
+      const float* qr = in.Q.at(b, h0 + r, t);
+      const float* gr = in.dO.at(b, h0 + r, t);
+      for (int64_t z = 0; z < nc; z += DOTS) {
+        const int32_t* g = group16(ki, j0 + z, tile.n[i], pad);
+        Kn::dots(qr, kb, ldk, g, D, sb + z);
+        Kn::dots(gr, vb, ldv, g, D, pb + z);
       }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t row = (b * P.Hq + h0 + r) * P.Nq + t;
-        const float* qr = in.Q.at(b, h0 + r, t);
-        const float* gr = in.dO.at(b, h0 + r, t);
-        for (int64_t z = 0; z < nc; z += DOTS) {
-          const int32_t* g = group16(ki, j0 + z, n, pad);
-          Kn::dots(qr, kb, ldk, g, D, sb + z);
-          Kn::dots(gr, vb, ldv, g, D, pb + z);
-        }
-        const Vec vm(in.st[row * 4]), vl(in.st[row * 4 + 1]), vd(in.st[row * 4 + 2]);
-        for (int64_t z = 0; z < ncv; z += VL) {
-          const Vec x = keep_bits(saturate(Vec::loadu(sb + z) * vc), len_bits(nc - z));
-          const Vec p = vexp2((x - vm) - vl);
-          (p * (Vec::loadu(pb + z) - vd)).store(sb + z);
-        }
-        Kn::axpy(w.acc.p + (i * R + r) * D, sb, nc, kb, ldk, ki + j0, D);
+      const Vec vm(in.st[row * 4]), vl(in.st[row * 4 + 1]), vd(in.st[row * 4 + 2]);
+      for (int64_t z = 0; z < ncv; z += VL) {
+        const Vec x = keep_bits(saturate(Vec::loadu(sb + z) * vc), len_bits(nc - z));
+        const Vec p = vexp2((x - vm) - vl);
+        (p * (Vec::loadu(pb + z) - vd)).store(sb + z);
       }
+      Kn::axpy(w.acc.p + (i * R + r) * D, sb, nc, kb, ldk, ki + j0, D);
     }
   });
   for (int64_t i = 0; i < tile.tokens; ++i)
     for (int64_t r = 0; r < R; ++r) {
-      T* o = dq + ((b * P.Hq + h0 + r) * P.Nq + t0 + i) * D;
+      T* o = dq + ((b * P.Hq + h0 + r) * P.Nq + tt.t0 + i) * D;
       const float* ar = w.acc.p + (i * R + r) * D;
       for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(ar[d] * P.sm_scale);
     }
@@ -322,14 +306,8 @@ static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* 
         const float* vr = in.V.at(b, kv, n0 + key);
         float* dkr = acc + key * 2 * D;
         float* dvr = dkr + D;
-        Kn::prefetch(qh, ldq, ti, std::min(AHEAD, n));
-        Kn::prefetch(gh, ldg, ti, std::min(AHEAD, n));
-        for (int64_t i0 = 0; i0 < n; i0 += QCH) {
-          const int64_t nc = std::min(QCH, n - i0), ncv = round_up(nc, VL);
-          if (i0 + AHEAD < n) {
-            Kn::prefetch(qh, ldq, ti + i0 + AHEAD, std::min(QCH, n - i0 - AHEAD));
-            Kn::prefetch(gh, ldg, ti + i0 + AHEAD, std::min(QCH, n - i0 - AHEAD));
-          }
+        by_steps<Kn>(qh, ldq, gh, ldg, ti, n, [&](int64_t i0, int64_t nc) {
+          const int64_t ncv = round_up(nc, VL);
           for (int64_t i = 0; i < nc; i += DOTS) {
             const int32_t* g = group16(ti, i0 + i, n, pad);
             Kn::dots(kr, qh, ldq, g, D, sb + i);
@@ -344,19 +322,13 @@ static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* 
           }
           Kn::axpy(dkr, pb, nc, qh, ldq, ti + i0, D);
           Kn::axpy(dvr, sb, nc, gh, ldg, ti + i0, D);
-        }
+        });
       }
     }
   }
   for (int64_t key = 0; key < nkeys; ++key) {
-    const float* dkr = acc + key * 2 * D;
-    const float* dvr = dkr + D;
-    T* okr = dk + ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
-    T* ovr = dv + ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
-    for (int64_t d = 0; d < D; ++d) {
-      okr[d] = static_cast<T>(dkr[d] * P.sm_scale);
-      ovr[d] = static_cast<T>(dvr[d]);
-    }
+    const int64_t o = ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
+    store_dkv(acc + key * 2 * D, acc + key * 2 * D + D, D, P.sm_scale, dk + o, dv + o);
   }
 }
 
