@@ -76,10 +76,13 @@ def dq_step(dq, p, do, k, v, delta, DOT_DTYPE: tl.constexpr):
 @triton.jit
 def dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr):
     """``dv += p^T @ do``, ``dk += (p^T * (v @ do^T - delta)) @ q`` for one query tile (``pT [keys, rows]``).
-    Returns ``(dk, dv)``."""
-    dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
+    ``dp^T`` and ``ds^T`` come first, then both accumulating products: the same values in any order, but
+    on Hopper the ``dv`` product is then not in flight beside ``dp^T``, ``p^T`` and ``delta`` (with
+    128-key tiles at head dim 128 this order is what keeps the block-sparse dK/dV kernel's registers
+    from spilling). Returns ``(dk, dv)``."""
     dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [keys, rows]
     dsT = pT * (dpT - delta[None, :])  # [keys, rows]
+    dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
     dk = dot(dsT, q, dk, DOT_DTYPE)  # [keys, HEAD_DIM]
     return dk, dv
 

@@ -42,7 +42,7 @@ KERNEL_NAMES = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")
 
 
 def _configs(kind: str, q: torch.Tensor, plan: AttentionPlan) -> list:
-    return [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps, num_stages=c.num_stages)
+    return [triton.Config(c.constexprs(), num_warps=c.num_warps, num_stages=c.num_stages)
             for c in kernel_configs(kind, plan.block_size, q.shape[-1], q.dtype)]
 
 
