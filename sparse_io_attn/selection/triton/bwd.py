@@ -25,7 +25,7 @@ get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
-from sparse_io_attn._attention.triton.tally import tally_dkdv, tally_dq
+from sparse_io_attn._attention.triton.tally import tally_backward
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step
 from sparse_io_attn.selection.triton.slots import DKDV_PLAN, DQ_PLAN
@@ -155,7 +155,7 @@ def _sel_bwd_dkdv_kernel(
             reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * (SEL_ROWS // BLOCK_M)
         else:                    # each entry once
             reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries
-        tally_dkdv(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES)
+        tally_backward(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
         io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
 
 
@@ -241,5 +241,5 @@ def _sel_bwd_dq_kernel(
 
     if COUNT_IO:
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE
-        tally_dq(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES)
+        tally_backward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, DKDV=False)
         io_add(io_ptr, DQ_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)
