@@ -74,15 +74,18 @@ def dq_step(dq, p, do, k, v, delta, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr):
+def dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr, DP_FIRST: tl.constexpr = False):
     """``dv += p^T @ do``, ``dk += (p^T * (v @ do^T - delta)) @ q`` for one query tile (``pT [keys, rows]``).
-    ``dp^T`` and ``ds^T`` come first, then both accumulating products: the same values in any order, but
-    on Hopper the ``dv`` product is then not in flight beside ``dp^T``, ``p^T`` and ``delta`` (with
-    128-key tiles at head dim 128 this order is what keeps the block-sparse dK/dV kernel's registers
-    from spilling). Returns ``(dk, dv)``."""
+    ``DP_FIRST``: ``dp^T`` and ``ds^T`` before both accumulating products, else ``dv`` first: the same
+    values, but on Hopper the order decides what is live beside the in-flight ``wgmma`` (the block-sparse
+    dK/dV's 128-key tiles need ``DP_FIRST`` to stay unspilled at head dim 128; the selection kernels
+    compile without spills in the other order). Returns ``(dk, dv)``."""
+    if not DP_FIRST:
+        dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
     dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [keys, rows]
     dsT = pT * (dpT - delta[None, :])  # [keys, rows]
-    dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
+    if DP_FIRST:
+        dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
     dk = dot(dsT, q, dk, DOT_DTYPE)  # [keys, HEAD_DIM]
     return dk, dv
 

@@ -105,7 +105,7 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
         log2_sum = tl.load(stats_row + stats_stride + offs_m)
         pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
         delta = tl.load(delta_row + offs_m)
-    dk, dv = dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
+    dk, dv = dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE, DP_FIRST=True)
     return dk, dv, queries_loaded, mask_rows
 
 
