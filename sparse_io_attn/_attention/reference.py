@@ -29,7 +29,9 @@ def masked_attention(q, k, v, mask, sm_scale):
     zero = torch.zeros((), dtype=s.dtype, device=s.device)
     s_for_lse = torch.where(row_empty, zero, torch.where(mask, s, neg_inf))
     lse = torch.logsumexp(s_for_lse, dim=-1, keepdim=True)
-    p = torch.where(mask, torch.exp(torch.where(mask, s, zero) - lse), zero)
+    # masked elements take exp(-inf) = 0 (never exp(0 - lse): past lse < -709 that overflows float64, and
+    # where()'s backward multiplies its 0 by the inf derivative: NaN gradients at extreme logits)
+    p = torch.exp(torch.where(mask, s - lse, neg_inf))
     out = torch.matmul(p, v)
     lse = torch.where(row_empty, neg_inf, lse).squeeze(-1)
     return out, lse

@@ -9,7 +9,8 @@ the compiled code says about speed (registers, spills, shared memory, asynchrono
   ``dtype`` (all 16-byte aligned), other scalars i32 unless named in ``float_args``.
 * :func:`ptx_report`: ``ptxas -v`` (Triton's bundled ``ptxas-blackwell``, which accepts the PTX ISA
   Triton 3.9 emits) for registers and spill bytes, plus counts of ``cp.async`` (multi-buffered
-  global->shared copies), ``cp.async.bulk.tensor`` (TMA) and ``wgmma.mma_async`` in the PTX.
+  global->shared copies), ``cp.async.bulk.tensor`` (TMA) and ``wgmma.mma_async`` in the PTX, and the
+  matrix products in the TTGIR (``dots``) and how many of them are Hopper ``wgmma`` (``wgmma_dots``).
 
 Needs Triton imported with ``TRITON_INTERPRET`` unset (``=0``): run it in a fresh process.
 """
@@ -29,6 +30,8 @@ _TL_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
 _FLOAT_ARGS = ("sm_scale", "alpha", "scale")
 #: an asynchronous global->shared copy of a 2-D tile in the TTGIR (not a scalar index prefetch)
 _TILE_COPY = re.compile(r"async_copy_global_to_local [^\n]*: tensor<\d+x\d+x!tt\.ptr")
+#: a matrix product in the TTGIR: ``tt.dot`` (mma.sync, FMA) or ``ttng.warp_group_dot`` (Hopper's wgmma)
+_DOT = re.compile(r"= (tt\.dot|ttng\.warp_group_dot) ")
 
 
 def _require_compiler() -> None:
@@ -107,7 +110,9 @@ def ptxas_path() -> str:
 def ptx_report(compiled, *, arch: int = 90, ptx_file: str | Path | None = None) -> dict:
     """Registers and spill bytes from ``ptxas -v``, shared memory from Triton's metadata, and counts
     of asynchronous copies (``cp.async``: multi-buffered loads; ``cp.async.bulk.tensor``: TMA) and
-    tensor-core MMAs (``wgmma.mma_async``) in the PTX. ``ptx_file``: also keep the PTX there."""
+    tensor-core MMAs (``wgmma.mma_async``) in the PTX; the matrix products of the TTGIR (``dots``: each
+    ``tl.dot`` as compiled, loop bodies included once per copy) and those lowered to ``wgmma``
+    (``wgmma_dots``; the others run ``mma.sync`` or FMA). ``ptx_file``: also keep the PTX there."""
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(ptx_file) if ptx_file is not None else Path(tmp) / "kernel.ptx"
@@ -122,10 +127,12 @@ def ptx_report(compiled, *, arch: int = 90, ptx_file: str | Path | None = None) 
     loads = [int(x) for x in re.findall(r"(\d+) bytes spill loads", res.stderr)]
     tma = len(re.findall(r"cp\.async\.bulk\.tensor", ptx))
     ttgir = compiled.asm.get("ttgir", "")
+    dots = _DOT.findall(ttgir)
     return {"registers": max(regs, default=0), "spill_stores": sum(stores), "spill_loads": sum(loads),
             "shared_bytes": int(compiled.metadata.shared),
             "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)\.shared", ptx)), "tma": tma,
-            "wgmma": ptx.count("wgmma.mma_async"),
+            "wgmma": ptx.count("wgmma.mma_async"), "dots": len(dots),
+            "wgmma_dots": dots.count("ttng.warp_group_dot"),
             "async_copy_ops": ttgir.count("async_copy_global_to_local"),
             "tile_async": len(_TILE_COPY.findall(ttgir))}
 

@@ -24,39 +24,75 @@ class KernelTiles:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One launch configuration of a kernel: tiles, warps, software-pipeline stages."""
+    """One launch configuration of a kernel: tiles, warps, software-pipeline stages, and for dK/dV the
+    score form (``exact_scores``, the kernel's ``EXACT_SCORES``: ``False`` forms ``S^T = K Q^T``
+    directly, ``True`` transposes the forward's ``Q K^T`` tile) and the query tile over partial blocks
+    (``part_m``: :func:`dkdv_part_rows`); both ``None`` for the other kernels."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    exact_scores: bool | None = None
+    part_m: int | None = None
 
+    def constexprs(self) -> dict:
+        """The kernel's constexprs this configuration sets (a ``triton.Config``'s kwargs)."""
+        meta = {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n}
+        if self.exact_scores is not None:
+            meta.update(EXACT_SCORES=self.exact_scores, PART_M=self.part_m)
+        return meta
+
+
+# dK/dV's score form: DIRECT forms S^T = K Q^T (key tile as every product's M, Hopper's wgmma from 64
+# keys; no fp32 transpose); EXACT transposes the forward's Q K^T tile every step (the forward's rounding
+# at any logit; the only form before issue 46, kept with that issue's configurations until a GPU run
+# has shown which wins). Rounding: benchmarks/results/extreme_logits.md.
+DIRECT, EXACT = False, True
 
 # Candidate configurations per kernel and padded-row class (HEAD_DIM * element bytes), the first the
 # default (interpreter, counting, SPARSE_IO_ATTN_NO_AUTOTUNE=1); on CUDA autotuning picks among all.
 # Chosen from sm_90 compiles (`sparse-io-attn compile-report`): every candidate at <= 256 B per row
 # (bf16/fp16 up to head dim 128, fp32 up to 64) compiles without register spills and with
-# multi-buffered (cp.async) K/V or Q/dO loads. (block_m, block_n, num_warps, num_stages):
+# multi-buffered (cp.async) K/V or Q/dO loads. (block_m, block_n, num_warps, num_stages[, score form]).
+# The backwards the field runs fast (issue 46) first: dK/dV with 128-key tiles, every product on
+# Hopper's wgmma; dQ with 128-query tiles. FlexAttention's sm_90 default (torch/_inductor
+# template_heuristics, head dims 64-128): dK/dV 64 queries x 128 keys, dQ 128 x 64, 8 warps, 3 stages
+# (two Q/dO buffers: also FlashAttention-2's 64 x 128 with 8 warps and Q double-buffered);
+# FlashAttention-3's 128 x 128 at head dim 64; Triton's fused-attention tutorial 32 x 128 (5 stages at
+# head dim 64), with 8 warps: its 4 spill registers in sm_90 compiles here (dK/dV's fp32 accumulators
+# alone take 128 registers a thread at head dim 64, 256 at 128). Then the configurations before issue 46.
 _CONFIGS = {
     128: {"fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 8, 3)],
-          "dq": [(64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
-          "dkdv": [(32, 64, 4, 3), (64, 64, 8, 3), (32, 64, 8, 2), (64, 32, 8, 3)]},
+          "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+          "dkdv": [(64, 128, 8, 3, DIRECT), (128, 128, 8, 2, DIRECT), (32, 128, 8, 5, DIRECT),
+                   (32, 64, 4, 3, EXACT), (64, 64, 8, 3, EXACT), (32, 64, 8, 2, EXACT), (64, 32, 8, 3, EXACT)]},
     256: {"fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 64, 8, 2)],
-          "dq": [(64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
-          "dkdv": [(32, 64, 8, 3), (32, 64, 8, 2), (16, 64, 8, 3)]},
+          "dq": [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+          "dkdv": [(64, 128, 8, 3, DIRECT), (32, 128, 8, 3, DIRECT),
+                   (32, 64, 8, 3, EXACT), (32, 64, 8, 2, EXACT), (16, 64, 8, 3, EXACT)]},
     512: {"fwd": [(64, 32, 8, 2), (64, 32, 4, 2)],
           "dq": [(32, 32, 4, 2), (32, 32, 8, 2)],
-          "dkdv": [(16, 32, 4, 2), (32, 32, 8, 2)]},
-    1024: {"fwd": [(32, 32, 4, 2)], "dq": [(32, 32, 4, 2)], "dkdv": [(16, 32, 4, 2)]},
+          "dkdv": [(16, 32, 4, 2, DIRECT), (16, 32, 4, 2, EXACT), (32, 32, 8, 2, EXACT)]},
+    1024: {"fwd": [(32, 32, 4, 2)], "dq": [(32, 32, 4, 2)], "dkdv": [(16, 32, 4, 2, DIRECT), (16, 32, 4, 2, EXACT)]},
 }
 # fp32 runs exact IEEE products on CUDA cores (no tensor cores, no tf32): more registers per element.
 # Keys are padded-row bytes as above (256: head dim <= 64).
 _CONFIGS_FP32 = {
     256: {"fwd": [(64, 32, 8, 2), (64, 32, 8, 3)], "dq": [(32, 32, 8, 2)],
-          "dkdv": [(16, 32, 8, 2), (32, 32, 8, 2)]},
-    512: {"fwd": [(64, 32, 8, 2)], "dq": [(32, 32, 8, 2)], "dkdv": [(16, 32, 8, 2)]},
-    1024: {"fwd": [(32, 32, 4, 2)], "dq": [(16, 32, 4, 2)], "dkdv": [(16, 16, 4, 2)]},
+          "dkdv": [(16, 32, 8, 2, DIRECT), (32, 32, 8, 2, DIRECT), (16, 32, 8, 2, EXACT)]},
+    512: {"fwd": [(64, 32, 8, 2)], "dq": [(32, 32, 8, 2)], "dkdv": [(16, 32, 8, 2, DIRECT), (16, 32, 8, 2, EXACT)]},
+    1024: {"fwd": [(32, 32, 4, 2)], "dq": [(16, 32, 4, 2)], "dkdv": [(16, 16, 4, 2, DIRECT), (16, 16, 4, 2, EXACT)]},
 }
 KERNELS = ("fwd", "dq", "dkdv")
+# dK/dV's query tile over partial blocks: at most this many rows (its BLOCK_M when smaller), as the
+# Triton tutorial's masked diagonal steps use half its query tile: the element mask, causal test and
+# row statistics of a [keys, queries] tile then fit beside the dK/dV accumulators (sm_90, no spills).
+DKDV_PART_ROWS = 32
+
+
+def dkdv_part_rows(block_m: int) -> int:
+    """The query rows of a dK/dV iteration over a partial block, for a dK/dV ``BLOCK_M``."""
+    return min(block_m, DKDV_PART_ROWS)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -78,13 +114,15 @@ def kernel_configs(kernel: str, block_size, head_dim: int, dtype: torch.dtype = 
     table = _CONFIGS_FP32 if dtype == torch.float32 else _CONFIGS
     row_class = min(c for c in table if c >= wide)
     out: list[KernelConfig] = []
-    for m, n, w, st in table[row_class][kernel]:
+    for m, n, w, st, *form in table[row_class][kernel]:
         tm, tn = _pow2_divisor(bq, m), _pow2_divisor(bk, n)
         if min(tm, tn) < MIN_TILE:
             raise NotImplementedError(
                 f"backend 'triton' needs layout block sizes with a power-of-two divisor >= {MIN_TILE} "
                 f"(e.g. 16, 48, 64, 128), got block_size {(bq, bk)}; rebuild the layout or use backend='torch'")
         cfg = KernelConfig(tm, tn, w, st)
+        if form:   # dK/dV: its score form and its query tile over partial blocks
+            cfg = KernelConfig(tm, tn, w, st, exact_scores=form[0], part_m=dkdv_part_rows(tm))
         if cfg not in out:
             out.append(cfg)
     return out

@@ -16,7 +16,8 @@ element bytes, index entries are int32):
 * ``attn_bwd_preprocess``: reads ``o`` and ``do``, writes fp32 ``delta``, once per row.
 * ``attn_bwd_dkdv`` (per key tile, per batch x kv head, looping over the query heads of the group):
   reads its ``k``/``v`` rows once, writes ``dk``/``dv``; per query head 2 + (kept blocks of its
-  column) indices and, per visited query tile, ``q``, ``do`` rows and fp32 ``lse``, ``delta``.
+  column) indices and, per visited query tile (``BLOCK_M`` rows over full blocks, at most
+  ``DKDV_PART_ROWS`` over partial ones), ``q``, ``do`` rows and fp32 ``lse``, ``delta``.
   Causal skips query tiles that end at or before the key tile's start.
 * ``attn_bwd_dq`` (per query tile): reads ``q``, ``do``, ``lse``, ``delta`` once, the visited
   ``k``/``v`` tiles like the forward, and writes ``dq``.
@@ -35,7 +36,7 @@ from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
-from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config
+from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, dkdv_part_rows
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, element_size
 from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
                                                INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
@@ -59,11 +60,13 @@ def _layout_multiplicity(layout, batch: int, num_heads_q: int) -> torch.Tensor:
 
 
 def _walk(layout: AttentionPlan, lists: BlockLists, tile_own: int, tile_other: int, delta: int | None,
-          transposed: bool):
+          transposed: bool, tile_part: int | None = None):
     """What the programs of one kernel kind read, summed per stored mask (``int64 [L]`` each):
     ``index`` (int32 schedule entries: 4 list offsets per program, then per loop iteration 2 for a
     partial tile and 1 for a full tile), ``loaded`` (elements of the other axis: keys for the
-    forward and dQ, queries for dK/dV) and ``mask_rows`` (rows of element-mask words read).
+    forward and dQ, queries for dK/dV) and ``mask_rows`` (rows of element-mask words read). The loop
+    over partial blocks steps ``tile_part`` along the other axis (dK/dV: :func:`dkdv_part_rows`),
+    the one over full blocks ``tile_other``.
 
     Not transposed: programs are query tiles walking the CSR lists (attn_fwd, attn_bwd_dq).
     Transposed: programs are key tiles walking the CSC lists (attn_bwd_dkdv), per query head.
@@ -76,12 +79,13 @@ def _walk(layout: AttentionPlan, lists: BlockLists, tile_own: int, tile_other: i
     part_ptr, full_ptr = lists.part_ptr.cpu().to(torch.int64), lists.full_ptr.cpu().to(torch.int64)
     n_own = part_ptr.shape[1] - 1
     tiles_own = math.ceil(len_own / tile_own)
-    per_own, per_other = blk_own // tile_own, blk_other // tile_other
+    tile_part = tile_part or tile_other
+    per_own, per_other, per_part = blk_own // tile_own, blk_other // tile_other, blk_other // tile_part
     first = torch.arange(n_own, dtype=torch.int64) * per_own
     programs_in_block = torch.clamp(tiles_own - first, min=0, max=per_own)          # [n_own]
     n_part = part_ptr[:, 1:] - part_ptr[:, :-1]                                      # [L, n_own]
     n_full = full_ptr[:, 1:] - full_ptr[:, :-1]
-    index = 4 * tiles_own + (programs_in_block * per_other * (2 * n_part + n_full)).sum(1)
+    index = 4 * tiles_own + (programs_in_block * (2 * per_part * n_part + per_other * n_full)).sum(1)
     loaded = (programs_in_block * n_full).sum(1) * blk_other
 
     # partial entries x (own tile i, other tile j)
@@ -90,17 +94,17 @@ def _walk(layout: AttentionPlan, lists: BlockLists, tile_own: int, tile_other: i
     other_blk = lists.part_idx.cpu()[:flat.numel()].to(torch.int64)   # the lists' used slots
     has_bits = lists.part_mask.cpu()[:flat.numel()] >= 0
     i = torch.arange(per_own, dtype=torch.int64)
-    j = torch.arange(per_other, dtype=torch.int64)
+    j = torch.arange(per_part, dtype=torch.int64)
     own_start = (own_blk * blk_own)[:, None, None] + (i * tile_own)[None, :, None]       # [E, I, 1]
-    other_start = (other_blk * blk_other)[:, None, None] + (j * tile_other)[None, None, :]  # [E, 1, J]
+    other_start = (other_blk * blk_other)[:, None, None] + (j * tile_part)[None, None, :]  # [E, 1, J]
     program = own_start < len_own
     live = program & (other_start < len_other)
     if delta is not None:
         if transposed:  # query tile [other_start, ...) against key tile starting at own_start
-            live = live & (torch.clamp(other_start + tile_other, max=len_other) - 1 + delta >= own_start)
+            live = live & (torch.clamp(other_start + tile_part, max=len_other) - 1 + delta >= own_start)
         else:           # key tile starting at other_start against the query tile's last row
             live = live & (other_start <= torch.clamp(own_start + tile_own, max=len_own) - 1 + delta)
-    other_n = torch.clamp(len_other - other_start, max=tile_other)
+    other_n = torch.clamp(len_other - other_start, max=tile_part)
     own_n = torch.clamp(len_own - own_start, max=tile_own)
     got = torch.where(live, other_n, 0)
     rows = torch.where(live & has_bits[:, None, None], other_n if transposed else own_n, 0)
@@ -213,7 +217,8 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
     add_preprocess(rep, "attn_bwd_preprocess", rows_q, D, es)
 
     # every query head of a group walks its own mask; summing over (b, h) covers all programs
-    index, queries, mask_rows = _walk(layout, layout.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True)
+    index, queries, mask_rows = _walk(layout, layout.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True,
+                                      tile_part=dkdv_part_rows(tiles.dkdv[0]))
     q_rows = int((mult * queries).sum())
     rep.add("attn_bwd_dkdv",
             {"q": q_rows * D * es, "do": q_rows * D * es, "stats": q_rows * 2 * STAT_BYTES,

@@ -1,6 +1,9 @@
 """The compiled path, checked on every commit without a GPU: every block-sparse kernel compiled for
 sm_90 as a real launch compiles it (JIT specialisation, every autotuning configuration) has its main
-loops' K/V (forward, dQ) and Q/dO (dK/dV) loads multi-buffered (cp.async) and spills no registers.
+loops' K/V (forward, dQ) and Q/dO (dK/dV) loads multi-buffered (cp.async) and spills no registers;
+in bf16/fp16 every matrix product whose M is 64 or more runs on Hopper's wgmma (the forward's and
+dQ's M is the query tile; every product of dK/dV's direct form, S^T = K Q^T, has the key tile as its
+M), and the 128-key dK/dV and 128-query dQ tiles are among the compiled configurations.
 Each case runs `sparse-io-attn compile-report` in a fresh process (this one imported Triton in
 interpreter mode). Head dims 64 and 128, bf16 and fp16, causal and not; every configuration for
 one dtype per head dim, the default configuration for the other combinations; fp32 (exact IEEE
@@ -38,5 +41,13 @@ def test_kernels_pipeline_and_do_not_spill(tmp_path, dtype, head_dim, causal, co
         assert 0 < r["shared_bytes"] <= 227 * 1024, r           # fits an H100 block
     for r in loops:
         assert r["pipelined"] and r["cp_async"] > 0, r
-        if dtype != "fp32":   # fp32 runs exact IEEE products: no tensor cores by design
-            assert r["wgmma"] > 0 or r["BLOCK_N"] < 64 or r["BLOCK_M"] < 64, r   # tensor cores where tiles allow
+        if dtype == "fp32":   # fp32 runs exact IEEE products: no tensor cores by design
+            continue
+        m = r["BLOCK_N"] if r["scores"] == "direct" else r["BLOCK_M"]   # every product's M
+        if m >= 64 and r["scores"] != "exact":   # (exact: the forward's Q K^T transposed, kept candidates)
+            assert r["dots"] > 0 and r["wgmma_dots"] == r["dots"], r   # every product on wgmma
+        else:
+            assert r["wgmma"] > 0 or max(r["BLOCK_M"], r["BLOCK_N"]) < 64, r   # wgmma where a product allows
+    if dtype != "fp32":
+        assert any(r["kernel"] == "attn_bwd_dkdv" and r["BLOCK_N"] == 128 and r["scores"] == "direct" for r in rows)
+        assert any(r["kernel"] == "attn_bwd_dq" and r["BLOCK_M"] == 128 for r in rows)

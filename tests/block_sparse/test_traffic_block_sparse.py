@@ -135,8 +135,9 @@ def test_kept_elements_matches_element_mask(Nq, Nk, block, causal, seed):
 
 
 @pytest.mark.parametrize("block,head_dim,dtype,expect", [
-    pytest.param((128, 128), 64, torch.bfloat16, ((128, 64), (64, 64), (32, 64)), id="b128-d64-bf16"),
-    pytest.param((64, 64), 128, torch.float16, ((64, 64), (64, 64), (32, 64)), id="b64-d128-fp16"),
+    pytest.param((128, 128), 64, torch.bfloat16, ((128, 64), (128, 64), (64, 128)), id="b128-d64-bf16"),
+    pytest.param((128, 128), 128, torch.float16, ((128, 64), (128, 64), (64, 128)), id="b128-d128-fp16"),
+    pytest.param((64, 64), 128, torch.float16, ((64, 64), (64, 64), (64, 64)), id="b64-d128-fp16"),
     pytest.param((128, 128), 256, torch.bfloat16, ((64, 32), (32, 32), (16, 32)), id="b128-d256-bf16"),
     pytest.param((128, 128), 64, torch.float32, ((64, 32), (32, 32), (16, 32)), id="b128-d64-fp32"),
     pytest.param((128, 128), 256, torch.float32, ((32, 32), (16, 32), (16, 16)), id="b128-d256-fp32"),

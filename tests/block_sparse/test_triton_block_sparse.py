@@ -1,14 +1,18 @@
 """backend="triton" specifics (the shared correctness matrix is in test_correctness.py): clear
-errors for unsupported shapes, the sm_90 compile, agreement with the torch backend."""
+errors for unsupported shapes, agreement with the torch backend, every autotuning candidate of the
+backward kernels against float64 and the traffic model."""
 import pytest
 import torch
 
 from sparse_io_attn import block_sparse_attention, patterns
 from sparse_io_attn._triton.runtime import INTERPRET
-from sparse_io_attn.block_sparse.reference import rel_err
+from sparse_io_attn.accounting import IOCounter, traffic
+from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
+from sparse_io_attn.block_sparse.tiles import kernel_configs
+from sparse_io_attn.block_sparse.triton import launch
 
 import helpers
-from helpers import make_inputs, run
+from helpers import check_close, make_inputs, run
 
 DEVICE = "cpu" if INTERPRET else "cuda"  # the same tests run compiled where CUDA is in use
 
@@ -66,3 +70,58 @@ def test_extreme_logits_stay_finite(causal):
     for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(x).all(), f"non-finite {name}"
     assert out.abs().max() <= v.abs().max()
+
+
+def _candidate(kind, config, D):
+    form = {None: "", False: "-direct", True: "-exact"}[config.exact_scores]
+    return pytest.param(kind, config, D, id=f"{kind}-d{D}-{config.block_m}x{config.block_n}-w{config.num_warps}"
+                                           f"s{config.num_stages}{form}")
+
+
+# every candidate of the bf16/fp16 tables, layout blocks of 128: dK/dV (128-key tiles in both score
+# forms) at head dims 64 (EVEN_D) and 80 (padded to 128), dQ (128-query tiles) at 64
+CANDIDATES = [_candidate(kind, c, D) for kind, dims in (("dkdv", (64, 80)), ("dq", (64,))) for D in dims
+              for c in kernel_configs(kind, (128, 128), D, torch.bfloat16)]
+
+
+def force_configs(monkeypatch, **chosen):
+    """The launcher runs ``chosen[kernel]`` for each kernel named, the bf16 default for the others."""
+    def configs(kernel, block_size, head_dim, dtype):
+        return [chosen[kernel] if kernel in chosen else kernel_configs(kernel, block_size, head_dim, torch.bfloat16)[0]]
+    monkeypatch.setattr(launch, "kernel_configs", configs)
+
+
+@pytest.mark.parametrize("kind,config,D", CANDIDATES)
+def test_every_backward_candidate(monkeypatch, kind, config, D):
+    """Each autotuning candidate forced under the interpreter (fp32 inputs; the other kernels at their
+    bf16 defaults): gradients against float64, and the counted bytes equal the model at the launched
+    tiles. A causal sliding window over 200 tokens in blocks of 128 (ragged last block, full blocks,
+    element-masked partial blocks), two query heads on one KV head; dK/dV runs its partial blocks at
+    PART_M query rows."""
+    force_configs(monkeypatch, **{kind: config})
+    layout = patterns.sliding_window(200, 128, 150)
+    assert layout.num_partial_blocks > 0 and layout.nnz_blocks > layout.num_partial_blocks
+    B, Hq, Hkv = 1, 2, 1
+    q, k, v, do = inputs(B, Hq, Hkv, 200, 200, D)
+    with IOCounter() as io:
+        got = run_triton(q, k, v, do, layout, True)
+    check_close(got, attention_reference(q, k, v, layout, causal=True, do=do), 1e-5)
+    tiles = launch.launched_tiles()
+    assert getattr(tiles, kind) == (config.block_m, config.block_n)
+    assert io.report == traffic.block_sparse(layout, B, Hq, Hkv, D, torch.float32, causal=True, tiles=tiles)
+
+
+@pytest.mark.parametrize("causal", [True, "bottom_right"], ids=["top-left", "bottom-right"])
+def test_default_backward_at_128_key_tiles_is_deterministic(monkeypatch, causal):
+    """The default dK/dV and dQ configurations at head dim 64 (64 x 128 direct-form dK/dV tiles, 128 x
+    64 dQ tiles), rectangular and ragged: backward twice gives equal bits, and agrees with float64."""
+    dkdv, dq = (kernel_configs(kind, (128, 128), 64, torch.bfloat16)[0] for kind in ("dkdv", "dq"))
+    assert (dkdv.block_m, dkdv.block_n, dkdv.exact_scores, dkdv.part_m, dq.block_m) == (64, 128, False, 32, 128)
+    force_configs(monkeypatch)
+    layout = make_layout(1, 2, 200, 330, 128, per_head=True)
+    q, k, v, do = inputs(1, 2, 1, 200, 330, 64)
+    first = run_triton(q, k, v, do, layout, causal)
+    second = run_triton(q, k, v, do, layout, causal)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    check_close(first, attention_reference(q, k, v, layout, causal=causal, do=do), 1e-5)

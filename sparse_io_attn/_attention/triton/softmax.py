@@ -74,12 +74,18 @@ def dq_step(dq, p, do, k, v, delta, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr):
+def dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr, DP_FIRST: tl.constexpr = False):
     """``dv += p^T @ do``, ``dk += (p^T * (v @ do^T - delta)) @ q`` for one query tile (``pT [keys, rows]``).
-    Returns ``(dk, dv)``."""
-    dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
+    ``DP_FIRST``: ``dp^T`` and ``ds^T`` before both accumulating products, else ``dv`` first: the same
+    values, but on Hopper the order decides what is live beside the in-flight ``wgmma`` (the block-sparse
+    dK/dV's 128-key tiles need ``DP_FIRST`` to stay unspilled at head dim 128; the selection kernels
+    compile without spills in the other order). Returns ``(dk, dv)``."""
+    if not DP_FIRST:
+        dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
     dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [keys, rows]
     dsT = pT * (dpT - delta[None, :])  # [keys, rows]
+    if DP_FIRST:
+        dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
     dk = dot(dsT, q, dk, DOT_DTYPE)  # [keys, HEAD_DIM]
     return dk, dv
 

@@ -4,10 +4,14 @@ FlashAttention-2 style and deterministic (no atomics on data):
 
 * the preprocess ``delta = rowsum(dO * O)`` (fp32 ``[B, Hq, Nq]``) is the attention kit's
   (:func:`~sparse_io_attn._attention.triton.kernels.attn_bwd_preprocess_kernel`).
-* ``_attn_bwd_dkdv_kernel``: one program per (key tile, batch x kv head). For every query head of
-  the GQA group it walks the CSC schedule of its key block (partial query blocks, then full ones,
-  each a flat loop over query tiles of ``BLOCK_M``), so dK/dV are summed over the group inside
-  one program.
+* ``_attn_bwd_dkdv_kernel``: one program per (key tile of ``BLOCK_N`` keys, batch x kv head). For
+  every query head of the GQA group it walks the CSC schedule of its key block (partial query
+  blocks, then full ones, each a flat loop over query tiles: ``BLOCK_M`` rows over full blocks,
+  ``PART_M`` over partial ones: :func:`~sparse_io_attn.block_sparse.tiles.dkdv_part_rows`), so
+  dK/dV are summed over the group inside one program. Every tile is formed key-major, ``[BLOCK_N,
+  rows]``: the scores ``S^T = K Q^T`` directly (the transpose is on the loaded ``q`` tile, and every
+  product has the key tile as its M, as in FlashAttention-2/3, FlexAttention and Triton's tutorial),
+  or, with ``EXACT_SCORES``, the forward's ``Q K^T`` transposed (:func:`_scores_t`).
 * ``_attn_bwd_dq_kernel``: one program per (query tile, batch x query head), walking the CSR
   schedule like the forward.
 
@@ -30,17 +34,33 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, row_base, idx_ptr, mask_id_ptr,
-                        mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, col_in_block, n_start,
-                        stats_ptr, stats_stride, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
+def _scores_t(q, k, qk_scale, DOT_DTYPE: tl.constexpr, EXACT_SCORES: tl.constexpr):
+    """The base-2 scores of a key tile ``k [BLOCK_N, HEAD_DIM]`` against a query tile ``q [BLOCK_M,
+    HEAD_DIM]``, transposed: ``sT [BLOCK_N, BLOCK_M]``. ``EXACT_SCORES``: the forward's product ``q @
+    k^T`` transposed, so the recomputed probabilities round exactly as the forward's (an fp32 tile
+    transposed every step); else ``k @ q^T`` directly (the transpose is on the input tile ``q``, and
+    every dK/dV product has the key tile as its M: Hopper's ``wgmma`` from ``BLOCK_N = 64``)."""
+    if EXACT_SCORES:
+        return tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))
+    else:
+        return score_tile(k, q, qk_scale, DOT_DTYPE)
+
+
+@triton.jit
+def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, stats_row, delta_row, idx_ptr,
+                        mask_id_ptr, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, col_in_block, n_start,
+                        stats_stride, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
                         causal_offset, qk_scale, BLOCK_SIZE_Q: tl.constexpr, MASK_WORDS: tl.constexpr,
                         BLOCK_M: tl.constexpr, TILES_M: tl.constexpr, EVEN_D: tl.constexpr,
-                        IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
-                        MASKED: tl.constexpr):
-    """One query tile of dK/dV: tile ``t % TILES_M`` of query block ``idx_ptr[t // TILES_M]``.
-    ``MASKED``: a partial block (query padding, the causal test, the element mask ``mask_id_ptr[t //
-    TILES_M]``; disallowed elements get ``p = 0``; queries and mask rows tallied); else a full block
-    (every element allowed, every query in range and its row non-empty: no mask, no bounds checks).
+                        IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, EXACT_SCORES: tl.constexpr,
+                        COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
+    """One query tile of dK/dV: tile ``t % TILES_M`` of query block ``idx_ptr[t // TILES_M]``; scores
+    ``[BLOCK_N, BLOCK_M]`` by :func:`_scores_t`. ``MASKED``: a partial block (query padding, the causal
+    test, the element mask ``mask_id_ptr[t // TILES_M]``, all formed as ``[keys, queries]`` tiles;
+    disallowed elements get ``p = 0``; queries and mask rows tallied); else a full block (every element
+    allowed, every query in range and its row non-empty: no mask, no bounds checks). The loads come
+    after the score product in program order, so the compiled loop reads the row statistics and mask
+    words from shared memory only when they are used (fewer live registers beside dK/dV).
     Returns ``(dk, dv, queries_loaded, mask_rows)``."""
     blk = tl.load(idx_ptr + t // TILES_M)
     if MASKED:
@@ -56,15 +76,16 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
                     mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
         do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                      mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-        m_row, log2_sum = load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
-        delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
+        sT = _scores_t(q, k, qk_scale, DOT_DTYPE, EXACT_SCORES)  # [BLOCK_N, BLOCK_M]
         row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
-        valid = mask_m[:, None] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
-                                             mask_m[:, None], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_M, BLOCK_N]
+        validT = mask_m[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block[None, :], col_in_block[:, None],
+                                              mask_m[None, :], BLOCK_SIZE_Q, MASK_WORDS)  # [BLOCK_N, BLOCK_M]
         if IS_CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        sT = tl.trans(tl.where(valid, score_tile(q, k, qk_scale, DOT_DTYPE), float("-inf")))  # [BLOCK_N, BLOCK_M]
+            validT = validT & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+        sT = tl.where(validT, sT, float("-inf"))
+        m_row, log2_sum = load_stats(stats_row, stats_stride, offs_m, mask_m)  # [BLOCK_M] x2
         pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
+        delta = tl.load(delta_row + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
         if COUNT_IO:
             queries_loaded += tl.sum(mask_m.to(tl.int64))
             mask_rows += tl.where(mask_id >= 0, tl.sum(mask_m.to(tl.int64)), 0)
@@ -79,12 +100,12 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
                         mask=mask_d[None, :], other=0.0)
             do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                          mask=mask_d[None, :], other=0.0)
-        m_row = tl.load(stats_ptr + row_base + offs_m)  # [BLOCK_M], finite: the row keeps this block
-        log2_sum = tl.load(stats_ptr + stats_stride + row_base + offs_m)
-        delta = tl.load(delta_ptr + row_base + offs_m)
-        sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+        sT = _scores_t(q, k, qk_scale, DOT_DTYPE, EXACT_SCORES)  # [BLOCK_N, BLOCK_M]
+        m_row = tl.load(stats_row + offs_m)  # [BLOCK_M], finite: the row keeps this block
+        log2_sum = tl.load(stats_row + stats_stride + offs_m)
         pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
-    dk, dv = dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
+        delta = tl.load(delta_row + offs_m)
+    dk, dv = dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE, DP_FIRST=True)
     return dk, dv, queries_loaded, mask_rows
 
 
@@ -102,9 +123,11 @@ def _attn_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, EXACT_SCORES: tl.constexpr, PART_M: tl.constexpr,
+    ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_M: tl.constexpr = BLOCK_SIZE_Q // BLOCK_M
+    TILES_PART: tl.constexpr = BLOCK_SIZE_Q // PART_M
     pid_n = tl.program_id(0)
     pid_zg = tl.program_id(1)
     off_z = (pid_zg // num_heads_kv).to(tl.int64)
@@ -113,6 +136,7 @@ def _attn_bwd_dkdv_kernel(
     n_start = pid_n * BLOCK_N
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
+    offs_part0 = tl.arange(0, PART_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < seqlen_k
     mask_d = offs_d < head_dim
@@ -130,34 +154,40 @@ def _attn_bwd_dkdv_kernel(
     index_entries = tl.zeros([], dtype=tl.int64)
     mask_rows = tl.zeros([], dtype=tl.int64)
 
-    for j in range(0, group):
-        off_h = off_g * group + j
-        q_base = q_ptr + off_z * stride_qz + off_h * stride_qh
-        do_base = do_ptr + off_z * stride_doz + off_h * stride_doh
-        row_base = (off_z * num_heads_q + off_h) * seqlen_q  # stats / delta are contiguous [.., B, Hq, Nq]
-        part_start, part_end, full_start, full_end = _list_range(
-            full_ptr_ptr, part_ptr_ptr,
-            (off_z * stride_lb + off_h * stride_lh) * (num_kv_blocks + 1) + n_start // BLOCK_SIZE_KV)
+    # the group's first query head; each head's rows of q, do and of stats / delta (contiguous [.., B, Hq, Nq])
+    q_base = q_ptr + off_z * stride_qz + off_g * group * stride_qh
+    do_base = do_ptr + off_z * stride_doz + off_g * group * stride_doh
+    row_base = (off_z * num_heads_q + off_g * group) * seqlen_q
+    stats_row = stats_ptr + row_base
+    delta_row = delta_ptr + row_base
+    entry = (off_z * stride_lb + off_g * group * stride_lh) * (num_kv_blocks + 1) + n_start // BLOCK_SIZE_KV
+    for _ in range(0, group):
+        part_start, part_end, full_start, full_end = _list_range(full_ptr_ptr, part_ptr_ptr, entry)
 
         # 1. partial blocks: padding, causal and element masks; 2. full blocks: no mask, no bounds checks
-        for t in range(0, (part_end - part_start) * TILES_M):
+        for t in range(0, (part_end - part_start) * TILES_PART):
             dk, dv, queries_loaded, mask_rows = _attn_bwd_dkdv_step(
-                dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, row_base, part_idx_ptr + part_start,
-                part_mask_ptr + part_start, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, col_in_block, n_start,
-                stats_ptr, stats_stride, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
-                causal_offset, qk_scale, BLOCK_SIZE_Q, MASK_WORDS, BLOCK_M, TILES_M, EVEN_D, IS_CAUSAL, DOT_DTYPE,
-                COUNT_IO, MASKED=True)
+                dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, stats_row, delta_row,
+                part_idx_ptr + part_start, part_mask_ptr + part_start, mask_ptr, t, offs_part0, offs_n, offs_d,
+                mask_d, col_in_block, n_start, stats_stride, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
+                causal_offset, qk_scale, BLOCK_SIZE_Q, MASK_WORDS, PART_M, TILES_PART, EVEN_D, IS_CAUSAL, DOT_DTYPE,
+                EXACT_SCORES, COUNT_IO, MASKED=True)
         for t in range(0, (full_end - full_start) * TILES_M):
             dk, dv, queries_loaded, mask_rows = _attn_bwd_dkdv_step(
-                dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, row_base, full_idx_ptr + full_start,
-                part_mask_ptr, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, col_in_block, n_start,
-                stats_ptr, stats_stride, delta_ptr, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
+                dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, stats_row, delta_row,
+                full_idx_ptr + full_start, part_mask_ptr, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d,
+                col_in_block, n_start, stats_stride, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
                 causal_offset, qk_scale, BLOCK_SIZE_Q, MASK_WORDS, BLOCK_M, TILES_M, EVEN_D, IS_CAUSAL, DOT_DTYPE,
-                COUNT_IO, MASKED=False)
+                EXACT_SCORES, COUNT_IO, MASKED=False)
         if COUNT_IO:
             queries_loaded += (full_end - full_start).to(tl.int64) * BLOCK_SIZE_Q
-            index_entries += 4 + 2 * (part_end - part_start).to(tl.int64) * TILES_M \
+            index_entries += 4 + 2 * (part_end - part_start).to(tl.int64) * TILES_PART \
                 + (full_end - full_start).to(tl.int64) * TILES_M
+        q_base += stride_qh
+        do_base += stride_doh
+        stats_row += seqlen_q
+        delta_row += seqlen_q
+        entry += stride_lh * (num_kv_blocks + 1)
 
     tl.store(dk_ptr + off_z * stride_dkz + off_g * stride_dkh + offs_n[:, None] * stride_dkn
              + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_nd)

@@ -36,12 +36,15 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block, load_ok,
                BLOCK_SIZE_Q: tl.constexpr, MASK_WORDS: tl.constexpr):
-    """Element-mask bits of a ``[rows, cols]`` tile of a partial block (True where allowed); all
-    True where the block has no element mask (``mask_id < 0``) or ``load_ok`` is False."""
+    """Element-mask bits of a tile of a partial block (True where allowed); all True where the block
+    has no element mask (``mask_id < 0``) or ``load_ok`` is False. ``row_in_block`` (query rows) and
+    ``col_in_block`` (key columns) are 2-D and broadcast to the tile: ``[rows, 1]`` and ``[1, cols]``
+    give a ``[rows, cols]`` tile, ``[1, rows]`` and ``[cols, 1]`` its transpose (dK/dV's ``[keys,
+    queries]``), without transposing a tile."""
     words = tl.load(mask_ptr + mask_id.to(tl.int64) * (BLOCK_SIZE_Q * MASK_WORDS)
-                    + row_in_block[:, None] * MASK_WORDS + (col_in_block // 32)[None, :],
-                    mask=tl.where(mask_id >= 0, load_ok, False), other=-1)  # [rows, cols] int32
-    return ((words >> (col_in_block % 32)[None, :]) & 1) != 0
+                    + row_in_block * MASK_WORDS + col_in_block // 32,
+                    mask=tl.where(mask_id >= 0, load_ok, False), other=-1)  # int32, the tile's shape
+    return ((words >> (col_in_block % 32)) & 1) != 0
 
 
 @triton.jit
@@ -94,7 +97,7 @@ def _kv_tile(k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, 
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM]
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        valid = mask_n[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block,
+        valid = mask_n[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block[:, None], col_in_block[None, :],
                                              tl.where(live, mask_m[:, None], False), BLOCK_SIZE_Q, MASK_WORDS)
         if IS_CAUSAL:
             valid = valid & (cols[None, :] <= offs_m[:, None] + causal_offset)  # [BLOCK_M, BLOCK_N]

@@ -47,7 +47,7 @@ KERNEL_NAMES = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")
 def _configs(kind: str, block_size: tuple, head_dim: int, dtype: torch.dtype) -> tuple:
     """The ``triton.Config`` candidates of ``kind`` (:func:`~sparse_io_attn.block_sparse.tiles.kernel_configs`),
     built once per (kernel, block size, head dim, dtype)."""
-    return tuple(triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
+    return tuple(triton.Config(c.constexprs(), num_warps=c.num_warps,
                                num_stages=c.num_stages) for c in kernel_configs(kind, block_size, head_dim, dtype))
 
 

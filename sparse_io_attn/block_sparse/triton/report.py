@@ -6,7 +6,9 @@ compiled for a CUDA architecture exactly as a real launch would compile it, with
 multiple of the block, so there are full and element-masked partial blocks; ``causal`` adds the
 causal test), compiles each (kernel, config) with the JIT's specialisation
 (:func:`sparse_io_attn._triton.aot.compile_call`) and reads registers, spill bytes, shared memory
-and asynchronous copies from ``ptxas -v`` and the PTX (:func:`sparse_io_attn._triton.aot.ptx_report`).
+and asynchronous copies from ``ptxas -v`` and the PTX, and the matrix products and how many are
+Hopper ``wgmma`` from the TTGIR (:func:`sparse_io_attn._triton.aot.ptx_report`); ``scores`` is dK/dV's
+score form (``direct``: ``S^T = K Q^T``; ``exact``: the forward's ``Q K^T`` transposed).
 ``pipelined`` means the main loops' loads are asynchronous: ``cp.async`` (multi-buffered
 global->shared copies) or ``cp.async.bulk.tensor`` (TMA) in the PTX. The preprocess kernel has no
 loop and is reported for completeness.
@@ -24,9 +26,11 @@ from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.block_sparse.triton.launch import backward_calls, forward_calls
 from sparse_io_attn.layout import patterns
 
+#: dK/dV's score form (``EXACT_SCORES``): S^T = K Q^T formed directly, or the forward's Q K^T transposed
+_SCORES = {False: "direct", True: "exact", None: ""}
 KERNELS = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv", "attn_bwd_preprocess")
-COLUMNS = ("kernel", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "registers", "spill_stores",
-           "spill_loads", "shared_bytes", "cp_async", "tma", "wgmma", "pipelined")
+COLUMNS = ("kernel", "BLOCK_M", "BLOCK_N", "scores", "num_warps", "num_stages", "registers", "spill_stores",
+           "spill_loads", "shared_bytes", "cp_async", "tma", "wgmma", "dots", "wgmma_dots", "pipelined")
 
 
 def example_calls(dtype: torch.dtype, head_dim: int, block: int, causal: bool) -> list:
@@ -64,6 +68,7 @@ def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, blo
             if ptx_dir is not None:
                 ptx_file = Path(ptx_dir) / f"{call.name}_m{bm}_n{bn}_w{cfg.num_warps}_s{cfg.num_stages}_sm{arch}.ptx"
             stats = ptx_report(compiled, arch=arch, ptx_file=ptx_file)
-            rows.append({"kernel": call.name, "BLOCK_M": bm, "BLOCK_N": bn, "num_warps": cfg.num_warps,
-                         "num_stages": cfg.num_stages, **stats, "pipelined": stats["cp_async"] + stats["tma"] > 0})
+            rows.append({"kernel": call.name, "BLOCK_M": bm, "BLOCK_N": bn, "scores": _SCORES[kwargs.get("EXACT_SCORES")],
+                         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages, **stats,
+                         "pipelined": stats["cp_async"] + stats["tma"] > 0})
     return rows
