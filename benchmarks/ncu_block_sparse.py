@@ -111,7 +111,7 @@ def _dkdv_child(args, torch, dtype, layout, causal, q, k, v, do) -> None:
     run(pre, q.device, launch.TUNE_KEY)
     for _ in range(2):
         for c in candidates(args, dtype):
-            cfg = triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
+            cfg = triton.Config(c.constexprs(), num_warps=c.num_warps,
                                 num_stages=c.num_stages)
             run(dataclasses.replace(dkdv, configs=[cfg]), q.device, launch.TUNE_KEY)
     if q.device.type == "cuda":

@@ -10,6 +10,7 @@ from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn.block_sparse.reference import attention_reference, rel_err
 from sparse_io_attn.block_sparse.tiles import kernel_configs
 from sparse_io_attn.block_sparse.triton import launch
+from sparse_io_attn._attention.triton import launch as kit_launch
 
 import helpers
 from helpers import check_close, make_inputs, run
@@ -89,6 +90,8 @@ def force_configs(monkeypatch, **chosen):
     def configs(kernel, block_size, head_dim, dtype):
         return [chosen[kernel] if kernel in chosen else kernel_configs(kernel, block_size, head_dim, torch.bfloat16)[0]]
     monkeypatch.setattr(launch, "kernel_configs", configs)
+    monkeypatch.setattr(launch, "_configs", launch._configs.__wrapped__)   # not the cached candidates
+    monkeypatch.setattr(kit_launch, "_PREPARED", {})                       # nor launches kept by an earlier test
 
 
 @pytest.mark.parametrize("kind,config,D", CANDIDATES)
