@@ -18,7 +18,6 @@ own block and random earlier ones, as many as the selection keeps per token (MoB
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 

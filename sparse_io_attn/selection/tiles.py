@@ -258,7 +258,7 @@ def kernel_family(block_size: int, max_blocks: int, layouts: int, batch: int, nu
     return fam if fam in _IMPLEMENTED else "query"
 
 
-_IMPLEMENTED = ("query",)   # the families whose kernels exist (grows with issue 47's stages)
+_IMPLEMENTED = ("query", "key")   # the families whose kernels exist (grows with issue 47's stages)
 
 
 def _preferred(block_size, max_blocks, layouts, batch, num_heads_q, num_heads_kv, num_selections, seqlen_q, seqlen_k,

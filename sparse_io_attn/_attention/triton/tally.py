@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.slots import (DKDV_DELTA, DKDV_DK, DKDV_DO, DKDV_DV, DKDV_K, DKDV_Q,
                                                     DKDV_STATS, DKDV_V, DQ_DELTA, DQ_DO, DQ_DQ, DQ_K, DQ_Q, DQ_STATS,
-                                                    DQ_V, OUT_K, OUT_LSE, OUT_O, OUT_PARTIAL, OUT_Q, OUT_STATS, OUT_V)
+                                                    DQ_V, MERGE_LSE, MERGE_O, MERGE_PARTIAL, MERGE_STATS, OUT_K,
+                                                    OUT_LSE, OUT_O, OUT_PARTIAL, OUT_Q, OUT_STATS, OUT_V)
 from sparse_io_attn._triton.jit import io_add  # (sets TRITON_INTERPRET first)
 
 import triton  # noqa: E402
@@ -55,4 +56,14 @@ def tally_dkdv(io_ptr, queries, keys, row_bytes):
     io_add(io_ptr, DKDV_DV, 0, keys * row_bytes)
 
 
-__all__ = ["tally_dkdv", "tally_dq", "tally_forward"]
+@triton.jit
+def tally_merge(io_ptr, rows, partials, row_bytes, head_dim):
+    """A merge program (``DECODE_MERGE_TENSORS`` slots): ``partials`` fp32 partial rows (``2 + head_dim``
+    floats) read, ``rows`` rows of ``o``, fp32 ``lse`` and ``stats`` written."""
+    io_add(io_ptr, MERGE_PARTIAL, partials * (2 + head_dim) * 4, 0)
+    io_add(io_ptr, MERGE_O, 0, rows * row_bytes)
+    io_add(io_ptr, MERGE_LSE, 0, rows * 4)
+    io_add(io_ptr, MERGE_STATS, 0, rows * 8)
+
+
+__all__ = ["tally_dkdv", "tally_dq", "tally_forward", "tally_merge"]

@@ -51,7 +51,7 @@ def example_calls(dtype: torch.dtype, head_dim: int, block: int, causal: bool, s
     k, v = (torch.randn(B, Hkv, N, head_dim).to(dtype) for _ in range(2))
     fwd, out, _, stats = forward_calls(q, k, v, plan, head_dim ** -0.5)
     bwd, *_ = backward_calls(torch.randn_like(q), q, k, v, out, stats, plan, head_dim ** -0.5)
-    return [fwd] + bwd
+    return fwd + bwd
 
 
 def compile_report(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, block: int = 64, *,
