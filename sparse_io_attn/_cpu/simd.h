@@ -32,6 +32,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -87,41 +88,32 @@ static inline Vec vexp2(Vec x) {
 #endif
 }
 
+// horizontal max and sum of one vector's lanes
+#if defined(CPU_CAPABILITY_AVX512)
+static inline float hmax(Vec v) { return _mm512_reduce_max_ps(__m512(v)); }
+static inline float hsum(Vec v) { return _mm512_reduce_add_ps(__m512(v)); }
+#else
+// one vector's lanes in memory: the portable path of the lane-wise helpers
+struct Lanes {
+  alignas(64) float x[VL];
+  explicit Lanes(Vec v) { v.store(x); }
+};
+// lane 0, then every larger lane, in order
+static inline float hmax(Vec v) { const Lanes l(v); return *std::max_element(l.x, l.x + VL); }
+// 0 + lane 0 + lane 1 + ..., in order
+static inline float hsum(Vec v) { const Lanes l(v); return std::accumulate(l.x, l.x + VL, 0.f); }
+#endif
+
 // lanes whose bit is 0 become -inf
 static inline Vec keep_bits(Vec s, uint32_t bits) {
 #if defined(CPU_CAPABILITY_AVX512)
   return Vec(_mm512_mask_blend_ps(static_cast<__mmask16>(bits), _mm512_set1_ps(NEG_INF), __m512(s)));
 #else
   if ((bits & FULL_BITS) == FULL_BITS) return s;
-  alignas(64) float buf[VL];
-  s.store(buf);
+  Lanes l(s);
   for (int64_t i = 0; i < VL; ++i)
-    if (!((bits >> i) & 1u)) buf[i] = NEG_INF;
-  return Vec::loadu(buf);
-#endif
-}
-
-static inline float hmax(Vec v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_reduce_max_ps(__m512(v));
-#else
-  alignas(64) float buf[VL];
-  v.store(buf);
-  float r = buf[0];
-  for (int64_t i = 1; i < VL; ++i) r = std::max(r, buf[i]);
-  return r;
-#endif
-}
-
-static inline float hsum(Vec v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_reduce_add_ps(__m512(v));
-#else
-  alignas(64) float buf[VL];
-  v.store(buf);
-  float r = 0.f;
-  for (int64_t i = 0; i < VL; ++i) r += buf[i];
-  return r;
+    if (!((bits >> i) & 1u)) l.x[i] = NEG_INF;
+  return Vec::loadu(l.x);
 #endif
 }
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sparse_io_attn.bounds.units import dtype_name, itemsize, parse_memory
+from sparse_io_attn.bounds.units import dtype_name, finite_number, itemsize, parse_memory
 
 #: Term names shared by the calculator, the pebble closed forms and the benchmarks.
 LARGE_CACHE = "large_cache"   # the 1/M term, binds when M >= dividing point
@@ -172,14 +172,7 @@ def _real(value, what: str, *, positive: bool):
     if isinstance(value, numbers.Integral):
         v = int(value)
     elif isinstance(value, numbers.Real):
-        try:
-            v = float(value)
-        except OverflowError:
-            raise ValueError(f"{what} = {value!r} is beyond the float range (~1.8e308)") from None
-        if not math.isfinite(v):
-            raise ValueError(f"{what} must be a finite number, got {value!r}")
-        if v.is_integer():
-            v = int(v)
+        v = finite_number(value, what)
     else:
         raise TypeError(f"{what} must be a real number (int, float or NumPy scalar), got "
                         f"{type(value).__name__} {value!r}")
@@ -313,23 +306,16 @@ def dense_backward(n, d, M, *, dtype=None, heads: int = 1, form: str = "qkv") ->
     ``"qkv"`` (the library's kernels: read q, k, v, o, do and lse, write dq, dk, dv: 8nd + n) or
     ``"paper"`` (Definition 3.2: read A1, A2, A3, dO, X, Y, write g = dL/dX: 4nd + 3d²).
     """
-    n, d = _real(n, "n", positive=True), _real(d, "d", positive=True)
-    heads = _positive_int(heads, "heads")
-    M = parse_memory(M, dtype)
-    terms = {LARGE_CACHE: _eval(lambda: (n * n * d * d + n * d ** 3) / M,
-                                [[(n, 2), (d, 2), (M, -1)], [(n, 1), (d, 3), (M, -1)]], "the large_cache term"),
-             SMALL_CACHE: _eval(lambda: (n * n * d + n * d * d) / _sqrt(M),
-                                [[(n, 2), (d, 1), (M, -0.5)], [(n, 1), (d, 2), (M, -0.5)]], "the small_cache term")}
-    if form == "qkv":
-        compulsory = {"read q,k,v,o,do": 5 * n * d, "read lse": n, "write dq,dk,dv": 3 * n * d}
-    elif form == "paper":
-        compulsory = {"read A1,A2,A3,dO": 4 * n * d, "read X,Y": 2 * d * d, "write g": d * d}
-    else:
-        raise ValueError(f"form must be 'qkv' or 'paper', got {form!r}")
-    crossover = _eval(lambda: d * d, [[(d, 2)]], "the dividing point d^2", overflow_ok=True)
-    return _finish("dense backward", M, terms, crossover,
-                   "Theorem 1.1 (Theorems 4.1-4.4 / D.5, E.9, C.12, E.10), arXiv 2410.09397",
-                   compulsory, _qk_product_bounds(n, n, d, M), {"n": n, "d": d, "form": form}, heads, dtype)
+    return _dense("dense backward", "Theorem 1.1 (Theorems 4.1-4.4 / D.5, E.9, C.12, E.10), arXiv 2410.09397",
+                  n, d, M, dtype, heads, form, lambda n, d, M: {
+                      LARGE_CACHE: _eval(lambda: (n * n * d * d + n * d ** 3) / M,
+                                         [[(n, 2), (d, 2), (M, -1)], [(n, 1), (d, 3), (M, -1)]],
+                                         "the large_cache term"),
+                      SMALL_CACHE: _eval(lambda: (n * n * d + n * d * d) / _sqrt(M),
+                                         [[(n, 2), (d, 1), (M, -0.5)], [(n, 1), (d, 2), (M, -0.5)]],
+                                         "the small_cache term")},
+                  {"qkv": lambda n, d: {"read q,k,v,o,do": 5 * n * d, "read lse": n, "write dq,dk,dv": 3 * n * d},
+                   "paper": lambda n, d: {"read A1,A2,A3,dO": 4 * n * d, "read X,Y": 2 * d * d, "write g": d * d}})
 
 
 def dense_forward(n, d, M, *, dtype=None, heads: int = 1, form: str = "qkv") -> Bound:
@@ -338,21 +324,29 @@ def dense_forward(n, d, M, *, dtype=None, heads: int = 1, form: str = "qkv") -> 
     uses 1). Inputs as in :func:`dense_backward`. Compulsory (``form="qkv"``): read q, k, v, write o
     and lse = 4nd + n; ``"paper"``: read A1, A2, A3, X, Y, write O = 4nd + 2d².
     """
+    return _dense("dense forward", "Saha & Ye 2024, arXiv 2402.07443 (Theorem 3.1)", n, d, M, dtype, heads, form,
+                  lambda n, d, M: {
+                      LARGE_CACHE: _eval(lambda: n * n * d * d / M, [[(n, 2), (d, 2), (M, -1)]],
+                                         "the large_cache term"),
+                      SMALL_CACHE: _eval(lambda: n * n * d / _sqrt(M), [[(n, 2), (d, 1), (M, -0.5)]],
+                                         "the small_cache term")},
+                  {"qkv": lambda n, d: {"read q,k,v": 3 * n * d, "write o": n * d, "write lse": n},
+                   "paper": lambda n, d: {"read A1,A2,A3": 3 * n * d, "read X,Y": 2 * d * d, "write O": n * d}})
+
+
+def _dense(name: str, source: str, n, d, M, dtype, heads, form: str, terms, compulsory: dict) -> Bound:
+    """A dense bound (:func:`dense_backward`, :func:`dense_forward`): the inputs checked, its
+    ``terms(n, d, M)``, the compulsory traffic of ``form`` (``compulsory[form](n, d)``), the
+    dividing point ``M = d²`` and the QK^T product bounds."""
     n, d = _real(n, "n", positive=True), _real(d, "d", positive=True)
     heads = _positive_int(heads, "heads")
     M = parse_memory(M, dtype)
-    terms = {LARGE_CACHE: _eval(lambda: n * n * d * d / M, [[(n, 2), (d, 2), (M, -1)]], "the large_cache term"),
-             SMALL_CACHE: _eval(lambda: n * n * d / _sqrt(M), [[(n, 2), (d, 1), (M, -0.5)]], "the small_cache term")}
-    if form == "qkv":
-        compulsory = {"read q,k,v": 3 * n * d, "write o": n * d, "write lse": n}
-    elif form == "paper":
-        compulsory = {"read A1,A2,A3": 3 * n * d, "read X,Y": 2 * d * d, "write O": n * d}
-    else:
+    terms = terms(n, d, M)
+    if form not in tuple(compulsory):  # (a comparison, not a hash: any form= gets the ValueError)
         raise ValueError(f"form must be 'qkv' or 'paper', got {form!r}")
     crossover = _eval(lambda: d * d, [[(d, 2)]], "the dividing point d^2", overflow_ok=True)
-    return _finish("dense forward", M, terms, crossover,
-                   "Saha & Ye 2024, arXiv 2402.07443 (Theorem 3.1)",
-                   compulsory, _qk_product_bounds(n, n, d, M), {"n": n, "d": d, "form": form}, heads, dtype)
+    return _finish(name, M, terms, crossover, source, compulsory[form](n, d), _qk_product_bounds(n, n, d, M),
+                   {"n": n, "d": d, "form": form}, heads, dtype)
 
 
 def _z(Z_A, Z_X, Z_AX, Z_AXA):

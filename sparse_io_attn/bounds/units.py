@@ -11,6 +11,7 @@ Size suffixes follow the memory-chip (JEDEC) convention that NVIDIA's documentat
 """
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -62,6 +63,18 @@ def dtype_name(dtype) -> str | None:
     return str(np.dtype(dtype))
 
 
+def finite_number(value, what: str, kind: str = "number"):
+    """A real ``value`` (not an ``int``) as a finite ``float``, or an ``int`` where it is integral;
+    ``ValueError`` naming ``what`` where it is past the float range or not finite."""
+    try:
+        v = float(value)
+    except OverflowError:
+        raise ValueError(f"{what} = {value!r} is beyond the float range (~1.8e308)") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be a finite {kind}, got {value!r}")
+    return int(v) if v.is_integer() else v
+
+
 def parse_memory(M, dtype=None):
     """The fast-memory size ``M`` in words.
 
@@ -71,7 +84,6 @@ def parse_memory(M, dtype=None):
     (``words = bytes // itemsize``). Raises ``ValueError`` for ``M < 1`` word, a non-finite number or
     an unreadable string, ``TypeError`` for other types.
     """
-    import math
     import numbers
 
     if isinstance(M, (bool, np.bool_)) or not isinstance(M, (numbers.Real, str)):
@@ -101,14 +113,7 @@ def parse_memory(M, dtype=None):
     elif isinstance(M, numbers.Integral):
         words = int(M)
     else:
-        try:
-            words = float(M)
-        except OverflowError:
-            raise ValueError(f"M = {M!r} is beyond the float range (~1.8e308)") from None
-        if not math.isfinite(words):
-            raise ValueError(f"M must be a finite number of words, got {M!r}")
-        if words.is_integer():
-            words = int(words)
+        words = finite_number(M, "M", "number of words")
     if words < 1:
         raise ValueError(f"the fast memory must hold at least one word, got M={M!r} "
                          f"({words} words)")

@@ -321,6 +321,18 @@ def pyplot():
     return plt
 
 
+def log_axes(ax, xlabel: str, ylabel: str, title: str, *, xbase: int = 10, **legend) -> None:
+    """A sweep plot's axes: both logarithmic (x in base ``xbase``), labelled, the title in 10 pt, a
+    7 pt legend (``legend``: more of its options) and a light grid on major and minor ticks."""
+    ax.set_xscale("log", base=xbase)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, **legend)
+    ax.grid(True, which="both", alpha=0.25)
+
+
 def add_header_footnote(fig, header: dict) -> None:
     fig.text(0.01, 0.005, f"{header['device']} | torch {header['torch']} | triton {header['triton']} | "
              f"dtype {header['dtype']}", fontsize=6, color="0.4", ha="left", va="bottom")

@@ -176,6 +176,23 @@ def _fits(need: int, memory_bytes) -> bool:
     return memory_bytes is None or need <= memory_bytes
 
 
+def _infeasible(e: ValueError) -> dict:
+    """A candidate whose model refused the size: the reason, its first clause."""
+    return {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+
+
+def _small_candidate(model, buffer_bytes, buffers: str, memory_bytes) -> dict:
+    """A small-cache candidate: ``model()``'s predicted bytes, feasible when its ``n x n`` buffers
+    (``buffer_bytes()``, named ``buffers`` in the reason) fit ``memory_bytes`` (:func:`_fits`)."""
+    try:
+        b = model().total_bytes
+        need = buffer_bytes()
+        ok = _fits(need, memory_bytes)
+        return {"bytes": b, "feasible": ok, "why": "" if ok else f"{buffers} need {need:,} B > {memory_bytes:,} B free"}
+    except ValueError as e:
+        return _infeasible(e)
+
+
 def _pick(pass_, n, d, M, dtype, batch, cands, regime, forced_key, includes_forward=False) -> KernelChoice:
     common = dict(pass_=pass_, n=n, d=d, M=M, dtype=dtype_name(dtype), batch=batch, paper_regime="small" if
                   M < d * d else "large", candidates=cands, includes_forward=includes_forward)
@@ -202,20 +219,14 @@ def choose_forward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int = 
     ``memory_bytes=None`` skips the memory check.
     """
     _check_regime(regime)
-    cands = {}
-    try:
-        b = traffic.small_forward_traffic(n, d, M, batch=batch, dtype=dtype).total_bytes
-        need = small_forward_buffer_bytes(n, d, batch)
-        ok = _fits(need, memory_bytes)
-        cands["small"] = {"bytes": b, "feasible": ok,
-                          "why": "" if ok else f"its n x n buffers need {need:,} B > {memory_bytes:,} B free"}
-    except ValueError as e:
-        cands["small"] = {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+    cands = {"small": _small_candidate(lambda: traffic.small_forward_traffic(n, d, M, batch=batch, dtype=dtype),
+                                       lambda: small_forward_buffer_bytes(n, d, batch), "its n x n buffers",
+                                       memory_bytes)}
     try:
         b = traffic.large_forward_traffic(n, d, M, batch=batch, dtype=dtype, fit=True).total_bytes
         cands["large"] = {"bytes": b, "feasible": True, "why": ""}
     except ValueError as e:
-        cands["large"] = {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+        cands["large"] = _infeasible(e)
     return _pick("forward", n, d, M, dtype, batch, cands, regime, regime)
 
 
@@ -236,15 +247,8 @@ def choose_backward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int =
     _check_regime(regime)
     if variant not in (None, "faithful", "fa2"):
         raise ValueError(f"variant must be 'faithful', 'fa2' or None, got {variant!r}")
-    cands = {}
-    try:
-        b = traffic.small_cache_traffic(n, d, M, batch=batch, dtype=dtype).total_bytes
-        need = nn_buffer_bytes(n, d, batch)
-        ok = _fits(need, memory_bytes)
-        cands["small"] = {"bytes": b, "feasible": ok,
-                          "why": "" if ok else f"f, q, p, T need {need:,} B > {memory_bytes:,} B free"}
-    except ValueError as e:
-        cands["small"] = {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+    cands = {"small": _small_candidate(lambda: traffic.small_cache_traffic(n, d, M, batch=batch, dtype=dtype),
+                                       lambda: nn_buffer_bytes(n, d, batch), "f, q, p, T", memory_bytes)}
     fwd_bytes, fwd_why = 0, ""
     if with_forward:
         try:
@@ -260,7 +264,7 @@ def choose_backward(n: int, d: int, M: int, *, dtype=torch.float32, batch: int =
             b = traffic.large_cache_traffic(n, d, M, batch=batch, dtype=dtype, variant=v,
                                             num_splits=num_splits).total_bytes
         except ValueError as e:
-            cands[key] = {"bytes": None, "feasible": False, "why": str(e).split(";")[0]}
+            cands[key] = _infeasible(e)
             continue
         if fwd_bytes is None:
             cands[key] = {"bytes": None, "feasible": False, "why": f"needs a forward first: {fwd_why}"}

@@ -20,6 +20,12 @@ from sparse_io_attn.layout._kv_indices import check_selection, csr_from_kv_lists
 _DRAW_LIMIT = 64  # rows/cols drawn by __str__ before truncating
 
 
+def _part(build: str, i: int, doc: str | None = None) -> property:
+    """A read-only property: element ``i`` of the tuple the layout's method ``build`` returns (one
+    cached build read by several properties)."""
+    return property(lambda self: getattr(self, build)()[i], doc=doc)
+
+
 class BlockSparseLayout:
     r"""The layout is the mask: full blocks and element-masked partial blocks.
 
@@ -163,17 +169,13 @@ class BlockSparseLayout:
         self._edits += 1
         return self
 
-    @property
-    def col_indices(self) -> torch.Tensor:
-        """Column (key-block) index of every kept block, ``int32 [nnz_blocks]``, sorted inside each row."""
-        return self._used_slots()[0]
-
-    @property
-    def partial_ids(self) -> torch.Tensor:
-        """``-1`` (full block) or the element-mask id of every kept block, ``int32 [nnz_blocks]``."""
-        return self._used_slots()[1]
+    col_indices = _part("_used_slots", 0, "Column (key-block) index of every kept block, ``int32 [nnz_blocks]``, "
+                                          "sorted inside each row.")
+    partial_ids = _part("_used_slots", 1, "``-1`` (full block) or the element-mask id of every kept block, "
+                                          "``int32 [nnz_blocks]``.")
 
     def _used_slots(self):
+        """``(col_indices, partial_ids)``: the used slots (cached for a fixed-capacity layout)."""
         if not self.fixed_capacity:
             return self.col_slots, self.partial_id_slots
 
@@ -407,18 +409,11 @@ class BlockSparseLayout:
         """Kept blocks / all blocks, over all stored masks."""
         return self.nnz_blocks / (self.num_layouts * self.num_q_blocks * self.num_kv_blocks)
 
-    @property
-    def ccol_indices(self) -> torch.Tensor:
-        return self._transposed()[0]
-
-    @property
-    def row_indices(self) -> torch.Tensor:
-        return self._transposed()[1]
-
-    @property
-    def csc_partial_ids(self) -> torch.Tensor:
-        """``partial_ids`` in the order of the transposed copy (``row_indices``)."""
-        return self._transposed()[2]
+    ccol_indices = _part("_transposed", 0, "Column pointers of the transposed copy (CSC), "
+                                           "``int32 [L, num_kv_blocks + 1]``.")
+    row_indices = _part("_transposed", 1, "Row (query-block) index of every slot in CSC order, ``int32`` "
+                                          "(a fixed-capacity layout's unused slots last).")
+    csc_partial_ids = _part("_transposed", 2, "``partial_ids`` in the order of the transposed copy (``row_indices``).")
 
     def _transposed(self):
         """``(ccol_indices, row_indices, csc_partial_ids)`` (cached). For a fixed-capacity layout the

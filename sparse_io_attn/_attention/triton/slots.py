@@ -5,17 +5,12 @@ from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS
                                                PREPROCESS_TENSORS)
 from sparse_io_attn._triton.jit import slot
 
-PRE_O = slot(PREPROCESS_TENSORS, "o")
-PRE_DO = slot(PREPROCESS_TENSORS, "do")
-PRE_DELTA = slot(PREPROCESS_TENSORS, "delta")
-
-MERGE_PARTIAL = slot(DECODE_MERGE_TENSORS, "partial")
-MERGE_O = slot(DECODE_MERGE_TENSORS, "o")
-MERGE_LSE = slot(DECODE_MERGE_TENSORS, "lse")
-MERGE_STATS = slot(DECODE_MERGE_TENSORS, "stats")
-
+PRE_O, PRE_DO, PRE_DELTA = (slot(PREPROCESS_TENSORS, n) for n in PREPROCESS_TENSORS)
+MERGE_PARTIAL, MERGE_O, MERGE_LSE, MERGE_STATS = (slot(DECODE_MERGE_TENSORS, n) for n in DECODE_MERGE_TENSORS)
 # forward and decode: the same slots for q .. stats (DECODE_BASE extends FWD_BASE)
-OUT_Q, OUT_K, OUT_V, OUT_O, OUT_LSE, OUT_STATS = (slot(FWD_BASE, n) for n in FWD_BASE)
-OUT_PARTIAL = slot(DECODE_BASE, "partial")
-DQ_Q, DQ_K, DQ_V, DQ_DO, DQ_STATS, DQ_DELTA, DQ_DQ = (slot(DQ_BASE, n) for n in DQ_BASE)
-DKDV_Q, DKDV_K, DKDV_V, DKDV_DO, DKDV_STATS, DKDV_DELTA, DKDV_DK, DKDV_DV = (slot(DKDV_BASE, n) for n in DKDV_BASE)
+OUT_Q, OUT_K, OUT_V, OUT_O, OUT_LSE, OUT_STATS, OUT_PARTIAL = (slot(DECODE_BASE, n) for n in DECODE_BASE)
+# dQ and dK/dV: the same slots for q .. delta (both tuples start q, k, v, do, stats, delta)
+BWD_Q, BWD_K, BWD_V, BWD_DO, BWD_STATS, BWD_DELTA = (slot(DQ_BASE, n) for n in DQ_BASE[:6])
+DQ_DQ = slot(DQ_BASE, "dq")
+DKDV_DK, DKDV_DV = slot(DKDV_BASE, "dk"), slot(DKDV_BASE, "dv")
+assert DQ_BASE[:6] == DKDV_BASE[:6] and DECODE_BASE[:6] == FWD_BASE

@@ -20,7 +20,7 @@ get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
-from sparse_io_attn._attention.triton.tally import tally_dkdv, tally_dq
+from sparse_io_attn._attention.triton.tally import tally_backward
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _list_range, _query_tile, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import DKDV_LAYOUT, DKDV_MASK, DQ_LAYOUT, DQ_MASK
@@ -165,7 +165,7 @@ def _attn_bwd_dkdv_kernel(
              + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
 
     if COUNT_IO:
-        tally_dkdv(io_ptr, queries_loaded, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES)
+        tally_backward(io_ptr, queries_loaded, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
         io_add(io_ptr, DKDV_LAYOUT, index_entries * 4, 0)
         io_add(io_ptr, DKDV_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)
 
@@ -256,7 +256,7 @@ def _attn_bwd_dq_kernel(
              + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_md)
 
     if COUNT_IO:
-        tally_dq(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES)
+        tally_backward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, DKDV=False)
         n_part = (part_end - part_start).to(tl.int64) * TILES_N
         n_full = (full_end - full_start).to(tl.int64) * TILES_N
         io_add(io_ptr, DQ_LAYOUT, (4 + 2 * n_part + n_full) * 4, 0)

@@ -97,13 +97,9 @@ def plot(rows, header, path) -> None:
             ax.axvline(cross, color=color, lw=0.8, ls="--")
             ax.text(cross, y, f" {label}\n M={cross:,} (bisection)", fontsize=7, color=color, va="top",
                     transform=ax.get_xaxis_transform())
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("fast memory M (words)")
-    ax.set_ylabel("I/O (words): backward; forward in orange/cyan")
-    ax.set_title(f"Figure 1 reproduction: n={n}, d={d} (backward, and forward of Table 1)", fontsize=10)
-    ax.legend(fontsize=7, loc="lower left", ncol=2, framealpha=0.9)
-    ax.grid(True, which="both", alpha=0.25)
+    common.log_axes(ax, "fast memory M (words)", "I/O (words): backward; forward in orange/cyan",
+                    f"Figure 1 reproduction: n={n}, d={d} (backward, and forward of Table 1)", xbase=2,
+                    loc="lower left", ncol=2, framealpha=0.9)
     if has_counted:
         ax2 = axes[0][1]
         for key, c in colors.items():
@@ -115,13 +111,9 @@ def plot(rows, header, path) -> None:
         _line(ax2, M, rows, "kernel_fwd_small_counted_at_count_n", "tab:orange", "none", "x",
               "kernel counted: small-cache forward")
         ax2.axvline(d * d, color="k", lw=0.8)
-        ax2.set_xscale("log", base=2)
-        ax2.set_yscale("log")
-        ax2.set_xlabel("fast memory M (words)")
-        ax2.set_ylabel("traffic (words): backward; forward in orange")
-        ax2.set_title(f"n={cn}, d={d}: kernels counted (interpreter) vs model; executor run", fontsize=10)
-        ax2.legend(fontsize=7, loc="upper right", framealpha=0.9)
-        ax2.grid(True, which="both", alpha=0.25)
+        common.log_axes(ax2, "fast memory M (words)", "traffic (words): backward; forward in orange",
+                        f"n={cn}, d={d}: kernels counted (interpreter) vs model; executor run", xbase=2,
+                        loc="upper right", framealpha=0.9)
     common.save_figure(fig, path, header)
 
 

@@ -64,11 +64,6 @@ def plot(rows, header, path) -> None:
     ax.axhline(1, color="k", lw=0.8)
     ax.axvline(1, color="0.4", lw=0.8, ls="--")
     ax.text(1, 0.98, " M = d²", va="top", fontsize=8, transform=ax.get_xaxis_transform())
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("M / d²")
-    ax.set_ylabel("small-cache I/O / best large-cache I/O  (<1: small wins)")
-    ax.set_title(f"threshold sweep, n={header['n']}, dtype {header['dtype']}", fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.25)
+    common.log_axes(ax, "M / d²", "small-cache I/O / best large-cache I/O  (<1: small wins)",
+                    f"threshold sweep, n={header['n']}, dtype {header['dtype']}", xbase=2)
     common.save_figure(fig, path, header)

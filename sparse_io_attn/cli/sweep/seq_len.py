@@ -162,14 +162,8 @@ def plot(rows, header, path) -> None:
                  fontsize=8, transform=ax2.get_xaxis_transform(), va="bottom")
     for ax, ylabel, title in ((ax1, "seconds (median)", "time, torch path (CPU)"),
                               (ax2, "bytes", "memory")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length n")
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{title}: B=1, H={header['heads']}, d={header['head_dim']}, block {header['block']}",
-                     fontsize=10)
-        ax.grid(True, which="both", alpha=0.25)
-        ax.legend(fontsize=7)
+        common.log_axes(ax, "sequence length n", ylabel,
+                        f"{title}: B=1, H={header['heads']}, d={header['head_dim']}, block {header['block']}", xbase=2)
     common.save_figure(fig, path, header)
 
 

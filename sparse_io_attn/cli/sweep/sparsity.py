@@ -67,11 +67,7 @@ def plot(rows, header, path) -> None:
         ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", color=c, label=f"{name} swept: backward")
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", ls="--", color=c, label=f"{name} swept: forward")
     ax.axhline(1, color="k", lw=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("block density of the swept operand (others full)")
-    ax.set_ylabel("kernel traffic / Theorem 4.5 bound (unit constants)")
-    ax.set_title(f"Theorem 4.5 stress test, n={header['n']}, d={header['d']}", fontsize=10)
-    ax.legend(fontsize=7)
-    ax.grid(True, which="both", alpha=0.25)
+    common.log_axes(ax, "block density of the swept operand (others full)",
+                    "kernel traffic / Theorem 4.5 bound (unit constants)",
+                    f"Theorem 4.5 stress test, n={header['n']}, d={header['d']}")
     common.save_figure(fig, path, header)

@@ -24,6 +24,7 @@ from sparse_io_attn._triton.jit import dot, io_add, nbytes
 import triton
 import triton.language as tl
 
+from sparse_io_attn.dense.triton.common import _program, _rows
 from sparse_io_attn.dense.triton.slots import (COL_A2, COL_DA2, COL_DH, COL_DO, COL_H, COL_LSE, COL_S, COL_V, ROW_A1,
                                                ROW_A2, ROW_DO, ROW_DS, ROW_G, ROW_H, ROW_LSE, ROW_OV, ROW_S)
 
@@ -37,11 +38,7 @@ def _row_kernel(
 ):
     """Rows outer, keys inner (Algorithm 8 with ``FAITHFUL``, else the dQ loop); counter roles
     :data:`~sparse_io_attn.dense.traffic.ROW_TENSORS`."""
-    pid_s = tl.program_id(0)
-    off_z = tl.program_id(1).to(tl.int64)
-    base = off_z * seqlen * head_dim
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < head_dim
+    pid_s, off_z, base, offs_d, mask_d = _program(seqlen, head_dim, HEAD_DIM)
     num_m = tl.cdiv(seqlen, BLOCK_M)
     if FAITHFUL:
         g = tl.zeros([HEAD_DIM, HEAD_DIM], dtype=tl.float32)  # line 5: g in cache
@@ -54,10 +51,7 @@ def _row_kernel(
     rd_a1 = tl.zeros([], dtype=tl.int64)
     wr_ds = tl.zeros([], dtype=tl.int64)
     for mb in range(pid_s, num_m, num_splits):
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < seqlen
-        mask_md = mask_m[:, None] & mask_d[None, :]
-        rows = base + offs_m[:, None] * head_dim + offs_d[None, :]
+        offs_m, mask_m, mask_md, rows = _rows(base, mb * BLOCK_M, BLOCK_M, seqlen, head_dim, offs_d, mask_d)
         do = tl.load(do_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
         if FAITHFUL:  # lines 7-9: v_i = (dO_i o O_i) 1, then O_i leaves the cache
             o = tl.load(ov_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
@@ -70,10 +64,7 @@ def _row_kernel(
             a1 = tl.load(a1_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
         ds = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         for n0 in range(0, seqlen, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < seqlen
-            mask_nd = mask_n[:, None] & mask_d[None, :]
-            cols = base + offs_n[:, None] * head_dim + offs_d[None, :]
+            offs_n, mask_n, mask_nd, cols = _rows(base, n0, BLOCK_N, seqlen, head_dim, offs_d, mask_d)
             h = tl.load(h_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
             q = dot(do, tl.trans(h), None, DOT_DTYPE)  # [BLOCK_M, BLOCK_N], line 12
             a2 = tl.load(a2_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
@@ -125,15 +116,8 @@ def _col_kernel(
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """Keys outer, rows inner (the dK/dV loop); counter slots :data:`~sparse_io_attn.dense.traffic.COL_TENSORS`."""
-    pid_n = tl.program_id(0)
-    off_z = tl.program_id(1).to(tl.int64)
-    base = off_z * seqlen * head_dim
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < head_dim
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < seqlen
-    mask_nd = mask_n[:, None] & mask_d[None, :]
-    cols = base + offs_n[:, None] * head_dim + offs_d[None, :]
+    pid_n, off_z, base, offs_d, mask_d = _program(seqlen, head_dim, HEAD_DIM)
+    offs_n, mask_n, mask_nd, cols = _rows(base, pid_n * BLOCK_N, BLOCK_N, seqlen, head_dim, offs_d, mask_d)
     a2 = tl.load(a2_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
     h = tl.load(h_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
     da2 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -143,10 +127,7 @@ def _col_kernel(
     rd_l = tl.zeros([], dtype=tl.int64)
     rd_v = tl.zeros([], dtype=tl.int64)
     for m0 in range(0, seqlen, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < seqlen
-        mask_md = mask_m[:, None] & mask_d[None, :]
-        rows = base + offs_m[:, None] * head_dim + offs_d[None, :]
+        offs_m, mask_m, mask_md, rows = _rows(base, m0, BLOCK_M, seqlen, head_dim, offs_d, mask_d)
         s = tl.load(s_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
         do = tl.load(do_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
         lse = tl.load(lse_ptr + off_z * seqlen + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]

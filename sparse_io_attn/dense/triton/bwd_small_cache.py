@@ -25,8 +25,9 @@ from sparse_io_attn._triton.jit import dot, io_add, nbytes
 import triton
 import triton.language as tl
 
-from sparse_io_attn.dense.triton.slots import (MATMUL_A, MATMUL_B, MATMUL_C, PHASE3_F, PHASE3_P, PHASE3_Q, SOFTMAX_A2,
-                                               SOFTMAX_F, SOFTMAX_LSE, SOFTMAX_S)
+from sparse_io_attn.dense.triton.common import _store_product
+from sparse_io_attn.dense.triton.slots import (PHASE3_F, PHASE3_P, PHASE3_Q, SOFTMAX_A2, SOFTMAX_F, SOFTMAX_LSE,
+                                               SOFTMAX_S)
 
 
 @triton.jit
@@ -64,13 +65,8 @@ def _tile_matmul_kernel(
         if COUNT_IO:
             rd_a += nbytes(mask_a, a_ptr)
             rd_b += nbytes(mask_b, b_ptr)
-    mask_c = mask_m[:, None] & mask_n[None, :]
-    tl.store(c_ptr + off_z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn,
-             (acc * alpha).to(c_ptr.dtype.element_ty), mask=mask_c)
-    if COUNT_IO:
-        io_add(io_ptr, MATMUL_A, rd_a, 0)
-        io_add(io_ptr, MATMUL_B, rd_b, 0)
-        io_add(io_ptr, MATMUL_C, 0, nbytes(mask_c, c_ptr))
+    _store_product(c_ptr + off_z * stride_cz + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn, acc * alpha,
+                   mask_m[:, None] & mask_n[None, :], rd_a, rd_b, io_ptr, COUNT_IO)
 
 
 @triton.jit

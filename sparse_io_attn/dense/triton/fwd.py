@@ -14,6 +14,7 @@ from sparse_io_attn._triton.jit import dot, io_add, nbytes
 import triton
 import triton.language as tl
 
+from sparse_io_attn.dense.triton.common import _program, _rows
 from sparse_io_attn.dense.triton.slots import FWD_A2, FWD_H, FWD_LSE, FWD_O, FWD_S
 
 
@@ -25,15 +26,8 @@ def _dense_fwd_kernel(
     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """One row block of ``O`` and ``lse``; counter slots :data:`~sparse_io_attn.dense.traffic.FWD_TENSORS`."""
-    pid_m = tl.program_id(0)
-    off_z = tl.program_id(1).to(tl.int64)
-    base = off_z * seqlen * head_dim
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < head_dim
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seqlen
-    mask_md = mask_m[:, None] & mask_d[None, :]
-    rows = base + offs_m[:, None] * head_dim + offs_d[None, :]
+    pid_m, off_z, base, offs_d, mask_d = _program(seqlen, head_dim, HEAD_DIM)
+    offs_m, mask_m, mask_md, rows = _rows(base, pid_m * BLOCK_M, BLOCK_M, seqlen, head_dim, offs_d, mask_d)
     s = tl.load(s_ptr + rows, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -41,10 +35,7 @@ def _dense_fwd_kernel(
     rd_kv = tl.zeros([], dtype=tl.int64)
     rd_h = tl.zeros([], dtype=tl.int64)
     for n0 in range(0, seqlen, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < seqlen
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        cols = base + offs_n[:, None] * head_dim + offs_d[None, :]
+        offs_n, mask_n, mask_nd, cols = _rows(base, n0, BLOCK_N, seqlen, head_dim, offs_d, mask_d)
         a2 = tl.load(a2_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
         h = tl.load(h_ptr + cols, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
         scores = dot(s, tl.trans(a2), None, DOT_DTYPE) * sm_scale  # [BLOCK_M, BLOCK_N]

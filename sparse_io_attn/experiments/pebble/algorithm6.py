@@ -3,7 +3,11 @@
 Indices are 0-based; ``blk(i)`` is the ``i``-th block of ``B`` rows or columns (the last may be
 short). ``M^{(B)}[i, j]`` of the text is ``slow["M"][blk(i), blk(j)]``; a block of a transpose
 ``(A2^T)^{(B)}[k, j]`` is read from ``A2`` and transposed in fast memory (same words).
-Each function returns the result; the I/O is on the ``mem`` passed in.
+Every tiled product of Algorithms 2-5 (a ``B x B`` output tile accumulated over the inner blocks,
+two input tiles resident at a time, then stored) is one helper, :func:`_tiled_product` (one tile:
+:func:`_product_tile`); Algorithm 2's softmax rows (lines 15-35), which the small-cache forward
+repeats, are :func:`_softmax_rows`. Each function returns the result; the I/O is on the ``mem``
+passed in.
 """
 from __future__ import annotations
 
@@ -53,71 +57,78 @@ def algorithm1(mem: TwoLevelMemory) -> np.ndarray:
     return mem.slow["g"]
 
 
-def algorithm2(mem: TwoLevelMemory, M: int) -> None:
-    """Phase 1: S = A1 X, A = exp(S A2^T), l = A 1, f = diag(l)^-1 A (writes S, A, f)."""
-    n, d = mem.slow["A1"].shape
-    B = pebble_small_cache_block(M)
-    In, Id = num_blocks(n, B), num_blocks(d, B)
-    bn = lambda i: block(i, B, n)  # noqa: E731
-    bd = lambda i: block(i, B, d)  # noqa: E731
-    mem.allocate("S", (n, d)), mem.allocate("A", (n, n)), mem.allocate("f", (n, n))
-    for i in range(In):                                                           # lines 4-14
-        for j in range(Id):
-            mem.alloc("S_ij", (bn(i).stop - bn(i).start, bd(j).stop - bd(j).start))
-            for k in range(Id):
-                mem.load("A1_ik", "A1", bn(i), bd(k)), mem.load("X_kj", "X", bd(k), bd(j))
-                mem.compute("S_ij", lambda s, a, x: s + a @ x, "S_ij", "A1_ik", "X_kj")
-                mem.free("A1_ik", "X_kj")
-            mem.store("S_ij", "S", bn(i), bd(j))
-            mem.free("S_ij")
-    for i in range(In):                                                           # lines 15-35
-        rows = bn(i).stop - bn(i).start
-        mem.alloc("l_i", (rows,))
-        for j in range(In):
-            mem.alloc("A_ij", (rows, bn(j).stop - bn(j).start))
-            for k in range(Id):
-                mem.load("S_ik", "S", bn(i), bd(k)), mem.load("A2T_kj", "A2", bn(j), bd(k), transpose=True)
-                mem.compute("A_ij", lambda a, s, a2t: a + s @ a2t, "A_ij", "S_ik", "A2T_kj")
-                mem.free("S_ik", "A2T_kj")
+def _product_tile(mem: TwoLevelMemory, key: str, a: str, b: str, B: int, i: int, j: int, shape, *,
+                  a_t: bool = False, b_t: bool = False) -> None:
+    """Tile ``(i, j)`` of ``a @ b`` accumulated in fast memory as ``key``: a zero tile, then
+    ``key += a[i, k] @ b[k, j]`` for every inner block ``k``, the two input tiles resident only for
+    their product (Algorithm 2, lines 6-12, and every tiled product of Algorithms 2-5). ``shape``:
+    ``(rows, cols, inner)`` of the product, cut in blocks of ``B``; ``a_t`` (``b_t``): the operand
+    is the transpose of slow array ``a`` (``b``), its tile read from ``a``'s transposed block."""
+    n_r, n_c, n_k = shape
+    r, c = block(i, B, n_r), block(j, B, n_c)
+    mem.alloc(key, (r.stop - r.start, c.stop - c.start))
+    a_key, b_key = f"{a}{'T' if a_t else ''}_ik", f"{b}{'T' if b_t else ''}_kj"
+    for k in range(num_blocks(n_k, B)):
+        inner = block(k, B, n_k)
+        mem.load(a_key, a, *((inner, r) if a_t else (r, inner)), transpose=a_t)
+        mem.load(b_key, b, *((c, inner) if b_t else (inner, c)), transpose=b_t)
+        mem.compute(key, lambda acc, x, y: acc + x @ y, key, a_key, b_key)
+        mem.free(a_key, b_key)
+
+
+def _tiled_product(mem: TwoLevelMemory, out: str, a: str, b: str, B: int, shape, *, a_t: bool = False,
+                   b_t: bool = False) -> None:
+    """Slow ``out = a @ b`` one ``B x B`` tile at a time (:func:`_product_tile`, then stored)."""
+    n_r, n_c, _ = shape
+    for i in range(num_blocks(n_r, B)):
+        for j in range(num_blocks(n_c, B)):
+            _product_tile(mem, f"{out}_ij", a, b, B, i, j, shape, a_t=a_t, b_t=b_t)
+            mem.store(f"{out}_ij", out, block(i, B, n_r), block(j, B, n_c))
+            mem.free(f"{out}_ij")
+
+
+def _softmax_rows(mem: TwoLevelMemory, B: int, n: int, d: int, *, store_l: bool = False) -> None:
+    """Algorithm 2, lines 15-35, from ``S`` in slow memory: per row block ``i``, ``A_ij = exp(S_i A2_j^T)``
+    stored with ``l_i = A_i 1`` kept in fast memory, then ``f_ij = diag(l_i)^-1 A_ij`` (writes A, f;
+    with ``store_l`` also ``l``, the forward's row statistic)."""
+    for i in range(num_blocks(n, B)):
+        r = block(i, B, n)
+        mem.alloc("l_i", (r.stop - r.start,))
+        for j in range(num_blocks(n, B)):
+            _product_tile(mem, "A_ij", "S", "A2", B, i, j, (n, n, d), b_t=True)
             mem.compute("A_ij", np.exp, "A_ij")                                   # line 24
-            mem.store("A_ij", "A", bn(i), bn(j))
+            mem.store("A_ij", "A", r, block(j, B, n))
             mem.compute("l_i", lambda l, a: l + a.sum(axis=1), "l_i", "A_ij")      # line 25
             mem.free("A_ij")
-        for j in range(In):
-            mem.alloc("f_ij", (rows, bn(j).stop - bn(j).start))                    # line 29
-            mem.load("A_ij", "A", bn(i), bn(j))
+        if store_l:
+            mem.store("l_i", "l", r)
+        for j in range(num_blocks(n, B)):
+            c = block(j, B, n)
+            mem.alloc("f_ij", (r.stop - r.start, c.stop - c.start))               # line 29
+            mem.load("A_ij", "A", r, c)
             mem.compute("f_ij", lambda f, l, a: f + a / l[:, None], "f_ij", "l_i", "A_ij")
-            mem.store("f_ij", "f", bn(i), bn(j))
+            mem.store("f_ij", "f", r, c)
             mem.free("A_ij", "f_ij")
         mem.free("l_i")
 
 
+def algorithm2(mem: TwoLevelMemory, M: int) -> None:
+    """Phase 1: S = A1 X, A = exp(S A2^T), l = A 1, f = diag(l)^-1 A (writes S, A, f)."""
+    n, d = mem.slow["A1"].shape
+    B = pebble_small_cache_block(M)
+    mem.allocate("S", (n, d)), mem.allocate("A", (n, n)), mem.allocate("f", (n, n))
+    _tiled_product(mem, "S", "A1", "X", B, (n, d, d))                             # lines 4-14
+    _softmax_rows(mem, B, n, d)                                                   # lines 15-35
+
+
 def algorithm3(mem: TwoLevelMemory, M: int) -> None:
-    """Phase 2: h = A3 Y, q = dO h^T (writes h, q). (The text also passes f; it is unused.)"""
+    """Phase 2: h = A3 Y, q = dO h^T (writes h, q). (The text also passes f; it is unused.) Line 10
+    frees "A_2"; it is the A_3 block just read."""
     n, d = mem.slow["A3"].shape
     B = pebble_small_cache_block(M)
-    In, Id = num_blocks(n, B), num_blocks(d, B)
-    bn = lambda i: block(i, B, n)  # noqa: E731
-    bd = lambda i: block(i, B, d)  # noqa: E731
     mem.allocate("h", (n, d)), mem.allocate("q", (n, n))
-    for i in range(In):
-        for j in range(Id):
-            mem.alloc("h_ij", (bn(i).stop - bn(i).start, bd(j).stop - bd(j).start))
-            for k in range(Id):
-                mem.load("A3_ik", "A3", bn(i), bd(k)), mem.load("Y_kj", "Y", bd(k), bd(j))
-                mem.compute("h_ij", lambda h, a, y: h + a @ y, "h_ij", "A3_ik", "Y_kj")
-                mem.free("A3_ik", "Y_kj")        # line 10 says "A_2"; it is the A_3 block just read
-            mem.store("h_ij", "h", bn(i), bd(j))
-            mem.free("h_ij")
-    for i in range(In):
-        for j in range(In):
-            mem.alloc("q_ij", (bn(i).stop - bn(i).start, bn(j).stop - bn(j).start))
-            for k in range(Id):
-                mem.load("dO_ik", "dO", bn(i), bd(k)), mem.load("hT_kj", "h", bn(j), bd(k), transpose=True)
-                mem.compute("q_ij", lambda q, do, ht: q + do @ ht, "q_ij", "dO_ik", "hT_kj")
-                mem.free("dO_ik", "hT_kj")
-            mem.store("q_ij", "q", bn(i), bn(j))
-            mem.free("q_ij")
+    _tiled_product(mem, "h", "A3", "Y", B, (n, d, d))
+    _tiled_product(mem, "q", "dO", "h", B, (n, n, d), b_t=True)
 
 
 def algorithm4(mem: TwoLevelMemory, M: int) -> None:
@@ -148,28 +159,9 @@ def algorithm5(mem: TwoLevelMemory, M: int) -> np.ndarray:
     """Phase 4: T = A1^T p, g = T A2 (writes T, g); returns g."""
     n, d = mem.slow["A1"].shape
     B = pebble_small_cache_block(M)
-    In, Id = num_blocks(n, B), num_blocks(d, B)
-    bn = lambda i: block(i, B, n)  # noqa: E731
-    bd = lambda i: block(i, B, d)  # noqa: E731
     mem.allocate("T", (d, n)), mem.allocate("g", (d, d))
-    for i in range(Id):
-        for j in range(In):
-            mem.alloc("T_ij", (bd(i).stop - bd(i).start, bn(j).stop - bn(j).start))
-            for k in range(In):
-                mem.load("A1T_ik", "A1", bn(k), bd(i), transpose=True), mem.load("p_kj", "p", bn(k), bn(j))
-                mem.compute("T_ij", lambda t, a, p: t + a @ p, "T_ij", "A1T_ik", "p_kj")
-                mem.free("A1T_ik", "p_kj")
-            mem.store("T_ij", "T", bd(i), bn(j))
-            mem.free("T_ij")
-    for i in range(Id):
-        for j in range(Id):
-            mem.alloc("g_ij", (bd(i).stop - bd(i).start, bd(j).stop - bd(j).start))
-            for k in range(In):
-                mem.load("T_ik", "T", bd(i), bn(k)), mem.load("A2_kj", "A2", bn(k), bd(j))
-                mem.compute("g_ij", lambda g, t, a: g + t @ a, "g_ij", "T_ik", "A2_kj")
-                mem.free("T_ik", "A2_kj")
-            mem.store("g_ij", "g", bd(i), bd(j))
-            mem.free("g_ij")
+    _tiled_product(mem, "T", "A1", "p", B, (d, n, n), a_t=True)
+    _tiled_product(mem, "g", "T", "A2", B, (d, d, n))
     return mem.slow["g"]
 
 
@@ -194,50 +186,10 @@ def small_cache_forward(mem: TwoLevelMemory, M: int) -> np.ndarray:
     Inputs A1, A2, A3, X, Y in ``mem.slow``; writes S, A, f, l, h, O; returns O."""
     n, d = mem.slow["A1"].shape
     B = pebble_small_cache_block(M)
-    In, Id = num_blocks(n, B), num_blocks(d, B)
-    bn = lambda i: block(i, B, n)  # noqa: E731
-    bd = lambda i: block(i, B, d)  # noqa: E731
     mem.allocate("S", (n, d)), mem.allocate("A", (n, n)), mem.allocate("f", (n, n)), mem.allocate("l", (n,))
     mem.allocate("h", (n, d)), mem.allocate("O", (n, d))
-    for prod, (a, b) in (("S", ("A1", "X")), ("h", ("A3", "Y"))):                  # S = A1 X, h = A3 Y
-        for i in range(In):
-            for j in range(Id):
-                mem.alloc(f"{prod}_ij", (bn(i).stop - bn(i).start, bd(j).stop - bd(j).start))
-                for k in range(Id):
-                    mem.load("a_ik", a, bn(i), bd(k)), mem.load("b_kj", b, bd(k), bd(j))
-                    mem.compute(f"{prod}_ij", lambda s, x, y: s + x @ y, f"{prod}_ij", "a_ik", "b_kj")
-                    mem.free("a_ik", "b_kj")
-                mem.store(f"{prod}_ij", prod, bn(i), bd(j))
-                mem.free(f"{prod}_ij")
-        if prod == "S":                                                            # Algorithm 2, lines 15-35
-            for i in range(In):
-                rows = bn(i).stop - bn(i).start
-                mem.alloc("l_i", (rows,))
-                for j in range(In):
-                    mem.alloc("A_ij", (rows, bn(j).stop - bn(j).start))
-                    for k in range(Id):
-                        mem.load("S_ik", "S", bn(i), bd(k)), mem.load("A2T_kj", "A2", bn(j), bd(k), transpose=True)
-                        mem.compute("A_ij", lambda s_, x, y: s_ + x @ y, "A_ij", "S_ik", "A2T_kj")
-                        mem.free("S_ik", "A2T_kj")
-                    mem.compute("A_ij", np.exp, "A_ij")
-                    mem.store("A_ij", "A", bn(i), bn(j))
-                    mem.compute("l_i", lambda l_, a_: l_ + a_.sum(axis=1), "l_i", "A_ij")
-                    mem.free("A_ij")
-                mem.store("l_i", "l", bn(i))
-                for j in range(In):
-                    mem.alloc("f_ij", (rows, bn(j).stop - bn(j).start))
-                    mem.load("A_ij", "A", bn(i), bn(j))
-                    mem.compute("f_ij", lambda f_, l_, a_: f_ + a_ / l_[:, None], "f_ij", "l_i", "A_ij")
-                    mem.store("f_ij", "f", bn(i), bn(j))
-                    mem.free("A_ij", "f_ij")
-                mem.free("l_i")
-    for i in range(In):                                                            # O = f h
-        for j in range(Id):
-            mem.alloc("O_ij", (bn(i).stop - bn(i).start, bd(j).stop - bd(j).start))
-            for k in range(In):
-                mem.load("f_ik", "f", bn(i), bn(k)), mem.load("h_kj", "h", bn(k), bd(j))
-                mem.compute("O_ij", lambda o, f_, h_: o + f_ @ h_, "O_ij", "f_ik", "h_kj")
-                mem.free("f_ik", "h_kj")
-            mem.store("O_ij", "O", bn(i), bd(j))
-            mem.free("O_ij")
+    _tiled_product(mem, "S", "A1", "X", B, (n, d, d))                             # S = A1 X
+    _softmax_rows(mem, B, n, d, store_l=True)                                     # Algorithm 2, lines 15-35
+    _tiled_product(mem, "h", "A3", "Y", B, (n, d, d))                             # h = A3 Y
+    _tiled_product(mem, "O", "f", "h", B, (n, d, n))                              # O = f h
     return mem.slow["O"]

@@ -6,27 +6,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparse_io_attn.dense.reference import paper_forward
-from sparse_io_attn.experiments.pebble.closed_form import algorithm1_counts, large_cache_peak
+from sparse_io_attn.experiments.pebble.closed_form import IOCount, algorithm1_counts, large_cache_peak
 from sparse_io_attn.experiments.pebble.executor import TwoLevelMemory
 from sparse_io_attn.experiments.pebble.algorithm9 import algorithm9
 from sparse_io_attn.experiments.pebble.algorithm6 import algorithm1, algorithm6, small_cache_forward
 
 
-@dataclass
-class PebbleRun:
-    """Result of one executor run: ``g`` (d x d, float64; for a forward run, the output ``O``,
-    n x d) and the words moved."""
+@dataclass(frozen=True)
+class PebbleRun(IOCount):
+    """Result of one executor run: the words moved and the high-water mark (an :class:`IOCount`,
+    comparable with the closed forms), ``g`` (d x d, float64; for a forward run, the output ``O``,
+    n x d), the fast memory's ``capacity`` and the words per array."""
     g: np.ndarray
-    reads: int
-    writes: int
-    peak: int
     capacity: int
     reads_by_array: dict
     writes_by_array: dict
-
-    @property
-    def total(self) -> int:
-        return self.reads + self.writes
 
 
 def _np(x) -> np.ndarray:
@@ -42,8 +36,8 @@ def _setup(capacity: int, **arrays) -> TwoLevelMemory:
 
 def _result(mem: TwoLevelMemory, g) -> PebbleRun:
     assert not mem.fast, f"algorithm left tiles resident: {sorted(mem.fast)}"
-    return PebbleRun(np.array(g), mem.words_read, mem.words_written, mem.peak, mem.capacity,
-                     dict(mem.reads), dict(mem.writes))
+    return PebbleRun(reads=mem.words_read, writes=mem.words_written, peak=mem.peak, g=np.array(g),
+                     capacity=mem.capacity, reads_by_array=dict(mem.reads), writes_by_array=dict(mem.writes))
 
 
 def run_small_cache(A1, A2, A3, X, Y, dO, M: int, *, capacity: int | None = None) -> PebbleRun:

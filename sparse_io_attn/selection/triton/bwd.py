@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, dq_step, load_stats, probabilities,
                                                       score_tile)
-from sparse_io_attn._attention.triton.tally import tally_dkdv, tally_dq
+from sparse_io_attn._attention.triton.tally import tally_backward
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step
 from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN
@@ -179,7 +179,7 @@ def _sel_bwd_dkdv_kernel(
         per_entry: tl.constexpr = (SEL_ROWS // BLOCK_M if SEL_ROWS > BLOCK_M else 1) * (2 if STORE_DQ else 1)
         # (a tile inside one token's heads reads its entry once; with STORE_DQ its slot too)
         reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * per_entry
-        tally_dkdv(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES)
+        tally_backward(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
         io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
         if STORE_DQ:
             io_add(io_ptr, DKDV_PARTIAL, 0, entries * SEL_HEADS * head_dim * 4)
@@ -267,5 +267,5 @@ def _sel_bwd_dq_kernel(
 
     if COUNT_IO:
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE
-        tally_dq(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES)
+        tally_backward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, DKDV=False)
         io_add(io_ptr, DQ_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)

@@ -1,6 +1,6 @@
-"""Host launchers (backend ``"triton"``) for :mod:`sparse_io_attn.sparse_operands.triton.kernels`: allocate, build the
-grid and launch with keyword arguments through :func:`sparse_io_attn._triton.runtime.launch` (which
-sets ``io_ptr``/``COUNT_IO`` and commits the I/O counter).
+"""Host launchers (backend ``"triton"``) for the kernels of :mod:`.product`, :mod:`.fwd` and :mod:`.bwd`:
+allocate, build the grid and launch with keyword arguments through
+:func:`sparse_io_attn._triton.runtime.launch` (which sets ``io_ptr``/``COUNT_IO`` and commits the I/O counter).
 
 Forward: ``Q = A1 X`` (block-sparse product on the structural pattern of A1 X), ``H = A3 Y`` (and
 its per-key-block column sums when some QK block is structurally zero), then attention.
@@ -24,7 +24,7 @@ from sparse_io_attn._triton.shapes import padded_dim
 
 import torch
 
-from sparse_io_attn.sparse_operands.triton import kernels
+from sparse_io_attn.sparse_operands.triton import bwd, fwd, product
 from sparse_io_attn.sparse_operands.triton.configs import dkv_query_slice, launch_options
 from sparse_io_attn.sparse_operands.operands import Operand, grouped_buffer, like, reduce_groups
 from sparse_io_attn.sparse_operands.plan import GroupPlans
@@ -49,7 +49,7 @@ def matmul(kernel: str, A: Operand, B: Operand, C: Operand, plans: GroupPlans, n
     # the counter names the product's tensors after its operands, in MATMUL_TENSORS' slot order
     names = dict(a=A.name, b=B.name, c=C.name, colsum="hsum" if colsum is not None else "colsum", plan="plan")
     plan = plans.plan
-    launch(kernels._bsr_matmul_kernel, (rows, plans.ids.numel()), kernel, tuple(names[t] for t in MATMUL_TENSORS),
+    launch(product._bsr_matmul_kernel, (rows, plans.ids.numel()), kernel, tuple(names[t] for t in MATMUL_TENSORS),
            C.data.device, a_ptr=A.data, b_ptr=B.data, c_ptr=C.data, colsum_ptr=colsum if colsum is not None else C.data,
            bmap_ptr=B.block_map, cmap_ptr=C.block_map, pair_ptr_ptr=plan.pair_ptr, pair_a_ptr=plan.pair_a,
            pair_k_ptr=plan.pair_k, plan_ids_ptr=plans.ids,
@@ -92,7 +92,7 @@ def forward(p: Problem, scale: float):
     matmul("paper_h", A3, Y, H, product_plans(A3, Y, H, batch), nh, colsum=hsum)
     o = torch.empty(batch.B, batch.H, nq, dv, dtype=A1.data.dtype, device=device)
     lse = torch.empty(batch.B, batch.H, nq, dtype=torch.float32, device=device)
-    launch(kernels._paper_attn_fwd_kernel, (Q.grid[0], G), "paper_attn_fwd", FWD_TENSORS, device,
+    launch(fwd._paper_attn_fwd_kernel, (Q.grid[0], G), "paper_attn_fwd", FWD_TENSORS, device,
            **_operands(Q, A2), h_ptr=h, hsum_ptr=hsum if hsum is not None else h, o_ptr=o, lse_ptr=lse,
            kept_crow_ptr=plan.kept_crow, kept_col_ptr=plan.kept_col, zero_crow_ptr=plan.zero_crow,
            zero_col_ptr=plan.zero_col, plan_ids_ptr=p.plans.ids,
@@ -122,7 +122,7 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, p: Problem, Q
     delta = torch.empty(batch.B, batch.H, nq, dtype=torch.float32, device=device)
     w = torch.zeros(G, nqb, dv, dtype=torch.float32, device=device) if plan.has_zero else delta
     w_strides = dict(stride_w_g=w.stride(0) if plan.has_zero else 0, stride_w_blk=w.stride(1) if plan.has_zero else 0)
-    launch(kernels._paper_attn_bwd_preprocess_kernel, (nqb, G), "paper_attn_bwd_preprocess", PREPROCESS_TENSORS,
+    launch(bwd._paper_attn_bwd_preprocess_kernel, (nqb, G), "paper_attn_bwd_preprocess", PREPROCESS_TENSORS,
            device, o_ptr=o, do_ptr=do, lse_ptr=lse, delta_ptr=delta, w_ptr=w,
            stride_og=o.stride(1), stride_om=o.stride(2), stride_od=o.stride(3),
            stride_dog=do.stride(1), stride_dom=do.stride(2), stride_dod=do.stride(3), stride_lse_g=lse.stride(1),
@@ -137,14 +137,14 @@ def backward(do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, p: Problem, Q
                   stride_dog=do.stride(1), stride_dom=do.stride(2), stride_dod=do.stride(3),
                   stride_lse_g=lse.stride(1), seqlen_q=nq, seqlen_k=nk, head_dim=Q.shape[1], head_dim_v=dv,
                   sm_scale=scale, num_heads=nh, **meta)
-    launch(kernels._paper_attn_bwd_dkv_kernel, (A2.grid[0], G), "paper_attn_bwd_dkv", DKV_TENSORS, device,
+    launch(bwd._paper_attn_bwd_dkv_kernel, (A2.grid[0], G), "paper_attn_bwd_dkv", DKV_TENSORS, device,
            **_operands(Q, A2), **common, h_ptr=h, w_ptr=w, da2_ptr=dA2.data, dh_ptr=dH.data,
            kept_ccol_ptr=plan.kept_ccol, kept_row_ptr=plan.kept_row, zero_ccol_ptr=plan.zero_ccol,
            zero_row_ptr=plan.zero_row, stride_da2_gb=dA2.s_gb, stride_da2_gh=dA2.s_gh, **w_strides,
            stride_dhn=dH.data.stride(2), stride_dhd=dH.data.stride(3), HAS_ZERO=plan.has_zero,
            BLOCK_M_SUB=dkv_query_slice(meta["BLOCK_M"], Q.grid[1] * meta["BLOCK_D"]), **launch_options("paper_attn_bwd_dkv"))
     dQ = like(Q, "dq", torch.empty_like(Q.data))
-    launch(kernels._paper_attn_bwd_dq_kernel, (nqb, G), "paper_attn_bwd_dq", DQ_TENSORS, device,
+    launch(bwd._paper_attn_bwd_dq_kernel, (nqb, G), "paper_attn_bwd_dq", DQ_TENSORS, device,
            **_operands(Q, A2), **common, h_ptr=h, dq_ptr=dQ.data, kept_crow_ptr=plan.kept_crow,
            kept_col_ptr=plan.kept_col, **launch_options("paper_attn_bwd_dq"))
     grads = {}
