@@ -30,7 +30,7 @@ from sparse_io_attn.accounting import traffic  # noqa: E402
 from sparse_io_attn.cli._common import format_table  # noqa: E402
 from sparse_io_attn.layout.selection import Selection  # noqa: E402
 from sparse_io_attn.selection.plan import SelectionPlan  # noqa: E402
-from sparse_io_attn.selection.tiles import _preferred  # noqa: E402
+from sparse_io_attn.selection.traffic import family  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET = 3.0   # x the block-sparse op's bytes per kept pair
@@ -64,7 +64,7 @@ def row(g, shape: str, N: int, Hq: int, Hkv: int, D: int) -> dict:
     pairs = traffic.selection_pairs(plan, 1, Hq)
     args = (plan, 1, Hq, Hkv, D, dtype)
     query = traffic.selection(*args, family_name="query").total_bytes
-    chosen = _preferred(plan.block_size, plan.max_blocks, plan.num_layouts, 1, Hq, Hkv, G, N, N, D, dtype)
+    chosen = family(*args)
     new = traffic.selection(*args, family_name=chosen).total_bytes
     if shape == "dsa":
         k_blocks = max(1, round(pairs / Hq / (N * 64)))

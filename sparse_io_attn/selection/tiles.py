@@ -253,16 +253,6 @@ def kernel_family(block_size: int, max_blocks: int, layouts: int, batch: int, nu
                          f"(argument family_name= or ${FAMILY_ENV})")
     if name != "auto":
         return name
-    fam = _preferred(block_size, max_blocks, layouts, batch, num_heads_q, num_heads_kv, num_selections, seqlen_q,
-                     seqlen_k, head_dim, dtype)
-    return fam if fam in _IMPLEMENTED else "query"
-
-
-_IMPLEMENTED = ("query", "key")   # the families whose kernels exist (grows with issue 47's stages)
-
-
-def _preferred(block_size, max_blocks, layouts, batch, num_heads_q, num_heads_kv, num_selections, seqlen_q, seqlen_k,
-               head_dim, dtype) -> str:
     r = sel_heads(num_heads_q, num_heads_kv, num_selections)
     if r >= QUERY_MAJOR_MIN_HEADS:
         return "query"

@@ -26,10 +26,11 @@ Element-masked (:mod:`sparse_io_attn.selection.triton.masked`):
 
 * ``selection_masked_fwd`` / ``selection_masked_dq`` (per query tile of ``T`` tokens and per batch x
   unit): the rows' ``q`` (dQ: ``do``, ``stats``, ``delta``), the tile's list count, per key tile of its
-  list the entry, the key tile's keys inside the sequence (``k``, ``v``) and one int64 bit word per
+  list the entry, the union word (int64) and the union's keys (``k``, ``v``), one int64 bit word per
   token; writes ``o``, ``lse``, ``stats`` (dQ: ``dq``).
-* ``selection_masked_dkdv`` (per key tile of 64 keys, batch x KV head): its ``k``/``v``/``dk``/``dv``
-  rows once; per selection serving the group, the tile's list count and, per query tile of its list,
+* ``selection_masked_dkdv`` (per key tile of 64 keys, batch x KV head): per selection serving the group
+  its union word of the key tile; the keys of their union (``k``, ``v``) once; ``dk``/``dv`` rows of the
+  whole tile (0 off the union); per selection, the tile's list count and, per query tile of its list,
   the entry, the tokens' ``q``/``do`` rows (x ``R`` heads), ``stats``, ``delta`` and bit words.
 """
 from __future__ import annotations
@@ -104,22 +105,42 @@ def key_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv
     return rep
 
 
-def _masked_terms(plan: SelectionPlan, R: int, head_dim: int, dtype: torch.dtype):
-    """``(tiles, rows_entries, rows_keys, rows_tokens, cols_entries, cols_tokens)`` of the masked tiles:
-    over stored selections, the query tiles' list entries, the keys those key tiles hold, the tokens
-    (entries x the query tile's tokens); the key tiles' entries and tokens."""
+_POPCOUNT8 = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
+
+
+def popcount(words: torch.Tensor) -> torch.Tensor:
+    """Set bits of each int64 word (CPU), through its bytes."""
+    w = words.contiguous().cpu()
+    return _POPCOUNT8[w.view(torch.uint8).to(torch.int64)].view(*w.shape, 8).sum(-1)
+
+
+def _masked_terms(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
+                  dtype: torch.dtype):
+    """Over stored selections: ``(q_tiles, entries, keys, tokens, k_tiles, col_entries, col_tokens)``: the
+    query tiles, their list entries, the union keys those entries load, the tokens (entries x the query
+    tile's tokens); the key tiles, their entries and tokens. And ``dkdv_keys``: the keys the dK/dV
+    programs load, summed over (key tile, batch, KV head) (the union over the selections serving it)."""
+    mult, hps, R = usage(plan, batch, num_heads_q, num_heads_kv)
     t = family_tiles("masked", plan.block_size, head_dim, dtype, R)
     Nq, Nk = plan.seqlen
     m = plan.derived(("masked", t.block_t), lambda: masked_tiles(plan.rows, plan.block_size, Nk, plan.causal_offset,
                                                                   t.block_t, t.block_n))
     tokens = torch.clamp(Nq - torch.arange(m.row_counts.shape[1], dtype=torch.int64) * t.block_t, max=t.block_t)
-    keys = torch.clamp(Nk - torch.arange(m.col_counts.shape[1], dtype=torch.int64) * t.block_n, max=t.block_n)
-    rc, rt = m.row_counts.cpu().to(torch.int64), m.row_tiles.cpu().to(torch.int64)
-    cc, ct = m.col_counts.cpu().to(torch.int64), m.col_tiles.cpu().to(torch.int64)
-    row_keys = int(torch.where(rt >= 0, keys[rt.clamp(min=0)], 0).sum())
+    rc, cc = m.row_counts.cpu().to(torch.int64), m.col_counts.cpu().to(torch.int64)
+    ct = m.col_tiles.cpu().to(torch.int64)
     col_tokens = int(torch.where(ct >= 0, tokens[ct.clamp(min=0)], 0).sum())
-    return (rc.numel(), int(rc.sum()), row_keys, int((rc * tokens[None, :]).sum()), cc.numel(), int(cc.sum()),
-            col_tokens)
+    keys = int(popcount(m.union).sum())            # (a tile off the list has an empty union)
+    group, col_union = num_heads_q // num_heads_kv, m.col_union.cpu()
+    stride_lb = plan.head_map(batch, num_heads_q, num_heads_kv).stride_lb
+    dkdv_keys = 0
+    for z in range(batch):
+        for g in range(num_heads_kv):
+            union = torch.zeros_like(col_union[0])
+            for i in range(group // R):
+                union |= col_union[z * stride_lb + (g * group + i * R) // hps]
+            dkdv_keys += int(popcount(union).sum())
+    return (rc.numel(), int(rc.sum()), keys, int((rc * tokens[None, :]).sum()), cc.numel(), int(cc.sum()),
+            col_tokens, dkdv_keys)
 
 
 def masked_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
@@ -130,11 +151,11 @@ def masked_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_
     rep = TrafficReport(source="predicted")
     if not rows:
         return rep
-    q_tiles, entries, keys, tokens, *_ = _masked_terms(plan, R, head_dim, dtype)
+    q_tiles, entries, keys, tokens, *_ = _masked_terms(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     D = head_dim
     rep.add("selection_masked_fwd",
             {"q": rows * D * es, "k": units * keys * D * es, "v": units * keys * D * es,
-             "plan": units * ((q_tiles + entries) * INDEX_BYTES + tokens * BITS_BYTES)},
+             "plan": units * ((q_tiles + entries) * INDEX_BYTES + (tokens + entries) * BITS_BYTES)},
             {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
     return rep
 
@@ -149,18 +170,19 @@ def masked_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads
     add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es)
     if not rows_q:
         return rep
-    q_tiles, entries, keys, tokens, k_tiles, col_entries, col_tokens = _masked_terms(plan, R, head_dim, dtype)
+    q_tiles, entries, keys, tokens, k_tiles, col_entries, col_tokens, dkdv_keys = _masked_terms(
+        plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     gathered = units * R * col_tokens
     if rows_k:
         rep.add("selection_masked_dkdv",
                 {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
-                 "delta": gathered * STAT_BYTES, "k": rows_k * D * es, "v": rows_k * D * es,
-                 "plan": units * ((k_tiles + col_entries) * INDEX_BYTES + col_tokens * BITS_BYTES)},
+                 "delta": gathered * STAT_BYTES, "k": dkdv_keys * D * es, "v": dkdv_keys * D * es,
+                 "plan": units * ((k_tiles + col_entries) * INDEX_BYTES + (col_tokens + k_tiles) * BITS_BYTES)},
                 {"dk": rows_k * D * es, "dv": rows_k * D * es})
     rep.add("selection_masked_dq",
             {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,
              "delta": rows_q * STAT_BYTES, "k": units * keys * D * es, "v": units * keys * D * es,
-             "plan": units * ((q_tiles + entries) * INDEX_BYTES + tokens * BITS_BYTES)},
+             "plan": units * ((q_tiles + entries) * INDEX_BYTES + (tokens + entries) * BITS_BYTES)},
             {"dq": rows_q * D * es})
     return rep
 

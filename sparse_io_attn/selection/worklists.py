@@ -10,8 +10,9 @@ on its device with tensor operations of shapes fixed by the inputs' shapes (no `
 * :func:`masked_tiles` (family ``"masked"``): the selection as element-masked tiles of ``block_t``
   consecutive query tokens x 64 consecutive keys: ``bits int64 [L, Nq, ceil(Nk / 64)]`` (bit ``j`` of
   word ``(l, t, kt)``: key ``64 kt + j`` is selected by token ``t`` and allowed: inside the keys and,
-  causal, at or before the diagonal), the key tiles holding a bit of a query tile (ascending, fixed
-  capacity, ``-1`` after) and the transposed lists (the query tiles of each key tile).
+  causal, at or before the diagonal), their unions per query tile and per key tile (the keys the
+  kernels load: a key no token selected is never read), the key tiles holding a bit of a query tile
+  (ascending, fixed capacity, ``-1`` after) and the transposed lists (the query tiles of each key tile).
 """
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def key_work(keys: KeyLists, num_layouts: int, num_kv_blocks: int, capacity_entr
 
 class MaskedTiles(NamedTuple):
     """The selection as element-masked tiles (see the module docstring)."""
-    bits: torch.Tensor          # int64 [L, Nq, nkt]
+    bits: torch.Tensor          # int64 [L, Nq, nkt]: each token's selected, allowed keys of each key tile
+    union: torch.Tensor         # int64 [L, nqt, nkt]: the keys some token of the query tile selected
+    col_union: torch.Tensor     # int64 [L, nkt]: the keys some token selected
     row_tiles: torch.Tensor     # int32 [L, nqt, nkt]: key tiles of each query tile, ascending, -1 after
     row_counts: torch.Tensor    # int32 [L, nqt]
     col_tiles: torch.Tensor     # int32 [L, nkt, nqt]: query tiles of each key tile, ascending, -1 after
@@ -83,12 +86,19 @@ def _compact(present: torch.Tensor):
     return out[..., :n].contiguous(), kept.sum(-1).to(INDEX_DTYPE)
 
 
+def _words(flags: torch.Tensor) -> torch.Tensor:
+    """``bool [..., 64]`` -> int64 ``[...]`` with bit ``j`` = ``flags[..., j]`` (distinct powers of two summed:
+    bit 63 is the sign bit, no overflow)."""
+    shifts = torch.arange(64, dtype=torch.int64, device=flags.device)
+    return (flags.to(torch.int64) << shifts).sum(-1)
+
+
 def masked_tiles(rows: torch.Tensor, block_size: int, seqlen_k: int, causal_offset: int | None, block_t: int,
                  block_n: int) -> MaskedTiles:
     """The :class:`MaskedTiles` of normalised ``rows [L, Nq, K]`` (blocks of ``block_size`` keys): each
-    selected block's keys (clipped to ``seqlen_k`` and the diagonal) become bits of their tile's word
-    (a row's keys are distinct, so a scatter-add of powers of two is their OR), then the query tiles'
-    union of key tiles, compacted both ways."""
+    selected key (clipped to ``seqlen_k`` and the diagonal) becomes a bit of its token's word of its key
+    tile (a row's keys are distinct, so a scatter-add of powers of two is their OR) and a flag of its query
+    tile's union (scattered flags, packed); then the query tiles' key tiles, compacted both ways."""
     if block_n != 64:
         raise ValueError(f"masked tiles hold one int64 word of 64 keys per token, got block_n={block_n}")
     L, Nq, K = rows.shape
@@ -104,12 +114,19 @@ def masked_tiles(rows: torch.Tensor, block_size: int, seqlen_k: int, causal_offs
     word = torch.where(ok, torch.bitwise_left_shift(torch.ones_like(key), key % block_n), 0)
     bits = torch.zeros(L, Nq, nkt, dtype=torch.int64, device=dev)
     bits.scatter_add_(-1, (key // block_n).reshape(L, Nq, -1), word.reshape(L, Nq, -1))
-    padded = torch.zeros(L, nqt * block_t, nkt, dtype=torch.bool, device=dev)
-    padded[:, :Nq] = bits != 0
-    present = padded.view(L, nqt, block_t, nkt).any(2)                              # [L, nqt, nkt]
+    span = nkt * block_n
+    flat = (torch.arange(L, device=dev)[:, None, None, None] * nqt
+            + torch.arange(Nq, device=dev)[None, :, None, None] // block_t) * span + key
+    flags = torch.zeros(L * nqt * span + 1, dtype=torch.bool, device=dev)
+    flags.index_put_((torch.where(ok, flat, L * nqt * span).reshape(-1),), torch.ones((), dtype=torch.bool,
+                                                                                        device=dev))
+    flags = flags[:-1].view(L, nqt, nkt, block_n)
+    union = _words(flags)                                                           # [L, nqt, nkt]
+    col_union = _words(flags.any(1))                                                # [L, nkt]
+    present = flags.any(-1)                                                         # [L, nqt, nkt]
     row_tiles, row_counts = _compact(present)
     col_tiles, col_counts = _compact(present.transpose(1, 2))
-    return MaskedTiles(bits, row_tiles, row_counts, col_tiles, col_counts, block_t, block_n)
+    return MaskedTiles(bits, union, col_union, row_tiles, row_counts, col_tiles, col_counts, block_t, block_n)
 
 
 __all__ = ["KeyWork", "MaskedTiles", "key_work", "key_work_capacity", "masked_tiles"]

@@ -5,36 +5,25 @@ tiles of consecutive keys (``"masked"``), each against the float64 reference wit
 bytes (exact integers) for the forward and the backward, on curated edge cases (ragged key ends, blocks
 of several key tiles, blocks smaller than a tile, GQA with heads padding a unit, heads past a tile's rows,
 bottom-right causality with Nq > Nk and empty rows, counts, batched and shared selections, strided
-views); determinism; bf16 against a same-precision baseline. Interpreter cases stay tiny."""
-import math
+views); determinism; the dispatch. bf16 against a same-precision baseline and unselected keys never
+read: ``test_triton_selection.py`` (every family). Interpreter cases stay tiny."""
 
 import pytest
 import torch
 
 from helpers import check_close, make_inputs
+from selection.test_triton_selection import make_selection
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.accounting import IOCounter, traffic
-from sparse_io_attn.block_sparse.reference import masked_attention, rel_err
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.selection import tiles
 from sparse_io_attn.selection.plan import plan_selection
-from sparse_io_attn.selection.reference import selection_mask, selection_reference
+from sparse_io_attn.selection.reference import selection_reference
 from sparse_io_attn.selection.triton import launch
 
 DEVICE = "cpu" if INTERPRET else "cuda"
-FAMILIES = ("key",)
-
-
-def make_selection(B, G, Nq, Nk, bs, K, *, shared=False, counts=False) -> Selection:
-    """Random indices in ``[-1, nkb)``, slot 1 repeating slot 0, row ``Nq // 2`` emptied, optional counts."""
-    nkb = math.ceil(Nk / bs)
-    idx = torch.randint(-1, nkb, (G, Nq, K) if shared else (B, G, Nq, K), device=DEVICE)
-    if K > 1:
-        idx[..., 1] = idx[..., 0]
-    idx[..., Nq // 2, :] = -1
-    cnt = torch.randint(0, K + 1, idx.shape[:-1], device=DEVICE) if counts else None
-    return Selection(idx, bs, cnt)
+FAMILIES = ("key", "masked")
 
 
 def run_counted(q, k, v, do, sel, causal, family):
@@ -65,7 +54,7 @@ CASES = [  # (B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts)
 @pytest.mark.parametrize("B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared, counts", CASES)
 def test_family_matches_float64_and_counts_equal_the_model(B, Hq, Hkv, G, Nq, Nk, D, block, K, causal, shared,
                                                            counts, family):
-    sel = make_selection(B, G, Nq, Nk, block, K, shared=shared, counts=counts)
+    sel = make_selection(B, G, Nq, Nk, block, K, shared=shared, counts=counts, empty_rows=(Nq // 2,))
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D, device=DEVICE)
     got, fwd, bwd, plan = run_counted(q, k, v, do, sel, causal, family)
     check_close(got, selection_reference(q, k, v, sel, causal=causal, do=do))
@@ -106,30 +95,13 @@ def test_backward_is_deterministic(family):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_low_precision_vs_same_precision_baseline(family):
-    """flash-attention's rule: error vs float64 at most 2x (outputs) / 3x (gradients) the error of plain
-    PyTorch attention with the same element mask in the same dtype."""
-    B, Hq, Hkv, Nq, Nk, D, dtype = 1, 4, 2, 24, 48, 32, torch.bfloat16
-    sel = make_selection(B, 2, Nq, Nk, 16, 3)
-    q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device=DEVICE)
-    out, lse, dq, dk, dv = run_counted(q, k, v, do, sel, True, family)[0]
-    assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
-    ref = selection_reference(q, k, v, sel, causal=True, do=do)
-    mask = selection_mask(sel, B, Hq, Nk, causal=True, device=q.device)
-    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    b_out, _ = masked_attention(qb, kb, vb, mask, D ** -0.5)
-    base = (b_out,) + torch.autograd.grad(b_out, (qb, kb, vb), do)
-    for name, x, b, r, factor in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), base, (ref[0],) + ref[2:],
-                                     (2, 3, 3, 3)):
-        assert rel_err(x, r) <= factor * rel_err(b, r) + 1e-6, f"{name}: {rel_err(x, r):.2e} vs {rel_err(b, r):.2e}"
-
-
 @pytest.mark.parametrize("block, G, Hq, Hkv, want", [
     (64, 16, 16, 4, "key"),       # MoBA: one selection per query head
     (64, 4, 16, 4, "key"),        # NSA: one per GQA group of 4
+    (1, 1, 16, 4, "masked"),      # DSA with 4 heads per KV head and list
     (1, 1, 64, 1, "query"),       # DSA as FlashMLA runs it: 64 heads share one list
     (16, 1, 32, 2, "query"),      # 16 heads per list fill a query-major tile
+    (8, 8, 8, 8, "masked"),
 ])
 def test_auto_family_by_shape(block, G, Hq, Hkv, want):
     assert tiles.kernel_family(block, 8, G, 1, Hq, Hkv, G, 8192, 8192, 128, torch.bfloat16, "auto") == want

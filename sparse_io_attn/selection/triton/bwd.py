@@ -52,6 +52,20 @@ def _gathered_rows(query_ptr, n, i, offs_r, SEL_HEADS: tl.constexpr, SEL_ROWS: t
 
 
 @triton.jit
+def _row_inputs(q_ptr, do_ptr, q_rows, do_rows, offs_d, stride_qd, stride_dod, mask_r, mask_d, stats_ptr,
+                stats_stride, delta_ptr, rows):
+    """The backward's inputs of query rows at offsets ``q_rows`` / ``do_rows`` (from ``q_ptr`` / ``do_ptr``):
+    ``q``, ``do`` (``[rows, HEAD_DIM]``), and at the flat rows ``rows`` (``(b, h, t)``) the forward's row
+    maximum and log2 sum and ``delta`` (padding rows: ``m = +inf``, so ``p = 0``)."""
+    mask = mask_r[:, None] & mask_d[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
+    do = tl.load(do_ptr + do_rows[:, None] + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows, mask_r)
+    delta = tl.load(delta_ptr + rows, mask=mask_r, other=0.0)
+    return q, do, m_row, log2_sum, delta
+
+
+@triton.jit
 def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_ptr, partial_ptr, split, n, i,
                        offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh,
                        stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, causal_offset, qk_scale,
@@ -66,13 +80,10 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_
     ``split``: this key tile of the block). Returns ``(dk, dv)``."""
     e, hh, row_ok, tok = _gathered_rows(query_ptr, n, i, offs_r, SEL_HEADS, SEL_ROWS, BLOCK_M)
     mask_md = row_ok[:, None] & mask_d[None, :]
-    q = tl.load(q_base + hh[:, None] * stride_qh + tok[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-    do = tl.load(do_base + hh[:, None] * stride_doh + tok[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
     rows = row_base + hh.to(tl.int64) * seqlen_q + tok  # [BLOCK_M] rows of stats / delta
-    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows, row_ok)  # [BLOCK_M] x2
-    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
+    q, do, m_row, log2_sum, delta = _row_inputs(q_base, do_base, hh * stride_qh + tok * stride_qm,
+                                                hh * stride_doh + tok * stride_dom, offs_d, stride_qd, stride_dod,
+                                                row_ok, mask_d, stats_ptr, stats_stride, delta_ptr, rows)
     sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
     if MASKED:
         valid = mask_n[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M]
@@ -231,13 +242,11 @@ def _sel_bwd_dq_kernel(
     mask_hd = mask_h[:, None] & mask_d[None, :]
     t64 = t.to(tl.int64)
 
-    q = tl.load(q_ptr + off_z * stride_qz + offs_h[:, None] * stride_qh + t64 * stride_qm
-                + offs_d[None, :] * stride_qd, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
-    do = tl.load(do_ptr + off_z * stride_doz + offs_h[:, None] * stride_doh + t64 * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of stats / delta
-    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows_out, mask_h)  # [BLOCK_H] x2
-    delta = tl.load(delta_ptr + rows_out, mask=mask_h, other=0.0)  # [BLOCK_H]
+    q, do, m_row, log2_sum, delta = _row_inputs(
+        q_ptr, do_ptr, off_z * stride_qz + offs_h * stride_qh + t64 * stride_qm,
+        off_z * stride_doz + offs_h * stride_doh + t64 * stride_dom, offs_d, stride_qd, stride_dod, mask_h, mask_d,
+        stats_ptr, stats_stride, delta_ptr, rows_out)  # [BLOCK_H, HEAD_DIM] x2, [BLOCK_H] x3
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 

@@ -29,6 +29,7 @@ from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, s
 from sparse_io_attn._attention.triton.tally import tally_forward, tally_merge
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _gathered_rows
+from sparse_io_attn.selection.triton.fwd import _load_kv
 from sparse_io_attn.selection.triton.slots import DEC_PLAN, DQM_DQ, DQM_PARTIAL, DQM_PLAN, MERGE_PLAN
 
 import triton  # noqa: E402
@@ -43,17 +44,9 @@ def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_
     ``MASKED``: keys past ``key_end`` are not loaded and, with ``IS_CAUSAL``, keys past a row's diagonal
     get probability 0. Returns ``(acc, l_i, m_i)``."""
     cols = n_start + offs_n  # [BLOCK_N]
-    if MASKED:
-        mask_n = cols < key_end
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)  # [BLOCK_N, HEAD_DIM]
-    else:
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=mask_d[None, :], other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=mask_d[None, :], other=0.0)
+    mask_n = cols < key_end
+    k, v = _load_kv(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                    MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
     s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         valid = mask_n[None, :]

@@ -38,7 +38,8 @@ from sparse_io_attn.selection.triton.bwd import _sel_bwd_dq_kernel
 from sparse_io_attn.selection.triton.decode import _sel_decode_kernel
 from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
 from sparse_io_attn.selection.triton.launch_families import (PREPROCESS_BLOCK_M, common_args, dkdv_call, key_dq_calls,
-                                                             key_forward_calls)
+                                                             key_forward_calls, masked_backward_calls,
+                                                             masked_forward_calls)
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
@@ -174,10 +175,10 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | Non
     return out, lse, stats
 
 
-FORWARD_CALLS = {"query": forward_calls, "key": key_forward_calls}
+FORWARD_CALLS = {"query": forward_calls, "key": key_forward_calls, "masked": masked_forward_calls}
 
 
-BACKWARD_CALLS = {"query": backward_calls, "key": key_backward_calls}
+BACKWARD_CALLS = {"query": backward_calls, "key": key_backward_calls, "masked": masked_backward_calls}
 
 
 def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):

@@ -13,15 +13,17 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.tiles import padded_head_dim
-from sparse_io_attn._attention.triton.launch import MERGE_ROWS, Call, forward_outputs, strides
+from sparse_io_attn._attention.triton.launch import MERGE_ROWS, Call, forward_outputs, preprocess_call, strides
 from sparse_io_attn._triton.runtime import dot_dtype
 from sparse_io_attn._triton.shapes import next_pow2
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import FamilyTiles, family_tiles, kernel_configs, key_tile, sel_heads
-from sparse_io_attn.selection.traffic_terms import DECODE_TENSORS, DKDV_TENSORS, DQ_MERGE_TENSORS, MERGE_TENSORS
+from sparse_io_attn.selection.traffic_terms import (DECODE_TENSORS, DKDV_TENSORS, DQ_MERGE_TENSORS, DQ_TENSORS,
+                                                    FWD_TENSORS, MERGE_TENSORS)
 from sparse_io_attn.selection.triton.bwd import _sel_bwd_dkdv_kernel
 from sparse_io_attn.selection.triton.key import _key_dq_merge_kernel, _key_fwd_kernel, _key_merge_kernel
-from sparse_io_attn.selection.worklists import KeyWork, key_work
+from sparse_io_attn.selection.triton.masked import _masked_dkdv_kernel, _masked_rows_kernel
+from sparse_io_attn.selection.worklists import KeyWork, MaskedTiles, key_work, masked_tiles
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
@@ -141,5 +143,56 @@ def key_dq_calls(do, q, k, v, stats, delta, plan: SelectionPlan, common: dict):
     return [bwd, merge], dq, dk, dv
 
 
+def masked_tiles_of(q, plan: SelectionPlan, common: dict) -> tuple[FamilyTiles, MaskedTiles]:
+    """The masked family's tiles for these inputs and the plan's tile lists for them (built once, kept)."""
+    t = family_tiles("masked", plan.block_size, q.shape[-1], q.dtype, common["SEL_HEADS"])
+    m = plan.derived(("masked", t.block_t), lambda: masked_tiles(plan.rows, plan.block_size, plan.seqlen[1],
+                                                                  plan.causal_offset, t.block_t, t.block_n))
+    return t, m
+
+
+def _masked_args(q, k, v, plan: SelectionPlan, common: dict, t: FamilyTiles, m: MaskedTiles) -> dict:
+    B, Hq, Nq, _ = q.shape
+    return dict(q_ptr=q, k_ptr=k, v_ptr=v, bits_ptr=m.bits, **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
+                num_query_tiles=m.row_counts.shape[1], num_key_tiles=m.col_counts.shape[1], stats_stride=B * Hq * Nq,
+                SEL_ROWS=t.sel_rows, **common)
+
+
+def masked_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
+    """``([masked_fwd], out, lse, stats)``: each query tile against the key tiles of its tokens' union."""
+    B, Hq, Nq, _ = q.shape
+    common = common_args(q, k, plan, sm_scale)
+    t, m = masked_tiles_of(q, plan, common)
+    out, lse, stats = forward_outputs(q)
+    grid = (m.row_counts.shape[1], B * (Hq // common["SEL_HEADS"]))
+    call = Call("selection_masked_fwd", _masked_rows_kernel, lambda meta: grid, FWD_TENSORS, _configs(t), dict(
+        out_ptr=out, lse_ptr=lse, stats_ptr=stats, do_ptr=q, delta_ptr=lse, union_ptr=m.union, tiles_ptr=m.row_tiles,
+        counts_ptr=m.row_counts, **strides(out, "o"), **strides(q, "do"), DQ=False,
+        **_masked_args(q, k, v, plan, common, t, m)))
+    return [call], out, lse, stats
+
+
+def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
+    """``([preprocess, masked_dkdv, masked_dq], dq, dk, dv)``: dK/dV per key tile over the query tiles
+    holding a bit of it (the transposed lists), dQ per query tile as the forward walks it."""
+    B, Hq, Nq, _ = q.shape
+    common = common_args(q, k, plan, sm_scale)
+    t, m = masked_tiles_of(q, plan, common)
+    pre, delta = preprocess_call("selection_bwd_preprocess", out, do, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
+    args = dict(do_ptr=do, stats_ptr=stats, delta_ptr=delta, tiles_ptr=m.row_tiles, counts_ptr=m.row_counts,
+                **strides(do, "do"), **_masked_args(q, k, v, plan, common, t, m))
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dkdv_grid = (m.col_counts.shape[1], B * k.shape[1])
+    dkdv = Call("selection_masked_dkdv", _masked_dkdv_kernel, lambda meta: dkdv_grid, DKDV_TENSORS, _configs(t),
+                dict(args, dk_ptr=dk, dv_ptr=dv, union_ptr=m.col_union, tiles_ptr=m.col_tiles, counts_ptr=m.col_counts,
+                     **strides(dk, "dk"), **strides(dv, "dv")))
+    dq_grid = (m.row_counts.shape[1], B * (Hq // common["SEL_HEADS"]))
+    dq_call = Call("selection_masked_dq", _masked_rows_kernel, lambda meta: dq_grid, DQ_TENSORS, _configs(t),
+                   dict(args, out_ptr=dq, lse_ptr=delta, union_ptr=m.union, DQ=True, **strides(dq, "o")))
+    return [pre, dkdv, dq_call], dq, dk, dv
+
+
 __all__ = ["PREPROCESS_BLOCK_M", "common_args", "dkdv_call", "key_dq_calls", "key_forward_calls", "key_tiles_of",
-           "key_work_of"]
+           "key_work_of", "masked_backward_calls", "masked_forward_calls", "masked_tiles_of"]
