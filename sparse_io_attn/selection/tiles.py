@@ -177,22 +177,33 @@ class FamilyTiles:
     """Tiles of the key-major (``"key"``) or element-masked (``"masked"``) family for one call:
     ``block_m`` gathered rows = ``block_t`` query tokens x ``sel_rows`` heads (``next_pow2(R)``, the
     rows past ``R`` padding), ``block_n`` keys per key tile (``key_tiles`` tiles per key block of the
-    key-major family; 64 for the masked family), and the warps/stages candidates (the first the
-    default; autotuning picks among them on CUDA: the tiles themselves are fixed, since the plan's
-    work lists are built for them)."""
+    key-major family; 64 for the masked family), and the warps/stages candidates of the forward and dQ
+    (``launches``) and of dK/dV (``dkdv_launches``), the first the default; autotuning picks among them on
+    CUDA (the tiles themselves are fixed: the plan's work lists are built for them). dK/dV forms its
+    products over ``dkdv_m`` rows at a time with the keys as every product's M (``S^T = K Q^T``): the
+    key-major backward's row tiles, the masked dK/dV kernel's sub-tiles of a query tile."""
     block_m: int
     block_t: int
     sel_rows: int
     block_n: int
     key_tiles: int
-    launches: tuple   # ((num_warps, num_stages), ...)
+    launches: tuple        # ((num_warps, num_stages), ...)
+    dkdv_m: int
+    dkdv_launches: tuple
 
 
-# rows per tile and (warps, stages) candidates per padded-row class (HEAD_DIM * element bytes), from the
-# sm_90 compile report (`compile-report --op selection`): no spills, the gathered tiles multi-buffered
-_FAMILY_CONFIGS = {128: (64, ((4, 2), (4, 3), (8, 2))), 256: (64, ((4, 2), (8, 2), (4, 3))),
-                   512: (32, ((4, 2), (8, 2))), 1024: (16, ((4, 1), (4, 2)))}
-_FAMILY_CONFIGS_FP32 = {256: (32, ((4, 2), (8, 2))), 512: (16, ((4, 2),)), 1024: (16, ((4, 1),))}
+# Per padded-row class (HEAD_DIM * element bytes): rows per tile, rows per dK/dV product, the (warps,
+# stages) candidates of the forward/dQ and of dK/dV. From the sm_90 compile report (`compile-report --op
+# selection`): every product on wgmma (64 keys as dK/dV's M; a dK/dV product over 16 rows at head dim 128
+# keeps the dK, dV accumulators and the dQ partial of the key-major backward in registers), no spills,
+# the gathered tiles multi-buffered. fp32 runs exact IEEE products on CUDA cores.
+_FAMILY_CONFIGS = {128: (64, 32, ((4, 2), (4, 3), (8, 2)), ((4, 3), (8, 3))),
+                   256: (64, 16, ((4, 2), (8, 2), (4, 3)), ((8, 2), (8, 3))),
+                   512: (32, 16, ((4, 2), (8, 2)), ((8, 2),)),
+                   1024: (16, 16, ((4, 1), (4, 2)), ((4, 1),))}
+_FAMILY_CONFIGS_FP32 = {256: (32, 16, ((4, 2), (8, 2)), ((4, 2),)), 512: (16, 16, ((4, 2),), ((4, 2),)),
+                        1024: (16, 16, ((4, 1),), ((4, 1),))}
+_FAMILY_KEY_N = 64   # key tile of the key-major family (a block of up to 64 keys is one tile)
 
 
 def family_tiles(family: str, block_size: int, head_dim: int, dtype: torch.dtype, r: int) -> FamilyTiles:
@@ -203,22 +214,20 @@ def family_tiles(family: str, block_size: int, head_dim: int, dtype: torch.dtype
         raise ValueError(f"family_tiles is for the 'key' and 'masked' families, got {family!r}")
     wide = padded_head_dim(head_dim) * element_size(dtype)
     table = _FAMILY_CONFIGS_FP32 if dtype == torch.float32 else _FAMILY_CONFIGS
-    rows, launches = table[min(c for c in table if c >= wide)]
+    rows, sub, launches, dkdv_launches = table[min(c for c in table if c >= wide)]
     sel_rows = next_pow2(r)
     block_m = max(rows, sel_rows)
     if family == "masked":
-        return FamilyTiles(block_m, block_m // sel_rows, sel_rows, MASKED_BLOCK_N, 1, launches)
+        dkdv_m = min(block_m, max(sub, sel_rows))   # whole tokens per sub-tile
+        return FamilyTiles(block_m, block_m // sel_rows, sel_rows, MASKED_BLOCK_N, 1, launches, dkdv_m, dkdv_launches)
     n, key_tiles = key_tile(block_size, _FAMILY_KEY_N)
-    return FamilyTiles(block_m, block_m // sel_rows, sel_rows, n, key_tiles, launches)
+    return FamilyTiles(block_m, block_m // sel_rows, sel_rows, n, key_tiles, launches, sub, dkdv_launches)
 
 
-_FAMILY_KEY_N = 64   # key tile of the key-major family (a block of up to 64 keys is one tile)
-
-
-def dq_partials(block_size: int, head_dim: int, dtype: torch.dtype) -> int:
-    """dQ partials per (row, slot) of the key-major backward: the dK/dV kernel's key tiles per block
-    (each key tile's program writes one)."""
-    return key_tile(block_size, kernel_configs("dkdv", block_size, head_dim, dtype)[0].block_n)[1]
+def dq_partials(block_size: int) -> int:
+    """dQ partials per (row, slot) of the key-major backward: its key tiles per block (each key tile's
+    program writes one)."""
+    return key_tile(block_size, _FAMILY_KEY_N)[1]
 
 
 def family_work_bytes(family: str, block_size: int, max_blocks: int, layouts: int, batch: int, num_heads_q: int,
@@ -228,7 +237,7 @@ def family_work_bytes(family: str, block_size: int, max_blocks: int, layouts: in
     hd = padded_head_dim(head_dim)
     if family == "key":
         pairs = batch * num_heads_q * seqlen_q * max_blocks
-        return pairs * max(hd + 2, dq_partials(block_size, head_dim, dtype) * hd) * 4
+        return pairs * max(hd + 2, dq_partials(block_size) * hd) * 4
     if family == "masked":
         return layouts * seqlen_q * -(-seqlen_k // MASKED_BLOCK_N) * 8
     return 0

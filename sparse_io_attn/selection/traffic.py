@@ -38,7 +38,7 @@ from sparse_io_attn._attention.traffic import (DECODE_MERGE_TENSORS, INDEX_BYTES
                                                add_decode, add_preprocess)
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
-                                            decode_config, kernel_family, key_step)
+                                            decode_config, family_tiles, kernel_family, key_step)
 from sparse_io_attn.selection.traffic_families import key_backward, key_forward, masked_backward, masked_forward
 from sparse_io_attn.selection.traffic_terms import (DECODE_KERNEL_NAMES, DECODE_TENSORS, DKDV_TENSORS,
                                                     DQ_MERGE_TENSORS, DQ_TENSORS, FWD_TENSORS, KERNEL_NAMES,
@@ -136,7 +136,7 @@ def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_he
                        family_name: str | None = None) -> TrafficReport:
     """Predicted bytes of one backward: ``selection_bwd_preprocess``, then ``selection_bwd_dkdv`` +
     ``selection_bwd_dq`` (query-major), ``selection_key_bwd`` + ``selection_key_dq_merge`` (key-major:
-    the dK/dV kernel at ``tiles.dkdv`` writing dQ partials) or ``selection_masked_dkdv`` +
+    the dK/dV kernel at the family's tiles writing dQ partials) or ``selection_masked_dkdv`` +
     ``selection_masked_dq``."""
     check_plan(plan)
     es, D = element_size(dtype), head_dim
@@ -144,7 +144,8 @@ def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_he
     tiles = tiles or choose_tiles(plan.block_size, head_dim, dtype, R)
     fam = family(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, family_name)
     if fam == "key":
-        return key_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, tiles.dkdv)
+        t = family_tiles("key", plan.block_size, head_dim, dtype, R)
+        return key_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, (t.dkdv_m, t.block_n))
     if fam == "masked":
         return masked_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es)
     rows_q = batch * num_heads_q * plan.seqlen[0]

@@ -31,7 +31,8 @@ Element-masked (:mod:`sparse_io_attn.selection.triton.masked`):
 * ``selection_masked_dkdv`` (per key tile of 64 keys, batch x KV head): per selection serving the group
   its union word of the key tile; the keys of their union (``k``, ``v``) once; ``dk``/``dv`` rows of the
   whole tile (0 off the union); per selection, the tile's list count and, per query tile of its list,
-  the entry, the tokens' ``q``/``do`` rows (x ``R`` heads), ``stats``, ``delta`` and bit words.
+  the entry (once per sub-tile of ``dkdv_m`` rows), the tokens' ``q``/``do`` rows (x ``R`` heads),
+  ``stats``, ``delta`` and bit words.
 """
 from __future__ import annotations
 
@@ -173,11 +174,13 @@ def masked_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads
     q_tiles, entries, keys, tokens, k_tiles, col_entries, col_tokens, dkdv_keys = _masked_terms(
         plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     gathered = units * R * col_tokens
+    t = family_tiles("masked", plan.block_size, head_dim, dtype, R)
+    subs = t.block_m // t.dkdv_m        # the dK/dV steps of a query tile, each re-reading its list entry
     if rows_k:
         rep.add("selection_masked_dkdv",
                 {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
                  "delta": gathered * STAT_BYTES, "k": dkdv_keys * D * es, "v": dkdv_keys * D * es,
-                 "plan": units * ((k_tiles + col_entries) * INDEX_BYTES + (col_tokens + k_tiles) * BITS_BYTES)},
+                 "plan": units * ((k_tiles + col_entries * subs) * INDEX_BYTES + (col_tokens + k_tiles) * BITS_BYTES)},
                 {"dk": rows_k * D * es, "dv": rows_k * D * es})
     rep.add("selection_masked_dq",
             {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,

@@ -84,7 +84,10 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_
     q, do, m_row, log2_sum, delta = _row_inputs(q_base, do_base, hh * stride_qh + tok * stride_qm,
                                                 hh * stride_doh + tok * stride_dom, offs_d, stride_qd, stride_dod,
                                                 row_ok, mask_d, stats_ptr, stats_stride, delta_ptr, rows)
-    sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+    if STORE_DQ:   # keys as every product's M (wgmma at 32-row tiles): the scores formed k @ q^T
+        sT = score_tile(k, q, qk_scale, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
+    else:
+        sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
     if MASKED:
         valid = mask_n[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M]
         if IS_CAUSAL:
@@ -93,10 +96,10 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_
     pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
     if STORE_DQ:
         dk, dv, dsT = dkdv_ds_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
-        dq = dot(tl.trans(dsT), k, None, DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+        dqT = dot(tl.trans(k), dsT, None, DOT_DTYPE)  # [HEAD_DIM, BLOCK_M]
         slot = tl.load(slot_ptr + e, mask=e < n, other=0)  # [BLOCK_M]
         dst = (slot * KEY_TILES + split).to(tl.int64) * stats_stride + rows  # [BLOCK_M] partial rows
-        tl.store(partial_ptr + dst[:, None] * HEAD_DIM + offs_d[None, :], dq, mask=mask_md)
+        tl.store(partial_ptr + dst[None, :] * HEAD_DIM + offs_d[:, None], dqT, mask=tl.trans(mask_md))
         return dk, dv
     return dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
 

@@ -170,7 +170,7 @@ def _key_dq_merge_kernel(
     mask_d = offs_d < head_dim
     dq = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
     tiles = tl.zeros([], dtype=tl.int64)
-    for j in range(0, tl.max(counts)):
+    for j in tl.range(0, tl.max(counts), num_stages=2):   # (its own stages: the partial rows multi-buffered)
         ok = mask_r & (j < counts)
         if KEY_TILES > 1:
             blk = tl.load(rows_ptr + row.to(tl.int64) * max_blocks + j, mask=ok, other=0)

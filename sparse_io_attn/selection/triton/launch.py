@@ -10,17 +10,30 @@ plan on the tensors' device):
 * ``backward(do, q, k, v, out, stats, plan, *, sm_scale) -> (dq, dk, dv)``: dk/dv summed over each
   GQA group; deterministic (no atomics on data).
 
-The forward and dQ kernels are query-major (one program per query token and unit of heads sharing a
-selection and a KV head, :mod:`.fwd`), dK/dV key-major over ``plan.keys()`` (:mod:`.bwd`). For ``Nq <=
-16`` the forward runs the decode kernels (:mod:`.decode`: the same row programs split-K over each
-row's key steps, then a merge in split order; :func:`decode_calls`), whose outputs the same backward
-takes; they read the plan's rows only, never its key lists. Each launch
-is described once by the attention kit's :class:`~sparse_io_attn._attention.triton.launch.Call`
-(:func:`forward_calls`, :func:`backward_calls`), used by the launchers and by :mod:`.report`, which
-compiles the same calls for a GPU architecture. Configurations come from
-:func:`sparse_io_attn.selection.tiles.kernel_configs`: autotuned on CUDA, the first under the
-interpreter, while counting and with ``SPARSE_IO_ATTN_NO_AUTOTUNE=1`` (the tiles the traffic model
-assumes by default; :func:`launched_tiles` gives those the last launches used).
+Three kernel families run the prefill forward and the backward, chosen per call from the plan and the
+shapes (:func:`family`, :func:`~sparse_io_attn.selection.tiles.kernel_family`; ``family_name=`` or
+``$SPARSE_IO_ATTN_TRITON_SELECTION_FAMILY`` force one):
+
+* ``"query"`` (a selection shared by 16 heads or more of a KV head: their rows fill a tile): the forward
+  and dQ query-major (one program per query token and unit of heads sharing a selection and a KV head,
+  :mod:`.fwd`), dK/dV key-major over ``plan.keys()`` (:mod:`.bwd`);
+* ``"key"`` (blocks of 16 keys and more: MoBA, NSA): key-major gathered tiles (:mod:`.key`): the forward
+  per tile of tokens of a key-major list, partials merged per row in slot order; dK/dV writing each
+  gathered row's dQ partial, merged likewise (:mod:`.launch_families`);
+* ``"masked"`` (smaller blocks: DSA's single tokens): tiles of consecutive tokens x 64 consecutive keys
+  with an element mask (:mod:`.masked`).
+
+For ``Nq <= 16`` the forward runs the decode kernels (:mod:`.decode`: the query-major row programs
+split-K over each row's key steps, then a merge in split order; :func:`decode_calls`), whose outputs
+every family's backward takes; they read the plan's rows only, never its key lists. Each launch is
+described once by the attention kit's :class:`~sparse_io_attn._attention.triton.launch.Call`
+(:func:`forward_calls`, :func:`backward_calls`, :data:`FORWARD_CALLS`, :data:`BACKWARD_CALLS`), used by
+the launchers and by :mod:`.report`, which compiles the same calls for a GPU architecture. The
+query-major configurations come from :func:`sparse_io_attn.selection.tiles.kernel_configs`, the other
+families' from :func:`~sparse_io_attn.selection.tiles.family_tiles`: autotuned on CUDA, the first under
+the interpreter, while counting and with ``SPARSE_IO_ATTN_NO_AUTOTUNE=1`` (the tiles the traffic model
+assumes by default; :func:`launched_tiles` gives those the last query-major launches used).
+:func:`prepare` builds what a family derives from the plan ahead of the first launch.
 """
 from __future__ import annotations
 
@@ -38,8 +51,9 @@ from sparse_io_attn.selection.triton.bwd import _sel_bwd_dq_kernel
 from sparse_io_attn.selection.triton.decode import _sel_decode_kernel
 from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
 from sparse_io_attn.selection.triton.launch_families import (PREPROCESS_BLOCK_M, common_args, dkdv_call, key_dq_calls,
-                                                             key_forward_calls, masked_backward_calls,
-                                                             masked_forward_calls)
+                                                             key_forward_calls, key_tiles_of, key_work_of,
+                                                             masked_backward_calls, masked_forward_calls,
+                                                             masked_tiles_of)
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
@@ -158,6 +172,21 @@ def family(q, k, plan: SelectionPlan, name: str | None = None) -> str:
                          Nq, k.shape[2], D, q.dtype, name)
 
 
+def prepare(q, k, plan: SelectionPlan, family_name: str | None = None) -> str:
+    """Build what the family of these inputs derives from the plan (key-major lists and work tiles, or the
+    masked tiles; all on the plan's device, kept with it) ahead of the first launch, as a step's plan
+    would; returns the family."""
+    fam = family(q, k, plan, family_name)
+    common = common_args(q, k, plan, 1.0)
+    if fam == "masked":
+        masked_tiles_of(q, plan, common)
+    else:
+        plan.keys()
+        if fam == "key":
+            key_work_of(plan, key_tiles_of(q, plan, common).block_t)
+    return fam
+
+
 def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | None = None,
             split_keys: int = DECODE_SPLIT_KEYS, family_name: str | None = None):
     """``decode``: run the decode kernels (:func:`decode_calls`, ``split_keys`` passed on); ``None``
@@ -192,4 +221,4 @@ def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, f
 
 
 __all__ = ["backward", "backward_calls", "decode_calls", "family", "forward", "forward_calls", "key_backward_calls",
-           "launched_tiles", "tiles_for"]
+           "launched_tiles", "prepare", "tiles_for"]

@@ -95,7 +95,12 @@ def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
     return [fwd, merge], out, lse, stats
 
 
-def _dkdv_configs(q: torch.Tensor, plan: SelectionPlan) -> list:
+def _dkdv_configs(q: torch.Tensor, plan: SelectionPlan, key: FamilyTiles | None) -> list:
+    """The dK/dV kernel's candidates: the query-major family's (:func:`~.tiles.kernel_configs`), or the
+    key-major family's fixed tiles (``key``) with its warps/stages candidates."""
+    if key is not None:
+        return [triton.Config({"BLOCK_M": key.dkdv_m, "BLOCK_N": key.block_n, "KEY_TILES": key.key_tiles},
+                              num_warps=w, num_stages=st) for w, st in key.dkdv_launches]
     out = []
     for c in kernel_configs("dkdv", plan.block_size, q.shape[-1], q.dtype):
         n, key_tiles = key_tile(plan.block_size, c.block_n)
@@ -104,16 +109,18 @@ def _dkdv_configs(q: torch.Tensor, plan: SelectionPlan) -> list:
     return out
 
 
-def dkdv_call(name: str, do, q, k, v, stats, delta, plan: SelectionPlan, common: dict, partial):
+def dkdv_call(name: str, do, q, k, v, stats, delta, plan: SelectionPlan, common: dict, partial,
+              key: FamilyTiles | None = None):
     """``(call, dk, dv)``: the key-major dK/dV kernel (:func:`.bwd._sel_bwd_dkdv_kernel`) launched as
     ``name``; with a ``partial`` buffer ``[K * KEY_TILES, B * Hq * Nq, HEAD_DIM]`` (fp32) it also writes
-    each gathered row's dQ partial there (the key-major family), else not (the query-major family)."""
+    each gathered row's dQ partial there (the key-major family, tiles ``key``), else not (the
+    query-major family)."""
     B, Hq, Nq, _ = q.shape
     keys, nkb = plan.keys(), plan.num_kv_blocks
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     call = Call(name, _sel_bwd_dkdv_kernel, lambda meta: (nkb * meta["KEY_TILES"], B * k.shape[1]), DKDV_TENSORS,
-                _dkdv_configs(q, plan), dict(
+                _dkdv_configs(q, plan, key), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
                     col_ptr_ptr=keys.col_ptr, col_query_ptr=keys.col_query, col_slot_ptr=keys.col_slot,
                     partial_ptr=dk if partial is None else partial, **strides(q, "q"), **strides(k, "k"),
@@ -127,10 +134,10 @@ def key_dq_calls(do, q, k, v, stats, delta, plan: SelectionPlan, common: dict):
     """``([key_bwd, key_dq_merge], dq, dk, dv)``: dK/dV with the rows' dQ partials, then their merge."""
     B, Hq, Nq, D = q.shape
     rows = B * Hq * Nq
-    n, key_tiles = key_tile(plan.block_size, kernel_configs("dkdv", plan.block_size, D, q.dtype)[0].block_n)
-    partial = torch.empty(plan.max_blocks * key_tiles, rows, common["HEAD_DIM"], dtype=torch.float32,
+    t = key_tiles_of(q, plan, common)
+    partial = torch.empty(plan.max_blocks * t.key_tiles, rows, common["HEAD_DIM"], dtype=torch.float32,
                           device=q.device)
-    bwd, dk, dv = dkdv_call("selection_key_bwd", do, q, k, v, stats, delta, plan, common, partial)
+    bwd, dk, dv = dkdv_call("selection_key_bwd", do, q, k, v, stats, delta, plan, common, partial, t)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     merge = Call("selection_key_dq_merge", _key_dq_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),), DQ_MERGE_TENSORS,
                  [MERGE_CONFIG], dict(
@@ -138,7 +145,7 @@ def key_dq_calls(do, q, k, v, stats, delta, plan: SelectionPlan, common: dict):
                      **strides(dq, "dq"), stride_lb=common["stride_lb"],
                      heads_per_selection=common["heads_per_selection"], max_blocks=plan.max_blocks, num_rows=rows,
                      seqlen_q=Nq, seqlen_k=k.shape[2], num_heads_q=Hq, head_dim=D, sm_scale=common["sm_scale"],
-                     BLOCK_SIZE=plan.block_size, BLOCK_N=n, KEY_TILES=key_tiles, BLOCK_R=MERGE_ROWS,
+                     BLOCK_SIZE=plan.block_size, BLOCK_N=t.block_n, KEY_TILES=t.key_tiles, BLOCK_R=MERGE_ROWS,
                      HEAD_DIM=common["HEAD_DIM"], ELEM_BYTES=q.element_size()))
     return [bwd, merge], dq, dk, dv
 
@@ -185,7 +192,9 @@ def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dkdv_grid = (m.col_counts.shape[1], B * k.shape[1])
-    dkdv = Call("selection_masked_dkdv", _masked_dkdv_kernel, lambda meta: dkdv_grid, DKDV_TENSORS, _configs(t),
+    dkdv_configs = [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n, "SUB_M": t.dkdv_m}, num_warps=w,
+                                  num_stages=st) for w, st in t.dkdv_launches]
+    dkdv = Call("selection_masked_dkdv", _masked_dkdv_kernel, lambda meta: dkdv_grid, DKDV_TENSORS, dkdv_configs,
                 dict(args, dk_ptr=dk, dv_ptr=dv, union_ptr=m.col_union, tiles_ptr=m.col_tiles, counts_ptr=m.col_counts,
                      **strides(dk, "dk"), **strides(dv, "dv")))
     dq_grid = (m.row_counts.shape[1], B * (Hq // common["SEL_HEADS"]))

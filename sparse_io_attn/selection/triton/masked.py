@@ -11,11 +11,11 @@ one word of their union: only the union's keys are loaded (a key no token select
   the forward (the kit's online softmax; writes ``o``, ``lse``, ``stats``) or, with ``DQ``, dQ (the
   kit's dQ step) on the same walk.
 * ``_masked_dkdv_kernel``: one program per (key tile, batch x KV head): for every selection serving the
-  group, the query tiles holding a bit of this key tile (the transposed lists), the kit's dK/dV step;
-  ``dk``, ``dv`` written once.
+  group, the query tiles holding a bit of this key tile (the transposed lists), ``SUB_M`` rows at a time
+  (one flat loop, each step re-reading its list entry) with the keys as every product's M (``S^T = K Q^T``: tensor-core products at head dim 128 without
+  spills), the kit's dK/dV step; ``dk``, ``dv`` written once.
 
-Probabilities are recomputed from the forward's ``stats`` (the kit's ``probabilities``; the dK/dV kernel
-transposes ``q @ k^T``). Deterministic, no atomics on data. With ``COUNT_IO`` each program tallies its
+Probabilities are recomputed from the forward's ``stats`` (the kit's ``probabilities``, never above 1). Deterministic, no atomics on data. With ``COUNT_IO`` each program tallies its
 bytes (model: :func:`sparse_io_attn.selection.traffic_families.masked_forward` / ``masked_backward``):
 rows, the union's keys per key tile, list entries (int32), one bit word per token and key tile and the
 union words (int64).
@@ -36,16 +36,17 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _tile_rows(qt, seqlen_q, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Rows of query tile ``qt``: ``(tok, hh, row_ok, tokens)``: row ``r`` is token ``qt * BLOCK_T + r //
-    SEL_ROWS``, head ``r % SEL_ROWS`` of the unit; ``row_ok`` real tokens and heads; ``tokens`` the tile's
-    tokens inside the sequence."""
+def _tile_rows(qt, seqlen_q, first, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+               ROWS: tl.constexpr):
+    """Rows ``[first, first + ROWS)`` of query tile ``qt`` (``BLOCK_M`` rows): ``(tok, hh, row_ok, tokens)``:
+    row ``r`` is token ``qt * BLOCK_T + r // SEL_ROWS``, head ``r % SEL_ROWS`` of the unit; ``row_ok`` real
+    tokens and heads; ``tokens`` those rows' tokens inside the sequence."""
     BLOCK_T: tl.constexpr = BLOCK_M // SEL_ROWS
-    r = tl.arange(0, BLOCK_M)
-    tok = qt * BLOCK_T + r // SEL_ROWS  # [BLOCK_M]
+    r = first + tl.arange(0, ROWS)
+    tok = qt * BLOCK_T + r // SEL_ROWS  # [ROWS]
     hh = r % SEL_ROWS
     row_ok = (tok < seqlen_q) & (hh < SEL_HEADS)
-    tokens = tl.minimum(seqlen_q - qt * BLOCK_T, BLOCK_T).to(tl.int64)
+    tokens = tl.maximum(tl.minimum(seqlen_q - qt * BLOCK_T - first // SEL_ROWS, ROWS // SEL_ROWS), 0).to(tl.int64)
     return tok, hh, row_ok, tokens
 
 
@@ -88,7 +89,7 @@ def _masked_rows_kernel(
     qt = tl.program_id(0)
     off_z, off_h, off_l, off_hkv = _unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb, heads_per_selection,
                                          SEL_HEADS)
-    tok, hh, row_ok, tokens = _tile_rows(qt, seqlen_q, SEL_HEADS, SEL_ROWS, BLOCK_M)
+    tok, hh, row_ok, tokens = _tile_rows(qt, seqlen_q, 0, SEL_HEADS, SEL_ROWS, BLOCK_M, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
@@ -154,9 +155,10 @@ def _masked_dkdv_kernel(
     stride_lb, heads_per_selection, num_query_tiles, num_key_tiles, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
+    SUBS: tl.constexpr = BLOCK_M // SUB_M
     kt = tl.program_id(0)  # the key tile
     pid_zg = tl.program_id(1)  # batch x kv head
     off_z = (pid_zg // num_heads_kv).to(tl.int64)
@@ -186,23 +188,24 @@ def _masked_dkdv_kernel(
         col = off_l * num_key_tiles + kt
         cnt = tl.load(counts_ptr + col)
         bits_base = bits_ptr + off_l * seqlen_q * num_key_tiles
-        for e in range(0, cnt):
-            qt = tl.load(tiles_ptr + col.to(tl.int64) * num_query_tiles + e)
-            tok, hh, row_ok, tokens = _tile_rows(qt, seqlen_q, SEL_HEADS, SEL_ROWS, BLOCK_M)
+        for i in range(0, cnt * SUBS):  # the list's query tiles, SUB_M rows (whole tokens) at a time
+            qt = tl.load(tiles_ptr + col.to(tl.int64) * num_query_tiles + i // SUBS)
+            tok, hh, row_ok, tokens = _tile_rows(qt, seqlen_q, (i % SUBS) * SUB_M, SEL_HEADS, SEL_ROWS, BLOCK_M,
+                                                 SUB_M)
             heads = (off_h + hh).to(tl.int64)
             t64 = tok.to(tl.int64)
             q, do, m_row, log2_sum, delta = _row_inputs(
                 q_ptr, do_ptr, off_z * stride_qz + heads * stride_qh + t64 * stride_qm,
-                off_z * stride_doz + heads * stride_doh + t64 * stride_dom, offs_d, stride_qd, stride_dod, row_ok,
-                mask_d, stats_ptr, stats_stride, delta_ptr, (off_z * num_heads_q + heads) * seqlen_q + tok)
-            sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+                off_z * stride_doz + heads * stride_doh + t64 * stride_dom, offs_d, stride_qd, stride_dod,
+                row_ok, mask_d, stats_ptr, stats_stride, delta_ptr, (off_z * num_heads_q + heads) * seqlen_q + tok)
+            sT = score_tile(k, q, qk_scale, DOT_DTYPE)  # [BLOCK_N, SUB_M]: the keys as every product's M
             allowed = tl.trans(_bits(bits_base, tok, row_ok, kt, num_key_tiles, offs_n))
             pT = probabilities(tl.where(allowed, sT, float("-inf")), m_row[None, :], log2_sum[None, :])
             dk, dv = dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
             if COUNT_IO:
                 queries += tl.sum(row_ok.to(tl.int64))
                 words += tokens
-        entries += cnt.to(tl.int64)
+        entries += cnt.to(tl.int64) * SUBS
     tl.store(dk_ptr + off_z * stride_dkz + off_g * stride_dkh + cols[:, None] * stride_dkn
              + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_nd)
     tl.store(dv_ptr + off_z * stride_dvz + off_g * stride_dvh + cols[:, None] * stride_dvn
