@@ -220,10 +220,11 @@ class SelectionPlan:
     def max_blocks(self) -> int:
         return self.rows.shape[-1]
 
-    def keys(self) -> KeyLists:
-        """The key-major lists (built on first use, then kept)."""
+    def keys(self, build=None) -> KeyLists:
+        """The key-major lists (built on first use, then kept): :func:`key_lists`, or ``build(plan)`` (a
+        backend's device builder of the same lists, e.g. the Triton backend's on CUDA)."""
         if self._keys is None:
-            self._keys = key_lists(self.rows, self.num_kv_blocks)
+            self._keys = key_lists(self.rows, self.num_kv_blocks) if build is None else build(self)
         return self._keys
 
     def derived(self, key, build):

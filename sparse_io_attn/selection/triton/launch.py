@@ -53,7 +53,7 @@ from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
 from sparse_io_attn.selection.triton.launch_families import (PREPROCESS_BLOCK_M, common_args, dkdv_call, key_dq_calls,
                                                              key_forward_calls, key_tiles_of, key_work_of,
                                                              masked_backward_calls, masked_forward_calls,
-                                                             masked_tiles_of)
+                                                             masked_tiles_of, plan_keys)
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
@@ -181,7 +181,7 @@ def prepare(q, k, plan: SelectionPlan, family_name: str | None = None) -> str:
     if fam == "masked":
         masked_tiles_of(q, plan, common)
     else:
-        plan.keys()
+        plan_keys(plan)
         if fam == "key":
             key_work_of(plan, key_tiles_of(q, plan, common).block_t)
     return fam

@@ -22,6 +22,8 @@ from sparse_io_attn.selection.traffic_terms import (DECODE_TENSORS, DKDV_TENSORS
                                                     FWD_TENSORS, MERGE_TENSORS)
 from sparse_io_attn.selection.triton.bwd import _sel_bwd_dkdv_kernel
 from sparse_io_attn.selection.triton.key import _key_dq_merge_kernel, _key_fwd_kernel, _key_merge_kernel
+from sparse_io_attn.selection.triton.launch_plan import (device_key_lists, device_key_work, device_masked_tiles,
+                                                         on_device)
 from sparse_io_attn.selection.triton.masked import _masked_dkdv_kernel, _masked_rows_kernel
 from sparse_io_attn.selection.worklists import KeyWork, MaskedTiles, key_work, masked_tiles
 
@@ -62,11 +64,20 @@ def key_tiles_of(q, plan: SelectionPlan, common: dict) -> FamilyTiles:
     return family_tiles("key", plan.block_size, q.shape[-1], q.dtype, common["SEL_HEADS"])
 
 
+def plan_keys(plan: SelectionPlan):
+    """The plan's key-major lists (built once, kept with the plan; on CUDA by the device builder)."""
+    return plan.keys(build=device_key_lists if on_device(plan.rows) else None)
+
+
 def key_work_of(plan: SelectionPlan, block_t: int) -> KeyWork:
-    """The plan's key-major work tiles of ``block_t`` tokens (built once, kept with the plan)."""
-    entries = plan.num_layouts * plan.seqlen[0] * plan.max_blocks
-    return plan.derived(("key_work", block_t),
-                        lambda: key_work(plan.keys(), plan.num_layouts, plan.num_kv_blocks, entries, block_t))
+    """The plan's key-major work tiles of ``block_t`` tokens (built once, kept with the plan; on CUDA with
+    the lists by the device builders, :mod:`.launch_plan`)."""
+    def build():
+        if on_device(plan.rows):
+            return device_key_work(plan, block_t)
+        entries = plan.num_layouts * plan.seqlen[0] * plan.max_blocks
+        return key_work(plan.keys(), plan.num_layouts, plan.num_kv_blocks, entries, block_t)
+    return plan.derived(("key_work", block_t), build)
 
 
 def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
@@ -75,7 +86,8 @@ def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
     B, Hq, Nq, D = q.shape
     common = common_args(q, k, plan, sm_scale)
     t = key_tiles_of(q, plan, common)
-    keys, work = plan.keys(), key_work_of(plan, t.block_t)
+    work = key_work_of(plan, t.block_t)
+    keys = plan_keys(plan)
     rows = B * Hq * Nq
     partial = torch.empty(plan.max_blocks, rows, 2 + common["HEAD_DIM"], dtype=torch.float32, device=q.device)
     out, lse, stats = forward_outputs(q)
@@ -116,7 +128,7 @@ def dkdv_call(name: str, do, q, k, v, stats, delta, plan: SelectionPlan, common:
     each gathered row's dQ partial there (the key-major family, tiles ``key``), else not (the
     query-major family)."""
     B, Hq, Nq, _ = q.shape
-    keys, nkb = plan.keys(), plan.num_kv_blocks
+    keys, nkb = plan_keys(plan), plan.num_kv_blocks
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     call = Call(name, _sel_bwd_dkdv_kernel, lambda meta: (nkb * meta["KEY_TILES"], B * k.shape[1]), DKDV_TENSORS,
@@ -153,9 +165,12 @@ def key_dq_calls(do, q, k, v, stats, delta, plan: SelectionPlan, common: dict):
 def masked_tiles_of(q, plan: SelectionPlan, common: dict) -> tuple[FamilyTiles, MaskedTiles]:
     """The masked family's tiles for these inputs and the plan's tile lists for them (built once, kept)."""
     t = family_tiles("masked", plan.block_size, q.shape[-1], q.dtype, common["SEL_HEADS"])
-    m = plan.derived(("masked", t.block_t), lambda: masked_tiles(plan.rows, plan.block_size, plan.seqlen[1],
-                                                                  plan.causal_offset, t.block_t, t.block_n))
-    return t, m
+
+    def build():
+        if on_device(plan.rows):
+            return device_masked_tiles(plan, t.block_t, t.block_n)
+        return masked_tiles(plan.rows, plan.block_size, plan.seqlen[1], plan.causal_offset, t.block_t, t.block_n)
+    return t, plan.derived(("masked", t.block_t), build)
 
 
 def _masked_args(q, k, v, plan: SelectionPlan, common: dict, t: FamilyTiles, m: MaskedTiles) -> dict:
@@ -203,5 +218,5 @@ def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale
     return [pre, dkdv, dq_call], dq, dk, dv
 
 
-__all__ = ["PREPROCESS_BLOCK_M", "common_args", "dkdv_call", "key_dq_calls", "key_forward_calls", "key_tiles_of",
+__all__ = ["PREPROCESS_BLOCK_M", "common_args", "dkdv_call", "plan_keys", "key_dq_calls", "key_forward_calls", "key_tiles_of",
            "key_work_of", "masked_backward_calls", "masked_forward_calls", "masked_tiles_of"]
