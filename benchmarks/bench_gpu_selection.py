@@ -170,7 +170,7 @@ def _shape_selection(g, shape: str, N: int, Hq: int, Hkv: int):
 
     if shape == "dsa":
         top_k = min(2048, N // 2)
-        return dsa_indices(g, N, top_k), 1, top_k, 1
+        return dsa_indices(g, N, top_k, local=min(256, top_k // 2)), 1, top_k, 1
     block, top_k = 64, (8 if shape == "moba" else 16)
     G = Hq if shape == "moba" else Hkv
     return (moba_indices if shape == "moba" else nsa_indices)(g, G, N, block, top_k), block, top_k, G

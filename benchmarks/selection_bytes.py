@@ -50,7 +50,8 @@ def parse_args(argv=None):
 def selection_of(g, shape: str, N: int, Hq: int, Hkv: int):
     """``(Selection, G)`` of a shape (the GPU benchmark's)."""
     if shape == "dsa":
-        return Selection(dsa_indices(g, N, min(2048, N // 2)), 1), 1
+        top_k = min(2048, N // 2)
+        return Selection(dsa_indices(g, N, top_k, local=min(256, top_k // 2)), 1), 1
     block, top_k = 64, (8 if shape == "moba" else 16)
     G = Hq if shape == "moba" else Hkv
     make = moba_indices if shape == "moba" else nsa_indices

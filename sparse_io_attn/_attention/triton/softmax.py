@@ -127,7 +127,8 @@ def store_partial_rows(partial_ptr, acc, l_i, m_i, split, rows_out, offs_d, mask
     """Rows' partial results ``(m, l, acc)`` (fp32, ``acc`` unnormalised) at ``partial[split, rows_out]`` of
     ``partial [splits, num_rows, 2 + HEAD_DIM]`` (``split``: a scalar, or one per row), for
     :func:`~sparse_io_attn._attention.triton.kernels.merge_rows`."""
-    base = partial_ptr + (split * num_rows + rows_out.to(tl.int64)) * (2 + HEAD_DIM)
+    rows64 = rows_out.to(tl.int64)
+    base = partial_ptr + ((rows64 * 0 + split) * num_rows + rows64) * (2 + HEAD_DIM)  # (int64 offsets)
     tl.store(base, m_i, mask=mask_r)
     tl.store(base + 1, l_i, mask=mask_r)
     tl.store(base[:, None] + 2 + offs_d[None, :], acc, mask=mask_r[:, None] & mask_d[None, :])

@@ -178,7 +178,8 @@ def _key_dq_merge_kernel(
             live = ok
             if KEY_TILES > 1:
                 live = live & (blk * BLOCK_SIZE + kt * BLOCK_N < seqlen_k)
-            src = (j * KEY_TILES + kt) * num_rows + rows.to(tl.int64)
+            rows64 = rows.to(tl.int64)
+            src = (rows64 * 0 + j * KEY_TILES + kt) * num_rows + rows64  # (int64 offsets)
             dq += tl.load(partial_ptr + src[:, None] * HEAD_DIM + offs_d[None, :],
                           mask=live[:, None] & mask_d[None, :], other=0.0)
             if COUNT_IO:
