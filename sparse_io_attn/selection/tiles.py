@@ -198,7 +198,7 @@ class FamilyTiles:
 # keeps the dK, dV accumulators and the dQ partial of the key-major backward in registers), no spills,
 # the gathered tiles multi-buffered. fp32 runs exact IEEE products on CUDA cores.
 _FAMILY_CONFIGS = {128: (64, 32, ((4, 2), (4, 3), (8, 2)), ((4, 3), (8, 3))),
-                   256: (64, 16, ((4, 2), (8, 2), (4, 3)), ((8, 2), (8, 3))),
+                   256: (64, 16, ((4, 2), (8, 2), (4, 3)), ((8, 3),)),
                    512: (32, 16, ((4, 2), (8, 2)), ((8, 2),)),
                    1024: (16, 16, ((4, 1), (4, 2)), ((4, 1),))}
 _FAMILY_CONFIGS_FP32 = {256: (32, 16, ((4, 2), (8, 2)), ((4, 2),)), 512: (16, 16, ((4, 2),), ((4, 2),)),
