@@ -9,8 +9,9 @@ the compiled code says about speed (registers, spills, shared memory, asynchrono
   ``dtype`` (all 16-byte aligned), other scalars i32 unless named in ``float_args``.
 * :func:`ptx_report`: ``ptxas -v`` (Triton's bundled ``ptxas-blackwell``, which accepts the PTX ISA
   Triton 3.9 emits) for registers and spill bytes, plus counts of ``cp.async`` (multi-buffered
-  global->shared copies), ``cp.async.bulk.tensor`` (TMA) and ``wgmma.mma_async`` in the PTX, and the
-  matrix products in the TTGIR (``dots``) and how many of them are Hopper ``wgmma`` (``wgmma_dots``).
+  global->shared copies), ``cp.async.bulk.tensor`` (TMA), ``wgmma.mma_async`` (Hopper tensor-core MMAs)
+  and ``mma.sync`` (warp-level MMAs: a product Triton did not lower to wgmma) in the PTX, and the matrix
+  products in the TTGIR (``dots``) and how many of them are Hopper ``wgmma`` (``wgmma_dots``).
 
 Needs Triton imported with ``TRITON_INTERPRET`` unset (``=0``): run it in a fresh process.
 """
@@ -131,8 +132,8 @@ def ptx_report(compiled, *, arch: int = 90, ptx_file: str | Path | None = None) 
     return {"registers": max(regs, default=0), "spill_stores": sum(stores), "spill_loads": sum(loads),
             "shared_bytes": int(compiled.metadata.shared),
             "cp_async": len(re.findall(r"cp\.async\.(?:ca|cg)\.shared", ptx)), "tma": tma,
-            "wgmma": ptx.count("wgmma.mma_async"), "dots": len(dots),
-            "wgmma_dots": dots.count("ttng.warp_group_dot"),
+            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": len(re.findall(r"\bmma\.sync\.", ptx)),
+            "dots": len(dots), "wgmma_dots": dots.count("ttng.warp_group_dot"),
             "async_copy_ops": ttgir.count("async_copy_global_to_local"),
             "tile_async": len(_TILE_COPY.findall(ttgir))}
 

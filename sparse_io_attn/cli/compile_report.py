@@ -5,8 +5,10 @@ whether the main loops' loads are asynchronous. ``--op block-sparse`` (default):
 attention kernels (pipelined = ``cp.async`` or TMA in the PTX). ``--op sparse-operands``: every
 launch of one batched forward + backward of ``sparse_operands.attention`` (pipelined = the loop's 2-D operand
 tiles copied asynchronously, not only its indices). ``--op selection``: the per-token selection kernels
-(:func:`~sparse_io_attn.selection.api.selection_attention`'s ``"triton"`` backend) for two head layouts
-(a selection per GQA group, one shared by 64 heads), every autotuning configuration (pipelined = the
+(:func:`~sparse_io_attn.selection.api.selection_attention`'s ``"triton"`` backend: the family each head
+layout runs (key-major, element-masked or query-major) and the query-major one kept as a candidate) for four
+head layouts (a selection per GQA group, per query head, one shared by 16 heads over 4 KV heads, one shared by
+64 heads; ``--shapes`` picks some), every autotuning configuration, with wgmma and mma.sync counts (pipelined = the
 loop's gathered K/V or Q/dO tiles copied asynchronously). ``--op block-sparse-decode``: the block-sparse
 decode kernels (split-K over the decoded rows' kept blocks, and the merge) for one token and for 16.
 ``--op selection-decode``: the selection decode kernels (split-K over each token's selected blocks, and
@@ -50,6 +52,8 @@ def add_parser(sub) -> None:
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (default 90: Hopper)")
     p.add_argument("--configs", choices=("all", "default"), default="all",
                    help="every autotuning configuration (default) or only the default one")
+    p.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                   help="selection only: head layouts to compile (gqa, mqa, moba, dsa; default all)")
     p.add_argument("--ptx-dir", metavar="DIR", help="write each kernel's PTX into DIR")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=run)
@@ -83,8 +87,12 @@ def run(args) -> int:
                 f"pipelined = the loop's operand tiles copied asynchronously")
         loopless = "paper_attn_bwd_preprocess"
     elif args.op == "selection":
+        shapes = tuple(args.shapes or report.SHAPES)
+        unknown = sorted(set(shapes) - set(report.SHAPES))
+        if unknown:
+            raise ValueError(f"--shapes {unknown} unknown; choose from {tuple(report.SHAPES)}")
         rows = report.compile_report(dtype, args.head_dim, block, causal=args.causal, arch=args.arch,
-                                     configs=args.configs, ptx_dir=args.ptx_dir)
+                                     configs=args.configs, shapes=shapes, ptx_dir=args.ptx_dir)
         what = (f"per-token selection, {args.dtype}, head_dim {args.head_dim}, block {block}"
                 f"{', causal' if args.causal else ''}); pipelined = the loop's gathered tiles copied asynchronously")
         loopless = report.LOOPLESS

@@ -147,6 +147,7 @@ class SelectionPlan:
                                                     self.num_kv_blocks, self.block_size, causal_offset)
         self.checked = True              # normalised here: every entry in range, rows ascending and unique
         self._keys: KeyLists | None = None
+        self._derived: dict = {}
 
     @property
     def meta(self) -> tuple:
@@ -181,6 +182,7 @@ class SelectionPlan:
         plan.num_selections, plan.layout_batch, plan.batched = m["num_selections"], m["layout_batch"], bool(m["batched"])
         plan.rows, plan.row_counts, plan.checked = rows, row_counts, bool(m["checked"])
         plan._keys = None
+        plan._derived = {}
         L = plan.layout_batch * plan.num_selections
         if tuple(rows.shape[:2]) != (L, plan.seqlen[0]) or tuple(row_counts.shape) != (L, plan.seqlen[0]):
             raise ValueError(f"selection plan: rows {tuple(rows.shape)} and row_counts {tuple(row_counts.shape)} do not "
@@ -218,15 +220,23 @@ class SelectionPlan:
     def max_blocks(self) -> int:
         return self.rows.shape[-1]
 
-    def keys(self) -> KeyLists:
-        """The key-major lists (built on first use, then kept)."""
+    def keys(self, build=None) -> KeyLists:
+        """The key-major lists (built on first use, then kept): :func:`key_lists`, or ``build(plan)`` (a
+        backend's device builder of the same lists, e.g. the Triton backend's on CUDA)."""
         if self._keys is None:
-            self._keys = key_lists(self.rows, self.num_kv_blocks)
+            self._keys = key_lists(self.rows, self.num_kv_blocks) if build is None else build(self)
         return self._keys
 
     def check_heads(self, batch: int, num_heads_q: int, num_heads_kv: int) -> None:
         """Refuse inputs whose batch and heads the plan's selections cannot serve (:meth:`head_map`)."""
         self.head_map(batch, num_heads_q, num_heads_kv)
+
+    def derived(self, key, build):
+        """What a backend derives from this plan (the Triton families' work lists, :mod:`.worklists`),
+        built by ``build()`` on first use under ``key`` and kept with the plan."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     def head_map(self, batch: int, num_heads_q: int, num_heads_kv: int) -> HeadMap:
         """How a call's ``[batch, heads]`` index this plan; ``ValueError`` when they do not fit."""

@@ -20,6 +20,7 @@ Vocabulary (``R``, ``BLOCK_H``, key steps):
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -152,6 +153,124 @@ def choose_tiles(block_size: int, head_dim: int, dtype: torch.dtype, r: int) -> 
                           dkdv=(c["dkdv"].block_m, c["dkdv"].block_n))
 
 
+# ------------------------------------------------------------------------------------- families
+#: the Triton kernel families (:func:`kernel_family`)
+FAMILIES = ("query", "key", "masked")
+#: environment override of :func:`kernel_family` (``"auto"``, or one of :data:`FAMILIES`): what the GPU
+#: benchmark uses to time the families against each other
+FAMILY_ENV = "SPARSE_IO_ATTN_TRITON_SELECTION_FAMILY"
+#: a selection shared by this many heads (of one KV head) fills the rows of a query-major tile
+QUERY_MAJOR_MIN_HEADS = 16
+#: blocks of this many keys and more run key-major (one block is a tile's key extent); smaller ones
+#: run as element-masked tiles of consecutive keys
+KEY_MAJOR_MIN_BLOCK = 16
+#: ``"auto"`` leaves the key-major and masked families when their work buffers would exceed this
+#: (the key-major per-pair partials ``[B, Hq, Nq, K] x (HEAD_DIM + 2)`` fp32, forward, and ``x KEY_TILES
+#: x HEAD_DIM`` for dQ; the masked family's key bits ``[L, Nq, ceil(Nk / 64)]`` int64): query-major then
+MAX_WORK_BYTES = 8 << 30
+#: keys of one element-masked tile (the bits of one int64 word per query token)
+MASKED_BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class FamilyTiles:
+    """Tiles of the key-major (``"key"``) or element-masked (``"masked"``) family for one call:
+    ``block_m`` gathered rows = ``block_t`` query tokens x ``sel_rows`` heads (``next_pow2(R)``, the
+    rows past ``R`` padding), ``block_n`` keys per key tile (``key_tiles`` tiles per key block of the
+    key-major family; 64 for the masked family), and the warps/stages candidates of the forward and dQ
+    (``launches``) and of dK/dV (``dkdv_launches``), the first the default; autotuning picks among them on
+    CUDA (the tiles themselves are fixed: the plan's work lists are built for them). dK/dV forms its
+    products over ``dkdv_m`` rows at a time with the keys as every product's M (``S^T = K Q^T``): the
+    key-major backward's row tiles, the masked dK/dV kernel's sub-tiles of a query tile."""
+    block_m: int
+    block_t: int
+    sel_rows: int
+    block_n: int
+    key_tiles: int
+    launches: tuple        # ((num_warps, num_stages), ...)
+    dkdv_m: int
+    dkdv_launches: tuple
+
+
+# Per padded-row class (HEAD_DIM * element bytes): rows per tile, rows per dK/dV product, the (warps,
+# stages) candidates of the forward/dQ and of dK/dV. From the sm_90 compile report (`compile-report --op
+# selection`): every product on wgmma (64 keys as dK/dV's M; a dK/dV product over 16 rows at head dim 128
+# keeps the dK, dV accumulators and the dQ partial of the key-major backward in registers), no spills,
+# the gathered tiles multi-buffered. fp32 runs exact IEEE products on CUDA cores.
+_FAMILY_CONFIGS = {128: (64, 32, ((4, 2), (4, 3), (8, 2)), ((4, 3), (8, 3))),
+                   256: (64, 16, ((4, 2), (8, 2), (4, 3)), ((8, 3),)),
+                   512: (32, 16, ((4, 2), (8, 2)), ((8, 2),)),
+                   1024: (16, 16, ((4, 1), (4, 2)), ((4, 1),))}
+_FAMILY_CONFIGS_FP32 = {256: (32, 16, ((4, 2), (8, 2)), ((4, 2),)), 512: (16, 16, ((4, 2),), ((4, 2),)),
+                        1024: (16, 16, ((4, 1),), ((4, 1),))}
+_FAMILY_KEY_N = 64   # key tile of the key-major family (a block of up to 64 keys is one tile)
+
+
+def family_tiles(family: str, block_size: int, head_dim: int, dtype: torch.dtype, r: int) -> FamilyTiles:
+    """The :class:`FamilyTiles` of ``family`` (``"key"`` or ``"masked"``) for ``r`` =
+    :func:`sel_heads` heads per selection and KV head: from shapes and dtype only (the launcher, the
+    plan's work lists, the traffic model and the compile report agree)."""
+    if family not in ("key", "masked"):
+        raise ValueError(f"family_tiles is for the 'key' and 'masked' families, got {family!r}")
+    wide = padded_head_dim(head_dim) * element_size(dtype)
+    table = _FAMILY_CONFIGS_FP32 if dtype == torch.float32 else _FAMILY_CONFIGS
+    rows, sub, launches, dkdv_launches = table[min(c for c in table if c >= wide)]
+    sel_rows = next_pow2(r)
+    block_m = max(rows, sel_rows)
+    if family == "masked":
+        dkdv_m = min(block_m, max(sub, sel_rows))   # whole tokens per sub-tile
+        return FamilyTiles(block_m, block_m // sel_rows, sel_rows, MASKED_BLOCK_N, 1, launches, dkdv_m, dkdv_launches)
+    n, key_tiles = key_tile(block_size, _FAMILY_KEY_N)
+    return FamilyTiles(block_m, block_m // sel_rows, sel_rows, n, key_tiles, launches, sub, dkdv_launches)
+
+
+def dq_partials(block_size: int) -> int:
+    """dQ partials per (row, slot) of the key-major backward: its key tiles per block (each key tile's
+    program writes one)."""
+    return key_tile(block_size, _FAMILY_KEY_N)[1]
+
+
+def family_work_bytes(family: str, block_size: int, max_blocks: int, layouts: int, batch: int, num_heads_q: int,
+                      seqlen_q: int, seqlen_k: int, head_dim: int, dtype: torch.dtype, r: int) -> int:
+    """Bytes of the work buffers ``family`` allocates for one call (see :data:`MAX_WORK_BYTES`); 0 for
+    ``"query"``. ``layouts``: the plan's stored selections ``L``."""
+    hd = padded_head_dim(head_dim)
+    if family == "key":
+        pairs = batch * num_heads_q * seqlen_q * max_blocks
+        return pairs * max(hd + 2, dq_partials(block_size) * hd) * 4
+    if family == "masked":
+        return layouts * seqlen_q * -(-seqlen_k // MASKED_BLOCK_N) * 8
+    return 0
+
+
+def kernel_family(block_size: int, max_blocks: int, layouts: int, batch: int, num_heads_q: int, num_heads_kv: int,
+                  num_selections: int, seqlen_q: int, seqlen_k: int, head_dim: int, dtype: torch.dtype,
+                  name: str | None = None) -> str:
+    """Which Triton family runs a call (prefill forward and backward): ``name`` (``"auto"`` or one of
+    :data:`FAMILIES`), else ``$SPARSE_IO_ATTN_TRITON_SELECTION_FAMILY``, else by the plan's shape:
+
+    * ``"query"``: ``R`` = :func:`sel_heads` >= :data:`QUERY_MAJOR_MIN_HEADS` (a selection's heads fill a
+      query-major tile's rows: DSA with 64-128 heads per index list);
+    * ``"key"``: blocks of :data:`KEY_MAJOR_MIN_BLOCK` keys and more (MoBA, NSA): key-major gathered tiles;
+    * ``"masked"``: smaller blocks (single tokens: DSA with few heads per list): tiles of consecutive
+      query tokens against tiles of 64 consecutive keys with an element mask;
+
+    ``"query"`` where the family's work buffers would exceed :data:`MAX_WORK_BYTES`."""
+    name = name if name is not None else os.environ.get(FAMILY_ENV, "auto") or "auto"
+    if name != "auto" and name not in FAMILIES:
+        raise ValueError(f"the Triton selection kernel family must be 'auto' or one of {FAMILIES}, got {name!r} "
+                         f"(argument family_name= or ${FAMILY_ENV})")
+    if name != "auto":
+        return name
+    r = sel_heads(num_heads_q, num_heads_kv, num_selections)
+    if r >= QUERY_MAJOR_MIN_HEADS:
+        return "query"
+    fam = "key" if block_size >= KEY_MAJOR_MIN_BLOCK else "masked"
+    work = family_work_bytes(fam, block_size, max_blocks, layouts, batch, num_heads_q, seqlen_q, seqlen_k, head_dim,
+                             dtype, r)
+    return fam if work <= MAX_WORK_BYTES else "query"
+
+
 @dataclass(frozen=True)
 class SelectionDecodeConfig:
     """The launch of the selection decode kernels for one call, from shapes and dtype only (the
@@ -192,5 +311,6 @@ def decode_config(block_size: int, max_blocks: int, batch: int, num_heads_q: int
     return SelectionDecodeConfig(block_h, n, slots, tiles, mask_lanes, splits, c.num_warps, c.num_stages)
 
 
-__all__ = ["DECODE_MAX_QUERIES", "SelectionConfig", "SelectionDecodeConfig", "SelectionTiles", "choose_tiles",
-           "decode_config", "head_rows", "kernel_configs", "key_step", "key_tile", "sel_heads"]
+__all__ = ["DECODE_MAX_QUERIES", "FAMILIES", "FAMILY_ENV", "FamilyTiles", "SelectionConfig", "SelectionDecodeConfig",
+           "SelectionTiles", "choose_tiles", "decode_config", "dq_partials", "family_tiles", "family_work_bytes", "head_rows",
+           "kernel_configs", "kernel_family", "key_step", "key_tile", "sel_heads"]

@@ -34,72 +34,25 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.tiles import element_size
-from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
-                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
+from sparse_io_attn._attention.traffic import (DECODE_MERGE_TENSORS, INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES,
+                                               add_decode, add_preprocess)
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
-                                            decode_config, key_step, key_tile, sel_heads)
-from sparse_io_attn._triton.shapes import next_pow2
+                                            decode_config, family_tiles, kernel_family, key_step)
+from sparse_io_attn.selection.traffic_families import key_backward, key_forward, masked_backward, masked_forward
+from sparse_io_attn.selection.traffic_terms import (DECODE_KERNEL_NAMES, DECODE_TENSORS, DKDV_TENSORS,
+                                                    DQ_MERGE_TENSORS, DQ_TENSORS, FWD_TENSORS, KERNEL_NAMES,
+                                                    MERGE_TENSORS, block_tokens, check_plan, dkdv_traffic, row_pairs,
+                                                    selection_pairs, usage)
 from sparse_io_attn.tally.report import TrafficReport
 
-# Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
-# then the plan's rows (the kernels' named slots are built from these tuples in :mod:`.triton.slots`;
-# the preprocess and merge kernels are the attention kit's).
-FWD_TENSORS = FWD_BASE + ("plan",)
-DKDV_TENSORS = DKDV_BASE + ("plan",)
-DQ_TENSORS = DQ_BASE + ("plan",)
-DECODE_TENSORS = DECODE_BASE + ("plan",)
-KERNEL_NAMES = ("selection_fwd", "selection_bwd_preprocess", "selection_bwd_dkdv", "selection_bwd_dq")
-DECODE_KERNEL_NAMES = ("selection_decode", "selection_decode_merge")
 
-
-def row_pairs(plan: SelectionPlan) -> torch.Tensor:
-    """``int64 [L, Nq]``: the allowed keys of each query row (its blocks, the last one clipped to the
-    keys and to the causal diagonal: every other block of a normalised row is whole and allowed)."""
-    rows, counts = plan.rows.cpu().to(torch.int64), plan.row_counts.cpu().to(torch.int64)
-    bs, (Nq, Nk), delta = plan.block_size, plan.seqlen, plan.causal_offset
-    last = rows.gather(-1, (counts - 1).clamp(min=0)[..., None])[..., 0]                  # [L, Nq]
-    end = torch.clamp((last + 1) * bs, max=Nk)
-    if delta is not None:
-        end = torch.minimum(end, torch.arange(Nq, dtype=torch.int64) + delta + 1)
-    return torch.where(counts > 0, (counts - 1) * bs + (end - last * bs).clamp(min=0), 0)
-
-
-def block_tokens(plan: SelectionPlan) -> torch.Tensor:
-    """``int64 [L, num_kv_blocks]``: how many query tokens chose each key block (the key-major
-    lists' lengths), counted from the rows."""
-    rows = plan.rows.cpu().to(torch.int64)
-    L, nkb = rows.shape[0], plan.num_kv_blocks
-    used = rows >= 0
-    ids = torch.where(used, torch.arange(L)[:, None, None] * nkb + rows, L * nkb)
-    return torch.bincount(ids.reshape(-1), minlength=L * nkb + 1)[:-1].reshape(L, nkb)
-
-
-def _usage(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int):
-    """``(mult, hps, R)``: batch elements using each stored selection, heads per selection, heads per tile."""
-    if num_heads_kv < 1 or num_heads_q % num_heads_kv:
-        raise ValueError(f"num_heads_q ({num_heads_q}) must be a multiple of num_heads_kv ({num_heads_kv})")
-    hm = plan.head_map(batch, num_heads_q, num_heads_kv)
-    mult = 1 if plan.batched else batch
-    return mult, hm.heads_per_selection, sel_heads(num_heads_q, num_heads_kv, plan.num_selections)
-
-
-def _check(plan) -> None:
-    if not isinstance(plan, SelectionPlan):
-        raise TypeError(f"plan must be a SelectionPlan, got {type(plan).__name__}")
-
-
-def selection_pairs(plan: SelectionPlan, batch: int, num_heads_q: int) -> int:
-    """Allowed ``(query, key)`` pairs summed over batch and query heads: the score elements the
-    kernels compute (``Z_QK`` of Theorem 1.2)."""
-    _check(plan)
-    G = plan.num_selections
-    if num_heads_q % G:
-        raise ValueError(f"num_heads_q ({num_heads_q}) must be a multiple of G ({G})")
-    mult = 1 if plan.batched else batch
-    if plan.batched and plan.layout_batch != batch:
-        raise ValueError(f"the selection was made for batch {plan.layout_batch}, got batch {batch}")
-    return int(row_pairs(plan).sum()) * mult * (num_heads_q // G)
+def family(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int, dtype: torch.dtype,
+           name: str | None = None) -> str:
+    """The Triton kernel family of a call (:func:`~sparse_io_attn.selection.tiles.kernel_family`, as the
+    launcher decides it): ``"query"``, ``"key"`` or ``"masked"``."""
+    return kernel_family(plan.block_size, plan.max_blocks, plan.num_layouts, batch, num_heads_q, num_heads_kv,
+                         plan.num_selections, plan.seqlen[0], plan.seqlen[1], head_dim, dtype, name)
 
 
 def selection_flops(plan: SelectionPlan, batch: int, num_heads_q: int, head_dim: int, *,
@@ -111,7 +64,7 @@ def selection_flops(plan: SelectionPlan, batch: int, num_heads_q: int, head_dim:
 
 def _row_reads(plan: SelectionPlan, batch, num_heads_q, num_heads_kv, block_h: int, block_n: int):
     """``(keys, entries)`` the query-major programs (forward, dQ) read in all, and ``rows`` (query rows)."""
-    mult, hps, R = _usage(plan, batch, num_heads_q, num_heads_kv)
+    mult, hps, R = usage(plan, batch, num_heads_q, num_heads_kv)
     _, _, tiles = key_step(plan.block_size, block_n)
     programs = mult * (hps // R) * -(-R // block_h)     # per stored (selection, token)
     keys = int(row_pairs(plan).sum()) * programs
@@ -121,18 +74,25 @@ def _row_reads(plan: SelectionPlan, batch, num_heads_q, num_heads_kv, block_h: i
 
 
 def selection_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                      dtype: torch.dtype, *, tiles: SelectionTiles | None = None,
-                      decode: bool | None = None) -> TrafficReport:
-    """Predicted bytes of one forward (``TrafficReport(source="predicted")``): the ``selection_fwd``
-    launch, or, with ``decode`` (``None``: when ``Nq <= 16``, as the launcher decides), the decode
-    kernels' (:func:`selection_decode_forward`; ``tiles`` does not apply to them)."""
-    _check(plan)
+                      dtype: torch.dtype, *, tiles: SelectionTiles | None = None, decode: bool | None = None,
+                      family_name: str | None = None) -> TrafficReport:
+    """Predicted bytes of one forward (``TrafficReport(source="predicted")``): the kernels of the family
+    the launcher runs (:func:`family`; ``family_name`` as given to it): ``selection_fwd`` (query-major;
+    ``tiles`` applies to it), ``selection_key_fwd`` + ``selection_key_merge`` (key-major) or
+    ``selection_masked_fwd``; with ``decode`` (``None``: when ``Nq <= 16``, as the launcher decides) the
+    decode kernels' (:func:`selection_decode_forward`)."""
+    check_plan(plan)
     if decode is None:
         decode = plan.seqlen[0] <= DECODE_MAX_QUERIES
     if decode:
         return selection_decode_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     es, D = element_size(dtype), head_dim
-    R = _usage(plan, batch, num_heads_q, num_heads_kv)[2]
+    fam = family(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, family_name)
+    if fam == "key":
+        return key_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es)
+    if fam == "masked":
+        return masked_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es)
+    R = usage(plan, batch, num_heads_q, num_heads_kv)[2]
     tiles = tiles or choose_tiles(plan.block_size, head_dim, dtype, R)
     keys, entries = _row_reads(plan, batch, num_heads_q, num_heads_kv, *tiles.fwd)
     rows = batch * num_heads_q * plan.seqlen[0]
@@ -152,9 +112,9 @@ def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, 
     (``split_keys`` as given to the launcher). Per row program and split: the ``q`` rows and the row
     count; per row program: the allowed keys (:func:`row_pairs`) and ``count * TILES`` row entries,
     wherever the splits cut. O(plan rows), no launch."""
-    _check(plan)
+    check_plan(plan)
     es, D = element_size(dtype), head_dim
-    mult, hps, R = _usage(plan, batch, num_heads_q, num_heads_kv)
+    mult, hps, R = usage(plan, batch, num_heads_q, num_heads_kv)
     cfg = decode_config(plan.block_size, plan.max_blocks, batch, num_heads_q, num_heads_kv, plan.num_selections,
                         plan.seqlen[0], head_dim, dtype, split_keys=split_keys)
     S = cfg.splits
@@ -172,37 +132,28 @@ def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, 
 
 
 def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                       dtype: torch.dtype, *, tiles: SelectionTiles | None = None) -> TrafficReport:
-    """Predicted bytes of one backward (``selection_bwd_preprocess``, ``selection_bwd_dkdv``,
-    ``selection_bwd_dq``)."""
-    _check(plan)
+                       dtype: torch.dtype, *, tiles: SelectionTiles | None = None,
+                       family_name: str | None = None) -> TrafficReport:
+    """Predicted bytes of one backward: ``selection_bwd_preprocess``, then ``selection_bwd_dkdv`` +
+    ``selection_bwd_dq`` (query-major), ``selection_key_bwd`` + ``selection_key_dq_merge`` (key-major:
+    the dK/dV kernel at the family's tiles writing dQ partials) or ``selection_masked_dkdv`` +
+    ``selection_masked_dq``."""
+    check_plan(plan)
     es, D = element_size(dtype), head_dim
-    mult, hps, R = _usage(plan, batch, num_heads_q, num_heads_kv)
+    R = usage(plan, batch, num_heads_q, num_heads_kv)[2]
     tiles = tiles or choose_tiles(plan.block_size, head_dim, dtype, R)
-    bs, (Nq, Nk) = plan.block_size, plan.seqlen
-    rows_q = batch * num_heads_q * Nq
-    rows_k = batch * num_heads_kv * Nk
+    fam = family(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, family_name)
+    if fam == "key":
+        t = family_tiles("key", plan.block_size, head_dim, dtype, R)
+        return key_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, (t.dkdv_m, t.block_n))
+    if fam == "masked":
+        return masked_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es)
+    rows_q = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
     add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es)
-
-    # dK/dV: live key tiles per block (a tile starting inside the block and the sequence)
-    block_m, block_n = tiles.dkdv
-    _, key_tiles = key_tile(bs, block_n)
-    starts = torch.arange(plan.num_kv_blocks, dtype=torch.int64)[:, None] * bs \
-        + torch.arange(key_tiles, dtype=torch.int64)[None, :] * block_n
-    live = (starts < torch.clamp((torch.arange(plan.num_kv_blocks)[:, None] + 1) * bs, max=Nk)).sum(1)  # [nkb]
-    n = block_tokens(plan)                                                   # [L, nkb]
-    per_entry = max(1, next_pow2(R) // block_m)
-    sel_slots = mult * (hps // R)        # (batch element, KV head, selection slot) triples per stored selection
-    gathered = int((n * live).sum()) * sel_slots * R
-    entries = int((2 * live[None, :] + n * live * per_entry).sum()) * sel_slots
-    if rows_k:
-        rep.add("selection_bwd_dkdv",
-                {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
-                 "delta": gathered * STAT_BYTES, "k": rows_k * D * es, "v": rows_k * D * es,
-                 "plan": entries * INDEX_BYTES},
-                {"dk": rows_k * D * es, "dv": rows_k * D * es})
-
+    if batch * num_heads_kv * plan.seqlen[1]:
+        rep.add("selection_bwd_dkdv", *dkdv_traffic(plan, batch, num_heads_q, num_heads_kv, D, es, *tiles.dkdv,
+                                                    store_dq=False))
     if rows_q:
         keys, entries = _row_reads(plan, batch, num_heads_q, num_heads_kv, *tiles.dq)
         rep.add("selection_bwd_dq",
@@ -214,13 +165,15 @@ def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_he
 
 
 def selection(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-              dtype: torch.dtype, *, tiles: SelectionTiles | None = None) -> TrafficReport:
+              dtype: torch.dtype, *, tiles: SelectionTiles | None = None,
+              family_name: str | None = None) -> TrafficReport:
     """Predicted bytes of forward + backward (what ``IOCounter`` sees around ``out.backward(...)``)."""
     args = (plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    return selection_forward(*args, tiles=tiles) + selection_backward(*args, tiles=tiles)
+    return (selection_forward(*args, tiles=tiles, family_name=family_name)
+            + selection_backward(*args, tiles=tiles, family_name=family_name))
 
 
-__all__ = ["DECODE_KERNEL_NAMES", "DECODE_MERGE_TENSORS", "DECODE_TENSORS", "DKDV_TENSORS", "DQ_TENSORS",
-           "FWD_TENSORS", "KERNEL_NAMES", "PREPROCESS_TENSORS", "block_tokens", "row_pairs", "selection",
-           "selection_backward", "selection_decode_forward", "selection_flops", "selection_forward",
-           "selection_pairs"]
+__all__ = ["DECODE_KERNEL_NAMES", "DECODE_MERGE_TENSORS", "DECODE_TENSORS", "DKDV_TENSORS", "DQ_MERGE_TENSORS",
+           "DQ_TENSORS", "FWD_TENSORS", "KERNEL_NAMES", "MERGE_TENSORS", "PREPROCESS_TENSORS", "block_tokens", "family",
+           "row_pairs", "selection", "selection_backward", "selection_decode_forward", "selection_flops",
+           "selection_forward", "selection_pairs"]

@@ -91,8 +91,8 @@ def test_matches_float64_reference(B, Hq, Hkv, G, Nq, Nk, D, bs, K, causal, coun
 def test_decode_false_runs_the_prefill_kernel_and_agrees():
     sel, plan, q, k, v, _ = setup(1, 4, 2, 2, 3, 300, 16, 16, 6, "bottom_right")
     with IOCounter() as io:
-        pre = launch.forward(q, k, v, plan, sm_scale=0.25, decode=False)
-    assert set(io.report.kernels) == {"selection_fwd"}
+        pre = launch.forward(q, k, v, plan, sm_scale=0.25, decode=False, family_name="query")
+    assert set(io.report.kernels) == {"selection_fwd"}   # (the query-major kernel: the decode kernel's steps)
     dec = launch.forward(q, k, v, plan, sm_scale=0.25, split_keys=16)
     assert rel_err(dec[0], pre[0]) <= 1e-6 and rel_err(dec[1], pre[1]) <= 1e-6
     assert torch.equal(dec[2][0], pre[2][0])   # the same row maxima (split or not)
@@ -156,11 +156,12 @@ def test_bad_split_keys():
         launch.forward(q, k, v, plan, sm_scale=0.25, split_keys=0)
 
 
-@pytest.mark.parametrize("Nq, kernel", [(16, "selection_decode"), (17, "selection_fwd")])
-def test_decode_is_the_default_up_to_16_queries(Nq, kernel):
-    """``decode=None``: the decode kernels for ``Nq <= 16`` (launcher and traffic model alike)."""
+@pytest.mark.parametrize("Nq, kernels", [(16, {"selection_decode"}), (17, {"selection_key_fwd", "selection_key_merge"})])
+def test_decode_is_the_default_up_to_16_queries(Nq, kernels):
+    """``decode=None``: the decode kernels for ``Nq <= 16``, the prefill family's above (here key-major:
+    blocks of 16, one head per selection), launcher and traffic model alike."""
     _, plan, q, k, v, _ = setup(1, 2, 1, 1, Nq, 64, 16, 16, 2, "bottom_right")
     with IOCounter() as io:
         launch.forward(q, k, v, plan, sm_scale=0.25)
-    assert set(io.report.kernels) == {kernel}
+    assert set(io.report.kernels) == kernels
     assert io.report == traffic.selection_forward(plan, 1, 2, 1, 16, torch.float32)

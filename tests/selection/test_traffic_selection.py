@@ -14,7 +14,7 @@ from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.selection.plan import plan_selection
 from sparse_io_attn.selection.reference import selection_mask
-from sparse_io_attn.selection.triton import launch
+from sparse_io_attn.selection.triton import launch, launch_families
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -75,22 +75,33 @@ def test_pairs_are_the_reference_mask(causal, G, shared, counts):
 
 def test_model_closed_form_at_scale():
     """Every token selects every causally alive block (causal dense attention as a selection) at
-    N = 8192, G = 1, without running a kernel: the forward reads each allowed key once per tile of
-    R = Hq / Hkv heads, k bytes = B * Hkv * N (N + 1) / 2 * D * e; dK/dV reads each key once."""
+    N = 8192, G = 1, without running a kernel: the query-major forward reads each allowed key once per
+    tile of R = Hq / Hkv heads, k bytes = B * Hkv * N (N + 1) / 2 * D * e; dK/dV reads each key once; the
+    key-major forward (what "auto" runs) reads each block once per tile of gathered tokens."""
     B, Hq, Hkv, N, D, bs = 1, 8, 2, 8192, 64, 64
     nkb = N // bs
     idx = torch.arange(nkb).expand(1, N, nkb)
     plan = plan_selection(Selection(idx, bs), N, causal_offset=0)
-    fwd = traffic.selection_forward(plan, B, Hq, Hkv, D, torch.bfloat16)
+    fwd = traffic.selection_forward(plan, B, Hq, Hkv, D, torch.bfloat16, family_name="query")
     pairs = N * (N + 1) // 2
     assert traffic.selection_pairs(plan, B, Hq) == B * Hq * pairs
     R = Hq // Hkv
     assert fwd.kernels["selection_fwd"].reads["k"] == B * (Hq // R) * pairs * D * 2
-    bwd = traffic.selection_backward(plan, B, Hq, Hkv, D, torch.bfloat16)
+    bwd = traffic.selection_backward(plan, B, Hq, Hkv, D, torch.bfloat16, family_name="query")
     assert bwd.kernels["selection_bwd_dkdv"].reads["k"] == B * Hkv * N * D * 2
     # each (token, block) pair gathers the token's R heads once (one 64-key tile per block)
     token_blocks = sum(t // bs + 1 for t in range(N))
     assert bwd.kernels["selection_bwd_dkdv"].reads["q"] == B * Hkv * R * token_blocks * D * 2
+    # key-major ("auto" here): block c is read once per tile of 64 // R tokens of the N - 64 c that chose it;
+    # every (token, block) pair writes and the merge reads one fp32 partial (m, l, acc) per head
+    key = traffic.selection_forward(plan, B, Hq, Hkv, D, torch.bfloat16)
+    tile_tokens = 64 // R
+    reads = sum(-(-(N - c * bs) // tile_tokens) for c in range(nkb)) * bs
+    assert key.kernels["selection_key_fwd"].reads["k"] == B * (Hq // R) * reads * D * 2
+    assert key.kernels["selection_key_merge"].reads["partial"] == B * Hq * token_blocks * (2 + D) * 4
+    key_bwd = traffic.selection_backward(plan, B, Hq, Hkv, D, torch.bfloat16)
+    assert key_bwd.kernels["selection_key_bwd"].writes["partial"] == B * Hq * token_blocks * D * 4
+    assert key_bwd.kernels["selection_key_bwd"].reads["q"] == bwd.kernels["selection_bwd_dkdv"].reads["q"]
 
 
 def test_compare_against_theorem_1_2():
@@ -126,6 +137,7 @@ def test_model_follows_the_launched_tiles(monkeypatch):
         return [SelectionConfig(0, 16, 4, 2)] if kernel != "dkdv" else [SelectionConfig(16, 64, 4, 2)]
 
     monkeypatch.setattr(launch, "kernel_configs", configs)
+    monkeypatch.setattr(launch_families, "kernel_configs", configs)
     B, Hq, Hkv, Nq, Nk, D = 1, 32, 1, 4, 90, 16
     _, plan = make_plan(B, 1, Nq, Nk, 40, 3, "bottom_right", shared=True)
     q, do = (torch.randn(B, Hq, Nq, D, device=DEVICE) for _ in range(2))

@@ -4,8 +4,8 @@
 repeats, empty slots, counts; causal top-left, bottom-right with Nq != Nk, none; GQA, MQA, MHA),
 empty rows, strided views, determinism, unselected keys never read, bf16/fp16 against a
 same-precision baseline. These cases have ``Nq <= 16``: the reference cases run both forwards
-(``decode=False``: prefill, ``True``), the others the default (the decode kernels,
-``test_decode_triton.py``). Under the
+(``decode=False``: the prefill kernels of the family the launcher picks, ``True``), the others the
+default (the decode kernels, ``test_decode_triton.py``); ``test_triton_families.py`` forces each family. Under the
 interpreter (CPU) the cases stay tiny."""
 import math
 
@@ -38,13 +38,14 @@ def make_selection(B, G, Nq, Nk, bs, K, *, shared=False, counts=False, empty_row
     return Selection(idx, bs, cnt)
 
 
-def run_triton(q, k, v, do, selection, causal, sm_scale=None, decode=None):
+def run_triton(q, k, v, do, selection, causal, sm_scale=None, decode=None, family=None):
     """Forward + backward through the backend's launcher: ``(out, lse, dq, dk, dv)``. ``decode``: the
-    launcher's choice of forward kernels (``None``: the decode kernels for ``Nq <= 16``)."""
+    launcher's choice of forward kernels (``None``: the decode kernels for ``Nq <= 16``); ``family``:
+    the prefill forward's and the backward's kernel family (``None``: the launcher's choice)."""
     plan = plan_selection(selection, k.shape[2], causal_offset=causal_offset(causal, q.shape[2], k.shape[2]))
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    out, lse, stats = launch.forward(q, k, v, plan, sm_scale=scale, decode=decode)
-    dq, dk, dv = launch.backward(do, q, k, v, out, stats, plan, sm_scale=scale)
+    out, lse, stats = launch.forward(q, k, v, plan, sm_scale=scale, decode=decode, family_name=family)
+    dq, dk, dv = launch.backward(do, q, k, v, out, stats, plan, sm_scale=scale, family_name=family)
     return out, lse, dq, dk, dv
 
 
@@ -120,28 +121,32 @@ def test_backward_is_deterministic():
         assert torch.equal(a, b)
 
 
-def test_unselected_keys_are_never_read():
-    """NaN in k/v at keys no row selects reaches no output or gradient."""
+@pytest.mark.parametrize("family", [None, "query", "key", "masked"], ids=["decode", "query", "key", "masked"])
+def test_unselected_keys_are_never_read(family):
+    """NaN in k/v at keys no row selects reaches no output or gradient (every family: the masked one
+    loads only the union of its tile's selected keys)."""
     B, Hq, Hkv, Nq, Nk, D, bs = 1, 2, 1, 8, 32, 16, 4
     idx = torch.randint(0, 4, (B, 1, Nq, 3), device=DEVICE)  # blocks 0..3: keys 0..15 only
     sel = Selection(idx, bs)
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D, device=DEVICE)
     k[:, :, 16:], v[:, :, 16:] = float("nan"), float("nan")
-    out, lse, dq, dk, dv = run_triton(q, k, v, do, sel, False)
+    out, lse, dq, dk, dv = run_triton(q, k, v, do, sel, False, decode=family is None, family=family)
     ref = selection_reference(q, k[:, :, :16], v[:, :, :16], sel, do=do)
     for x in (out, lse, dq, dk[:, :, :16], dv[:, :, :16]):
         assert not torch.isnan(x).any()
     check_close((out, lse, dq, dk[:, :, :16], dv[:, :, :16]), ref)
 
 
+@pytest.mark.parametrize("family", [None, "query", "key", "masked"], ids=["decode", "query", "key", "masked"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_low_precision_vs_same_precision_baseline(dtype):
+def test_low_precision_vs_same_precision_baseline(dtype, family):
     """flash-attention's rule: error vs float64 at most 2x (outputs) / 3x (gradients) the error of
-    plain PyTorch attention with the same element mask, run in the same dtype."""
+    plain PyTorch attention with the same element mask, run in the same dtype (the decode forward with
+    the default backward, and each family's prefill forward and backward)."""
     B, Hq, Hkv, Nq, Nk, D = 1, 4, 2, 12, 40, 32
     sel = make_selection(B, 2, Nq, Nk, 8, 3)
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=dtype, device=DEVICE)
-    out, lse, dq, dk, dv = run_triton(q, k, v, do, sel, True)
+    out, lse, dq, dk, dv = run_triton(q, k, v, do, sel, True, decode=family is None, family=family)
     assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
     ref = selection_reference(q, k, v, sel, causal=True, do=do)
     mask = selection_mask(sel, B, Hq, Nk, causal=True, device=q.device)
@@ -155,11 +160,12 @@ def test_low_precision_vs_same_precision_baseline(dtype):
 
 
 def test_launch_tiles_are_the_models_default():
-    """Under the interpreter (no autotuning) the launches use the tiles the traffic model assumes."""
+    """Under the interpreter (no autotuning) the query-major launches use the tiles the traffic model
+    assumes."""
     B, Hq, Hkv, N, D = 1, 4, 2, 6, 16
     sel = make_selection(B, 2, N, N, 4, 2)
     q, k, v, do = make_inputs(B, Hq, Hkv, N, N, D, device=DEVICE)
-    run_triton(q, k, v, do, sel, False, decode=False)
+    run_triton(q, k, v, do, sel, False, decode=False, family="query")
     plan = plan_selection(sel, N)
     if INTERPRET:
         assert launch.launched_tiles() == launch.tiles_for(q, k, plan)

@@ -2,15 +2,16 @@
 are :func:`~.launch.preprocess_call` and :func:`~.launch.merge_call`):
 
 * ``attn_bwd_preprocess_kernel``: the backward's ``delta = rowsum(dO * O)`` (fp32 ``[B, Hq, Nq]``).
-* ``attn_decode_merge_kernel``: the split-K decode's partial rows merged in split order.
+* ``attn_decode_merge_kernel``: the split-K decode's partial rows merged in split order
+  (:func:`merge_rows`, which the selection op's key-major merge calls with per-row split counts).
 
 With ``COUNT_IO`` each program tallies the bytes it moves per tensor (slots :mod:`.slots`, model
 :mod:`sparse_io_attn._attention.traffic`)."""
 from __future__ import annotations
 
-from sparse_io_attn._attention.triton.slots import (MERGE_LSE, MERGE_O, MERGE_PARTIAL, MERGE_STATS, PRE_DELTA,
-                                                    PRE_DO, PRE_O)
+from sparse_io_attn._attention.triton.slots import PRE_DELTA, PRE_DO, PRE_O
 from sparse_io_attn._attention.triton.softmax import store_rows
+from sparse_io_attn._attention.triton.tally import tally_merge
 from sparse_io_attn._triton.jit import io_add  # (sets TRITON_INTERPRET first)
 
 import triton  # noqa: E402
@@ -47,28 +48,24 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def attn_decode_merge_kernel(
-    partial_ptr, o_ptr, lse_ptr, stats_ptr, io_ptr,
-    stride_oz, stride_oh, stride_om, stride_od,
-    num_rows, seqlen_q, num_heads_q, head_dim,
-    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    COUNT_IO: tl.constexpr,
-):
-    """One program per ``BLOCK_R`` rows: the splits' partial results merged in split order
-    (``M = max m_s``, ``L = sum l_s 2^(m_s - M)``, ``o = sum acc_s 2^(m_s - M) / L``, as a running
-    merge), then ``o``, ``lse``, ``stats``. Splits without an allowed key (``l_s = 0``) add nothing."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    mask_r = rows < num_rows
+def merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, counts, n_splits, stride_oz, stride_oh,
+               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, HEAD_DIM: tl.constexpr):
+    """Rows ``rows`` (flat ``(b, h, t)``) of ``partial [splits, num_rows, 2 + HEAD_DIM]`` merged in split order,
+    each row's first ``counts`` splits (``counts`` per row, ``n_splits`` their maximum; ``M = max m_s``, ``L =
+    sum l_s 2^(m_s - M)``, ``o = sum acc_s 2^(m_s - M) / L``, as a running merge), then ``o``, ``lse``,
+    ``stats``. Splits without an allowed key (``l_s = 0``) add nothing; a row without any gets ``o = 0``."""
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
-    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, HEAD_DIM], dtype=tl.float32)
-    for s in tl.range(0, NUM_SPLITS, num_stages=2):   # (its own stages: the pipeliner multi-buffers the loads)
-        base = partial_ptr + (s * num_rows + rows.to(tl.int64)) * (2 + HEAD_DIM)
-        m_s = tl.load(base, mask=mask_r, other=float("-inf"))
-        l_s = tl.load(base + 1, mask=mask_r, other=0.0)
-        a_s = tl.load(base[:, None] + 2 + offs_d[None, :], mask=mask_r[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros(rows.shape, dtype=tl.float32)
+    acc = tl.zeros([rows.shape[0], HEAD_DIM], dtype=tl.float32)
+    for s in tl.range(0, n_splits, num_stages=2):   # (its own stages: the pipeliner multi-buffers the loads)
+        ok = mask_r & (s < counts)
+        rows64 = rows.to(tl.int64)
+        base = partial_ptr + ((rows64 * 0 + s) * num_rows + rows64) * (2 + HEAD_DIM)  # (int64 offsets)
+        m_s = tl.load(base, mask=ok, other=float("-inf"))
+        l_s = tl.load(base + 1, mask=ok, other=0.0)
+        a_s = tl.load(base[:, None] + 2 + offs_d[None, :], mask=ok[:, None] & mask_d[None, :], other=0.0)
         live = l_s != 0.0
         m_new = tl.where(live, tl.maximum(m_i, m_s), m_i)
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)    # finite: no -inf - -inf
@@ -83,12 +80,25 @@ def attn_decode_merge_kernel(
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows,
                z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + m * stride_om, offs_d * stride_od,
                mask_r, mask_d, num_rows)
+
+
+@triton.jit
+def attn_decode_merge_kernel(
+    partial_ptr, o_ptr, lse_ptr, stats_ptr, io_ptr,
+    stride_oz, stride_oh, stride_om, stride_od,
+    num_rows, seqlen_q, num_heads_q, head_dim,
+    BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    COUNT_IO: tl.constexpr,
+):
+    """One program per ``BLOCK_R`` rows: the splits' partial results merged in split order
+    (:func:`merge_rows`), then ``o``, ``lse``, ``stats``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask_r = rows < num_rows
+    merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, NUM_SPLITS, NUM_SPLITS, stride_oz, stride_oh,
+               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, HEAD_DIM)
     if COUNT_IO:
         n = tl.sum(mask_r.to(tl.int64))
-        io_add(io_ptr, MERGE_PARTIAL, n * NUM_SPLITS * (2 + head_dim) * 4, 0)
-        io_add(io_ptr, MERGE_O, 0, n * head_dim * ELEM_BYTES)
-        io_add(io_ptr, MERGE_LSE, 0, n * 4)
-        io_add(io_ptr, MERGE_STATS, 0, n * 8)
+        tally_merge(io_ptr, n, n * NUM_SPLITS, head_dim * ELEM_BYTES, head_dim)
 
 
-__all__ = ["attn_bwd_preprocess_kernel", "attn_decode_merge_kernel"]
+__all__ = ["attn_bwd_preprocess_kernel", "attn_decode_merge_kernel", "merge_rows"]

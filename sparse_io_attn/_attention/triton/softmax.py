@@ -2,11 +2,12 @@
 
 * :func:`score_tile`: the base-2 scores of a tile, saturated to the finite fp32 range;
 * :func:`softmax_step`: one tile of the forward's online softmax (running max, sum, accumulator);
-* :func:`store_rows` / :func:`store_split_rows`: a row block's outputs (``o``, ``lse``, ``stats``),
-  or a decode split's partial ``(m, l, acc)``;
+* :func:`store_rows` / :func:`store_split_rows` / :func:`store_partial_rows`: a row block's outputs
+  (``o``, ``lse``, ``stats``), or a decode split's (or a key-major tile's) partial ``(m, l, acc)``;
 * :func:`load_stats` and :func:`probabilities`: the backward's recomputed probabilities from the
   forward's row statistics, never above 1;
-* :func:`dq_step` / :func:`dkdv_step`: one tile's contribution to ``dQ`` and to ``dK``/``dV``.
+* :func:`dq_step` / :func:`dkdv_step` (:func:`dkdv_ds_step`: also ``dS^T``): one tile's contribution
+  to ``dQ`` and to ``dK``/``dV``.
 
 Every kernel forms its scores, probabilities and outputs here, so the backward recomputes what the
 forward computed and every op writes ``o``, ``lse`` and ``stats`` with one convention."""
@@ -80,6 +81,14 @@ def dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr, DP_FIRST: tl
     values, but on Hopper the order decides what is live beside the in-flight ``wgmma`` (the block-sparse
     dK/dV's 128-key tiles need ``DP_FIRST`` to stay unspilled at head dim 128; the selection kernels
     compile without spills in the other order). Returns ``(dk, dv)``."""
+    dk, dv, _ = dkdv_ds_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE, DP_FIRST)
+    return dk, dv
+
+
+@triton.jit
+def dkdv_ds_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr, DP_FIRST: tl.constexpr = False):
+    """:func:`dkdv_step` that also returns the tile's ``dS^T = p^T * (v @ do^T - delta)`` (``[keys, rows]``):
+    a kernel that owns the rows' dQ partials forms ``dS @ k`` from it. Returns ``(dk, dv, dsT)``."""
     if not DP_FIRST:
         dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
     dpT = dot(v, tl.trans(do), None, DOT_DTYPE)  # [keys, rows]
@@ -87,7 +96,7 @@ def dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr, DP_FIRST: tl
     if DP_FIRST:
         dv = dot(pT, do, dv, DOT_DTYPE)  # [keys, HEAD_DIM]
     dk = dot(dsT, q, dk, DOT_DTYPE)  # [keys, HEAD_DIM]
-    return dk, dv
+    return dk, dv, dsT
 
 
 @triton.jit
@@ -114,11 +123,22 @@ def store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, spli
     if NUM_SPLITS == 1:
         store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_cols, mask_r, mask_d, stats_stride)
     else:
-        base = partial_ptr + (split * stats_stride + rows_out.to(tl.int64)) * (2 + HEAD_DIM)
-        tl.store(base, m_i, mask=mask_r)
-        tl.store(base + 1, l_i, mask=mask_r)
-        tl.store(base[:, None] + 2 + offs_d[None, :], acc, mask=mask_r[:, None] & mask_d[None, :])
+        store_partial_rows(partial_ptr, acc, l_i, m_i, split, rows_out, offs_d, mask_r, mask_d, stats_stride,
+                           HEAD_DIM)
 
 
-__all__ = ["dkdv_step", "dq_step", "load_stats", "probabilities", "score_tile", "softmax_step", "store_rows",
-           "store_split_rows"]
+@triton.jit
+def store_partial_rows(partial_ptr, acc, l_i, m_i, split, rows_out, offs_d, mask_r, mask_d, num_rows,
+                       HEAD_DIM: tl.constexpr):
+    """Rows' partial results ``(m, l, acc)`` (fp32, ``acc`` unnormalised) at ``partial[split, rows_out]`` of
+    ``partial [splits, num_rows, 2 + HEAD_DIM]`` (``split``: a scalar, or one per row), for
+    :func:`~sparse_io_attn._attention.triton.kernels.merge_rows`."""
+    rows64 = rows_out.to(tl.int64)
+    base = partial_ptr + ((rows64 * 0 + split) * num_rows + rows64) * (2 + HEAD_DIM)  # (int64 offsets)
+    tl.store(base, m_i, mask=mask_r)
+    tl.store(base + 1, l_i, mask=mask_r)
+    tl.store(base[:, None] + 2 + offs_d[None, :], acc, mask=mask_r[:, None] & mask_d[None, :])
+
+
+__all__ = ["dkdv_ds_step", "dkdv_step", "dq_step", "load_stats", "probabilities", "score_tile", "softmax_step",
+           "store_partial_rows", "store_rows", "store_split_rows"]

@@ -4,8 +4,8 @@ counter tuples. Each kernel adds its own index tensors (layout, masks, plan) aft
 from __future__ import annotations
 
 from sparse_io_attn._attention.triton.slots import (BWD_DELTA, BWD_DO, BWD_K, BWD_Q, BWD_STATS, BWD_V, DKDV_DK,
-                                                    DKDV_DV, DQ_DQ, OUT_K, OUT_LSE, OUT_O, OUT_PARTIAL, OUT_Q,
-                                                    OUT_STATS, OUT_V)
+                                                    DKDV_DV, DQ_DQ, MERGE_LSE, MERGE_O, MERGE_PARTIAL, MERGE_STATS,
+                                                    OUT_K, OUT_LSE, OUT_O, OUT_PARTIAL, OUT_Q, OUT_STATS, OUT_V)
 from sparse_io_attn._triton.jit import io_add  # (sets TRITON_INTERPRET first)
 
 import triton  # noqa: E402
@@ -46,4 +46,14 @@ def tally_backward(io_ptr, queries, keys, row_bytes, DKDV: tl.constexpr):
         io_add(io_ptr, DQ_DQ, 0, queries * row_bytes)
 
 
-__all__ = ["tally_backward", "tally_forward"]
+@triton.jit
+def tally_merge(io_ptr, rows, partials, row_bytes, head_dim):
+    """A merge program (``DECODE_MERGE_TENSORS`` slots): ``partials`` fp32 partial rows (``2 + head_dim``
+    floats) read, ``rows`` rows of ``o``, fp32 ``lse`` and ``stats`` written."""
+    io_add(io_ptr, MERGE_PARTIAL, partials * (2 + head_dim) * 4, 0)
+    io_add(io_ptr, MERGE_O, 0, rows * row_bytes)
+    io_add(io_ptr, MERGE_LSE, 0, rows * 4)
+    io_add(io_ptr, MERGE_STATS, 0, rows * 8)
+
+
+__all__ = ["tally_backward", "tally_forward", "tally_merge"]

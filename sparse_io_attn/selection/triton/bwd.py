@@ -24,26 +24,23 @@ get ``p = 0``, hence zero gradients. ``COUNT_IO`` as in the forward.
 """
 from __future__ import annotations
 
-from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
+from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, dq_step, load_stats, probabilities,
+                                                      score_tile)
 from sparse_io_attn._attention.triton.tally import tally_backward
-from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
+from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step
-from sparse_io_attn.selection.triton.slots import DKDV_PLAN, DQ_PLAN
+from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, n, i, offs_r, offs_n, offs_d, mask_d,
-                       mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh,
-                       stride_dom, stride_dod, seqlen_q, causal_offset, qk_scale,
-                       SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                       IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
-    """Gathered row tile ``i`` of one key-major list (``n`` tokens at ``query_ptr``; heads from
-    ``q_base``/``do_base``/``row_base``). ``MASKED``: disallowed elements (past the diagonal, keys
-    outside the tile) get ``p = 0``; otherwise every element of a real row is allowed (padding rows
-    have ``m = +inf``, so ``p = 0``). Returns ``(dk, dv)``."""
+def _gathered_rows(query_ptr, n, i, offs_r, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row tile ``i`` of a key-major list (``n`` tokens at ``query_ptr``) as ``BLOCK_M`` gathered rows, row
+    ``r`` = (entry ``e = r // SEL_ROWS``, head ``hh = r % SEL_ROWS`` of the unit): ``(e, hh, row_ok,
+    tok)``, ``row_ok`` the rows of a listed token and a real head, ``tok`` the entries' tokens (0 past
+    the list)."""
     r = i * BLOCK_M + offs_r  # [BLOCK_M] gathered rows
     e = r // SEL_ROWS  # the row's list entry
     hh = r % SEL_ROWS  # its head among the selection's heads in this group
@@ -51,27 +48,66 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, n, i,
     if SEL_ROWS != SEL_HEADS:
         row_ok = row_ok & (hh < SEL_HEADS)
     tok = tl.load(query_ptr + e, mask=e < n, other=0)  # [BLOCK_M] query tokens
+    return e, hh, row_ok, tok
+
+
+@triton.jit
+def _row_inputs(q_ptr, do_ptr, q_rows, do_rows, offs_d, stride_qd, stride_dod, mask_r, mask_d, stats_ptr,
+                stats_stride, delta_ptr, rows):
+    """The backward's inputs of query rows at offsets ``q_rows`` / ``do_rows`` (from ``q_ptr`` / ``do_ptr``):
+    ``q``, ``do`` (``[rows, HEAD_DIM]``), and at the flat rows ``rows`` (``(b, h, t)``) the forward's row
+    maximum and log2 sum and ``delta`` (padding rows: ``m = +inf``, so ``p = 0``)."""
+    mask = mask_r[:, None] & mask_d[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
+    do = tl.load(do_ptr + do_rows[:, None] + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows, mask_r)
+    delta = tl.load(delta_ptr + rows, mask=mask_r, other=0.0)
+    return q, do, m_row, log2_sum, delta
+
+
+@triton.jit
+def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_ptr, partial_ptr, split, n, i,
+                       offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh,
+                       stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, causal_offset, qk_scale,
+                       SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                       DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr, MASKED: tl.constexpr):
+    """Gathered row tile ``i`` of one key-major list (``n`` tokens at ``query_ptr``; heads from
+    ``q_base``/``do_base``/``row_base``). ``MASKED``: disallowed elements (past the diagonal, keys
+    outside the tile) get ``p = 0``; otherwise every element of a real row is allowed (padding rows
+    have ``m = +inf``, so ``p = 0``). ``STORE_DQ``: each row's ``dS @ k`` (unscaled, fp32) goes to
+    ``partial[slot * KEY_TILES + split, row]`` (``slot``: the pair's slot in its row, at ``slot_ptr``;
+    ``split``: this key tile of the block). Returns ``(dk, dv)``."""
+    e, hh, row_ok, tok = _gathered_rows(query_ptr, n, i, offs_r, SEL_HEADS, SEL_ROWS, BLOCK_M)
     mask_md = row_ok[:, None] & mask_d[None, :]
-    q = tl.load(q_base + hh[:, None] * stride_qh + tok[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-    do = tl.load(do_base + hh[:, None] * stride_doh + tok[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
     rows = row_base + hh.to(tl.int64) * seqlen_q + tok  # [BLOCK_M] rows of stats / delta
-    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows, row_ok)  # [BLOCK_M] x2
-    delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
-    sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
+    q, do, m_row, log2_sum, delta = _row_inputs(q_base, do_base, hh * stride_qh + tok * stride_qm,
+                                                hh * stride_doh + tok * stride_dom, offs_d, stride_qd, stride_dod,
+                                                row_ok, mask_d, stats_ptr, stats_stride, delta_ptr, rows)
+    if STORE_DQ:   # keys as every product's M (wgmma at 32-row tiles): the scores formed k @ q^T
+        sT = score_tile(k, q, qk_scale, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
+    else:
+        sT = tl.trans(score_tile(q, k, qk_scale, DOT_DTYPE))  # [BLOCK_N, BLOCK_M]: as the forward rounds it
     if MASKED:
         valid = mask_n[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M]
         if IS_CAUSAL:
             valid = valid & (offs_n[:, None] <= tok[None, :] + causal_offset)
         sT = tl.where(valid, sT, float("-inf"))
     pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
+    if STORE_DQ:
+        dk, dv, dsT = dkdv_ds_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
+        dqT = dot(tl.trans(k), dsT, None, DOT_DTYPE)  # [HEAD_DIM, BLOCK_M]
+        slot = tl.load(slot_ptr + e, mask=e < n, other=0)  # [BLOCK_M]
+        dst = (slot * KEY_TILES + split).to(tl.int64) * stats_stride + rows  # [BLOCK_M] partial rows
+        tl.store(partial_ptr + dst[None, :] * HEAD_DIM + offs_d[:, None], dqT, mask=tl.trans(mask_md))
+        return dk, dv
     return dkdv_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE)
 
 
 @triton.jit
 def _sel_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, col_ptr_ptr, col_query_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, col_ptr_ptr, col_query_ptr, col_slot_ptr,
+    partial_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -82,7 +118,8 @@ def _sel_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    COUNT_IO: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # (key block, key tile inside it)
     pid_zg = tl.program_id(1)  # batch x kv head
@@ -132,15 +169,17 @@ def _sel_bwd_dkdv_kernel(
         # 1. the first entries (causal test) or a ragged key tile; 2. the rest: no mask
         for t in range(0, n_masked):
             dk, dv = _sel_bwd_dkdv_step(
-                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, n, t, offs_r, offs_n, offs_d, mask_d,
-                mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh, stride_dom,
-                stride_dod, seqlen_q, causal_offset, qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, IS_CAUSAL, DOT_DTYPE,
+                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, partial_ptr,
+                pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr,
+                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, causal_offset,
+                qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, DOT_DTYPE, STORE_DQ,
                 MASKED=True)
         for t in range(n_masked, n_tiles):
             dk, dv = _sel_bwd_dkdv_step(
-                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, n, t, offs_r, offs_n, offs_d, mask_d,
-                mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh, stride_dom,
-                stride_dod, seqlen_q, causal_offset, qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, IS_CAUSAL, DOT_DTYPE,
+                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, partial_ptr,
+                pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr,
+                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, causal_offset,
+                qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, DOT_DTYPE, STORE_DQ,
                 MASKED=False)
         if COUNT_IO:
             entries += n.to(tl.int64)
@@ -151,12 +190,13 @@ def _sel_bwd_dkdv_kernel(
              + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
 
     if COUNT_IO:
-        if SEL_ROWS > BLOCK_M:   # a tile inside one token's heads reads its entry once
-            reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * (SEL_ROWS // BLOCK_M)
-        else:                    # each entry once
-            reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries
+        per_entry: tl.constexpr = (SEL_ROWS // BLOCK_M if SEL_ROWS > BLOCK_M else 1) * (2 if STORE_DQ else 1)
+        # (a tile inside one token's heads reads its entry once; with STORE_DQ its slot too)
+        reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * per_entry
         tally_backward(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
         io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
+        if STORE_DQ:
+            io_add(io_ptr, DKDV_PARTIAL, 0, entries * SEL_HEADS * head_dim * 4)
 
 
 @triton.jit
@@ -205,13 +245,11 @@ def _sel_bwd_dq_kernel(
     mask_hd = mask_h[:, None] & mask_d[None, :]
     t64 = t.to(tl.int64)
 
-    q = tl.load(q_ptr + off_z * stride_qz + offs_h[:, None] * stride_qh + t64 * stride_qm
-                + offs_d[None, :] * stride_qd, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
-    do = tl.load(do_ptr + off_z * stride_doz + offs_h[:, None] * stride_doh + t64 * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of stats / delta
-    m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows_out, mask_h)  # [BLOCK_H] x2
-    delta = tl.load(delta_ptr + rows_out, mask=mask_h, other=0.0)  # [BLOCK_H]
+    q, do, m_row, log2_sum, delta = _row_inputs(
+        q_ptr, do_ptr, off_z * stride_qz + offs_h * stride_qh + t64 * stride_qm,
+        off_z * stride_doz + offs_h * stride_doh + t64 * stride_dom, offs_d, stride_qd, stride_dod, mask_h, mask_d,
+        stats_ptr, stats_stride, delta_ptr, rows_out)  # [BLOCK_H, HEAD_DIM] x2, [BLOCK_H] x3
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 

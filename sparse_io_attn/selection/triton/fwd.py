@@ -43,16 +43,25 @@ def _head_unit(prog, num_heads_q, num_heads_kv, stride_lb, heads_per_selection,
     ``BLOCK_H`` query heads (``mask_h``: those of the unit), the stored selection they share and their
     KV head."""
     CHUNKS: tl.constexpr = (SEL_HEADS + BLOCK_H - 1) // BLOCK_H
-    units = num_heads_q // SEL_HEADS
-    off_z = (prog // (units * CHUNKS)).to(tl.int64)
-    unit = (prog // CHUNKS) % units
+    off_z, off_h, off_l, off_hkv = _unit(prog // CHUNKS, num_heads_q, num_heads_kv, stride_lb, heads_per_selection,
+                                         SEL_HEADS)
     chunk = prog % CHUNKS
     offs_hh = tl.arange(0, BLOCK_H)
     mask_h = offs_hh < SEL_HEADS - chunk * BLOCK_H
-    offs_h = (unit * SEL_HEADS + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
-    off_l = off_z * stride_lb + (unit * SEL_HEADS) // heads_per_selection  # the heads' selection
-    off_hkv = ((unit * SEL_HEADS) // (num_heads_q // num_heads_kv)).to(tl.int64)
+    offs_h = (off_h + chunk * BLOCK_H + offs_hh).to(tl.int64)  # [BLOCK_H] query heads
     return off_z, offs_h, mask_h, off_l, off_hkv
+
+
+@triton.jit
+def _unit(prog, num_heads_q, num_heads_kv, stride_lb, heads_per_selection, SEL_HEADS: tl.constexpr):
+    """Unit ``prog`` of ``B x Hq / SEL_HEADS`` (the ``SEL_HEADS`` query heads sharing one selection and one KV
+    head): ``(off_z, off_h, off_l, off_hkv)``, its batch element, first query head, stored selection and KV head."""
+    units = num_heads_q // SEL_HEADS
+    off_z = (prog // units).to(tl.int64)
+    off_h = (prog % units) * SEL_HEADS
+    off_l = off_z * stride_lb + off_h // heads_per_selection  # the heads' selection
+    off_hkv = (off_h // (num_heads_q // num_heads_kv)).to(tl.int64)
+    return off_z, off_h, off_l, off_hkv
 
 
 @triton.jit
@@ -83,28 +92,33 @@ def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
         valid = lane_ok & (cols >= 0) & (cols < seqlen_k)
         if IS_CAUSAL:
             valid = valid & (cols <= query + causal_offset)
-        kv_mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
         keys = tl.sum(valid.to(tl.int64))
     else:
-        if MASK_LANES:
-            valid = lane_ok
-            kv_mask = lane_ok[:, None] & mask_d[None, :]
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            valid = 0
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)  # [BLOCK_N, HEAD_DIM]
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)  # [BLOCK_N, HEAD_DIM]
-        else:
-            valid = 0
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=mask_d[None, :], other=0.0)
+        valid = lane_ok   # (read only when MASK_LANES)
         keys = 0
+    k, v = _load_kv(k_base, v_base, cols, valid, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                    MASKED or MASK_LANES, EVEN_D)
     return k, v, valid, keys
+
+
+@triton.jit
+def _load_kv(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+             MASK_N: tl.constexpr, EVEN_D: tl.constexpr):
+    """``(k, v)``: key rows ``cols`` of K and V (``[len(cols), HEAD_DIM]`` each). ``MASK_N``: only the keys of
+    ``mask_n`` are loaded (the others 0); otherwise every key, the head dim masked unless ``EVEN_D``."""
+    k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    if MASK_N:
+        mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptrs, mask=mask, other=0.0)
+        v = tl.load(v_ptrs, mask=mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    return k, v
 
 
 @triton.jit

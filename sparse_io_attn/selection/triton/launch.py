@@ -10,39 +10,54 @@ plan on the tensors' device):
 * ``backward(do, q, k, v, out, stats, plan, *, sm_scale) -> (dq, dk, dv)``: dk/dv summed over each
   GQA group; deterministic (no atomics on data).
 
-The forward and dQ kernels are query-major (one program per query token and unit of heads sharing a
-selection and a KV head, :mod:`.fwd`), dK/dV key-major over ``plan.keys()`` (:mod:`.bwd`). For ``Nq <=
-16`` the forward runs the decode kernels (:mod:`.decode`: the same row programs split-K over each
-row's key steps, then a merge in split order; :func:`decode_calls`), whose outputs the same backward
-takes; they read the plan's rows only, never its key lists. Each launch
-is described once by the attention kit's :class:`~sparse_io_attn._attention.triton.launch.Call`
-(:func:`forward_calls`, :func:`backward_calls`), used by the launchers and by :mod:`.report`, which
-compiles the same calls for a GPU architecture. Configurations come from
-:func:`sparse_io_attn.selection.tiles.kernel_configs`: autotuned on CUDA, the first under the
-interpreter, while counting and with ``SPARSE_IO_ATTN_NO_AUTOTUNE=1`` (the tiles the traffic model
-assumes by default; :func:`launched_tiles` gives those the last launches used).
+Three kernel families run the prefill forward and the backward, chosen per call from the plan and the
+shapes (:func:`family`, :func:`~sparse_io_attn.selection.tiles.kernel_family`; ``family_name=`` or
+``$SPARSE_IO_ATTN_TRITON_SELECTION_FAMILY`` force one):
+
+* ``"query"`` (a selection shared by 16 heads or more of a KV head: their rows fill a tile): the forward
+  and dQ query-major (one program per query token and unit of heads sharing a selection and a KV head,
+  :mod:`.fwd`), dK/dV key-major over ``plan.keys()`` (:mod:`.bwd`);
+* ``"key"`` (blocks of 16 keys and more: MoBA, NSA): key-major gathered tiles (:mod:`.key`): the forward
+  per tile of tokens of a key-major list, partials merged per row in slot order; dK/dV writing each
+  gathered row's dQ partial, merged likewise (:mod:`.launch_families`);
+* ``"masked"`` (smaller blocks: DSA's single tokens): tiles of consecutive tokens x 64 consecutive keys
+  with an element mask (:mod:`.masked`).
+
+For ``Nq <= 16`` the forward runs the decode kernels (:mod:`.decode`: the query-major row programs
+split-K over each row's key steps, then a merge in split order; :func:`decode_calls`), whose outputs
+every family's backward takes; they read the plan's rows only, never its key lists. Each launch is
+described once by the attention kit's :class:`~sparse_io_attn._attention.triton.launch.Call`
+(:func:`forward_calls`, :func:`backward_calls`, :data:`FORWARD_CALLS`, :data:`BACKWARD_CALLS`), used by
+the launchers and by :mod:`.report`, which compiles the same calls for a GPU architecture. The
+query-major configurations come from :func:`sparse_io_attn.selection.tiles.kernel_configs`, the other
+families' from :func:`~sparse_io_attn.selection.tiles.family_tiles`: autotuned on CUDA, the first under
+the interpreter, while counting and with ``SPARSE_IO_ATTN_NO_AUTOTUNE=1`` (the tiles the traffic model
+assumes by default; :func:`launched_tiles` gives those the last query-major launches used).
+:func:`prepare` builds what a family derives from the plan ahead of the first launch.
 """
 from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._attention.tiles import padded_head_dim
-from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, decode_partial, forward_outputs,
-                                                     last_tiles, merge_call, preprocess_call, run, run_calls, strides)
-from sparse_io_attn._triton.runtime import check_device, dot_dtype
-from sparse_io_attn._triton.shapes import next_pow2
+from sparse_io_attn._attention.triton.launch import (Call, decode_partial, forward_outputs, last_tiles, merge_call,
+                                                     preprocess_call, run, strides)
+from sparse_io_attn._triton.runtime import check_device
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
-                                            decode_config, head_rows, kernel_configs, key_step, key_tile, sel_heads)
-from sparse_io_attn.selection.traffic import DECODE_TENSORS, DKDV_TENSORS, DQ_TENSORS, FWD_TENSORS
-from sparse_io_attn.selection.triton.bwd import _sel_bwd_dkdv_kernel, _sel_bwd_dq_kernel
+                                            decode_config, head_rows, kernel_configs, kernel_family, key_step,
+                                            sel_heads)
+from sparse_io_attn.selection.traffic_terms import DECODE_TENSORS, DQ_TENSORS, FWD_TENSORS
+from sparse_io_attn.selection.triton.bwd import _sel_bwd_dq_kernel
 from sparse_io_attn.selection.triton.decode import _sel_decode_kernel
 from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
+from sparse_io_attn.selection.triton.launch_families import (PREPROCESS_BLOCK_M, common_args, dkdv_call, key_dq_calls,
+                                                             key_forward_calls, key_tiles_of, key_work_of,
+                                                             masked_backward_calls, masked_forward_calls,
+                                                             masked_tiles_of, plan_keys)
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
 TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE", "SEL_HEADS", "max_blocks")
-PREPROCESS_BLOCK_M = 64
 KERNEL_NAMES = ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")
 
 
@@ -58,49 +73,24 @@ def _row_configs(kind: str, q: torch.Tensor, plan: SelectionPlan) -> list:
     return out
 
 
-def _dkdv_configs(q: torch.Tensor, plan: SelectionPlan) -> list:
-    out = []
-    for c in kernel_configs("dkdv", plan.block_size, q.shape[-1], q.dtype):
-        n, key_tiles = key_tile(plan.block_size, c.block_n)
-        out.append(triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": n, "KEY_TILES": key_tiles},
-                                 num_warps=c.num_warps, num_stages=c.num_stages))
-    return out
-
-
-def _common(q, k, plan: SelectionPlan, sm_scale: float) -> dict:
-    B, Hq, Nq, D = q.shape
-    Hkv = k.shape[1]
-    hm = plan.head_map(B, Hq, Hkv)
-    head_dim = padded_head_dim(D)
-    delta = plan.causal_offset
-    return dict(stride_lb=hm.stride_lb, heads_per_selection=hm.heads_per_selection, seqlen_q=Nq,
-                seqlen_k=k.shape[2], num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, sm_scale=float(sm_scale),
-                causal_offset=0 if delta is None else int(delta), BLOCK_SIZE=plan.block_size,
-                SEL_HEADS=sel_heads(Hq, Hkv, plan.num_selections), HEAD_DIM=head_dim, EVEN_D=head_dim == D,
-                IS_CAUSAL=delta is not None, DOT_DTYPE=dot_dtype(q.dtype), ELEM_BYTES=q.element_size())
-
-
 def _row_grid(q, common: dict, block_h: int):
     B, Hq, Nq, _ = q.shape
     r = common["SEL_HEADS"]
     return (Nq, B * (Hq // r) * triton.cdiv(r, block_h))
 
 
-def _forward_call(q, k, v, out, lse, stats, plan: SelectionPlan, sm_scale: float) -> Call:
+def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
+    """``([call], out, lse, stats)``: the query-major forward launch and its (uninitialised) outputs."""
     B, Hq, Nq, D = q.shape
-    common = _common(q, k, plan, sm_scale)
+    common = common_args(q, k, plan, sm_scale)
     block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
+    out, lse, stats = forward_outputs(q)
     grid = _row_grid(q, common, block_h)
-    return Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
+    call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
         row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
         **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
-
-
-def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
-    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
-    out, lse, stats = forward_outputs(q)
-    return _forward_call(q, k, v, out, lse, stats, plan, sm_scale), out, lse, stats
+    return [call], out, lse, stats
 
 
 def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: int = DECODE_SPLIT_KEYS):
@@ -110,7 +100,7 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
     the plan's rows are read."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
-    common = _common(q, k, plan, sm_scale)
+    common = common_args(q, k, plan, sm_scale)
     cfg = decode_config(plan.block_size, plan.max_blocks, B, Hq, Hkv, plan.num_selections, Nq, D, q.dtype,
                         split_keys=split_keys)
     out, lse, stats = forward_outputs(q)
@@ -130,20 +120,15 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
     return calls, out, lse, stats
 
 
-def _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan: SelectionPlan, sm_scale: float) -> list:
+def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
+    """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the query-major family's backward launches, in
+    order, and their outputs."""
     B, Hq, Nq, D = q.shape
-    Hkv = k.shape[1]
-    common = _common(q, k, plan, sm_scale)
-    keys = plan.keys()
+    common = common_args(q, k, plan, sm_scale)
+    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)   # rowsum(dO * O)
     pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
-    num_kv_blocks = plan.num_kv_blocks
-    dkdv = Call("selection_bwd_dkdv", _sel_bwd_dkdv_kernel,
-                lambda meta: (num_kv_blocks * meta["KEY_TILES"], B * Hkv), DKDV_TENSORS, _dkdv_configs(q, plan), dict(
-                    q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
-                    col_ptr_ptr=keys.col_ptr, col_query_ptr=keys.col_query, **strides(q, "q"),
-                    **strides(k, "k"), **strides(v, "v"), **strides(do, "do"), **strides(dk, "dk"),
-                    **strides(dv, "dv"), num_kv_blocks=num_kv_blocks, stats_stride=B * Hq * Nq,
-                    SEL_ROWS=next_pow2(common["SEL_HEADS"]), **common))
+    dkdv, dk, dv = dkdv_call("selection_bwd_dkdv", do, q, k, v, stats, delta, plan, common, None)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
     grid = _row_grid(q, common, block_h)
     dq_call = Call("selection_bwd_dq", _sel_bwd_dq_kernel, lambda meta: grid, DQ_TENSORS,
@@ -152,13 +137,17 @@ def _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan: SelectionP
                        rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
                        **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"), max_blocks=plan.max_blocks,
                        stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
-    return [pre, dkdv, dq_call]
+    return [pre, dkdv, dq_call], dq, dk, dv
 
 
-def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
-    """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the backward launches, in order, and their outputs."""
-    delta, dq, dk, dv = backward_outputs(q, k, v)
-    return _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan, sm_scale), dq, dk, dv
+def key_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
+    """``([preprocess, key_bwd, key_dq_merge] calls, dq, dk, dv)``: the key-major family's backward: the
+    dK/dV kernel also writing each gathered row's dQ partial at its slot, then their merge."""
+    common = common_args(q, k, plan, sm_scale)
+    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)   # rowsum(dO * O)
+    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
+    calls, dq, dk, dv = key_dq_calls(do, q, k, v, stats, delta, plan, common)
+    return [pre] + calls, dq, dk, dv
 
 
 def tiles_for(q: torch.Tensor, k: torch.Tensor, plan: SelectionPlan) -> SelectionTiles:
@@ -177,42 +166,61 @@ def launched_tiles() -> SelectionTiles | None:
     return SelectionTiles(fwd=fwd, dq=dq, dkdv=dkdv)
 
 
-def _key(kind: str, q, k, v, plan: SelectionPlan, sm_scale: float, *more) -> tuple:
-    """What the calls' non-tensor arguments depend on (:func:`~sparse_io_attn._attention.triton.launch.run_calls`):
-    the plan's integers, its rows' shape and causal offset (not its identity: a new selection of the same
-    shapes every step reuses the launches), shapes, strides, dtype, ``sm_scale``."""
-    return (kind, plan.meta[:-1], plan.rows.shape, plan.causal_offset, sm_scale, q.shape, q.stride(), k.shape,
-            k.stride(), v.stride(), q.dtype, *more)
+def family(q, k, plan: SelectionPlan, name: str | None = None) -> str:
+    """The kernel family of a call's prefill forward and backward
+    (:func:`~sparse_io_attn.selection.tiles.kernel_family`; ``name`` forces one)."""
+    B, Hq, Nq, D = q.shape
+    return kernel_family(plan.block_size, plan.max_blocks, plan.num_layouts, B, Hq, k.shape[1], plan.num_selections,
+                         Nq, k.shape[2], D, q.dtype, name)
+
+
+def prepare(q, k, plan: SelectionPlan, family_name: str | None = None) -> str:
+    """Build what the family of these inputs derives from the plan (key-major lists and work tiles, or the
+    masked tiles; all on the plan's device, kept with it) ahead of the first launch, as a step's plan
+    would; returns the family."""
+    fam = family(q, k, plan, family_name)
+    common = common_args(q, k, plan, 1.0)
+    if fam == "masked":
+        masked_tiles_of(q, plan, common)
+    else:
+        plan_keys(plan)
+        if fam == "key":
+            key_work_of(plan, key_tiles_of(q, plan, common).block_t)
+    return fam
 
 
 def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | None = None,
-            split_keys: int = DECODE_SPLIT_KEYS):
+            split_keys: int = DECODE_SPLIT_KEYS, family_name: str | None = None):
     """``decode``: run the decode kernels (:func:`decode_calls`, ``split_keys`` passed on); ``None``
-    (default): when ``Nq <= 16`` (:data:`~sparse_io_attn.selection.tiles.DECODE_MAX_QUERIES`)."""
+    (default): when ``Nq <= 16`` (:data:`~sparse_io_attn.selection.tiles.DECODE_MAX_QUERIES`). Otherwise
+    the family's forward (:func:`family`; ``family_name`` forces one)."""
     check_device(q, "backend 'triton'")
     if decode is None:
         decode = q.shape[2] <= DECODE_MAX_QUERIES
     if decode:
         calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, split_keys=split_keys)
-        for call in calls:
-            run(call, q.device, TUNE_KEY)
-        return out, lse, stats
-    out, lse, stats = forward_outputs(q)
-    run_calls(_key("fwd", q, k, v, plan, sm_scale), lambda: [_forward_call(q, k, v, out, lse, stats, plan, sm_scale)],
-              (q, k, v, out, lse, stats, plan.rows, plan.row_counts), TUNE_KEY)
+    else:
+        calls, out, lse, stats = FORWARD_CALLS[family(q, k, plan, family_name)](q, k, v, plan, sm_scale)
+    for call in calls:
+        run(call, q.device, TUNE_KEY)
     return out, lse, stats
 
 
-def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float):
+FORWARD_CALLS = {"query": forward_calls, "key": key_forward_calls, "masked": masked_forward_calls}
+
+
+BACKWARD_CALLS = {"query": backward_calls, "key": key_backward_calls, "masked": masked_backward_calls}
+
+
+def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
+    """The family's backward (:func:`family`; ``family_name`` forces one), whatever forward made ``stats``."""
     check_device(q, "backend 'triton'")
-    do, stats = do.to(q.dtype), stats.contiguous()
-    delta, dq, dk, dv = backward_outputs(q, k, v)
-    keys = plan.keys()
-    run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride()),
-              lambda: _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan, sm_scale),
-              (do, q, k, v, out, stats, delta, dq, dk, dv, plan.rows, plan.row_counts, keys.col_ptr, keys.col_query),
-              TUNE_KEY)
+    calls, dq, dk, dv = BACKWARD_CALLS[family(q, k, plan, family_name)](do.to(q.dtype), q, k, v, out,
+                                                                         stats.contiguous(), plan, sm_scale)
+    for call in calls:
+        run(call, q.device, TUNE_KEY)
     return dq, dk, dv
 
 
-__all__ = ["backward", "backward_calls", "decode_calls", "forward", "forward_calls", "launched_tiles", "tiles_for"]
+__all__ = ["backward", "backward_calls", "decode_calls", "family", "forward", "forward_calls", "key_backward_calls",
+           "launched_tiles", "prepare", "tiles_for"]
