@@ -1,35 +1,36 @@
-"""The prepared GPU session (issues 43, 46, 47): every device check, in two calls of at most 6 minutes.
+"""The prepared GPU session (issues 43, 46, 47): every device check, in two calls of at most 7 minutes.
 
 Each call runs one part; inside a part the steps run in priority order, each a subprocess with its own
 time limit, under one deadline (``--budget`` seconds): a step that no longer fits is skipped and listed,
 so the most important results land even when a call is cut. ``--list`` prints both parts' plans.
 
-    python3 benchmarks/gpu_session.py --part 1 --out $OUT        # call 1 (run tool: timeout_s 360)
-    python3 benchmarks/gpu_session.py --part 2 --out $OUT        # call 2
+    python3 benchmarks/gpu_session.py --part 1 --out $OUT        # call 1 (run tool: timeout_s 430)
+    python3 benchmarks/gpu_session.py --part 2 --out $OUT        # call 2 (--budget: the device time left)
     python3 benchmarks/gpu_session.py --part 1 --dry-run --out /tmp/dry    # on a CPU, before spending GPU time
 
-Part 1, correctness and the headline (budget 330 s):
+Part 1, correctness and the two headlines (budget 390 s):
   ``env``       GPU, driver, CUDA, torch, triton; copy bandwidth and a bf16 matmul measured here
-  ``tests``     ``tests/gpu`` and the Triton correctness matrices compiled on CUDA (block-sparse, selection,
-                decode, the cached launch path), ``-k "triton or gpu"``
-  ``floor``     ``gpu_floor.py``: forward+backward at 2.5-10% kept, N 8192, D 128: ``do_bench``
-                (``return_mode="all"``), ``do_bench_cudagraph``, host enqueue time, a profiler trace of 5 steps
+  ``tests``     ``tests/gpu`` and the Triton correctness matrices compiled on CUDA (block-sparse, selection
+                and its kernel families and device plan, decode, the cached launch path), ``-k "triton or gpu"``
   ``bench``     ``bench_gpu_block_sparse.py`` N 8192, D 128, sliding window and causal at 5/25/100%:
                 Flex at its defaults (the fixed export), SDPA flash and cuDNN, ``do_bench`` medians
-Part 2, the rest (budget 330 s), in this order:
+  ``selection`` MoBA, NSA, DSA shapes at N 8192 and 16384, the auto family and the query-major one, against
+                Flex (index ``mask_mod``, its defaults) and SDPA per backend, with the per-step plan time
+Part 2, the rest (budget 390 s), in this order:
   ``sanitizer_warm``, ``sanitizer``  ``compute-sanitizer --tool memcheck`` on one forward+backward of each
                 op and one decode step of each (the warm run fills Triton's cache first)
+  ``floor``     ``gpu_floor.py``: forward+backward at 2.5-10% kept, N 8192, D 128: ``do_bench``
+                (``return_mode="all"``), ``do_bench_cudagraph``, host enqueue time, a profiler trace of 5 steps
+  ``selection_32k``  the selection rows at N 32768
   ``bench_16k``  N 16384, D 128 (the first run had no time for it), sliding window and causal at 10/100%
-  ``selection``  MoBA, NSA, DSA shapes at N 8192, 16384, 32768 against Flex (index ``mask_mod``, its defaults)
-                and SDPA flash/cuDNN, with the per-step plan time
   ``ncu_dkdv``   the dK/dV candidates of ``tiles.kernel_configs`` one at a time under ncu, next to the model
   ``decode``     one token against 8k-1M cached keys: window and MoBA shapes against flex-decode and SDPA
   ``ncu_dense``  the dense-form kernels (Algorithms 6 and 9) under ncu at M = d^2 and 4 d^2 (n 4096, d 128)
   ``flex_autotune``  Flex with ``mode="max-autotune-no-cudagraphs"`` at two headline shapes
   then, if time is left: ``ncu_bytes`` (every block-sparse kernel's bytes, causal), ``bench_4k`` (N 4096 at
   D 64 and 128), ``bench_16k_d64``, ``metadata`` (per-step pooled top-k + plan, N 8192-32768)
-The first seven steps of part 2 fill its budget when each takes its whole limit; the last five run in the
-time the others leave.
+The first steps of part 2 fill its budget when each takes its whole limit; the last ones run in the time
+the others leave.
 
 Every step writes its log and result files into a work folder, packed after each step into
 ``<out>/gpu_session_part<N>.tar.gz`` (the device tool brings back at most 8 files); ``<out>/summary_part<N>.json``
@@ -43,8 +44,10 @@ interpreter, eager Flex forward, perf_counter times, the ncu/compute-sanitizer c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -59,9 +62,10 @@ B = "benchmarks/"
 TRITON_MATRIX = ["tests/gpu", "tests/block_sparse/test_correctness.py", "tests/block_sparse/test_triton_block_sparse.py",
                  "tests/block_sparse/test_traffic_block_sparse.py", "tests/block_sparse/test_launch_cache.py",
                  "tests/selection/test_correctness.py", "tests/selection/test_triton_selection.py",
-                 "tests/selection/test_traffic_selection.py", "tests/block_sparse/test_decode.py",
+                 "tests/selection/test_traffic_selection.py", "tests/selection/test_triton_families.py",
+                 "tests/selection/test_triton_plan.py", "tests/block_sparse/test_decode.py",
                  "tests/selection/test_decode_triton.py"]
-BUDGET_S = 330
+BUDGET_S = 390
 
 ENV = r"""
 import json, subprocess, sys, time, torch, triton
@@ -113,17 +117,18 @@ def plan(part: int, work: Path, dry: bool) -> list[Step]:
     ncu, sanitizer = tool("ncu"), tool("compute-sanitizer")
     no_tune = {"SPARSE_IO_ATTN_NO_AUTOTUNE": "1"}
     if part == 1:
-        tests = [PY, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider", "-k", "triton or gpu",
+        tests = [PY, "-m", "pytest", "-q", "-n", "14", "-p", "no:cacheprovider", "-k", "triton or gpu",
                  "--timeout", "150", f"--junitxml={work}/tests.xml", *TRITON_MATRIX]
         if dry:
             tests = [PY, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider", "-k", "triton or gpu",
                      *TRITON_MATRIX]
         steps = [
-            Step("env", 30, [PY, "-c", ENV]),
-            Step("tests", 100, tests),
-            Step("floor", 60, [PY, B + "gpu_floor.py", "--out", f"{work}/floor"]),
-            Step("bench", 140, _bench(work, "bench_n8192_d128", "--n", "8192", "--d", "128", "--families",
+            Step("env", 20, [PY, "-c", ENV]),
+            Step("tests", 120, tests),
+            Step("bench", 130, _bench(work, "bench_n8192_d128", "--n", "8192", "--d", "128", "--families",
                                       "sliding_window", "causal", "--densities", "0.05", "0.25", "1.0")),
+            Step("selection", 120, [PY, B + "bench_gpu_selection.py", "--parts", "selection", "--n", "8192", "16384",
+                                    "--jsonl", f"{work}/selection.jsonl"]),
         ]
     elif part == 2:
         sanitize = [sanitizer, "--tool", "memcheck", "--leak-check", "no", "--error-exitcode", "3",
@@ -131,10 +136,11 @@ def plan(part: int, work: Path, dry: bool) -> list[Step]:
         steps = [
             Step("sanitizer_warm", 25, [PY, B + "gpu_sanitize_case.py"], no_tune),
             Step("sanitizer", 50, ["echo", "dry run: would run", *sanitize] if dry else sanitize, no_tune),
+            Step("floor", 50, [PY, B + "gpu_floor.py", "--out", f"{work}/floor"]),
+            Step("selection_32k", 70, [PY, B + "bench_gpu_selection.py", "--parts", "selection", "--n", "32768",
+                                       "--jsonl", f"{work}/selection_32k.jsonl"]),
             Step("bench_16k", 75, _bench(work, "bench_n16384_d128", "--n", "16384", "--d", "128", "--families",
                                          "sliding_window", "causal", "--densities", "0.1", "1.0")),
-            Step("selection", 60, [PY, B + "bench_gpu_selection.py", "--parts", "selection", "--n", "8192", "16384",
-                                   "32768", "--jsonl", f"{work}/selection.jsonl"]),
             Step("ncu_dkdv", 40, [PY, B + "ncu_block_sparse.py", "--dkdv-candidates", "--n", "8192", "--d", "128",
                                   "--family", "causal", "--density", "1.0", "--ncu", ncu,
                                   "--json", f"{work}/ncu_dkdv_candidates.json"]),
@@ -180,12 +186,18 @@ def run_step(step: Step, work: Path, env: dict, timeout: float) -> dict:
         f.write("$ " + " ".join(map(str, step.cmd)) + "\n")
         f.flush()
         try:
-            rc = subprocess.run(step.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**env, **step.env},
-                                timeout=timeout, start_new_session=True).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+            proc = subprocess.Popen(step.cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env={**env, **step.env},
+                                    start_new_session=True)
         except OSError as exc:
             rc = f"could not start: {exc}"
+        else:
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"   # the step's whole process group (pytest's workers too), not only its first process
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     return {"step": step.name, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "limit": step.limit}
 
 

@@ -50,7 +50,7 @@ def test_every_step_parses(session, tmp_path, monkeypatch, part, dry):
     assert len({s.name for s in steps}) == len(steps)
     if part == 1 and not dry:
         assert sum(s.limit for s in steps) <= session.BUDGET_S
-        assert [s.name for s in steps] == ["env", "tests", "floor", "bench"]
+        assert [s.name for s in steps] == ["env", "tests", "bench", "selection"]
     for step in steps:
         if step.name == "tests":
             files = [a for a in step.cmd if str(a).startswith("tests/")]
@@ -80,9 +80,9 @@ def _dry_run(part: int, tmp_path, *extra: str) -> dict:
 
 def test_part1_dry_run(tmp_path):
     summary = _dry_run(1, tmp_path)
-    assert [s["step"] for s in summary["steps"]] == ["env", "tests", "floor", "bench"]
-    floor = [json.loads(ln) for ln in (tmp_path / "work" / "floor" / "floor.jsonl").read_text().splitlines()]
-    assert {r["mode"] for r in floor} == {"fwd", "fwd+bwd"} and all(r["graph_error"] for r in floor)
+    assert [s["step"] for s in summary["steps"]] == ["env", "tests", "bench", "selection"]
+    rows = [json.loads(ln) for ln in (tmp_path / "work" / "selection.jsonl").read_text().splitlines()]
+    assert [r["shape"] for r in rows] == ["moba", "nsa", "dsa"] and all("auto_fwdbwd_ms" in r for r in rows)
 
 
 @pytest.mark.slow
@@ -91,4 +91,6 @@ def test_part2_dry_run(tmp_path):
     dry run is part 1's ``bench`` and ``flex_autotune`` here; their arguments are checked above)."""
     summary = _dry_run(2, tmp_path, "--skip", "bench_16k", "bench_4k")
     ran = [s["step"] for s in summary["steps"] if s.get("status") == "ok"]
-    assert len(summary["steps"]) == 12 and len(ran) == 9 and "flex_autotune" in ran
+    assert len(summary["steps"]) == 13 and len(ran) == 10 and "flex_autotune" in ran
+    floor = [json.loads(ln) for ln in (tmp_path / "work" / "floor" / "floor.jsonl").read_text().splitlines()]
+    assert {r["mode"] for r in floor} == {"fwd", "fwd+bwd"} and all(r["graph_error"] for r in floor)
