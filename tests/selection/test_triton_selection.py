@@ -98,7 +98,10 @@ def test_strided_views():
 
 def test_a_new_selection_of_the_same_shapes_runs_from_the_cached_launches(monkeypatch):
     """After the first call of a shape the launches run from their cached form (the kit's
-    ``run_calls``): a new selection of the same shapes, its own rows, exact against float64."""
+    ``run_calls``): a new selection of the same shapes, its own rows, exact against float64. The
+    query-major family (the key-major and masked ones build their calls every time)."""
+    from sparse_io_attn.selection.tiles import FAMILY_ENV
+    monkeypatch.setenv(FAMILY_ENV, "query")
     B, Hq, Hkv, Nq, Nk, D = 1, 4, 2, 24, 40, 16       # Nq > 16: the prefill kernels
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D, device=DEVICE)
     monkeypatch.setattr(kit, "_PREPARED", {})

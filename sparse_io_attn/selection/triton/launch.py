@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._attention.triton.launch import (Call, decode_partial, forward_outputs, last_tiles, merge_call,
-                                                     preprocess_call, run, strides)
+from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, decode_partial, forward_outputs,
+                                                     last_tiles, merge_call, preprocess_call, run, run_calls, strides)
 from sparse_io_attn._triton.runtime import check_device
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
@@ -79,12 +79,13 @@ def _row_grid(q, common: dict, block_h: int):
     return (Nq, B * (Hq // r) * triton.cdiv(r, block_h))
 
 
-def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
-    """``([call], out, lse, stats)``: the query-major forward launch and its (uninitialised) outputs."""
+def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None):
+    """``([call], out, lse, stats)``: the query-major forward launch and its (uninitialised) outputs
+    (``outputs``: their buffers, from :func:`forward_outputs`, allocated here when not given)."""
     B, Hq, Nq, D = q.shape
     common = common_args(q, k, plan, sm_scale)
     block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
-    out, lse, stats = forward_outputs(q)
+    out, lse, stats = forward_outputs(q) if outputs is None else outputs
     grid = _row_grid(q, common, block_h)
     call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
@@ -120,15 +121,15 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
     return calls, out, lse, stats
 
 
-def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
+def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None):
     """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the query-major family's backward launches, in
-    order, and their outputs."""
+    order, and their outputs (``outputs``: ``(delta, dq, dk, dv)`` buffers from :func:`backward_outputs`,
+    allocated here when not given)."""
     B, Hq, Nq, D = q.shape
     common = common_args(q, k, plan, sm_scale)
-    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)   # rowsum(dO * O)
+    delta, dq, dk, dv = backward_outputs(q, k, v) if outputs is None else outputs   # delta: rowsum(dO * O)
     pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
-    dkdv, dk, dv = dkdv_call("selection_bwd_dkdv", do, q, k, v, stats, delta, plan, common, None)
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dkdv, dk, dv = dkdv_call("selection_bwd_dkdv", do, q, k, v, stats, delta, plan, common, None, dk=dk, dv=dv)
     block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
     grid = _row_grid(q, common, block_h)
     dq_call = Call("selection_bwd_dq", _sel_bwd_dq_kernel, lambda meta: grid, DQ_TENSORS,
@@ -200,10 +201,26 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | Non
     if decode:
         calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, split_keys=split_keys)
     else:
-        calls, out, lse, stats = FORWARD_CALLS[family(q, k, plan, family_name)](q, k, v, plan, sm_scale)
+        fam = family(q, k, plan, family_name)
+        if fam == "query":      # from the launches kept for these shapes after the first call (run_calls)
+            out, lse, stats = forward_outputs(q)
+            run_calls(_key("fwd", q, k, v, plan, sm_scale),
+                      lambda: forward_calls(q, k, v, plan, sm_scale, (out, lse, stats))[0],
+                      (q, k, v, out, lse, stats, plan.rows, plan.row_counts), TUNE_KEY)
+            return out, lse, stats
+        calls, out, lse, stats = FORWARD_CALLS[fam](q, k, v, plan, sm_scale)
     for call in calls:
         run(call, q.device, TUNE_KEY)
     return out, lse, stats
+
+
+def _key(kind: str, q, k, v, plan: SelectionPlan, sm_scale: float, *more) -> tuple:
+    """What the query-major calls' non-tensor arguments depend on (:func:`~sparse_io_attn._attention.triton.
+    launch.run_calls`): the plan's integers, its rows' shape and causal offset (not its identity: a new
+    selection of the same shapes every step reuses the launches), shapes, strides, dtype, ``sm_scale``.
+    The key-major and masked families build their calls every time (their work lists come with the plan)."""
+    return (kind, plan.meta[:-1], plan.rows.shape, plan.causal_offset, sm_scale, q.shape, q.stride(), k.shape,
+            k.stride(), v.stride(), q.dtype, *more)
 
 
 FORWARD_CALLS = {"query": forward_calls, "key": key_forward_calls, "masked": masked_forward_calls}
@@ -215,8 +232,17 @@ BACKWARD_CALLS = {"query": backward_calls, "key": key_backward_calls, "masked": 
 def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
     """The family's backward (:func:`family`; ``family_name`` forces one), whatever forward made ``stats``."""
     check_device(q, "backend 'triton'")
-    calls, dq, dk, dv = BACKWARD_CALLS[family(q, k, plan, family_name)](do.to(q.dtype), q, k, v, out,
-                                                                         stats.contiguous(), plan, sm_scale)
+    fam = family(q, k, plan, family_name)
+    do, stats = do.to(q.dtype), stats.contiguous()
+    if fam == "query":
+        delta, dq, dk, dv = outputs = backward_outputs(q, k, v)
+        keys = plan_keys(plan)
+        run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride()),
+                  lambda: backward_calls(do, q, k, v, out, stats, plan, sm_scale, outputs)[0],
+                  (do, q, k, v, out, stats, delta, dq, dk, dv, plan.rows, plan.row_counts, keys.col_ptr,
+                   keys.col_query, keys.col_slot), TUNE_KEY)
+        return dq, dk, dv
+    calls, dq, dk, dv = BACKWARD_CALLS[fam](do, q, k, v, out, stats, plan, sm_scale)
     for call in calls:
         run(call, q.device, TUNE_KEY)
     return dq, dk, dv

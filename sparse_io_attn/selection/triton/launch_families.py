@@ -122,15 +122,15 @@ def _dkdv_configs(q: torch.Tensor, plan: SelectionPlan, key: FamilyTiles | None)
 
 
 def dkdv_call(name: str, do, q, k, v, stats, delta, plan: SelectionPlan, common: dict, partial,
-              key: FamilyTiles | None = None):
+              key: FamilyTiles | None = None, dk=None, dv=None):
     """``(call, dk, dv)``: the key-major dK/dV kernel (:func:`.bwd._sel_bwd_dkdv_kernel`) launched as
     ``name``; with a ``partial`` buffer ``[K * KEY_TILES, B * Hq * Nq, HEAD_DIM]`` (fp32) it also writes
     each gathered row's dQ partial there (the key-major family, tiles ``key``), else not (the
-    query-major family)."""
+    query-major family); ``dk``, ``dv``: their buffers (contiguous), allocated here when not given."""
     B, Hq, Nq, _ = q.shape
     keys, nkb = plan_keys(plan), plan.num_kv_blocks
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     call = Call(name, _sel_bwd_dkdv_kernel, lambda meta: (nkb * meta["KEY_TILES"], B * k.shape[1]), DKDV_TENSORS,
                 _dkdv_configs(q, plan, key), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
