@@ -87,10 +87,11 @@ def test_part1_dry_run(tmp_path):
 
 @pytest.mark.slow
 def test_part2_dry_run(tmp_path):
-    """Every part-2 step but the three that run ``bench_gpu_block_sparse.py`` at other shapes only (its
-    dry run is part 1's ``bench`` and ``flex_autotune`` here; their arguments are checked above)."""
-    summary = _dry_run(2, tmp_path, "--skip", "bench_16k", "bench_4k")
+    """Every part-2 step but those that rerun part 1's scripts at other shapes or options only
+    (``bench_gpu_block_sparse.py``: part 1's ``bench``; ``bench_gpu_selection.py``: part 1's ``selection``;
+    their arguments are checked above)."""
+    summary = _dry_run(2, tmp_path, "--skip", "bench_16k", "bench_4k", "flex_autotune", "selection_32k", "metadata")
     ran = [s["step"] for s in summary["steps"] if s.get("status") == "ok"]
-    assert len(summary["steps"]) == 13 and len(ran) == 10 and "flex_autotune" in ran
+    assert len(summary["steps"]) == 13 and len(ran) == 7 and "floor" in ran and "ncu_dense" in ran
     floor = [json.loads(ln) for ln in (tmp_path / "work" / "floor" / "floor.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in floor} == {"fwd", "fwd+bwd"} and all(r["graph_error"] for r in floor)
