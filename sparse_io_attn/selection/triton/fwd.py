@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._attention.triton.tiles import load_row_pair
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.slots import FWD_PLAN
 
@@ -96,29 +97,9 @@ def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
     else:
         valid = lane_ok   # (read only when MASK_LANES)
         keys = 0
-    k, v = _load_kv(k_base, v_base, cols, valid, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                    MASKED or MASK_LANES, EVEN_D)
+    k, v = load_row_pair(k_base, v_base, cols, valid, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                         MASKED or MASK_LANES, EVEN_D)
     return k, v, valid, keys
-
-
-@triton.jit
-def _load_kv(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-             MASK_N: tl.constexpr, EVEN_D: tl.constexpr):
-    """``(k, v)``: key rows ``cols`` of K and V (``[len(cols), HEAD_DIM]`` each). ``MASK_N``: only the keys of
-    ``mask_n`` are loaded (the others 0); otherwise every key, the head dim masked unless ``EVEN_D``."""
-    k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if MASK_N:
-        mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptrs, mask=mask, other=0.0)
-        v = tl.load(v_ptrs, mask=mask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-    return k, v
 
 
 @triton.jit
