@@ -1,10 +1,13 @@
 """Helpers shared by the test modules (importable as ``helpers``: ``pythonpath = ["tests"]``)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sparse_io_attn import BlockSparseLayout, block_sparse_attention
-from sparse_io_attn.block_sparse.reference import rel_err
+from sparse_io_attn.block_sparse.reference import masked_attention, rel_err
+from sparse_io_attn.layout.causal import causal_offset
 
 FP32_TOL = 1e-5
 BACKENDS = ("torch", "triton", "cpu")   # every backend of block_sparse_attention: parametrize("backend", BACKENDS)
@@ -57,6 +60,71 @@ def check_close(got, ref, tol=FP32_TOL):
             "dq": rel_err(got[2], ref[2]), "dk": rel_err(got[3], ref[3]), "dv": rel_err(got[4], ref[4])}
     bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, f"relative errors above {tol}: {bad}"
+
+
+def check_within_baseline(got, ref, q, k, v, do, mask):
+    """flash-attention's rule for low precision: ``got = (out, lse, dq, dk, dv)`` has no NaN and its error vs
+    the float64 ``ref`` is at most 2x (out) / 3x (gradients) the error of plain PyTorch attention with the
+    element ``mask``, run in ``q``'s dtype (softmax scale ``D ** -0.5``)."""
+    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    b_out, _ = masked_attention(qb, kb, vb, mask, q.shape[-1] ** -0.5)
+    base = (b_out,) + torch.autograd.grad(b_out, (qb, kb, vb), do)
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+        assert not torch.isnan(x).any(), f"NaN in {name}"
+    for name, x, b, r, factor in zip(("out", "dq", "dk", "dv"), (got[0],) + tuple(got[2:]), base,
+                                     (ref[0],) + tuple(ref[2:]), (2, 3, 3, 3)):
+        assert rel_err(x, r) <= factor * rel_err(b, r) + 1e-6, \
+            f"{name}: {rel_err(x, r):.2e} vs baseline {rel_err(b, r):.2e}"
+
+
+def check_forward_close(out, lse, ref, dtype):
+    """A forward's ``(out, lse)`` against the float64 ``ref = (out, lse, ...)``: ``lse = -inf`` exactly on the
+    reference's empty rows, relative error <= 2e-5 in fp32, else within twice the rounding of the reference
+    to ``dtype`` (+ 1e-3)."""
+    fin = torch.isfinite(ref[1])
+    assert torch.equal(torch.isneginf(lse), ~fin)
+    tol = 2e-5 if dtype == torch.float32 else 2 * rel_err(ref[0].to(dtype), ref[0]) + 1e-3
+    assert rel_err(out, ref[0]) <= tol and rel_err(lse[fin], ref[1][fin]) <= max(tol, 2e-5)
+
+
+def check_within_reference_error(got, ref, base, dtype):
+    """Low precision: ``got = (out, lse, dq, dk, dv)`` within 2x (out) / 3x (gradients) of the error of the
+    reference run in ``dtype`` (``base``) against the float64 ``ref`` (+ 1e-3)."""
+    for i, name in ((0, "out"), (2, "dq"), (3, "dk"), (4, "dv")):
+        lim = (2 if name == "out" else 3) * rel_err(base[i].to(dtype), ref[i]) + 1e-3
+        assert rel_err(got[i], ref[i]) <= lim, name
+
+
+def nan_cache_views(k, v, keep):
+    """``k``, ``v`` (``[B, H, Nk, D]``) as views of larger caches, ``[B, H, 4 Nk, D][:, :, :Nk]`` and ``[B, 2 Nk,
+    H, D][:, :Nk].transpose(1, 2)``: a list of two ``(k, v)`` pairs, NaN everywhere but where ``keep`` (a bool
+    mask broadcast to ``[B, H, Nk, D]``: the keys a kernel may read)."""
+    B, H, Nk, D = k.shape
+    views = []
+    for heads_first, shape in ((True, (B, H, 4 * Nk, D)), (False, (B, 2 * Nk, H, D))):
+        pair = []
+        for t in (k, v):
+            cache = torch.full(shape, float("nan"), dtype=t.dtype, device=t.device)
+            view = cache[:, :, :Nk] if heads_first else cache[:, :Nk].transpose(1, 2)
+            view.copy_(torch.where(keep, t, float("nan")))
+            pair.append(view)
+        views.append(tuple(pair))
+    return views
+
+
+def decode_indices(lead: tuple, Nq: int, Nk: int, K: int, bs: int, causal, *, empty_rows=(), device="cpu"):
+    """int64 ``[*lead, Nq, K]``: slot 0 the token's own (diagonal) block, the others random earlier
+    or later blocks (later ones are dropped by causality), some empty slots and repeats."""
+    nkb = math.ceil(Nk / bs)
+    delta = causal_offset(causal, Nq, Nk) or 0
+    idx = torch.randint(0, nkb, (*lead, Nq, K))
+    idx[..., 0] = (torch.arange(Nq) + delta).clamp(0, Nk - 1) // bs
+    idx = torch.where(torch.rand(idx.shape) < 0.15, -1, idx)
+    if K > 2:
+        idx[..., 2] = idx[..., 1]
+    for t in empty_rows:
+        idx[..., t, :] = -1
+    return idx.to(device)
 
 
 def tiny_llama(spec, seed: int = 0, *, gates: bool = True):
