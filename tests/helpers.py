@@ -1,15 +1,23 @@
 """Helpers shared by the test modules (importable as ``helpers``: ``pythonpath = ["tests"]``)."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
+import pytest
 import torch
 
-from sparse_io_attn import BlockSparseLayout, block_sparse_attention
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention, sparse_operands
 from sparse_io_attn.block_sparse.reference import masked_attention, rel_err
 from sparse_io_attn.layout.causal import causal_offset
 
 FP32_TOL = 1e-5
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 BACKENDS = ("torch", "triton", "cpu")   # every backend of block_sparse_attention: parametrize("backend", BACKENDS)
 
 
@@ -125,6 +133,72 @@ def decode_indices(lead: tuple, Nq: int, Nk: int, K: int, bs: int, causal, *, em
     for t in empty_rows:
         idx[..., t, :] = -1
     return idx.to(device)
+
+
+def compile_report(tmp_path, *args: str, timeout: float = 900) -> dict:
+    """``sparse-io-attn compile-report ARGS --json`` (sm_90 compiles, no GPU) in a fresh process (this one imported
+    Triton in interpreter mode; its own Triton cache under ``tmp_path``): the parsed report."""
+    cmd = [sys.executable, "-m", "sparse_io_attn.cli", "compile-report", *args, "--json"]
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+def check_decode_report(rows, kernel: str) -> dict:
+    """A decode compile report's rows: ``kernel`` and ``kernel + "_merge"`` at both example shapes (one token,
+    ``"decode"``; 16 tokens, ``"verify"``), split, unspilled, in an H100 block's shared memory, their main loops
+    multi-buffered (cp.async). Returns the ``verify`` row of ``kernel``."""
+    assert {(r["shape"], r["kernel"]) for r in rows} == {(s, k) for s in ("decode", "verify")
+                                                         for k in (kernel, kernel + "_merge")}
+    for r in rows:
+        assert r["splits"] > 1, r                                 # the example rows are split: both kernels run
+        assert r["spill_stores"] == r["spill_loads"] == 0, r
+        assert 0 < r["shared_bytes"] <= 227 * 1024, r             # fits an H100 block
+        assert r["pipelined"] and r["cp_async"] > 0, r
+    return next(r for r in rows if r["shape"] == "verify" and r["kernel"] == kernel)
+
+
+def load_benchmark(monkeypatch, name: str):
+    """``benchmarks/<name>.py`` imported as a module, with ``benchmarks/`` on ``sys.path`` for this test (the
+    scripts import their siblings)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def skip_cpu_backend_if_unbuilt(request) -> None:
+    """For an autouse fixture: skip a test parametrized with ``backend="cpu"`` where the C++ kernels cannot be
+    built (no C++ compiler)."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("backend") == "cpu":
+        from sparse_io_attn._cpu import build
+        if not build.is_available():
+            pytest.skip(f"the C++ kernels cannot be built here: {build.unavailable_reason()}")
+
+
+def check_repeatable(step):
+    """``step()`` (a forward and backward: a tuple of tensors) run twice gives bitwise the same tensors. Returns
+    the first run's."""
+    first, second = step(), step()
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    return first
+
+
+def check_bad_operands(over: dict, err, match: str, *, n: int, seed: int, **kw) -> None:
+    """``sparse_operands.attention`` (backend ``"torch"`` unless ``kw`` says) on random dense operands (``A1``,
+    ``A2``, ``A3`` ``[2, n, 16]``, ``X`` ``[4, 16, 16]``, ``Y`` ``[4, 16, 8]``) with the entries of ``over``
+    replaced raises ``err`` matching ``match``."""
+    g = torch.Generator().manual_seed(seed)
+    d = dict(A1=torch.randn(2, n, 16, generator=g), A2=torch.randn(2, n, 16, generator=g),
+             A3=torch.randn(2, n, 16, generator=g), X=torch.randn(4, 16, 16, generator=g),
+             Y=torch.randn(4, 16, 8, generator=g))
+    d.update(over)
+    with pytest.raises(err, match=match):
+        sparse_operands.attention(d["A1"], d["A2"], d["A3"], d["X"], d["Y"], **{"backend": "torch", **kw})
 
 
 def tiny_llama(spec, seed: int = 0, *, gates: bool = True):

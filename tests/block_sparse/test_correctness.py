@@ -13,7 +13,7 @@ from sparse_io_attn import BlockSparseLayout, patterns
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.block_sparse.reference import attention_reference, element_mask
 
-from helpers import BACKENDS, check_close, check_within_baseline, make_inputs, make_layout, run
+from helpers import BACKENDS, check_close, check_repeatable, check_within_baseline, make_inputs, make_layout, run
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 
@@ -176,10 +176,7 @@ def test_backward_is_deterministic(backend):
     layout = elem_layout(1, 4, 128, 128, 32, per_head=True)
     dev = DEVICE if backend == "triton" else "cpu"
     q, k, v, do = make_inputs(1, 4, 1, 128, 128, 32, device=dev)
-    first = run(q, k, v, do, layout, True, backend=backend)
-    second = run(q, k, v, do, layout, True, backend=backend)
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
+    check_repeatable(lambda: run(q, k, v, do, layout, True, backend=backend))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

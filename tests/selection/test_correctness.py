@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from helpers import check_close, check_within_baseline, make_inputs
+from helpers import check_close, check_repeatable, check_within_baseline, make_inputs, skip_cpu_backend_if_unbuilt
 from sparse_io_attn import Selection, selection_attention
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.layout.causal import causal_offset
@@ -26,11 +26,7 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 @pytest.fixture(autouse=True)
 def _cpu_kernel_present(request):
     """The C++ backend runs on CPU tensors, and only where it could be built (a C++ compiler)."""
-    params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("backend") == "cpu":
-        from sparse_io_attn._cpu import build
-        if not build.is_available():
-            pytest.skip(f"the C++ kernels cannot be built here: {build.unavailable_reason()}")
+    skip_cpu_backend_if_unbuilt(request)
 
 
 def device_of(backend: str) -> str:
@@ -171,10 +167,7 @@ def test_backward_is_deterministic(backend):
     B, Hq, Hkv, Nq, Nk, bs, K = 1, 4, 2, N, N, 4, 8
     idx = random_indices((B, Hq), Nq, Nk, K, bs, causal=True, device=dev)
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, 16, device=dev)
-    first = run_selection(q, k, v, do, idx, block_size=bs, backend=backend, causal=True)
-    second = run_selection(q, k, v, do, idx, block_size=bs, backend=backend, causal=True)
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
+    check_repeatable(lambda: run_selection(q, k, v, do, idx, block_size=bs, backend=backend, causal=True))
 
 
 @pytest.mark.parametrize("backend", SELECTION_BACKENDS)
