@@ -29,7 +29,7 @@ from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, d
 from sparse_io_attn._attention.triton.tally import tally_backward
 from sparse_io_attn._attention.triton.tiles import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step
+from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step, _row_steps
 from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN
 
 import triton  # noqa: E402
@@ -250,11 +250,7 @@ def _sel_bwd_dq_kernel(
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
-    row = off_l * seqlen_q + t
-    cnt = tl.load(row_counts_ptr + row)
-    row_ptr = rows_ptr + row * max_blocks
-    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
-    n_full = tl.maximum(n_steps - TILES, 0)
+    cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
     qk_scale = sm_scale * LOG2E
     dq = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     keys_loaded = tl.zeros([], dtype=tl.int64)

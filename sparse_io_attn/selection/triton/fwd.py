@@ -66,6 +66,16 @@ def _unit(prog, num_heads_q, num_heads_kv, stride_lb, heads_per_selection, SEL_H
 
 
 @triton.jit
+def _row_steps(rows_ptr, row_counts_ptr, row, max_blocks, SLOTS: tl.constexpr, TILES: tl.constexpr):
+    """Row ``row`` of the plan (a token of a stored selection; forward, decode and dQ): ``(cnt, row_ptr, n_steps,
+    n_full)``, its block count and blocks, its key steps and the unmasked ones (every step before the last
+    block's ``TILES``)."""
+    cnt = tl.load(row_counts_ptr + row)
+    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
+    return cnt, rows_ptr + row * max_blocks, n_steps, tl.maximum(n_steps - TILES, 0)
+
+
+@triton.jit
 def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
               stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
@@ -151,11 +161,8 @@ def _sel_fwd_kernel(
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
-    row = off_l * seqlen_q + t  # this token's row of the plan
-    cnt = tl.load(row_counts_ptr + row)
-    row_ptr = rows_ptr + row * max_blocks
-    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
-    n_full = tl.maximum(n_steps - TILES, 0)  # every step before the last block's
+    # this token's row of the plan: key steps [0, n_full) unmasked, [n_full, n_steps) the last block's
+    cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
 
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
