@@ -3,8 +3,6 @@ shape at every N asked gets a row with the family each of --families runs, its e
 pair and the plan's wall time, and no kernel is launched; and benchmarks/selection_bytes.py's rows."""
 import json
 
-import pytest
-
 from helpers import load_benchmark
 
 
