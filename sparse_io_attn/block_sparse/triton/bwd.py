@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
 from sparse_io_attn._attention.triton.tally import tally_backward
-from sparse_io_attn._attention.triton.tiles import load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _list_range, _query_tile, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import DKDV_LAYOUT, DKDV_MASK, DQ_LAYOUT, DQ_MASK

@@ -27,7 +27,7 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, dq_step, load_stats, probabilities,
                                                       score_tile)
 from sparse_io_attn._attention.triton.tally import tally_backward
-from sparse_io_attn._attention.triton.tiles import load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step, _row_steps
 from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
-from sparse_io_attn._attention.triton.tiles import load_row_pair
+from sparse_io_attn._attention.triton.tile_io import load_row_pair
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.slots import FWD_PLAN
 

@@ -26,7 +26,7 @@ from sparse_io_attn._attention.triton.slots import DKDV_DK, DKDV_DV
 from sparse_io_attn._attention.triton.softmax import (dkdv_step, dq_step, probabilities, score_tile, softmax_step,
                                                       store_rows)
 from sparse_io_attn._attention.triton.tally import tally_backward, tally_forward
-from sparse_io_attn._attention.triton.tiles import load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _row_inputs
 from sparse_io_attn.selection.triton.fwd import _unit
