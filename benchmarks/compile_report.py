@@ -84,10 +84,24 @@ def sparse_operand_rows(dtype: torch.dtype, d: int) -> list[dict]:
     return operand_report(dtype, d)
 
 
-def main() -> int:
+def start_report() -> tuple[list[str], dict]:
+    """A compile report's markdown parts and JSON data, started with the machine header and the sm_90a target
+    (this report's and :mod:`compile_report_selection`'s)."""
     header = machine_header(torch.bfloat16)
     header["target"] = "sm_90a (compiled with Triton, read with its bundled ptxas-blackwell; no GPU)"
-    parts, data = [format_header(header) + "\n# " + header["target"]], {"header": header}
+    return [format_header(header) + "\n# " + header["target"]], {"header": header}
+
+
+def write_report(out: Path, parts: list[str], data: dict) -> int:
+    """``out.md`` (the parts) and ``out.json`` (the data); 0, the script's exit status."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text("\n\n".join(parts) + "\n")
+    write_json(out.with_suffix(".json"), data)
+    return 0
+
+
+def main() -> int:
+    parts, data = start_report()
     for dtype, d, causal in BLOCK_SPARSE:
         rows = compile_report(dtype, d, 128, causal=causal)
         key = f"block_sparse_{str(dtype).split('.')[-1]}_d{d}{'_causal' if causal else ''}"
@@ -111,10 +125,7 @@ def main() -> int:
                      f"32-wide head-dim tiles, as launched\n\n```\n"
                      + format_table(rows, [(c, c) for c in OPERAND_COLUMNS]) + "\n```")
         print(parts[-1], flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".md").write_text("\n\n".join(parts) + "\n")
-    write_json(OUT.with_suffix(".json"), data)
-    return 0
+    return write_report(OUT, parts, data)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
 
-from sparse_io_attn.cli._common import format_header, format_table, machine_header, write_json  # noqa: E402
+from compile_report import start_report, write_report  # noqa: E402  (benchmarks/ on sys.path)
+from sparse_io_attn.cli._common import format_table  # noqa: E402
 from sparse_io_attn.selection.triton.report import COLUMNS, LOOPLESS, compile_report  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "compile_report_selection_sm90"
@@ -37,9 +38,7 @@ FAMILY_PRODUCTS = ("selection_key_fwd", "selection_key_bwd", "selection_masked_f
 
 
 def main() -> int:
-    header = machine_header(torch.bfloat16)
-    header["target"] = "sm_90a (compiled with Triton, read with its bundled ptxas-blackwell; no GPU)"
-    parts, data = [format_header(header) + "\n# " + header["target"]], {"header": header}
+    parts, data = start_report()
     totals = {"rows": 0, "spilled": 0, "unpipelined": 0, "new": 0, "mma_sync": 0}
     for dtype, d, block, causal in CASES:
         name = str(dtype).split(".")[-1]
@@ -66,10 +65,7 @@ def main() -> int:
                     f"2, G 2; mqa Hq 64, Hkv 1, G 1 (query-major, BLOCK_H 64 or the dtype's cap); moba Hq 16, Hkv "
                     f"4, G 16; dsa Hq 16, Hkv 4, G 1. BLOCK_M: the query-major forward/dQ head rows, the gathered "
                     f"(token, head) rows of a tile (key-major, masked), the rows per dK/dV product, a merge's rows.")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".md").write_text("\n\n".join(parts) + "\n")
-    write_json(OUT.with_suffix(".json"), data)
-    return 0
+    return write_report(OUT, parts, data)
 
 
 if __name__ == "__main__":

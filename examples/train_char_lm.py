@@ -151,34 +151,47 @@ def train(model: nn.Module, corpus: Corpus, cfg: Config, *, eval_every: int = 0,
         1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)) * 0.9 + 0.1)
     history = {"train": [], "val": [], "val_seconds": []}
     eval_seconds = 0.0
-    bar = _progress(cfg.steps) if progress else None
+    bar = progress_bar(cfg.steps) if progress else None
     t0 = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         model.train()
         x, y = corpus.batch("train", cfg.batch_size, cfg.seq_len, gen)
         loss = loss_fn(model, x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         history["train"].append(loss.item())
+        val = None
         if eval_every and (step % eval_every == 0 or step == cfg.steps):
             t_eval = time.perf_counter()
             val = evaluate(model, corpus, cfg, eval_batches)
             history["val"].append((step, val))
             history["val_seconds"].append(t_eval - t0 - eval_seconds)
             eval_seconds += time.perf_counter() - t_eval
-            msg = f"step {step:5d}  train {loss.item():.3f}  val {val:.3f}  ({time.perf_counter() - t0:.0f} s)"
-            bar.write(msg) if bar is not None else print(msg, flush=True)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        report_step(bar, step, loss, val, t0)
     if bar is not None:
         bar.close()
     history["seconds"] = time.perf_counter() - t0
     history["train_seconds"] = history["seconds"] - eval_seconds
     return history
+
+
+def optimizer_step(model: nn.Module, opt, sched, loss: torch.Tensor) -> None:
+    """One optimiser step on ``loss`` (gradients clipped to norm 1), then the schedule's."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+
+
+def report_step(bar, step: int, loss: torch.Tensor, val: float | None, t0: float) -> None:
+    """The progress bar's step (``bar``: :func:`progress_bar`'s, None without tqdm) and, after an evaluation
+    (``val``), the step's line (train and validation loss, seconds since ``t0``)."""
+    if val is not None:
+        msg = f"step {step:5d}  train {loss.item():.3f}  val {val:.3f}  ({time.perf_counter() - t0:.0f} s)"
+        bar.write(msg) if bar is not None else print(msg, flush=True)
+    if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
 
 
 @torch.no_grad()
@@ -206,12 +219,29 @@ def sample(model: nn.Module, corpus: Corpus, cfg: Config, length: int, temperatu
     return corpus.decode(corpus.val[:cfg.seq_len].tolist()), corpus.decode(out)
 
 
-def _progress(total: int):
+def progress_bar(total: int):
+    """A tqdm bar of ``total`` steps, or None without tqdm (optional, the examples extra: eval lines only)."""
     try:
         from tqdm import tqdm
-    except ImportError:  # tqdm is optional: fall back to the eval lines only
+    except ImportError:
         return None
     return tqdm(total=total, unit="step", dynamic_ncols=True)
+
+
+def run_arguments(p: argparse.ArgumentParser, eval_every: int) -> None:
+    """The arguments every training example takes: ``--eval-every``, ``--sample-len``, ``--threads``, ``--data``."""
+    p.add_argument("--eval-every", type=int, default=eval_every)
+    p.add_argument("--sample-len", type=int, default=300)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
+    p.add_argument("--data", type=Path, default=DATA)
+
+
+def parse_run(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """``p.parse_args(argv)``, with ``--threads`` applied."""
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def main(argv=None):
@@ -219,13 +249,8 @@ def main(argv=None):
     for f, v in vars(Config()).items():
         p.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
     p.add_argument("--attention", choices=("sparse", "dense"), default="sparse")
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--sample-len", type=int, default=300)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
-    p.add_argument("--data", type=Path, default=DATA)
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    run_arguments(p, eval_every=50)
+    args = parse_run(p, argv)
     cfg = Config(**{f: getattr(args, f) for f in vars(Config())})
     torch.manual_seed(cfg.seed)
     corpus = Corpus(args.data)

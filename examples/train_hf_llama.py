@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_char_lm import DATA, Corpus  # noqa: E402  (the same text, split and batches)
+# train_char_lm's text, split and batches, training step, progress line and run arguments
+from train_char_lm import Corpus, optimizer_step, parse_run, progress_bar, report_step, run_arguments  # noqa: E402
 
 from sparse_io_attn.block_sparse.api import BACKENDS, resolve_backend  # noqa: E402
 from sparse_io_attn.integrations import transformers as sia_hf  # noqa: E402
@@ -63,14 +64,6 @@ def evaluate(model, corpus: Corpus, args, batches: int = 8) -> float:
                for _ in range(batches)) / batches
 
 
-def _progress(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is optional (examples extra): plain eval lines only
-        return None
-    return tqdm(total=total, unit="step", dynamic_ncols=True)
-
-
 def train(model, corpus: Corpus, args) -> dict:
     """AdamW, linear warm-up and cosine decay; returns train losses, (step, val) pairs and seconds."""
     gen = torch.Generator().manual_seed(args.seed)
@@ -79,25 +72,18 @@ def train(model, corpus: Corpus, args) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     hist = {"train": [], "val": []}
-    bar = _progress(args.steps)
+    bar = progress_bar(args.steps)
     t0 = time.perf_counter()
     for step in range(1, args.steps + 1):
         model.train()
         loss = loss_fn(model, *corpus.batch("train", args.batch_size, args.seq_len, gen))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        optimizer_step(model, opt, sched, loss)
         hist["train"].append(loss.item())
+        val = None
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             val = evaluate(model, corpus, args)
             hist["val"].append((step, val))
-            msg = f"step {step:5d}  train {loss.item():.3f}  val {val:.3f}  ({time.perf_counter() - t0:.0f} s)"
-            bar.write(msg) if bar is not None else print(msg, flush=True)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        report_step(bar, step, loss, val, t0)
     if bar is not None:
         bar.close()
     hist["seconds"] = time.perf_counter() - t0
@@ -131,14 +117,9 @@ def main(argv=None) -> dict:
                    help="block-sparse backend (auto: the library default for the device)")
     p.add_argument("--attn-implementation", default=sia_hf.DEFAULT_NAME,
                    help="sparse_io_attn (default), or sdpa/eager for a dense baseline")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--sample-len", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
-    p.add_argument("--data", type=Path, default=DATA)
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    run_arguments(p, eval_every=100)
+    args = parse_run(p, argv)
     import transformers
 
     torch.manual_seed(args.seed)

@@ -1,12 +1,23 @@
 """Helpers shared by the test modules (importable as ``helpers``: ``pythonpath = ["tests"]``)."""
 from __future__ import annotations
 
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
 import torch
 
-from sparse_io_attn import BlockSparseLayout, block_sparse_attention
-from sparse_io_attn.block_sparse.reference import rel_err
+from sparse_io_attn import BlockSparseLayout, block_sparse_attention, sparse_operands
+from sparse_io_attn.block_sparse.reference import masked_attention, rel_err
+from sparse_io_attn.layout.causal import causal_offset
 
 FP32_TOL = 1e-5
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 BACKENDS = ("torch", "triton", "cpu")   # every backend of block_sparse_attention: parametrize("backend", BACKENDS)
 
 
@@ -57,6 +68,137 @@ def check_close(got, ref, tol=FP32_TOL):
             "dq": rel_err(got[2], ref[2]), "dk": rel_err(got[3], ref[3]), "dv": rel_err(got[4], ref[4])}
     bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, f"relative errors above {tol}: {bad}"
+
+
+def check_within_baseline(got, ref, q, k, v, do, mask):
+    """flash-attention's rule for low precision: ``got = (out, lse, dq, dk, dv)`` has no NaN and its error vs
+    the float64 ``ref`` is at most 2x (out) / 3x (gradients) the error of plain PyTorch attention with the
+    element ``mask``, run in ``q``'s dtype (softmax scale ``D ** -0.5``)."""
+    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    b_out, _ = masked_attention(qb, kb, vb, mask, q.shape[-1] ** -0.5)
+    base = (b_out,) + torch.autograd.grad(b_out, (qb, kb, vb), do)
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), got):
+        assert not torch.isnan(x).any(), f"NaN in {name}"
+    for name, x, b, r, factor in zip(("out", "dq", "dk", "dv"), (got[0],) + tuple(got[2:]), base,
+                                     (ref[0],) + tuple(ref[2:]), (2, 3, 3, 3)):
+        assert rel_err(x, r) <= factor * rel_err(b, r) + 1e-6, \
+            f"{name}: {rel_err(x, r):.2e} vs baseline {rel_err(b, r):.2e}"
+
+
+def check_forward_close(out, lse, ref, dtype):
+    """A forward's ``(out, lse)`` against the float64 ``ref = (out, lse, ...)``: ``lse = -inf`` exactly on the
+    reference's empty rows, relative error <= 2e-5 in fp32, else within twice the rounding of the reference
+    to ``dtype`` (+ 1e-3)."""
+    fin = torch.isfinite(ref[1])
+    assert torch.equal(torch.isneginf(lse), ~fin)
+    tol = 2e-5 if dtype == torch.float32 else 2 * rel_err(ref[0].to(dtype), ref[0]) + 1e-3
+    assert rel_err(out, ref[0]) <= tol and rel_err(lse[fin], ref[1][fin]) <= max(tol, 2e-5)
+
+
+def check_within_reference_error(got, ref, base, dtype):
+    """Low precision: ``got = (out, lse, dq, dk, dv)`` within 2x (out) / 3x (gradients) of the error of the
+    reference run in ``dtype`` (``base``) against the float64 ``ref`` (+ 1e-3)."""
+    for i, name in ((0, "out"), (2, "dq"), (3, "dk"), (4, "dv")):
+        lim = (2 if name == "out" else 3) * rel_err(base[i].to(dtype), ref[i]) + 1e-3
+        assert rel_err(got[i], ref[i]) <= lim, name
+
+
+def nan_cache_views(k, v, keep):
+    """``k``, ``v`` (``[B, H, Nk, D]``) as views of larger caches, ``[B, H, 4 Nk, D][:, :, :Nk]`` and ``[B, 2 Nk,
+    H, D][:, :Nk].transpose(1, 2)``: a list of two ``(k, v)`` pairs, NaN everywhere but where ``keep`` (a bool
+    mask broadcast to ``[B, H, Nk, D]``: the keys a kernel may read)."""
+    B, H, Nk, D = k.shape
+    views = []
+    for heads_first, shape in ((True, (B, H, 4 * Nk, D)), (False, (B, 2 * Nk, H, D))):
+        pair = []
+        for t in (k, v):
+            cache = torch.full(shape, float("nan"), dtype=t.dtype, device=t.device)
+            view = cache[:, :, :Nk] if heads_first else cache[:, :Nk].transpose(1, 2)
+            view.copy_(torch.where(keep, t, float("nan")))
+            pair.append(view)
+        views.append(tuple(pair))
+    return views
+
+
+def decode_indices(lead: tuple, Nq: int, Nk: int, K: int, bs: int, causal, *, empty_rows=(), device="cpu"):
+    """int64 ``[*lead, Nq, K]``: slot 0 the token's own (diagonal) block, the others random earlier
+    or later blocks (later ones are dropped by causality), some empty slots and repeats."""
+    nkb = math.ceil(Nk / bs)
+    delta = causal_offset(causal, Nq, Nk) or 0
+    idx = torch.randint(0, nkb, (*lead, Nq, K))
+    idx[..., 0] = (torch.arange(Nq) + delta).clamp(0, Nk - 1) // bs
+    idx = torch.where(torch.rand(idx.shape) < 0.15, -1, idx)
+    if K > 2:
+        idx[..., 2] = idx[..., 1]
+    for t in empty_rows:
+        idx[..., t, :] = -1
+    return idx.to(device)
+
+
+def compile_report(tmp_path, *args: str, timeout: float = 900) -> dict:
+    """``sparse-io-attn compile-report ARGS --json`` (sm_90 compiles, no GPU) in a fresh process (this one imported
+    Triton in interpreter mode; its own Triton cache under ``tmp_path``): the parsed report."""
+    cmd = [sys.executable, "-m", "sparse_io_attn.cli", "compile-report", *args, "--json"]
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
+
+
+def check_decode_report(rows, kernel: str) -> dict:
+    """A decode compile report's rows: ``kernel`` and ``kernel + "_merge"`` at both example shapes (one token,
+    ``"decode"``; 16 tokens, ``"verify"``), split, unspilled, in an H100 block's shared memory, their main loops
+    multi-buffered (cp.async). Returns the ``verify`` row of ``kernel``."""
+    assert {(r["shape"], r["kernel"]) for r in rows} == {(s, k) for s in ("decode", "verify")
+                                                         for k in (kernel, kernel + "_merge")}
+    for r in rows:
+        assert r["splits"] > 1, r                                 # the example rows are split: both kernels run
+        assert r["spill_stores"] == r["spill_loads"] == 0, r
+        assert 0 < r["shared_bytes"] <= 227 * 1024, r             # fits an H100 block
+        assert r["pipelined"] and r["cp_async"] > 0, r
+    return next(r for r in rows if r["shape"] == "verify" and r["kernel"] == kernel)
+
+
+def load_benchmark(monkeypatch, name: str):
+    """``benchmarks/<name>.py`` imported as a module, with ``benchmarks/`` on ``sys.path`` for this test (the
+    scripts import their siblings)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def skip_cpu_backend_if_unbuilt(request) -> None:
+    """For an autouse fixture: skip a test parametrized with ``backend="cpu"`` where the C++ kernels cannot be
+    built (no C++ compiler)."""
+    params = getattr(request.node, "callspec", None)
+    if params is not None and params.params.get("backend") == "cpu":
+        from sparse_io_attn._cpu import build
+        if not build.is_available():
+            pytest.skip(f"the C++ kernels cannot be built here: {build.unavailable_reason()}")
+
+
+def check_repeatable(step):
+    """``step()`` (a forward and backward: a tuple of tensors) run twice gives bitwise the same tensors. Returns
+    the first run's."""
+    first, second = step(), step()
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    return first
+
+
+def check_bad_operands(over: dict, err, match: str, *, n: int, seed: int, **kw) -> None:
+    """``sparse_operands.attention`` (backend ``"torch"`` unless ``kw`` says) on random dense operands (``A1``,
+    ``A2``, ``A3`` ``[2, n, 16]``, ``X`` ``[4, 16, 16]``, ``Y`` ``[4, 16, 8]``) with the entries of ``over``
+    replaced raises ``err`` matching ``match``."""
+    g = torch.Generator().manual_seed(seed)
+    d = dict(A1=torch.randn(2, n, 16, generator=g), A2=torch.randn(2, n, 16, generator=g),
+             A3=torch.randn(2, n, 16, generator=g), X=torch.randn(4, 16, 16, generator=g),
+             Y=torch.randn(4, 16, 8, generator=g))
+    d.update(over)
+    with pytest.raises(err, match=match):
+        sparse_operands.attention(d["A1"], d["A2"], d["A3"], d["X"], d["Y"], **{"backend": "torch", **kw})
 
 
 def tiny_llama(spec, seed: int = 0, *, gates: bool = True):

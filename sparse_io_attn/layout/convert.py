@@ -60,14 +60,20 @@ def blocks_from_scipy_bsr(bsr, seqlen=None, *, layout_batch: int = 1, exact: boo
             if p[4:] != parts[0][4:]:
                 raise ValueError(f"all matrices must share shape and blocksize: bsr[0] has "
                                  f"{parts[0][4]} blocks of {parts[0][5]}, bsr[{i}] has {p[4]} blocks of {p[5]}")
+        lid, r, c, vals, grid, block = _stacked([p[:6] for p in parts])
         lb, lh = _split_batch(len(parts), layout_batch)
-        lid = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(parts)])
-        r, c, vals = (torch.cat([p[k] for p in parts]) for k in (1, 2, 3))
-        grid, block = parts[0][4], parts[0][5]
     else:
         lid, r, c, vals, grid, block = _scipy_blocks(bsr, "bsr")
         lb = lh = 1
     return _from_blocks(lid, r, c, vals, (lb, lh), grid, block, seqlen, exact)
+
+
+def _stacked(parts):
+    """The blocks of a list of matrices (``parts``: each one's ``(lid, r, c, vals, grid, block)``, one mask
+    each, sharing ``grid`` and ``block``) as one list, matrix ``i`` mask ``i``: ``(lid, r, c, vals, grid, block)``."""
+    lid = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(parts)])
+    r, c, vals = (torch.cat([p[k] for p in parts]) for k in (1, 2, 3))
+    return lid, r, c, vals, parts[0][4], parts[0][5]
 
 
 def to_scipy_bsr(layout, dtype=None):
@@ -108,10 +114,8 @@ def blocks_from_torch_bsr(t, seqlen=None, *, layout_batch: int = 1, exact: bool 
                 raise ValueError(f"a list must hold 2-D BSR tensors sharing shape and blocksize: "
                                  f"t[0] has {parts[0][5]} blocks of {parts[0][6]}, t[{i}] has "
                                  f"{p[5]} blocks of {p[6]} and batch dims {p[0]}")
+        lid, r, c, vals, grid, block = _stacked([p[1:7] for p in parts])
         lb, lh = _split_batch(len(parts), layout_batch)
-        lid = torch.cat([torch.full_like(p[1], i) for i, p in enumerate(parts)])
-        r, c, vals = (torch.cat([p[k] for p in parts]) for k in (2, 3, 4))
-        grid, block = parts[0][5], parts[0][6]
     else:
         lead, lid, r, c, vals, grid, block = _torch_blocks(t, "t")
         lb, lh = (lead[0], lead[1]) if len(lead) == 2 else (1, lead[0] if lead else 1)

@@ -9,12 +9,10 @@ interpreter mode). Head dims 64 and 128, bf16 and fp16, causal and not; every co
 one dtype per head dim, the default configuration for the other combinations; fp32 (exact IEEE
 products on CUDA cores) at head dim 64, its default configuration (every fp32 configuration:
 benchmarks/results/compile_report_sm90.md)."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from helpers import compile_report
 
 CASES = [  # (dtype, head_dim, causal, configs)
     pytest.param("bf16", 128, True, "all", id="bf16-d128-causal-all", marks=pytest.mark.slow),
@@ -27,12 +25,8 @@ CASES = [  # (dtype, head_dim, causal, configs)
 
 @pytest.mark.parametrize("dtype,head_dim,causal,configs", CASES)
 def test_kernels_pipeline_and_do_not_spill(tmp_path, dtype, head_dim, causal, configs):
-    cmd = [sys.executable, "-m", "sparse_io_attn.cli", "compile-report", "--dtype", dtype, "--head-dim",
-           str(head_dim), "--block", "128", "--configs", configs, "--json"] + (["--causal"] if causal else [])
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads(res.stdout)["rows"]
+    rows = compile_report(tmp_path, "--dtype", dtype, "--head-dim", str(head_dim), "--block", "128", "--configs",
+                          configs, *(["--causal"] if causal else []))["rows"]
     loops = [r for r in rows if r["kernel"] != "attn_bwd_preprocess"]
     assert {r["kernel"] for r in loops} == {"attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"}
     if configs == "all":

@@ -14,16 +14,12 @@ from sparse_io_attn import BlockSparseLayout, block_sparse_attention, patterns, 
 from sparse_io_attn.block_sparse.plan import PLAN_ATTR
 from sparse_io_attn.block_sparse.reference import attention_reference
 
-from helpers import BACKENDS, check_close, make_inputs, run
+from helpers import BACKENDS, check_close, make_inputs, run, skip_cpu_backend_if_unbuilt
 
 
 @pytest.fixture(autouse=True)
 def _cpu_kernel_present(request):
-    params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("backend") == "cpu":
-        from sparse_io_attn.block_sparse import cpu
-        if not cpu.is_available():
-            pytest.skip(f"the C++ kernel cannot be built here: {cpu.unavailable_reason()}")
+    skip_cpu_backend_if_unbuilt(request)
 
 
 def _check(backend, layout, B, Hq, Hkv, D, causal):

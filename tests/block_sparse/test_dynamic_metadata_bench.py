@@ -1,24 +1,17 @@
 """benchmarks/dynamic_metadata.py at a tiny size: the rows are well formed, FlexAttention's two
 constructors select exactly the layout's blocks, and the files are written where --out says."""
-import importlib.util
 import math
-import pathlib
 
 import pytest
 import torch
 
+from helpers import load_benchmark
 from sparse_io_attn import patterns
-
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
 def dm(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))   # the script imports its sibling _cpu_timing
-    spec = importlib.util.spec_from_file_location("dynamic_metadata", BENCHMARKS / "dynamic_metadata.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark(monkeypatch, "dynamic_metadata")
 
 
 def test_rows_at_a_tiny_size(dm):

@@ -114,6 +114,17 @@ def test_counted_traffic_equals_model(batch, n, d, M, scale, kernel, variant, nu
     assert fwd_counted == forward_traffic(n, d, max(M, 4096), batch=Z)
 
 
+def _check_paper_forward(O, lse, A1, A2, A3, X, Y, scale):
+    """``(O, lse)`` of batched ``A1, A2, A3 [*batch, n, d]`` against the paper's forward, one batch element at a
+    time (fp32 tolerance)."""
+    n, d = A1.shape[-2:]
+    flat = [t.reshape(-1, n, d) for t in (A1, A2, A3)]
+    for z, (a1, a2, a3) in enumerate(zip(*flat)):
+        O_ref, l_ref = paper_forward(a1, a2, a3, X, Y, scale=scale)
+        assert _rel(O.reshape(-1, n, d)[z], O_ref) <= TOL_FP32
+        assert _rel(lse.reshape(-1, n)[z], torch.log(l_ref)) <= TOL_FP32
+
+
 @pytest.mark.parametrize("batch, n, d, M, scale", [
     pytest.param((), 40, 16, 4096, 1.0, id="N40-D16"),
     pytest.param((2,), 45, 24, 4096, 24 ** -0.5, id="B2-N45-D24-scaled"),
@@ -122,11 +133,7 @@ def test_forward_matches_paper_forward(batch, n, d, M, scale):
     A1, A2, A3, X, Y, _ = _inputs(batch, n, d, seed=1)
     O, lse = dense.forward(A1, A2, A3, X, Y, scale=scale, M=M)
     assert O.shape == A1.shape and lse.shape == A1.shape[:-1] and lse.dtype == torch.float32
-    flat = [t.reshape(-1, n, d) for t in (A1, A2, A3)]
-    for z, (a1, a2, a3) in enumerate(zip(*flat)):
-        O_ref, l_ref = paper_forward(a1, a2, a3, X, Y, scale=scale)
-        assert _rel(O.reshape(-1, n, d)[z], O_ref) <= TOL_FP32
-        assert _rel(lse.reshape(-1, n)[z], torch.log(l_ref)) <= TOL_FP32
+    _check_paper_forward(O, lse, A1, A2, A3, X, Y, scale)
 
 
 def test_large_scores_do_not_overflow():
@@ -197,11 +204,7 @@ def test_small_cache_forward_counted_equals_model_and_matches_reference(batch, n
     B = dense.small_cache_block(M)
     for k in ("small.matmul", "small.softmax"):
         assert dense.working_set_words(k, d, B=B) <= M
-    flat = [t.reshape(-1, n, d) for t in (A1, A2, A3)]
-    for z, (a1, a2, a3) in enumerate(zip(*flat)):
-        O_ref, l_ref = paper_forward(a1, a2, a3, X, Y, scale=scale)
-        assert _rel(O.reshape(-1, n, d)[z], O_ref) <= TOL_FP32
-        assert _rel(lse.reshape(-1, n)[z], torch.log(l_ref)) <= TOL_FP32
+    _check_paper_forward(O, lse, A1, A2, A3, X, Y, scale)
 
 
 def test_small_cache_forward_feeds_the_large_cache_backward():

@@ -75,6 +75,20 @@ def test_layer_with_selector_matches_reference(backend):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in fp32.parameters())
 
 
+def _check_compiled_step(layer, loss_fn, x):
+    """One training step through the compiled ``loss_fn`` (``layer(x).square().mean()``): its loss and
+    parameter gradients equal eager mode's."""
+    layer.zero_grad()
+    loss = loss_fn(x)
+    loss.backward()
+    got = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    eager = layer(x).square().mean()
+    eager.backward()
+    assert rel_err(loss, eager) < 1e-6
+    assert all(rel_err(a, p.grad) < 1e-4 for a, p in zip(got, layer.parameters()))
+
+
 def test_compiled_step_selects_every_call_without_recompiling():
     torch.manual_seed(2)
     layer = SparseSelfAttention(32, 4, selector=selectors.pooled_topk(16, 3), num_kv_heads=2, causal=True,
@@ -85,15 +99,7 @@ def test_compiled_step_selects_every_call_without_recompiling():
     selections = []
     for step in range(3):
         x = torch.randn(2, 96, 32)
-        layer.zero_grad()
-        loss = loss_fn(x)
-        loss.backward()
-        got = [p.grad.clone() for p in layer.parameters()]
-        layer.zero_grad()
-        eager = layer(x).square().mean()
-        eager.backward()
-        assert rel_err(loss, eager) < 1e-6
-        assert all(rel_err(a, p.grad) < 1e-4 for a, p in zip(got, layer.parameters()))
+        _check_compiled_step(layer, loss_fn, x)
         q = layer.q_proj(x).view(2, 96, 4, 8).transpose(1, 2)
         k = layer.k_proj(x).view(2, 96, 2, 8).transpose(1, 2)
         selections.append(layer.selector(q, k).to_block_mask())
@@ -212,15 +218,7 @@ def test_compiled_step_with_a_per_token_selector_does_not_recompile():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(3):
             x = torch.randn(2, 64, 32)
-            layer.zero_grad()
-            loss = loss_fn(x)
-            loss.backward()
-            got = [p.grad.clone() for p in layer.parameters()]
-            layer.zero_grad()
-            eager = layer(x).square().mean()
-            eager.backward()
-            assert rel_err(loss, eager) < 1e-6
-            assert all(rel_err(a, p.grad) < 1e-4 for a, p in zip(got, layer.parameters()))
+            _check_compiled_step(layer, loss_fn, x)
             q, k, _ = _layer_qkv(layer, x)
             chosen.append(layer.selector(q, k).indices)
     assert counter.frame_count == 1

@@ -12,10 +12,9 @@ import math
 import pytest
 import torch
 
-from helpers import check_close, make_inputs
+from helpers import check_close, check_repeatable, check_within_baseline, make_inputs, skip_cpu_backend_if_unbuilt
 from sparse_io_attn import Selection, selection_attention
 from sparse_io_attn._triton.runtime import INTERPRET
-from sparse_io_attn.block_sparse.reference import masked_attention, rel_err
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.selection.plan import plan_selection
 from sparse_io_attn.selection.reference import selection_mask, selection_reference
@@ -27,11 +26,7 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 @pytest.fixture(autouse=True)
 def _cpu_kernel_present(request):
     """The C++ backend runs on CPU tensors, and only where it could be built (a C++ compiler)."""
-    params = getattr(request.node, "callspec", None)
-    if params is not None and params.params.get("backend") == "cpu":
-        from sparse_io_attn._cpu import build
-        if not build.is_available():
-            pytest.skip(f"the C++ kernels cannot be built here: {build.unavailable_reason()}")
+    skip_cpu_backend_if_unbuilt(request)
 
 
 def device_of(backend: str) -> str:
@@ -172,10 +167,7 @@ def test_backward_is_deterministic(backend):
     B, Hq, Hkv, Nq, Nk, bs, K = 1, 4, 2, N, N, 4, 8
     idx = random_indices((B, Hq), Nq, Nk, K, bs, causal=True, device=dev)
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, 16, device=dev)
-    first = run_selection(q, k, v, do, idx, block_size=bs, backend=backend, causal=True)
-    second = run_selection(q, k, v, do, idx, block_size=bs, backend=backend, causal=True)
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
+    check_repeatable(lambda: run_selection(q, k, v, do, idx, block_size=bs, backend=backend, causal=True))
 
 
 @pytest.mark.parametrize("backend", SELECTION_BACKENDS)
@@ -193,15 +185,7 @@ def test_low_precision_vs_same_precision_baseline(backend, dtype, causal):
     assert out.dtype == dq.dtype == dk.dtype == dv.dtype == dtype and lse.dtype == torch.float32
     ref = selection_reference(q, k, v, sel, causal=causal, do=do)
     mask = selection_mask(sel, B, Hq, N, causal=causal, device=q.device)
-    qb, kb, vb = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    b_out, _ = masked_attention(qb, kb, vb, mask, D ** -0.5)
-    base = (b_out,) + torch.autograd.grad(b_out, (qb, kb, vb), do)
-    for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv)):
-        assert not torch.isnan(x).any(), f"NaN in {name}"
-    for name, x, b, r, factor in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), base, (ref[0],) + ref[2:],
-                                     (2, 3, 3, 3)):
-        assert rel_err(x, r) <= factor * rel_err(b, r) + 1e-6, \
-            f"{name}: {rel_err(x, r):.2e} vs baseline {rel_err(b, r):.2e}"
+    check_within_baseline((out, lse, dq, dk, dv), ref, q, k, v, do, mask)
 
 
 @pytest.mark.parametrize("backend", SELECTION_BACKENDS)

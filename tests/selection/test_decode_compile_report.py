@@ -6,12 +6,10 @@ their main loops' 2-D tiles asynchronously (the gathered K/V tiles; the merge's 
 case runs `sparse-io-attn compile-report --op selection-decode` in a fresh process (this one imported
 Triton in interpreter mode): bf16 at head dim 128 with 64-key blocks (one block per key step) and
 fp16 at head dim 64 with 1-key blocks (DSA-shaped: 64 single keys gathered per step, slow)."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from helpers import check_decode_report, compile_report
 
 CASES = [  # (dtype, head_dim, block)
     pytest.param("bf16", 128, 64, id="bf16-d128-block64"),
@@ -21,20 +19,8 @@ CASES = [  # (dtype, head_dim, block)
 
 @pytest.mark.parametrize("dtype, head_dim, block", CASES)
 def test_decode_kernels_pipeline_and_do_not_spill(tmp_path, dtype, head_dim, block):
-    cmd = [sys.executable, "-m", "sparse_io_attn.cli", "compile-report", "--op", "selection-decode", "--dtype", dtype,
-           "--head-dim", str(head_dim), "--block", str(block), "--json"]
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    report = json.loads(res.stdout)
+    report = compile_report(tmp_path, "--op", "selection-decode", "--dtype", dtype, "--head-dim", str(head_dim),
+                            "--block", str(block))
     assert (report["op"], report["head_dim"], report["block"]) == ("selection-decode", head_dim, block)
-    rows = report["rows"]
-    assert {(r["shape"], r["kernel"]) for r in rows} == {(s, k) for s in ("decode", "verify")
-                                                         for k in ("selection_decode", "selection_decode_merge")}
-    for r in rows:
-        assert r["splits"] > 1, r                                 # the example rows are split: both kernels run
-        assert r["spill_stores"] == r["spill_loads"] == 0, r
-        assert 0 < r["shared_bytes"] <= 227 * 1024, r             # fits an H100 block
-        assert r["pipelined"] and r["cp_async"] > 0, r
-    verify = next(r for r in rows if r["shape"] == "verify" and r["kernel"] == "selection_decode")
+    verify = check_decode_report(report["rows"], "selection_decode")
     assert verify["BLOCK_M"] == 64, verify                        # 64 heads sharing one selection: one tile

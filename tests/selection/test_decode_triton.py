@@ -10,12 +10,10 @@ copies, the plan's key lists never built; counted bytes equal the traffic model'
 without the C++ kernels.) Under the interpreter the cases stay small and run fp32."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
-from helpers import check_close, make_inputs
+from helpers import check_close, decode_indices, make_inputs, nan_cache_views
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn.block_sparse.reference import rel_err
@@ -33,17 +31,9 @@ def decode_selection(lead: tuple, Nq: int, Nk: int, K: int, bs: int, causal, *, 
     """A :class:`Selection` of ``[*lead, Nq, K]`` blocks: slot 0 the token's diagonal block, the others
     random (later ones dropped by causality), 15% empty slots, slot 2 repeating slot 1, rows emptied,
     optional counts."""
-    nkb = math.ceil(Nk / bs)
-    delta = causal_offset(causal, Nq, Nk) or 0
-    idx = torch.randint(0, nkb, (*lead, Nq, K))
-    idx[..., 0] = (torch.arange(Nq) + delta).clamp(0, Nk - 1) // bs
-    idx = torch.where(torch.rand(idx.shape) < 0.15, -1, idx)
-    if K > 2:
-        idx[..., 2] = idx[..., 1]
-    for t in empty_rows:
-        idx[..., t, :] = -1
+    idx = decode_indices(lead, Nq, Nk, K, bs, causal, empty_rows=empty_rows, device=DEVICE)
     cnt = torch.randint(0, K + 1, idx.shape[:-1], device=DEVICE) if counts else None
-    return Selection(idx.to(DEVICE), bs, cnt)
+    return Selection(idx, bs, cnt)
 
 
 def setup(B, Hq, Hkv, G, Nq, Nk, D, bs, K, causal, counts=False, empty_rows=()):
@@ -116,13 +106,7 @@ def test_strided_cache_views_equal_contiguous_copies(bs, K, split_keys):
     assert splits(plan, q, k, split_keys) > 1
     want = launch.forward(q, k, v, plan, sm_scale=0.2, split_keys=split_keys)
     assert not torch.isnan(want[0]).any()
-    for shape in ((B, Hkv, 4 * Nk, D), (B, 2 * Nk, Hkv, D)):
-        pair = []
-        for t in (k, v):
-            cache = torch.full(shape, float("nan"), device=DEVICE)
-            view = cache[:, :, :Nk] if shape[1] == Hkv else cache[:, :Nk].transpose(1, 2)
-            view.copy_(torch.where(used, t, float("nan")))
-            pair.append(view)
+    for pair in nan_cache_views(k, v, used):
         assert not pair[0].is_contiguous()
         got = launch.forward(q, *pair, plan, sm_scale=0.2, split_keys=split_keys)
         assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -1,28 +1,22 @@
 """benchmarks/bench_selection.py --quick in-process (about a second): every shape and kv-head count
 gives a finite row, the block-sparse baselines keep exactly the selections' (query, key) pairs,
 and the files land where --out says."""
-import importlib.util
 import json
 import math
-import pathlib
 
 import pytest
 import torch
 
+from helpers import load_benchmark
 from sparse_io_attn.selection import cpu
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 pytestmark = pytest.mark.skipif(not cpu.is_available(), reason=f"CPU kernel unavailable: {cpu.unavailable_reason()}")
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))   # the script imports its sibling _cpu_timing
-    spec = importlib.util.spec_from_file_location("bench_selection", BENCHMARKS / "bench_selection.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark(monkeypatch, "bench_selection")
 
 
 def test_quick_run(bench, tmp_path):

@@ -10,13 +10,11 @@ Q/dO in dK/dV, partial rows in the merges) asynchronously (software-pipelined, m
 mma.sync). The quick suite compiles the default configurations at fp16, head dim 128; the slow cases and
 the results file (benchmarks/results/compile_report_selection_sm90.md) every configuration. Each report
 runs the command in a fresh process: this one imported Triton in interpreter mode."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers import compile_report
 
 QUERY_LOOPED = ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")
 #: the issue-47 kernels with products: every one on Hopper's wgmma (mma.sync would mean a product Triton did
@@ -36,14 +34,8 @@ CASES = [  # (dtype, head_dim, block, causal, configs, shapes)
 
 @pytest.mark.parametrize("dtype, head_dim, block, causal, configs, shapes", CASES)
 def test_kernels_pipelined_without_spills(tmp_path, dtype, head_dim, block, causal, configs, shapes):
-    cmd = [sys.executable, "-m", "sparse_io_attn.cli", "compile-report", "--op", "selection", "--dtype", dtype,
-           "--head-dim", str(head_dim), "--block", str(block), "--configs", configs, "--json", "--shapes", *shapes] \
-        + (["--causal"] if causal else [])
-    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    report = json.loads(res.stdout)
+    report = compile_report(tmp_path, "--op", "selection", "--dtype", dtype, "--head-dim", str(head_dim), "--block",
+                            str(block), "--configs", configs, "--shapes", *shapes, *(["--causal"] if causal else []))
     assert (report["op"], report["head_dim"], report["block"], report["causal"]) == ("selection", head_dim, block,
                                                                                       causal)
     rows = report["rows"]

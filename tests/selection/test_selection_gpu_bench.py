@@ -1,25 +1,13 @@
 """benchmarks/bench_gpu_selection.py --plans-only on CPU (what the GPU session's call checks beforehand): every
 shape at every N asked gets a row with the family each of --families runs, its exact-model bytes per kept
 pair and the plan's wall time, and no kernel is launched; and benchmarks/selection_bytes.py's rows."""
-import importlib.util
 import json
-import pathlib
 
-import pytest
-
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(monkeypatch, name):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))   # the scripts import their siblings
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from helpers import load_benchmark
 
 
 def test_gpu_bench_dry_run(monkeypatch, capsys, tmp_path):
-    bench = _load(monkeypatch, "bench_gpu_selection")
+    bench = load_benchmark(monkeypatch, "bench_gpu_selection")
     out = tmp_path / "rows.jsonl"
     bench.main(["--plans-only", "--parts", "selection", "metadata", "--n", "256", "512", "--heads", "4", "--kv-heads",
                 "2", "--d", "32", "--jsonl", str(out)])
@@ -34,7 +22,7 @@ def test_gpu_bench_dry_run(monkeypatch, capsys, tmp_path):
 
 
 def test_selection_bytes_rows(monkeypatch, tmp_path):
-    script = _load(monkeypatch, "selection_bytes")
+    script = load_benchmark(monkeypatch, "selection_bytes")
     assert script.main(["--n", "512", "--heads", "4", "--kv-heads", "2", "--d", "32", "--out", str(tmp_path / "b")]) == 0
     text = (tmp_path / "b.md").read_text()
     assert text.startswith("# Bytes per kept pair") and text.count("met (<= 3x)") + text.count("NOT met") == 3

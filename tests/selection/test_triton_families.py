@@ -11,7 +11,7 @@ read: ``test_triton_selection.py`` (every family). Interpreter cases stay tiny."
 import pytest
 import torch
 
-from helpers import check_close, make_inputs
+from helpers import check_close, check_repeatable, make_inputs
 from selection.test_triton_selection import make_selection
 from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.accounting import IOCounter, traffic
@@ -89,10 +89,7 @@ def test_backward_is_deterministic(family):
     B, Hq, Hkv, Nq, Nk, D = 1, 4, 2, 30, 50, 16
     sel = make_selection(B, 2, Nq, Nk, 16, 3)
     q, k, v, do = make_inputs(B, Hq, Hkv, Nq, Nk, D, device=DEVICE)
-    first = run_counted(q, k, v, do, sel, True, family)[0]
-    second = run_counted(q, k, v, do, sel, True, family)[0]
-    for a, b in zip(first, second):
-        assert torch.equal(a, b)
+    check_repeatable(lambda: run_counted(q, k, v, do, sel, True, family)[0])
 
 
 @pytest.mark.parametrize("block, G, Hq, Hkv, want", [

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from helpers import check_bad_operands
 from sparse_io_attn import sparse_operands
 from sparse_io_attn.accounting import IOCounter
 from sparse_io_attn.block_sparse.reference import rel_err
@@ -289,10 +290,4 @@ def _bad_cases():
 
 @pytest.mark.parametrize("over,kw,err,match", _bad_cases())
 def test_bad_lists_raise(over, kw, err, match):
-    g = torch.Generator().manual_seed(1)
-    d = dict(A1=torch.randn(2, 24, 16, generator=g), A2=torch.randn(2, 24, 16, generator=g),
-             A3=torch.randn(2, 24, 16, generator=g), X=torch.randn(4, 16, 16, generator=g),
-             Y=torch.randn(4, 16, 8, generator=g))
-    d.update(over)
-    with pytest.raises(err, match=match):
-        sparse_operands.attention(d["A1"], d["A2"], d["A3"], d["X"], d["Y"], **{"backend": "torch", **kw})
+    check_bad_operands(over, err, match, n=24, seed=1, **kw)

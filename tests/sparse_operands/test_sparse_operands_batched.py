@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from helpers import check_bad_operands
 from sparse_io_attn import sparse_operands
 from sparse_io_attn.block_sparse.reference import rel_err
 from sparse_io_attn.layout.core import BlockSparseLayout
@@ -167,13 +168,7 @@ def test_two_d_call_unchanged_and_equal_to_batched_of_one():
                  "inconsistent batch sizes: A1=3, A2=2", id="A1-list-length"),
 ])
 def test_batched_errors(over, err, match):
-    g = torch.Generator().manual_seed(0)
-    d = dict(A1=torch.randn(2, 20, 16, generator=g), A2=torch.randn(2, 20, 16, generator=g),
-             A3=torch.randn(2, 20, 16, generator=g), X=torch.randn(4, 16, 16, generator=g),
-             Y=torch.randn(4, 16, 8, generator=g))
-    d.update(over)
-    with pytest.raises(err, match=match):
-        sparse_operands.attention(d["A1"], d["A2"], d["A3"], d["X"], d["Y"], backend="torch")
+    check_bad_operands(over, err, match, n=20, seed=0)
 
 
 def test_head_nnz_stats_per_head_and_summed():

@@ -4,12 +4,10 @@ copied asynchronously (software-pipelined), tensor-core products, shared memory 
 block, and each per-tile product behind its own runtime branch (absent tiles: no FLOPs on the
 compiled path either). Each report runs the command in a fresh process: this one imported Triton in
 interpreter mode."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from helpers import compile_report
 
 LOOPED = ("paper_q", "paper_h", "paper_attn_fwd", "paper_attn_bwd_dkv", "paper_attn_bwd_dq", "paper_da1",
           "paper_dx", "paper_da3", "paper_dy")
@@ -20,13 +18,8 @@ def _report(tmp_path, cases) -> dict:
     for ``cases`` (dtype name, head dim), each in a fresh process."""
     out = {}
     for dtype, head_dim in cases:
-        cmd = [sys.executable, "-m", "sparse_io_attn.cli", "compile-report", "--op", "sparse-operands", "--dtype",
-               dtype, "--head-dim", str(head_dim), "--json"]
-        env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-        env.pop("TRITON_INTERPRET", None)
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
-        assert res.returncode == 0, res.stderr[-3000:]
-        report = json.loads(res.stdout)
+        report = compile_report(tmp_path, "--op", "sparse-operands", "--dtype", dtype, "--head-dim", str(head_dim),
+                                timeout=500)
         assert (report["op"], report["head_dim"], report["block"]) == ("sparse-operands", head_dim, 64)
         out[(dtype, head_dim)] = report["rows"]
     return out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
 from sparse_io_attn._attention.triton.tally import tally_backward
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _list_range, _query_tile, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import DKDV_LAYOUT, DKDV_MASK, DQ_LAYOUT, DQ_MASK
@@ -71,11 +72,8 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
         if IS_CAUSAL:
             live = live & (tl.minimum(m_start + BLOCK_M, seqlen_q) - 1 + causal_offset >= n_start)
         mask_m = tl.where(live, offs_m < seqlen_q, False)
-        mask_md = mask_m[:, None] & mask_d[None, :]
-        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                    mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-        do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                     mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+        q, do = load_row_pair(q_base, do_base, offs_m, mask_m, offs_d, mask_d, stride_qm, stride_qd, stride_dom,
+                              stride_dod, True, EVEN_D)  # [BLOCK_M, HEAD_DIM] x2
         sT = _scores_t(q, k, qk_scale, DOT_DTYPE, EXACT_SCORES)  # [BLOCK_N, BLOCK_M]
         row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
         validT = mask_m[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block[None, :], col_in_block[:, None],
@@ -92,14 +90,8 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
     else:
         m_start = tl.multiple_of(blk * BLOCK_SIZE_Q + (t % TILES_M) * BLOCK_M, BLOCK_M)
         offs_m = m_start + offs_m0
-        if EVEN_D:
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd)  # [BLOCK_M, HEAD_DIM]
-            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod)  # [BLOCK_M, HEAD_DIM]
-        else:
-            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                        mask=mask_d[None, :], other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                         mask=mask_d[None, :], other=0.0)
+        q, do = load_row_pair(q_base, do_base, offs_m, None, offs_d, mask_d, stride_qm, stride_qd, stride_dom,
+                              stride_dod, False, EVEN_D)  # [BLOCK_M, HEAD_DIM] x2, no bounds checks
         sT = _scores_t(q, k, qk_scale, DOT_DTYPE, EXACT_SCORES)  # [BLOCK_N, BLOCK_M]
         m_row = tl.load(stats_row + offs_m)  # [BLOCK_M], finite: the row keeps this block
         log2_sum = tl.load(stats_row + stats_stride + offs_m)
@@ -140,12 +132,10 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < seqlen_k
     mask_d = offs_d < head_dim
-    mask_nd = mask_n[:, None] & mask_d[None, :]
 
-    k = tl.load(k_ptr + off_z * stride_kz + off_g * stride_kh + offs_n[:, None] * stride_kn
-                + offs_d[None, :] * stride_kd, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
-    v = tl.load(v_ptr + off_z * stride_vz + off_g * stride_vh + offs_n[:, None] * stride_vn
-                + offs_d[None, :] * stride_vd, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+    k, v = load_row_pair(k_ptr + off_z * stride_kz + off_g * stride_kh, v_ptr + off_z * stride_vz + off_g * stride_vh,
+                         offs_n, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                         True, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
@@ -189,10 +179,8 @@ def _attn_bwd_dkdv_kernel(
         delta_row += seqlen_q
         entry += stride_lh * (num_kv_blocks + 1)
 
-    tl.store(dk_ptr + off_z * stride_dkz + off_g * stride_dkh + offs_n[:, None] * stride_dkn
-             + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_nd)
-    tl.store(dv_ptr + off_z * stride_dvz + off_g * stride_dvh + offs_n[:, None] * stride_dvn
-             + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
+    store_dkdv(dk_ptr + off_z * stride_dkz + off_g * stride_dkh, dv_ptr + off_z * stride_dvz + off_g * stride_dvh,
+               dk, dv, offs_n, mask_n, offs_d, mask_d, stride_dkn, stride_dkd, stride_dvn, stride_dvd, sm_scale)
 
     if COUNT_IO:
         tally_backward(io_ptr, queries_loaded, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
@@ -245,10 +233,9 @@ def _attn_bwd_dq_kernel(
         tl.program_id(0), pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, BLOCK_M, BLOCK_N, HEAD_DIM)
     mask_md = mask_m[:, None] & mask_d[None, :]
 
-    q = tl.load(q_ptr + off_z * stride_qz + off_h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
-                + offs_d[None, :] * stride_qd, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
-    do = tl.load(do_ptr + off_z * stride_doz + off_h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :] * stride_dod, mask=mask_md, other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q, do = load_row_pair(q_ptr + off_z * stride_qz + off_h.to(tl.int64) * stride_qh,
+                          do_ptr + off_z * stride_doz + off_h.to(tl.int64) * stride_doh, offs_m, mask_m, offs_d, mask_d,
+                          stride_qm, stride_qd, stride_dom, stride_dod, True, EVEN_D)  # [BLOCK_M, HEAD_DIM] x2
     row_base = pid_zh.to(tl.int64) * seqlen_q
     m_row, log2_sum = load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
     delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]

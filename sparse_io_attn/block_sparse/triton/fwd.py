@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._attention.triton.tile_io import load_row_pair
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.slots import FWD_LAYOUT, FWD_MASK
 
@@ -93,10 +94,8 @@ def _kv_tile(k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, 
         if IS_CAUSAL:
             live = live & (n_start <= m_last + causal_offset)
         mask_n = tl.where(live, cols < seqlen_k, False)  # (scalar & vector: tl.where, for the interpreter)
-        k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        k, v = load_row_pair(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                             True, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
         valid = mask_n[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block[:, None], col_in_block[None, :],
                                              tl.where(live, mask_m[:, None], False), BLOCK_SIZE_Q, MASK_WORDS)
         if IS_CAUSAL:
@@ -106,14 +105,8 @@ def _kv_tile(k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, 
     else:
         n_start = tl.multiple_of(blk * BLOCK_SIZE_KV + (t % TILES_N) * BLOCK_N, BLOCK_N)
         cols = n_start + offs_n
-        if EVEN_D:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)  # [BLOCK_N, HEAD_DIM]
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)  # [BLOCK_N, HEAD_DIM]
-        else:
-            k = tl.load(k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                        mask=mask_d[None, :], other=0.0)
-            v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                        mask=mask_d[None, :], other=0.0)
+        k, v = load_row_pair(k_base, v_base, cols, None, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                             False, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2, no bounds checks
         valid = 0
         keys = 0
         mask_rows = 0

@@ -27,8 +27,9 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, dq_step, load_stats, probabilities,
                                                       score_tile)
 from sparse_io_attn._attention.triton.tally import tally_backward
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step
+from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step, _row_steps
 from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN
 
 import triton  # noqa: E402
@@ -135,12 +136,10 @@ def _sel_bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < key_end
     mask_d = offs_d < head_dim
-    mask_nd = mask_n[:, None] & mask_d[None, :]
 
-    k = tl.load(k_ptr + off_z * stride_kz + off_g * stride_kh + offs_n[:, None] * stride_kn
-                + offs_d[None, :] * stride_kd, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
-    v = tl.load(v_ptr + off_z * stride_vz + off_g * stride_vh + offs_n[:, None] * stride_vn
-                + offs_d[None, :] * stride_vd, mask=mask_nd, other=0.0)  # [BLOCK_N, HEAD_DIM]
+    k, v = load_row_pair(k_ptr + off_z * stride_kz + off_g * stride_kh, v_ptr + off_z * stride_vz + off_g * stride_vh,
+                         offs_n, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                         True, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
@@ -184,10 +183,8 @@ def _sel_bwd_dkdv_kernel(
         if COUNT_IO:
             entries += n.to(tl.int64)
 
-    tl.store(dk_ptr + off_z * stride_dkz + off_g * stride_dkh + offs_n[:, None] * stride_dkn
-             + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_nd)
-    tl.store(dv_ptr + off_z * stride_dvz + off_g * stride_dvh + offs_n[:, None] * stride_dvn
-             + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
+    store_dkdv(dk_ptr + off_z * stride_dkz + off_g * stride_dkh, dv_ptr + off_z * stride_dvz + off_g * stride_dvh,
+               dk, dv, offs_n, mask_n, offs_d, mask_d, stride_dkn, stride_dkd, stride_dvn, stride_dvd, sm_scale)
 
     if COUNT_IO:
         per_entry: tl.constexpr = (SEL_ROWS // BLOCK_M if SEL_ROWS > BLOCK_M else 1) * (2 if STORE_DQ else 1)
@@ -253,11 +250,7 @@ def _sel_bwd_dq_kernel(
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
-    row = off_l * seqlen_q + t
-    cnt = tl.load(row_counts_ptr + row)
-    row_ptr = rows_ptr + row * max_blocks
-    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
-    n_full = tl.maximum(n_steps - TILES, 0)
+    cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
     qk_scale = sm_scale * LOG2E
     dq = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     keys_loaded = tl.zeros([], dtype=tl.int64)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.softmax import store_split_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import _head_unit, _sel_fwd_step
+from sparse_io_attn.selection.triton.fwd import _head_unit, _row_steps, _sel_fwd_step
 from sparse_io_attn.selection.triton.slots import DEC_PLAN
 
 import triton  # noqa: E402
@@ -65,11 +65,7 @@ def _sel_decode_kernel(
 
     # the token's row of the plan, its key steps (unmasked [0, n_full), masked [n_full, n_steps)) and
     # this split's range [lo, hi) of them
-    row = off_l * seqlen_q + t
-    cnt = tl.load(row_counts_ptr + row)
-    row_ptr = rows_ptr + row * max_blocks
-    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
-    n_full = tl.maximum(n_steps - TILES, 0)
+    cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
     lo = (split * n_steps) // NUM_SPLITS
     hi = ((split + 1) * n_steps) // NUM_SPLITS
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._attention.triton.tile_io import load_row_pair
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.slots import FWD_PLAN
 
@@ -65,6 +66,16 @@ def _unit(prog, num_heads_q, num_heads_kv, stride_lb, heads_per_selection, SEL_H
 
 
 @triton.jit
+def _row_steps(rows_ptr, row_counts_ptr, row, max_blocks, SLOTS: tl.constexpr, TILES: tl.constexpr):
+    """Row ``row`` of the plan (a token of a stored selection; forward, decode and dQ): ``(cnt, row_ptr, n_steps,
+    n_full)``, its block count and blocks, its key steps and the unmasked ones (every step before the last
+    block's ``TILES``)."""
+    cnt = tl.load(row_counts_ptr + row)
+    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
+    return cnt, rows_ptr + row * max_blocks, n_steps, tl.maximum(n_steps - TILES, 0)
+
+
+@triton.jit
 def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
               stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
@@ -96,29 +107,9 @@ def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
     else:
         valid = lane_ok   # (read only when MASK_LANES)
         keys = 0
-    k, v = _load_kv(k_base, v_base, cols, valid, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                    MASKED or MASK_LANES, EVEN_D)
+    k, v = load_row_pair(k_base, v_base, cols, valid, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                         MASKED or MASK_LANES, EVEN_D)
     return k, v, valid, keys
-
-
-@triton.jit
-def _load_kv(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-             MASK_N: tl.constexpr, EVEN_D: tl.constexpr):
-    """``(k, v)``: key rows ``cols`` of K and V (``[len(cols), HEAD_DIM]`` each). ``MASK_N``: only the keys of
-    ``mask_n`` are loaded (the others 0); otherwise every key, the head dim masked unless ``EVEN_D``."""
-    k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    if MASK_N:
-        mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptrs, mask=mask, other=0.0)
-        v = tl.load(v_ptrs, mask=mask, other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-    return k, v
 
 
 @triton.jit
@@ -170,11 +161,8 @@ def _sel_fwd_kernel(
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
-    row = off_l * seqlen_q + t  # this token's row of the plan
-    cnt = tl.load(row_counts_ptr + row)
-    row_ptr = rows_ptr + row * max_blocks
-    n_steps = (cnt + SLOTS - 1) // SLOTS * TILES
-    n_full = tl.maximum(n_steps - TILES, 0)  # every step before the last block's
+    # this token's row of the plan: key steps [0, n_full) unmasked, [n_full, n_steps) the last block's
+    cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
 
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)

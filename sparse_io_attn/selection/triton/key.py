@@ -27,9 +27,9 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.kernels import merge_rows
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_partial_rows
 from sparse_io_attn._attention.triton.tally import tally_forward, tally_merge
+from sparse_io_attn._attention.triton.tile_io import load_row_pair
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _gathered_rows
-from sparse_io_attn.selection.triton.fwd import _load_kv
 from sparse_io_attn.selection.triton.slots import DEC_PLAN, DQM_DQ, DQM_PARTIAL, DQM_PLAN, MERGE_PLAN
 
 import triton  # noqa: E402
@@ -45,8 +45,8 @@ def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_
     get probability 0. Returns ``(acc, l_i, m_i)``."""
     cols = n_start + offs_n  # [BLOCK_N]
     mask_n = cols < key_end
-    k, v = _load_kv(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                    MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
+    k, v = load_row_pair(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                         MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
     s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         valid = mask_n[None, :]

@@ -26,9 +26,10 @@ from sparse_io_attn._attention.triton.slots import DKDV_DK, DKDV_DV
 from sparse_io_attn._attention.triton.softmax import (dkdv_step, dq_step, probabilities, score_tile, softmax_step,
                                                       store_rows)
 from sparse_io_attn._attention.triton.tally import tally_backward, tally_forward
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _row_inputs
-from sparse_io_attn.selection.triton.fwd import _load_kv, _unit
+from sparse_io_attn.selection.triton.fwd import _unit
 from sparse_io_attn.selection.triton.slots import DKDV_PLAN, DQ_PLAN, FWD_PLAN
 
 import triton  # noqa: E402
@@ -56,8 +57,8 @@ def _key_tile(k_base, v_base, kt, union, offs_n, offs_d, mask_d, stride_kn, stri
     """``(k, v, keys)``: the keys of key tile ``kt`` set in ``union`` (an int64 word: those some row of the
     tile selected; the others are not loaded, 0) as ``[BLOCK_N, HEAD_DIM]`` tiles, and how many."""
     mask_n = ((union >> offs_n.to(tl.int64)) & 1) != 0
-    k, v = _load_kv(k_base, v_base, kt * BLOCK_N + offs_n, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn,
-                    stride_vd, True, True)
+    k, v = load_row_pair(k_base, v_base, kt * BLOCK_N + offs_n, mask_n, offs_d, mask_d, stride_kn, stride_kd,
+                         stride_vn, stride_vd, True, True)
     return k, v, tl.sum(mask_n.to(tl.int64))
 
 
@@ -168,7 +169,6 @@ def _masked_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
     cols = kt * BLOCK_N + offs_n
-    mask_nd = (cols < seqlen_k)[:, None] & mask_d[None, :]
     union = tl.zeros([], dtype=tl.int64)  # the keys of this tile some selection serving the group selected
     for i in range(0, group // SEL_HEADS):
         off_l = off_z * stride_lb + (off_g * group + i * SEL_HEADS) // heads_per_selection
@@ -206,10 +206,8 @@ def _masked_dkdv_kernel(
                 queries += tl.sum(row_ok.to(tl.int64))
                 words += tokens
         entries += cnt.to(tl.int64) * SUBS
-    tl.store(dk_ptr + off_z * stride_dkz + off_g * stride_dkh + cols[:, None] * stride_dkn
-             + offs_d[None, :] * stride_dkd, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=mask_nd)
-    tl.store(dv_ptr + off_z * stride_dvz + off_g * stride_dvh + cols[:, None] * stride_dvn
-             + offs_d[None, :] * stride_dvd, dv.to(dv_ptr.dtype.element_ty), mask=mask_nd)
+    store_dkdv(dk_ptr + off_z * stride_dkz + off_g * stride_dkh, dv_ptr + off_z * stride_dvz + off_g * stride_dvh,
+               dk, dv, cols, cols < seqlen_k, offs_d, mask_d, stride_dkn, stride_dkd, stride_dvn, stride_dvd, sm_scale)
     if COUNT_IO:
         tally_backward(io_ptr, queries, n_keys, head_dim * ELEM_BYTES, DKDV=True)
         rest = (tl.minimum(seqlen_k - kt * BLOCK_N, BLOCK_N) - n_keys) * head_dim * ELEM_BYTES  # written, not read
