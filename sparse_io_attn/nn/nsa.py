@@ -11,21 +11,24 @@ from sparse_io_attn.block_sparse.api import BACKENDS, block_sparse_attention
 from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.core import BlockSparseLayout
-from sparse_io_attn.layout.patterns.builders import sliding_window
-from sparse_io_attn.nn.selectors import nsa, whole_block_means
+from sparse_io_attn.layout.patterns.builders import document, sliding_window
+from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.nn.selectors import Packed, block_means, nsa, whole_block_means
 from sparse_io_attn.selection.api import selection_attention
 
 
-def rotary(x: torch.Tensor, base: float, offset: int = 0) -> torch.Tensor:
+def rotary(x: torch.Tensor, base: float, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """fla's ``RotaryEmbedding(dim=head_dim, base)`` on ``x [B, H, T, D]`` (NeoX halves: pair
-    ``(x_i, x_{i + D/2})`` rotated by ``(offset + t) * base ** (-2i / D)``; the whole head dim).
+    ``(x_i, x_{i + D/2})`` rotated by ``(offset + t) * base ** (-2i / D)``; the whole head dim), or
+    by ``positions [T]`` when given (packed sequences: each token's place in its own sequence).
     As fla: inverse frequencies and positions in float32, the cos/sin tables cast to x's dtype, the
     rotation computed in float32 (float64 stays float64) and stored in x's dtype."""
     D, T = x.shape[-1], x.shape[-2]
     if D % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {D}")
     inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
-    freqs = torch.outer(torch.arange(offset, offset + T, device=x.device, dtype=torch.float32), inv_freq)
+    pos = torch.arange(offset, offset + T, device=x.device) if positions is None else positions + offset
+    freqs = torch.outer(pos.to(torch.float32), inv_freq)
     acc = torch.promote_types(x.dtype, torch.float32)
     cos, sin = torch.cos(freqs).to(x.dtype).to(acc), torch.sin(freqs).to(x.dtype).to(acc)
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)                   # [T, D]
@@ -75,7 +78,13 @@ class NativeSparseAttention(nn.Module):
         layout_block_size: block size of the sliding-window and compressed-branch layouts (any value
             computes the same result; it only changes the kernels' tiles).
 
-    Not covered: fla's KV cache, its 2-D ``attention_mask`` (padding) and ``cu_seqlens`` (packing).
+    Packed sequences: ``forward(x, cu_seqlens=)`` with ``x [1, total, E]`` (fla's ``cu_seqlens``):
+    rotary positions, blocks and compressed keys restart at each sequence's start, and no branch
+    crosses a sequence (the selected and compressed branches through ``selection_attention``'s
+    ``cu_seqlens`` and global compressed blocks, the window through the window layout intersected with
+    ``patterns.document``, built per ``cu_seqlens``: one host read).
+
+    Not covered: fla's KV cache and its 2-D ``attention_mask`` (padding).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, head_dim: int | None = None,
@@ -113,7 +122,7 @@ class NativeSparseAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, num_kv_heads * head_dim, bias=qkv_bias, **factory)
         self.g_proj = nn.Linear(embed_dim, num_heads * 3, bias=False, **factory)
         self.o_proj = nn.Linear(num_heads * head_dim, embed_dim, bias=False, **factory)
-        self._layouts: dict[tuple[int, str], tuple] = {}
+        self._layouts: dict = {}    # (T, device) -> (window, compressed); "packed" -> (cu_seqlens key, window)
 
     @property
     def selected_blocks(self) -> int:
@@ -150,39 +159,91 @@ class NativeSparseAttention(nn.Module):
         self._layouts[(T, str(device))] = (swa, cmp)
         return swa, cmp
 
-    def project(self, x: torch.Tensor):
+    def project(self, x: torch.Tensor, positions: torch.Tensor | None = None):
         """``x [B, T, E]`` -> ``(q [B, Hq, T, d], k, v [B, Hkv, T, d], gates [B, T, Hq, 3])``: projections,
-        RoPE on q and k, sigmoid gates (cmp, slc, swa)."""
+        RoPE on q and k (at ``positions [T]`` when given), sigmoid gates (cmp, slc, swa)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         g = self.g_proj(x).view(B, T, self.num_heads, 3).sigmoid()
-        return rotary(q, self.rope_theta), rotary(k, self.rope_theta), v, g
+        return rotary(q, self.rope_theta, positions=positions), rotary(k, self.rope_theta, positions=positions), v, g
 
-    def forward(self, x: torch.Tensor, *, return_selection: bool = False):
+    def forward(self, x: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None, return_selection: bool = False):
         """``x [B, T, E]`` -> ``[B, T, E]`` (with ``return_selection``, also the selected branch's
-        :class:`~sparse_io_attn.Selection`)."""
+        :class:`~sparse_io_attn.Selection`). ``cu_seqlens``: packed sequences, ``x [1, total, E]``
+        (flash-attention's offsets, int32/int64 ``[S + 1]``); each sequence computes what it computes
+        alone."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"expected x of shape [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
         B, T, _ = x.shape
         if B == 0 or T == 0:
             raise ValueError(f"NativeSparseAttention needs at least one batch element and token, got x "
                              f"{tuple(x.shape)}")
+        if cu_seqlens is not None:
+            return self._packed(x, cu_seqlens, return_selection)
         q, k, v, g = self.project(x)
         swa, cmp = self.layouts(T, x.device)
         selection = self.selector(q, k)
         o_slc = selection_attention(q, k, v, selection, causal=True, backend=self.backend, check=False)
-        o = o_slc.transpose(1, 2) * g[..., 1:2]
+        o_cmp = o_swa = None
         if cmp is not None:
             o_cmp = block_sparse_attention(q, whole_block_means(k, self.block_size),
                                            whole_block_means(v, self.block_size), cmp, backend=self.backend)
-            o = torch.addcmul(o, o_cmp.transpose(1, 2), g[..., 0:1])
         if swa is not None:
             o_swa = block_sparse_attention(q, k, v, swa, causal=True, backend=self.backend)
-            o = torch.addcmul(o, o_swa.transpose(1, 2), g[..., 2:3])
-        out = self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+        out = self._combine(o_slc, o_cmp, o_swa, g)
         return (out, selection) if return_selection else out
+
+    def _combine(self, o_slc, o_cmp, o_swa, g):
+        """``o_proj(g_slc o_slc + g_cmp o_cmp + g_swa o_swa)`` (fla's addcmul order; absent branches left out)."""
+        B, T = g.shape[:2]
+        o = o_slc.transpose(1, 2) * g[..., 1:2]
+        if o_cmp is not None:
+            o = torch.addcmul(o, o_cmp.transpose(1, 2), g[..., 0:1])
+        if o_swa is not None:
+            o = torch.addcmul(o, o_swa.transpose(1, 2), g[..., 2:3])
+        return self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
+
+    def _packed(self, x: torch.Tensor, cu_seqlens, return_selection: bool):
+        """The layer on packed sequences (see the class docstring)."""
+        if x.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens the sequences are packed along the tokens: x [1, total, E], got "
+                             f"{tuple(x.shape)}")
+        T, bs = x.shape[1], self.block_size
+        pk = Packed.of(cu_seqlens, x.new_empty(1, 1, T, 1), x.new_empty(1, 1, T, 1), True, "NativeSparseAttention")
+        q, k, v, g = self.project(x, positions=pk.pos)
+        selection = self.selector(q, k, cu_seqlens=cu_seqlens)
+        o_slc = selection_attention(q, k, v, selection, causal=True, cu_seqlens=cu_seqlens, backend=self.backend,
+                                    check=False)
+        o_cmp = o_swa = None
+        if T // bs > 0:       # each token's complete blocks of its own sequence, as compressed tokens
+            off, _, start, _ = pk.blocks(bs)
+            k_cmp, v_cmp = (block_means(pk.gather(t, start, bs), bs).to(t.dtype) for t in (k, v))
+            j = torch.arange(T // bs, device=x.device)
+            complete = torch.where(j < torch.div(pk.pos + 1, bs, rounding_mode="floor")[:, None],
+                                   off[pk.seq][:, None] + j, -1)
+            o_cmp = selection_attention(q, k_cmp, v_cmp, Selection(complete[None], 1), backend=self.backend,
+                                        check=False)
+        if self.window > 0:
+            o_swa = block_sparse_attention(q, k, v, self._packed_window(pk.vl.cu_q, T, x.device), causal=True,
+                                           backend=self.backend)
+        out = self._combine(o_slc, o_cmp, o_swa, g)
+        return (out, selection) if return_selection else out
+
+    @torch.compiler.disable(reason="sparse_io_attn: NativeSparseAttention builds the window layout of packed "
+                            "sequences from cu_seqlens (a host read)")
+    def _packed_window(self, cu: torch.Tensor, T: int, device: torch.device) -> BlockSparseLayout:
+        """The sliding window within each packed sequence: ``sliding_window & document`` (the last one kept)."""
+        key = ("packed", tuple(int(c) for c in cu.tolist()), str(device))
+        hit = self._layouts.get("packed")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        lb = self.layout_block_size
+        swa = (sliding_window(T, lb, self.window - 1, causal=True) & document(cu.cpu(), lb, causal=True)).to(device)
+        plan(swa, causal=True)
+        self._layouts["packed"] = (key, swa)
+        return swa
 
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
