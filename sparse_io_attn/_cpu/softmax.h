@@ -75,33 +75,31 @@ struct RowStore {
   // Row `row` of head h finished with accumulator acc [Dv], maximum m and sum l. A head's sink joins
   // the denominator: m' = max(m, s), l' = l 2^(m - m') + 2^(s - m') (_attention/sinks.py). Then o =
   // acc / l, lse = (m + log2 l) ln 2 (natural log), stats (m, log2 l); a row without an allowed key
-  // and without a sink (l = 0) gets o = 0, lse -inf and stats (+inf, 0).
+  // and without a sink (l = 0) gets o = 0, lse -inf and stats (+inf, 0); a row without an allowed key
+  // never reads acc (callers may leave it unset there), its output 0 with or without a sink.
   void put(int64_t row, int64_t h, const float* acc, float m, float l) const {
-    float a = 1.f;  // acc's rescale to the new maximum
+    const bool keys = l != 0.f;  // acc is read only then (a caller may leave an empty row's acc unset)
+    float a = 1.f;               // acc's rescale to the new maximum
     if (sinks2 != nullptr && sinks2[h] != NEG_INF) {
       const float s = sinks2[h], top = std::max(m, s);
-      a = l == 0.f ? 0.f : std::exp2(m - top);
+      a = keys ? std::exp2(m - top) : 0.f;
       l = l * a + std::exp2(s - top);
       m = top;
     }
     const float scale = a / l;  // used where l > 0
     T* o = out + row * Dv;
     T* r = res != nullptr ? res + row * Dv : nullptr;
+    for (int64_t d = 0; d < Dv; ++d) {
+      const float x = !keys ? 0.f : a == 1.f ? acc[d] / l : acc[d] * scale;
+      o[d] = static_cast<T>(x);
+      if (r != nullptr) r[d] = static_cast<T>(x - static_cast<float>(static_cast<T>(x)));
+    }
     if (l == 0.f) {
-      for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<T>(0.f);
-      if (r != nullptr)
-        for (int64_t d = 0; d < Dv; ++d) r[d] = static_cast<T>(0.f);
       lse[row] = NEG_INF;
       st_m[row] = POS_INF;
       st_l[row] = 0.f;
       return;
     }
-    for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<T>(a == 1.f ? acc[d] / l : acc[d] * scale);
-    if (r != nullptr)
-      for (int64_t d = 0; d < Dv; ++d) {
-        const float x = a == 1.f ? acc[d] / l : acc[d] * scale;
-        r[d] = static_cast<T>(x - static_cast<float>(static_cast<T>(x)));
-      }
     const float log2l = std::log2(l);
     lse[row] = (m + log2l) * LN2;
     st_m[row] = m;
