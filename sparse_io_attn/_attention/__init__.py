@@ -11,7 +11,9 @@ C++ build layer); the ops import it and never each other's private names.
   plain functions of ``(q, k, v, plan, sm_scale)``).
 * :mod:`.tiles`: head-dim padding, element sizes, the decode thresholds every backend uses.
 * :mod:`.traffic`: byte constants and the traffic terms of the shared kernels (preprocess, decode merge).
-* :mod:`.reference`: the float64 masked-softmax reference both ops' references build on.
+* :mod:`.reference`: the float64 masked-softmax reference both ops' references build on (sinks included).
+* :mod:`.sinks`: per-head attention sinks (the torch paths' fold, the sink's gradient).
+* :mod:`.delta`: the backward's row deltas from the forward's fp32 output (the rounding residual).
 * :mod:`.triton`: the shared ``@triton.jit`` helpers (score tile, row statistics, row stores), the
   shared kernels (backward preprocess, decode merge), their counter slots, and the launch
   description (:class:`~.triton.launch.Call`, :func:`~.triton.launch.run`).

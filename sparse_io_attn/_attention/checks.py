@@ -42,8 +42,9 @@ def _cpu_available() -> bool:
 
 
 def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Validate q, k, v: types, layouts, shapes ``[B, H, N, D]``, dtypes, devices, GQA heads, and
-    no zero-size batch, head or head-dim axis (a sequence length may be 0)."""
+    """Validate q, k, v: types, layouts, shapes ``q [B, Hq, Nq, D]``, ``k [B, Hkv, Nk, D]``, ``v [B,
+    Hkv, Nk, Dv]`` (V's head dim free: MLA's 576/512), dtypes, devices, GQA heads, and no zero-size
+    batch, head or head-dim axis (a sequence length may be 0)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -63,16 +64,43 @@ def check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if size == 0:
             raise ValueError(f"q has {what} 0 (shape {tuple(q.shape)}); attention needs at least one batch "
                              f"element, query head and head-dim channel")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if v.shape[3] == 0:
+        raise ValueError(f"v has head_dim 0 (shape {tuple(v.shape)}); attention needs at least one value channel")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape but for v's head dim, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
     Bk, Hkv, Nk, Dk = k.shape
     if Bk != B:
         raise ValueError(f"q has batch {B} and k has batch {Bk}; they must match")
     if Dk != D:
-        raise ValueError(f"q has head_dim {D} and k/v have {Dk}; they must match")
+        raise ValueError(f"q has head_dim {D} and k has {Dk}; they must match (v's head dim may differ)")
     if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(f"q has {Hq} heads and k has {Hkv}; num_heads_q must be a multiple of "
                          f"num_heads_kv (GQA/MQA)")
+
+
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """``sinks``: ``None`` or one sink logit per query head, a floating tensor ``[Hq]`` on q's device
+    (natural-log units, like the scaled scores ``sm_scale * q . k``; ``-inf``: no sink for that head).
+    On CPU the values are read too: NaN or ``+inf`` is refused (on other devices reading them would
+    synchronise; they are trusted)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a tensor [num_heads_q] or None, got {type(sinks).__name__}")
+    Hq = q.shape[1]
+    if sinks.dim() != 1 or sinks.shape[0] != Hq:
+        raise ValueError(f"sinks must have shape [num_heads_q] = [{Hq}] (one logit per query head), got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.dtype not in SUPPORTED_DTYPES and sinks.dtype != torch.float64:
+        raise TypeError(f"sinks has dtype {sinks.dtype}; pass a floating tensor (float32, bfloat16, float16, float64)")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q on {q.device}; move it to q's device")
+    if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = torch.isnan(sinks) | torch.isposinf(sinks)
+        if bool(bad.any()):
+            raise ValueError(f"sinks holds NaN or +inf at head {int(bad.to(torch.uint8).argmax())}; a sink is a "
+                             f"finite logit, or -inf for none")
 
 
 def resolve_sm_scale(sm_scale, head_dim: int) -> float:
@@ -97,4 +125,4 @@ def resolve_sm_scale(sm_scale, head_dim: int) -> float:
     return value
 
 
-__all__ = ["BACKENDS", "SUPPORTED_DTYPES", "check_tensors", "resolve_backend", "resolve_sm_scale"]
+__all__ = ["BACKENDS", "SUPPORTED_DTYPES", "check_sinks", "check_tensors", "resolve_backend", "resolve_sm_scale"]

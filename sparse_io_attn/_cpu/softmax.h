@@ -60,23 +60,51 @@ struct AllBits {  // softmax_step's mask when every key of the tile is allowed
   uint32_t operator()(int64_t) const { return FULL_BITS; }
 };
 
-// A finished row: o = acc / l in the output's dtype, lse = (m + log2 l) ln 2 (natural log) and the
-// stats (m, log2 l); a row without an allowed key (l = 0) gets o = 0, lse -inf and stats (+inf, 0).
+// Where a forward's finished rows go: out [rows, Dv] in the output dtype, its rounding residual res
+// (fl(o - fl(o)), the backward's delta from the fp32 output: _attention/delta.py; null when not asked
+// for), lse and the stats (m, log2 l) [rows]; row (b, h, t) is (b Hq + h) Nq + t. sinks2 [Hq]: the
+// heads' sink logits in base 2 (null: none; -inf: none for that head).
 template <typename T>
-static inline void store_row(const float* acc, float m, float l, int64_t D, T* o, float* lse, float* st_m,
-                             float* st_l) {
-  if (l == 0.f) {
-    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(0.f);
-    *lse = NEG_INF;
-    *st_m = POS_INF;
-    *st_l = 0.f;
-    return;
+struct RowStore {
+  T* out;
+  T* res;
+  float *lse, *st_m, *st_l;
+  const float* sinks2;
+  int64_t Dv;
+
+  // Row `row` of head h finished with accumulator acc [Dv], maximum m and sum l. A head's sink joins
+  // the denominator: m' = max(m, s), l' = l 2^(m - m') + 2^(s - m') (_attention/sinks.py). Then o =
+  // acc / l, lse = (m + log2 l) ln 2 (natural log), stats (m, log2 l); a row without an allowed key
+  // and without a sink (l = 0) gets o = 0, lse -inf and stats (+inf, 0); a row without an allowed key
+  // never reads acc (callers may leave it unset there), its output 0 with or without a sink.
+  void put(int64_t row, int64_t h, const float* acc, float m, float l) const {
+    const bool keys = l != 0.f;  // acc is read only then (a caller may leave an empty row's acc unset)
+    float a = 1.f;               // acc's rescale to the new maximum
+    if (sinks2 != nullptr && sinks2[h] != NEG_INF) {
+      const float s = sinks2[h], top = std::max(m, s);
+      a = keys ? std::exp2(m - top) : 0.f;
+      l = l * a + std::exp2(s - top);
+      m = top;
+    }
+    const float scale = a / l;  // used where l > 0
+    T* o = out + row * Dv;
+    T* r = res != nullptr ? res + row * Dv : nullptr;
+    for (int64_t d = 0; d < Dv; ++d) {
+      const float x = !keys ? 0.f : a == 1.f ? acc[d] / l : acc[d] * scale;
+      o[d] = static_cast<T>(x);
+      if (r != nullptr) r[d] = static_cast<T>(x - static_cast<float>(static_cast<T>(x)));
+    }
+    if (l == 0.f) {
+      lse[row] = NEG_INF;
+      st_m[row] = POS_INF;
+      st_l[row] = 0.f;
+      return;
+    }
+    const float log2l = std::log2(l);
+    lse[row] = (m + log2l) * LN2;
+    st_m[row] = m;
+    st_l[row] = log2l;
   }
-  for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(acc[d] / l);
-  const float log2l = std::log2(l);
-  *lse = (m + log2l) * LN2;
-  *st_m = m;
-  *st_l = log2l;
-}
+};
 
 }  // namespace sia

@@ -12,7 +12,7 @@
 // identical across runs and thread counts; with S = 1 the merge is the identity.
 //
 // Memory: per worker a few tiles (rows x CHUNK scores, CHUNK x D keys, D x CHUNK K^T), plus the
-// partials (splits x rows x (D + 2) floats): nothing proportional to the cache length. Every work
+// partials (splits x rows x (Dv + 2) floats; Dv the value head dim): nothing proportional to the cache length. Every work
 // buffer of a call is tallied (Tally); work_bytes() reports the last decode call's total, for tests.
 //
 // Scores t = fl(c s) saturated, the row maximum m of those t, p = exp2(t - m): the arithmetic of the
@@ -104,16 +104,13 @@ static inline const float* rows_f32(const Operand<T>& x, int64_t b, int64_t h, i
   return buf;
 }
 
-// A decode call's operands (read in place) and results (q's dtype; lse, stats fp32).
+// A decode call's operands (read in place) and where its rows go.
 template <typename T>
 struct In {
   Operand<T> q, k, v;
-  T* out;
-  float *lse, *st_m, *st_l;
-  In(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, at::Tensor& out_, at::Tensor& lse_,
-     at::Tensor& stats)
-      : q(q_), k(k_), v(v_), out(out_.data_ptr<T>()), lse(lse_.data_ptr<float>()), st_m(stats.data_ptr<float>()),
-        st_l(st_m + lse_.numel()) {}
+  RowStore<T> store;
+  In(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const RowStore<T>& store_)
+      : q(q_), k(k_), v(v_), store(store_) {}
 };
 
 // The query rows of a unit: heads [h0, h0 + R / nt) x tokens [m0, m0 + nt) of batch b, head-major
@@ -124,22 +121,22 @@ struct UnitRows {
   int64_t token(int64_t i) const { return m0 + i % nt; }
 };
 
-// One worker's buffers for units of up to R rows.
+// One worker's buffers for units of up to R rows (q/k head dim D, v head dim Dv).
 struct Work {
   Buf q, kt, kv, s, acc, st;
   std::vector<int32_t> keys;  // gathered key numbers (selection, small blocks)
   float *m, *l;
-  Work(int64_t R, int64_t D, int64_t nkeys, Tally& tally)
-      : q(R * D), kt(D * CHUNK), kv(CHUNK * D), s(R * LDS), acc(R * D), st(2 * R), keys(nkeys) {
+  Work(int64_t R, int64_t D, int64_t Dv, int64_t nkeys, Tally& tally)
+      : q(R * D), kt(D * CHUNK), kv(CHUNK * std::max(D, Dv)), s(R * LDS), acc(R * Dv), st(2 * R), keys(nkeys) {
     for (const Buf* b : {&q, &kt, &kv, &s, &acc, &st}) tally.add(*b);
     tally.bytes.fetch_add(static_cast<int64_t>(nkeys * sizeof(int32_t)));
     m = st.p;
     l = st.p + R;
   }
-  void reset(int64_t R, int64_t D) {
+  void reset(int64_t R, int64_t Dv) {
     std::fill(m, m + R, NEG_INF);
     std::fill(l, l + R, 0.f);
-    std::fill(acc.p, acc.p + R * D, 0.f);
+    std::fill(acc.p, acc.p + R * Dv, 0.f);
   }
 };
 
@@ -153,55 +150,55 @@ static inline void transpose_keys(const float* k, int64_t ld, int64_t nc, int64_
   at::vec::transpose_mxn<float>(k, ld, kt, CHUNK, static_cast<int>(nc), static_cast<int>(D));
 }
 
-// A task's partial [R] m, [R] l, [R, D] acc at `slot`.
-static inline void write_partial(float* slot, const Work& w, int64_t R, int64_t D) {
+// A task's partial [R] m, [R] l, [R, Dv] acc at `slot`.
+static inline void write_partial(float* slot, const Work& w, int64_t R, int64_t Dv) {
   std::memcpy(slot, w.m, R * sizeof(float));
   std::memcpy(slot + R, w.l, R * sizeof(float));
-  std::memcpy(slot + 2 * R, w.acc.p, R * D * sizeof(float));
+  std::memcpy(slot + 2 * R, w.acc.p, R * Dv * sizeof(float));
 }
 
 // Row i of the merged partials of a unit's S splits (slots `stride` floats apart), in split order:
-// M = max m_s, L = sum l_s 2^(m_s - M), acc = sum acc_s 2^(m_s - M) (in tmp [D]); then the row's
-// output, lse and stats (store_row).
+// M = max m_s, L = sum l_s 2^(m_s - M), acc = sum acc_s 2^(m_s - M) (in tmp [Dv]); then the row's
+// output, lse and stats (RowStore::put, at `row` of head h).
 template <typename T>
-static inline void merge_row(const float* part, int64_t S, int64_t stride, int64_t R, int64_t D, int64_t i,
-                             float* tmp, T* o, float* lse, float* st_m, float* st_l) {
+static inline void merge_row(const float* part, int64_t S, int64_t stride, int64_t R, int64_t Dv, int64_t i,
+                             float* tmp, const RowStore<T>& store, int64_t row, int64_t h) {
   float M = NEG_INF;
   for (int64_t s = 0; s < S; ++s) {
     const float* p = part + s * stride;
     if (p[R + i] != 0.f) M = std::max(M, p[i]);
   }
   float L = 0.f;
-  std::fill(tmp, tmp + D, 0.f);
+  std::fill(tmp, tmp + Dv, 0.f);
   for (int64_t s = 0; s < S; ++s) {
     const float* p = part + s * stride;
     const float l = p[R + i];
     if (l == 0.f) continue;  // no allowed key in this split
     const float a = S == 1 ? 1.f : std::exp2(p[i] - M);
     L += l * a;
-    const float* acc = p + 2 * R + i * D;
+    const float* acc = p + 2 * R + i * Dv;
     if (a == 1.f) {
-      add_row(tmp, acc, D);
+      add_row(tmp, acc, Dv);
     } else {
       const Vec va(a);
       int64_t d = 0;
-      for (; d + VL <= D; d += VL) (Vec::loadu(tmp + d) + Vec::loadu(acc + d) * va).store(tmp + d);
-      for (; d < D; ++d) tmp[d] += acc[d] * a;
+      for (; d + VL <= Dv; d += VL) (Vec::loadu(tmp + d) + Vec::loadu(acc + d) * va).store(tmp + d);
+      for (; d < Dv; ++d) tmp[d] += acc[d] * a;
     }
   }
-  store_row(tmp, M, L, D, o, lse, st_m, st_l);
+  store.put(row, h, tmp, M, L);
 }
 
 // A call's tasks: unit u's splits are tasks [task0[u], task0[u] + splits), its partials (splits x
-// rows x (D + 2) floats) start at part0[u]; units are added in order.
+// rows x (Dv + 2) floats) start at part0[u]; units are added in order.
 struct Tasks {
   std::vector<int64_t> task0, part0;
   int64_t tasks = 0, partial_floats = 0;
-  void add_unit(int64_t splits, int64_t rows, int64_t D) {
+  void add_unit(int64_t splits, int64_t rows, int64_t Dv) {
     task0.push_back(tasks);
     part0.push_back(partial_floats);
     tasks += splits;
-    partial_floats += splits * rows * (D + 2);
+    partial_floats += splits * rows * (Dv + 2);
   }
   // task t -> (unit, split)
   std::pair<int64_t, int64_t> of(int64_t t) const {
@@ -222,23 +219,23 @@ struct Partials {
 
 // A task's start: the unit's query rows in fp32 (w.q), the running maximum, sum and accumulator reset.
 template <typename T>
-static inline void start_split(const In<T>& in, const UnitRows& u, int64_t D, Work& w) {
+static inline void start_split(const In<T>& in, const UnitRows& u, int64_t D, int64_t Dv, Work& w) {
   for (int64_t i = 0; i < u.R; ++i) to_f32(in.q.row(u.b, u.head(i), u.token(i)), in.q.sd, D, w.q.p + i * D);
-  w.reset(u.R, D);
+  w.reset(u.R, Dv);
 }
 
 // A task's end: its partial at split s of unit `unit`; the unit's last task to finish merges the
 // unit's S splits in order into the results' rows (of Hq heads x Nq tokens per batch).
 template <typename T>
-static inline void finish_split(const In<T>& in, const UnitRows& u, int64_t Hq, int64_t Nq, int64_t D,
+static inline void finish_split(const In<T>& in, const UnitRows& u, int64_t Hq, int64_t Nq, int64_t Dv,
                                 const Tasks& tasks, Partials& pp, int64_t unit, int64_t s, int64_t S, Work& w) {
-  const int64_t R = u.R, stride = R * (D + 2);
+  const int64_t R = u.R, stride = R * (Dv + 2);
   float* part = pp.buf.p + tasks.part0[unit];
-  write_partial(part + s * stride, w, R, D);
+  write_partial(part + s * stride, w, R, Dv);
   if (pp.done[unit].fetch_add(1, std::memory_order_acq_rel) + 1 != S) return;
   for (int64_t i = 0; i < R; ++i) {  // the unit's last task: merge its splits in order
     const int64_t row = (u.b * Hq + u.head(i)) * Nq + u.token(i);
-    merge_row(part, S, stride, R, D, i, w.kv.p, in.out + row * D, in.lse + row, in.st_m + row, in.st_l + row);
+    merge_row(part, S, stride, R, Dv, i, w.kv.p, in.store, row, u.head(i));
   }
 }
 

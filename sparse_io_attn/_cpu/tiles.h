@@ -172,8 +172,11 @@ struct OperandRows {
   }
 };
 
-// x [B, H, N, D] -> fp32 [B, H, nblk, D, blk]: per block of `blk` rows its transpose (zero padded)
-static void pack_transposed(const at::Tensor& x, int64_t blk, int64_t nblk, float* dst) {
+// x [B, H, N, D] -> fp32 [B, H, nblk, D, blk]: per block of `blk` rows its transpose (zero padded).
+// Block c holds rows [c blk, min((c + 1) blk, N)), or with a block table rows [starts[c], ends[c])
+// (at most blk of them, inside [0, N]: the caller checked the table).
+static void pack_transposed(const at::Tensor& x, int64_t blk, int64_t nblk, float* dst,
+                            const int32_t* starts = nullptr, const int32_t* ends = nullptr) {
   const int64_t B = x.size(0), H = x.size(1), N = x.size(2), D = x.size(3);
   const int64_t s0 = x.stride(0), s1 = x.stride(1), s2 = x.stride(2), s3 = x.stride(3);
   const bool direct = x.scalar_type() == at::kFloat && (s3 == 1 || D == 1) && s2 >= D;
@@ -186,7 +189,8 @@ static void pack_transposed(const at::Tensor& x, int64_t blk, int64_t nblk, floa
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t bh = t / nblk, c = t % nblk, b = bh / H, h = bh % H;
         float* d = dst + t * D * blk;
-        const int64_t n0 = c * blk, nv = std::max<int64_t>(0, std::min(blk, N - n0));
+        const int64_t n0 = starts != nullptr ? starts[c] : c * blk;
+        const int64_t nv = starts != nullptr ? ends[c] - n0 : std::max<int64_t>(0, std::min(blk, N - n0));
         const scalar_t* s = src + b * s0 + h * s1 + n0 * s2;
         const float* fr;
         int64_t ld;
@@ -207,13 +211,11 @@ static void pack_transposed(const at::Tensor& x, int64_t blk, int64_t nblk, floa
   });
 }
 
-// n elements of a task's fp32 dK, dV sums into the results in their dtype: dk = sm_scale dK, dv = dV.
+// A task's fp32 dK (nk elements), dV (nv) sums into the results in their dtype: dk = sm_scale dK, dv = dV.
 template <typename T>
-static inline void store_dkv(const float* dK, const float* dV, int64_t n, float sm_scale, T* dk, T* dv) {
-  for (int64_t i = 0; i < n; ++i) {
-    dk[i] = static_cast<T>(dK[i] * sm_scale);
-    dv[i] = static_cast<T>(dV[i]);
-  }
+static inline void store_dkv(const float* dK, int64_t nk, const float* dV, int64_t nv, float sm_scale, T* dk, T* dv) {
+  for (int64_t i = 0; i < nk; ++i) dk[i] = static_cast<T>(dK[i] * sm_scale);
+  for (int64_t i = 0; i < nv; ++i) dv[i] = static_cast<T>(dV[i]);
 }
 
 }  // namespace sia

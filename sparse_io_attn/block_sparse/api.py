@@ -13,8 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from sparse_io_attn._attention.checks import BACKENDS, check_tensors, resolve_backend, resolve_sm_scale
-from sparse_io_attn.block_sparse.op import block_sparse_attn_fwd
+from sparse_io_attn._attention.checks import BACKENDS, check_sinks, check_tensors, resolve_backend, resolve_sm_scale
+from sparse_io_attn._attention.delta import wants_residual
+from sparse_io_attn.block_sparse.op import OP, block_sparse_attn_fwd
 from sparse_io_attn.block_sparse.plan import AttentionPlan, plan
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.core import BlockSparseLayout
@@ -27,11 +28,12 @@ class Call(NamedTuple):
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, *, causal, sm_scale,
-            backend: str) -> Call:
+            backend: str, sinks=None) -> Call:
     """Validate a call and plan it: ``layout`` is a :class:`BlockSparseLayout` (planned under
     ``causal``, the plan cached on the layout) or an :class:`AttentionPlan` (whose causal offset must
     be the call's, and whose layout must not have been edited since it was built)."""
     check_tensors(q, k, v)
+    check_sinks(sinks, q)
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if isinstance(layout, AttentionPlan):
@@ -56,11 +58,13 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout, *, causal
                         f"AttentionPlan (sparse_io_attn.plan), got {type(layout).__name__}")
     p = p.for_heads(Hq, Hkv).to(q.device)   # a per-KV-head selection serves the query heads of its group
     p.layout_strides(B, Hq)                  # the masks broadcast over [batch, heads]
-    return Call(p, resolve_sm_scale(sm_scale, D), resolve_backend(backend, q.device))
+    backend = resolve_backend(backend, q.device)
+    OP.require(backend, sinks=sinks is not None, value_dim=v.shape[3] != D)
+    return Call(p, resolve_sm_scale(sm_scale, D), backend)
 
 
 def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout,
-                           *, causal=False, sm_scale: float | None = None,
+                           *, causal=False, sm_scale: float | None = None, sinks: torch.Tensor | None = None,
                            return_lse: bool = False, backend: str = "auto"):
     """Block-sparse scaled dot-product attention.
 
@@ -80,19 +84,23 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
             causality already).
         sm_scale: softmax scale, default ``D ** -0.5``: a finite real scalar (Python or NumPy
             number, 0-d real tensor).
-        return_lse: also return the row log-sum-exp ``[B, Hq, Nq]`` (float32, natural log; not
-            differentiable).
+        sinks: optional floating ``[Hq]``: one sink logit per query head (gpt-oss's ``sinks``,
+            FlashMLA's ``attn_sink``), in the units of the scaled scores ``sm_scale * q . k``: it joins
+            every row's softmax denominator and adds no value (``-inf``: none for that head).
+            Differentiable. Backends ``cpu`` and ``torch``.
+        return_lse: also return the row log-sum-exp ``[B, Hq, Nq]`` (float32, natural log, the sink
+            included; not differentiable).
         backend: ``"auto"`` (triton on CUDA; cpu on CPU, or torch with one warning if the C++
             kernel cannot be built), ``"cpu"``, ``"torch"`` or ``"triton"``.
 
-    Softmax runs over the allowed keys of each query row. A row with no allowed key gets output 0,
-    lse ``-inf`` and zero gradients. One path for eager and ``torch.compile`` alike: the custom op
+    Softmax runs over the allowed keys of each query row (and the head's sink). A row with no allowed
+    key gets output 0, lse ``-inf`` (the sink with sinks) and zero gradients. One path for eager and ``torch.compile`` alike: the custom op
     ``torch.ops.sparse_io_attn.block_sparse_attn_fwd`` (:mod:`sparse_io_attn.block_sparse.op`).
     """
-    call = prepare(q, k, v, layout, causal=causal, sm_scale=sm_scale, backend=backend)
+    call = prepare(q, k, v, layout, causal=causal, sm_scale=sm_scale, backend=backend, sinks=sinks)
     p = call.plan
-    out, lse, _ = block_sparse_attn_fwd(q, k, v, p.index, list(p.meta), p.causal_offset, call.sm_scale,
-                                        call.backend)
+    out, lse, _, _ = block_sparse_attn_fwd(q, k, v, p.index, list(p.meta), p.causal_offset, call.sm_scale,
+                                           call.backend, sinks, wants_residual(q.dtype, q, k, v, sinks))
     return (out, lse) if return_lse else out
 
 

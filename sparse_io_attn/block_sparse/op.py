@@ -6,8 +6,10 @@
 two opaque nodes and no graph break (the wiring is the attention kit's
 :class:`~sparse_io_attn._attention.op.AttentionOp`, shared with :mod:`sparse_io_attn.selection.op`):
 
-* ``block_sparse_attn_fwd(q, k, v, index, meta, causal_offset, sm_scale, backend) -> (out, lse, stats)``
-* ``block_sparse_attn_bwd(do, q, k, v, out, stats, index, meta, causal_offset, sm_scale, backend) -> (dq, dk, dv)``
+* ``block_sparse_attn_fwd(q, k, v, index, meta, causal_offset, sm_scale, backend, sinks=None, residual=False)
+  -> (out, lse, stats, residual)``
+* ``block_sparse_attn_bwd(do, q, k, v, out, stats, index, meta, causal_offset, sm_scale, backend, delta=None)
+  -> (dq, dk, dv)``
 
 An :class:`~sparse_io_attn.block_sparse.plan.AttentionPlan` crosses the op boundary as its packed
 int32 ``index`` tensor and its integers ``meta`` (few arguments: the dispatcher's cost grows with
@@ -24,7 +26,7 @@ CPU) and ``"torch"`` (plain PyTorch, any device).
 """
 from __future__ import annotations
 
-from sparse_io_attn._attention.op import AttentionOp
+from sparse_io_attn._attention.op import EXTENSIONS, AttentionOp
 from sparse_io_attn.block_sparse import torch_path
 from sparse_io_attn.block_sparse.plan import AttentionPlan
 
@@ -42,8 +44,12 @@ def _triton_backend():
     return launch
 
 
+#: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`); the Triton
+#: kernels take none yet: a call needing one there raises ``NotImplementedError`` naming ``cpu``/``torch``
+FEATURES = {"cpu": EXTENSIONS - {"cu_seqlens"}, "torch": EXTENSIONS - {"cu_seqlens"}, "triton": frozenset()}
 OP = AttentionOp("block_sparse_attn", "Tensor index", AttentionPlan,
-                 {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path})
+                 {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path},
+                 FEATURES)
 #: the forward op (``torch.ops.sparse_io_attn.block_sparse_attn_fwd.default``) and the backward op
 block_sparse_attn_fwd = OP.fwd
 block_sparse_attn_bwd = OP.bwd

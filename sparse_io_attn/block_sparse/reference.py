@@ -31,15 +31,17 @@ def element_mask(layout: BlockSparseLayout | None, batch: int, num_heads_q: int,
 
 
 def attention_reference(q, k, v, layout: BlockSparseLayout | None = None, *, causal=False,
-                        sm_scale: float | None = None, do: torch.Tensor | None = None):
-    """Float64 block-sparse attention: ``(out, lse)`` or, with ``do``, ``(out, lse, dq, dk, dv)``.
+                        sm_scale: float | None = None, do: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None):
+    """Float64 block-sparse attention: ``(out, lse)`` or, with ``do``, ``(out, lse, dq, dk, dv)`` (and
+    ``dsinks`` last when ``sinks [Hq]`` is given).
 
     Results are float64; compare a kernel's output ``x`` with ``(x.double() - ref).norm() / ref.norm()``.
     """
     B, Hq, Nq, _ = q.shape
     Nk = k.shape[2]
     mask = element_mask(layout, B, Hq, Nq, Nk, causal=causal, device=q.device, num_heads_kv=k.shape[1])
-    return float64_attention(q, k, v, mask, sm_scale, do)
+    return float64_attention(q, k, v, mask, sm_scale, do, sinks)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -81,6 +81,10 @@ def _check_shards(q, k, v, plan: ContextParallelPlan, world: int, rank: int, cau
         if t.shape[2] != n:
             raise ValueError(f"{name} has {t.shape[2]} tokens but the plan gives rank {rank} {n} "
                              f"(of {plan.seqlen}); pass plan.shard(x, {rank}, dim=2) of the whole sequence")
+    if v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError(f"context parallelism moves K and V as one unit of equal head dims; v has head "
+                                  f"dim {v.shape[-1]} and q {q.shape[-1]}: pad v to {q.shape[-1]} or run "
+                                  f"block_sparse_attention / selection_attention on one device")
     if (causal_offset(causal, plan.seqlen, plan.seqlen) is not None) != plan.causal:
         raise ValueError(f"causal={causal!r} but the plan was built with causal={plan.causal}: the plan "
                          f"decides which blocks are sent; build it with the same causal")

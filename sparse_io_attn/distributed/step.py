@@ -310,8 +310,8 @@ def _from_selection(plan, selection: Selection, rank: int, num_heads_kv) -> Cont
         dest = torch.where(flag, rank_in_row - 1, slots).to(torch.int64)
         rows = torch.full((L, n_local, slots + 1), -1, dtype=INDEX_DTYPE, device=dev).scatter_(-1, dest, values)
         meta = dict(block_size=bs, seqlen_q=n_local, seqlen_k=n_keys, num_selections=G, layout_batch=Lb,
-                    batched=int(selection.batch is not None), checked=1)
-        return SelectionPlan.from_op(rows[..., :slots].contiguous(), rank_in_row[..., -1].contiguous(),
+                    batched=int(selection.batch is not None), num_kv_blocks=-(-n_keys // bs), checked=1)
+        return SelectionPlan.from_op(rows[..., :slots].contiguous(), rank_in_row[..., -1].contiguous(), None,
                                      [meta[f] for f in META_FIELDS], delta)
     step.local = part(on_local, ranks[0], longest[0], block_tab[key], n_local, 0 if plan.causal else None)
     if step.received_seqlen:

@@ -14,22 +14,26 @@ from sparse_io_attn.block_sparse.api import BACKENDS, block_sparse_attention
 from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.layout._args import positive_int
 from sparse_io_attn.layout.core import BlockSparseLayout
-from sparse_io_attn.layout.patterns.builders import sliding_window
+from sparse_io_attn.layout.patterns.builders import document, sliding_window
+from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.nn.nsa_cache import NSACache, NSAState
-from sparse_io_attn.nn.selectors import nsa, spec_values, whole_block_means
+from sparse_io_attn.nn.selectors import Packed, block_means, nsa, spec_values, whole_block_means
 from sparse_io_attn.selection.api import selection_attention
 
 
-def rotary(x: torch.Tensor, base: float, offset: int = 0) -> torch.Tensor:
+def rotary(x: torch.Tensor, base: float, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
     """fla's ``RotaryEmbedding(dim=head_dim, base)`` on ``x [B, H, T, D]`` (NeoX halves: pair
-    ``(x_i, x_{i + D/2})`` rotated by ``(offset + t) * base ** (-2i / D)``; the whole head dim).
+    ``(x_i, x_{i + D/2})`` rotated by ``(offset + t) * base ** (-2i / D)``; the whole head dim), or
+    by ``offset + positions[t]`` when ``positions [T]`` is given (packed sequences: each token's
+    place in its own sequence).
     As fla: inverse frequencies and positions in float32, the cos/sin tables cast to x's dtype, the
     rotation computed in float32 (float64 stays float64) and stored in x's dtype."""
     D, T = x.shape[-1], x.shape[-2]
     if D % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {D}")
     inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
-    freqs = torch.outer(torch.arange(offset, offset + T, device=x.device, dtype=torch.float32), inv_freq)
+    pos = torch.arange(offset, offset + T, device=x.device) if positions is None else positions + offset
+    freqs = torch.outer(pos.to(torch.float32), inv_freq)
     acc = torch.promote_types(x.dtype, torch.float32)
     cos, sin = torch.cos(freqs).to(x.dtype).to(acc), torch.sin(freqs).to(x.dtype).to(acc)
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)                   # [T, D]
@@ -80,6 +84,13 @@ class NSAAttention:
     block_size + window) x D)`` whatever the cache's length. Row for row equal to the prefill's
     (``tests/nn/test_nsa_decode.py``). The state holds detached tensors: no gradient flows through
     it (the Hugging Face path computes without a state when gradients are needed).
+
+    Packed sequences: with ``cu_seqlens=`` (flash-attention's offsets, int32/int64 ``[S + 1]``; ``B =
+    1``, ``Nq == Nk``: a packed prefill) blocks and compressed keys restart at each sequence's start
+    and no branch crosses a sequence: the selected and compressed branches through
+    :func:`selection_attention`'s ``cu_seqlens`` and global compressed blocks, the window through the
+    window layout intersected with ``patterns.document``, built per ``cu_seqlens`` (one host read).
+    Each sequence computes what it computes alone. Not with ``state=`` (``NotImplementedError``).
 
     Args:
         block_size, num_blocks, window: fla's ``block_size``, ``block_counts`` (an int, taken as
@@ -207,10 +218,17 @@ class NSAAttention:
 
     # ------------------------------------------------------------------------------------ forward
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor, *,
-                 state: NSAState | None = None, sm_scale: float | None = None, backend: str | None = None,
-                 return_selection: bool = False):
+                 state: NSAState | None = None, cu_seqlens=None, sm_scale: float | None = None,
+                 backend: str | None = None, return_selection: bool = False):
         """``o [B, Nq, Hq, D]`` (with ``return_selection``, also the selected branch's
         :class:`~sparse_io_attn.Selection`); see the class docstring."""
+        if cu_seqlens is not None:
+            if state is not None:
+                raise NotImplementedError("NSAAttention: decoding packed sequences (state= with cu_seqlens=) is not "
+                                          "supported; decode each sequence with its own state, or pass cu_seqlens "
+                                          "without state= for a packed prefill")
+            o, selection = self.packed(q, k, v, gates, cu_seqlens, sm_scale=sm_scale, backend=backend)
+            return (o, selection) if return_selection else o
         self._check(q, k, v, gates, state)
         backend = self.backend if backend is None else backend
         Nq, Nk, bs = q.shape[2], k.shape[2], self.block_size
@@ -227,15 +245,56 @@ class NSAAttention:
             swa, start, cmp = self._decode_layouts(Nq, Nk, q.device)
         o_slc = selection_attention(q, k, v, selection, causal="bottom_right", sm_scale=sm_scale, backend=backend,
                                     check=False)
-        o = o_slc.transpose(1, 2) * gates[..., 1:2]
+        o_cmp = o_swa = None
         if cmp is not None:
             o_cmp = block_sparse_attention(q, k_cmp, v_cmp, cmp, sm_scale=sm_scale, backend=backend)
-            o = torch.addcmul(o, o_cmp.transpose(1, 2), gates[..., 0:1])
         if swa is not None:
             o_swa = block_sparse_attention(q, k[:, :, start:], v[:, :, start:], swa, causal="bottom_right",
                                            sm_scale=sm_scale, backend=backend)
-            o = torch.addcmul(o, o_swa.transpose(1, 2), gates[..., 2:3])
+        o = _combine(o_slc, o_cmp, o_swa, gates)
         return (o, selection) if return_selection else o
+
+    def packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gates: torch.Tensor, cu_seqlens, *,
+               sm_scale: float | None = None, backend: str | None = None, packed: Packed | None = None):
+        """``(o [1, T, Hq, D], selection)`` of packed sequences ``q [1, Hq, T, D]``, ``k, v [1, Hkv, T,
+        D]`` (see the class docstring); ``packed``: the :class:`~sparse_io_attn.nn.selectors.Packed` of
+        ``cu_seqlens`` when the caller already made it (the layer, for its RoPE positions)."""
+        self._check(q, k, v, gates, None)
+        backend = self.backend if backend is None else backend
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"NSAAttention with cu_seqlens runs a packed prefill: q and k of one length, got q "
+                             f"{tuple(q.shape)} and k {tuple(k.shape)}")
+        pk = Packed.of(cu_seqlens, q, k, True, "NSAAttention") if packed is None else packed
+        T, bs = q.shape[2], self.block_size
+        selection = self.selector(q, k, cu_seqlens=cu_seqlens)
+        o_slc = selection_attention(q, k, v, selection, causal=True, cu_seqlens=cu_seqlens, sm_scale=sm_scale,
+                                    backend=backend, check=False)
+        o_cmp = o_swa = None
+        if T // bs > 0:       # each token's complete blocks of its own sequence, as compressed tokens
+            off, _, start, _ = pk.blocks(bs)
+            k_cmp, v_cmp = (block_means(pk.gather(t, start, bs), bs).to(t.dtype) for t in (k, v))
+            j = torch.arange(T // bs, device=q.device)
+            complete = torch.where(j < torch.div(pk.pos + 1, bs, rounding_mode="floor")[:, None],
+                                   off[pk.seq][:, None] + j, -1)
+            o_cmp = selection_attention(q, k_cmp, v_cmp, Selection(complete[None], 1), sm_scale=sm_scale,
+                                        backend=backend, check=False)
+        if self.window > 0:
+            o_swa = block_sparse_attention(q, k, v, self._packed_window(pk.vl.cu_q, T, q.device), causal=True,
+                                           sm_scale=sm_scale, backend=backend)
+        return _combine(o_slc, o_cmp, o_swa, gates), selection
+
+    @torch.compiler.disable(reason="sparse_io_attn: NSA builds the window layout of packed sequences from "
+                            "cu_seqlens (a host read)")
+    def _packed_window(self, cu: torch.Tensor, T: int, device: torch.device) -> BlockSparseLayout:
+        """The sliding window within each packed sequence: ``sliding_window & document`` (kept with the
+        decode layouts, LRU)."""
+        lb = self.layout_block_size
+
+        def build():
+            swa = (sliding_window(T, lb, self.window - 1, causal=True) & document(cu.cpu(), lb, causal=True)).to(device)
+            plan(swa, causal=True)
+            return swa
+        return self._cached(("packed", tuple(int(c) for c in cu.tolist()), str(device)), build)
 
     def _check(self, q, k, v, gates, state) -> None:
         for name, t in (("q", q), ("k", k), ("v", v), ("gates", gates)):
@@ -263,6 +322,18 @@ class NSAAttention:
     def __repr__(self) -> str:
         return (f"nsa_attention(block_size={self.block_size}, num_blocks={self.num_blocks}, window={self.window}, "
                 f"layout_block_size={self.layout_block_size})")
+
+
+def _combine(o_slc: torch.Tensor, o_cmp: torch.Tensor | None, o_swa: torch.Tensor | None,
+             gates: torch.Tensor) -> torch.Tensor:
+    """``g_slc o_slc + g_cmp o_cmp + g_swa o_swa`` ``[B, Nq, Hq, D]`` of the branches' ``[B, Hq, Nq, D]``
+    (fla's addcmul order; absent branches left out)."""
+    o = o_slc.transpose(1, 2) * gates[..., 1:2]
+    if o_cmp is not None:
+        o = torch.addcmul(o, o_cmp.transpose(1, 2), gates[..., 0:1])
+    if o_swa is not None:
+        o = torch.addcmul(o, o_swa.transpose(1, 2), gates[..., 2:3])
+    return o
 
 
 def is_nsa_spec(spec) -> bool:
@@ -317,7 +388,11 @@ class NativeSparseAttention(nn.Module):
         layout_block_size: block size of the sliding-window and compressed-branch layouts (any value
             computes the same result; it only changes the kernels' tiles).
 
-    Not covered: fla's 2-D ``attention_mask`` (padding) and ``cu_seqlens`` (packing).
+    Packed sequences: ``forward(x, cu_seqlens=)`` with ``x [1, total, E]`` (fla's ``cu_seqlens``):
+    rotary positions, blocks and compressed keys restart at each sequence's start, and no branch
+    crosses a sequence (:meth:`NSAAttention.packed`). Not with a KV cache (``NotImplementedError``).
+
+    Not covered: fla's 2-D ``attention_mask`` (padding), decoding packed sequences.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, head_dim: int | None = None,
@@ -395,35 +470,57 @@ class NativeSparseAttention(nn.Module):
             capacity = positive_int(capacity, "capacity")
         return NSACache(self.attention.init_state(), capacity)
 
-    def project(self, x: torch.Tensor, offset: int = 0):
+    def project(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None):
         """``x [B, T, E]`` -> ``(q [B, Hq, T, d], k, v [B, Hkv, T, d], gates [B, T, Hq, 3])``: projections,
-        RoPE on q and k at positions ``offset ..``, sigmoid gates (cmp, slc, swa)."""
+        RoPE on q and k at positions ``offset ..`` (``offset + positions[t]`` when ``positions [T]`` is
+        given), sigmoid gates (cmp, slc, swa)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         g = self.g_proj(x).view(B, T, self.num_heads, 3).sigmoid()
-        return rotary(q, self.rope_theta, offset), rotary(k, self.rope_theta, offset), v, g
+        return rotary(q, self.rope_theta, offset, positions), rotary(k, self.rope_theta, offset, positions), v, g
 
-    def forward(self, x: torch.Tensor, *, cache: NSACache | None = None, return_selection: bool = False):
+    def forward(self, x: torch.Tensor, *, cache: NSACache | None = None, cu_seqlens: torch.Tensor | None = None,
+                return_selection: bool = False):
         """``x [B, T, E]`` -> ``[B, T, E]`` (with ``return_selection``, also the selected branch's
         :class:`~sparse_io_attn.Selection`). With ``cache``, ``x`` holds the next ``T`` tokens after
-        the ``cache.length`` cached ones, which the call appends."""
+        the ``cache.length`` cached ones, which the call appends. ``cu_seqlens``: packed sequences,
+        ``x [1, total, E]`` (flash-attention's offsets, int32/int64 ``[S + 1]``); each sequence computes
+        what it computes alone; not with ``cache``."""
         if x.dim() != 3 or x.shape[-1] != self.embed_dim:
             raise ValueError(f"expected x of shape [batch, seqlen, {self.embed_dim}], got {tuple(x.shape)}")
         B, T, _ = x.shape
         if B == 0 or T == 0:
             raise ValueError(f"NativeSparseAttention needs at least one batch element and token, got x "
                              f"{tuple(x.shape)}")
-        if cache is not None:
-            self._check_cache(cache, x)
-        q, k, v, g = self.project(x, 0 if cache is None else cache.length)
-        if cache is not None:
-            k, v = cache.append(k, v)
-        o, selection = self.attention(q, k, v, g, state=None if cache is None else cache.state,
-                                      return_selection=True)
+        if cu_seqlens is not None:
+            o, selection = self._packed(x, cache, cu_seqlens)
+        else:
+            if cache is not None:
+                self._check_cache(cache, x)
+            q, k, v, g = self.project(x, 0 if cache is None else cache.length)
+            if cache is not None:
+                k, v = cache.append(k, v)
+            o, selection = self.attention(q, k, v, g, state=None if cache is None else cache.state,
+                                          return_selection=True)
         out = self.o_proj(o.reshape(B, T, self.num_heads * self.head_dim))
         return (out, selection) if return_selection else out
+
+    def _packed(self, x: torch.Tensor, cache, cu_seqlens):
+        """``(o [1, T, Hq, d], selection)`` of packed sequences (:meth:`NSAAttention.packed`), RoPE at each
+        token's place in its own sequence."""
+        if cache is not None:
+            raise NotImplementedError("NativeSparseAttention: a KV cache with cu_seqlens (decoding packed sequences) "
+                                      "is not supported; decode each sequence with its own cache "
+                                      "(layer.init_cache()), or pass cu_seqlens without cache= for a packed prefill")
+        if x.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens the sequences are packed along the tokens: x [1, total, E], got "
+                             f"{tuple(x.shape)}")
+        T = x.shape[1]
+        pk = Packed.of(cu_seqlens, x.new_empty(1, 1, T, 1), x.new_empty(1, 1, T, 1), True, "NativeSparseAttention")
+        q, k, v, g = self.project(x, positions=pk.pos)
+        return self.attention.packed(q, k, v, g, cu_seqlens, packed=pk)
 
     def _check_cache(self, cache, x: torch.Tensor) -> None:
         if not isinstance(cache, NSACache):

@@ -48,6 +48,7 @@ from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.patterns.selection import ranked_topk, topk
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.nn.selector_state import BlockKeyState
+from sparse_io_attn.selection.varlen import Varlen, block_offsets, sequence_of, varlen_of
 
 
 def _check_qk(q: torch.Tensor, k: torch.Tensor, who: str) -> None:
@@ -78,6 +79,57 @@ def _causal_only(causal, who: str):
         raise ValueError(f"{who} is causal by definition (its reference has no non-causal form): pass causal=True "
                          f"('top_left') or 'bottom_right', or use pooled_topk(..., causal=False)")
     return causal
+
+
+# ------------------------------------------------------------------------------- packed sequences
+class Packed:
+    """A selector call on packed sequences (``cu_seqlens``, :mod:`sparse_io_attn.selection.varlen`):
+    ``q [1, Hq, Tq, D]``, ``k [1, Hkv, Tk, D]``. Each query token's sequence and its **local** key
+    position ``pos`` (``t - cu_q[s]``, plus ``len_k - len_q`` bottom-right); per key-block size, the
+    sequences' blocks numbered globally (``offsets``: each sequence's first block; ``nkb`` slots,
+    :func:`~sparse_io_attn.selection.varlen.capacity`) with their first keys and key counts. A
+    selector scores against every global block and keeps the ones of the token's own sequence
+    (:meth:`same`), then returns local block numbers (:meth:`local`); all tensor operations."""
+
+    def __init__(self, vl: Varlen, seqlen_q: int, seqlen_k: int, device):
+        self.vl, self.seqlen_k = vl, seqlen_k
+        t = torch.arange(seqlen_q, device=device)
+        self.seq = sequence_of(vl.cu_q, t)
+        self.pos = t - vl.cu_q[self.seq]
+        if vl.causal == "bottom_right":
+            self.pos = self.pos + (vl.cu_k.diff() - vl.cu_q.diff())[self.seq]
+
+    @classmethod
+    def of(cls, cu_seqlens, q: torch.Tensor, k: torch.Tensor, causal, who: str) -> "Packed":
+        if q.shape[0] != 1:
+            raise ValueError(f"{who} with cu_seqlens takes the packed sequences as q [1, Hq, total, D], got batch "
+                             f"{q.shape[0]}")
+        return cls(varlen_of(cu_seqlens, q.shape[2], k.shape[2], causal, q.device), q.shape[2], k.shape[2], q.device)
+
+    def blocks(self, bs: int):
+        """``(offsets [S + 1], block's sequence [nkb], first key [nkb], keys [nkb])`` of blocks of ``bs``."""
+        cu = self.vl.cu_k.clamp(0, self.seqlen_k)
+        off = block_offsets(cu, bs)
+        nkb = self.seqlen_k // bs + self.vl.num_sequences
+        g = torch.arange(nkb, device=cu.device)
+        s = sequence_of(off, g)
+        start = cu[s] + (g - off[s]) * bs
+        count = torch.where(g < off[-1], torch.minimum(cu[s + 1] - start, torch.tensor(bs, device=cu.device)), 0)
+        return off, s, start, count
+
+    def gather(self, x: torch.Tensor, start: torch.Tensor, bs: int) -> torch.Tensor:
+        """``x [B, H, Tk, D]`` -> ``[B, H, nkb * bs, D]``: each block's ``bs`` keys from its start (past
+        the block's keys: any key; callers use whole blocks only)."""
+        key = (start[:, None] + torch.arange(bs, device=start.device)).clamp(0, max(self.seqlen_k - 1, 0))
+        return x.index_select(2, key.reshape(-1))
+
+    def same(self, block_seq: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """bool ``[Tq, nkb]``: the blocks (holding keys) of each query token's sequence."""
+        return (block_seq[None, :] == self.seq[:, None]) & (count > 0)
+
+    def local(self, chosen: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """Global block numbers ``[..., Tq, K]`` (``-1`` empty) -> local ones of each token's sequence."""
+        return torch.where(chosen >= 0, chosen - off[self.seq][:, None], -1)
 
 
 def _check_step(q: torch.Tensor, k: torch.Tensor, state, kind: str, params: tuple) -> None:
@@ -307,9 +359,32 @@ class MoBASelector:
         chosen = ranked_topk(gate, past, eligible=candidate, ties="higher")
         return Selection(torch.cat([own, chosen], -1), self.chunk_size)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> Selection:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, *, cu_seqlens=None) -> Selection:
+        """The selection of ``q [B, Hq, Nq, D]`` over ``k [B, Hkv, Nk, D]``; ``cu_seqlens`` (a tensor or a
+        pair): packed sequences (``B = 1``), chunks restarting at each sequence's start as in MoBA's
+        ``moba_attn_varlen``, the indices local chunk numbers (run it with ``selection_attention(...,
+        cu_seqlens=)``)."""
         with torch.no_grad():
+            if cu_seqlens is not None:
+                return self._packed(q, k, cu_seqlens)
             return self._select(*self._gate(q, k))
+
+    def _packed(self, q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Selection:
+        """MoBA over packed sequences: the gate against every sequence's chunks, candidates and the own
+        chunk in the token's sequence only (:class:`Packed`)."""
+        _check_qk(q, k, "the moba selector")
+        pk = Packed.of(cu_seqlens, q, k, self.causal, "the moba selector")
+        cs = self.chunk_size
+        off, chunk_seq, start, count = pk.blocks(cs)
+        means = self._chunk_means(pk.gather(k.detach(), start, cs))             # whole chunks' means, [1, Hkv, n, D]
+        B, Hq, Nq, D = q.shape
+        Hkv, n = means.shape[1], means.shape[2]
+        gate = (q.detach().float().view(B, Hkv, Hq // Hkv, Nq, D) @ means[:, :, None].transpose(-1, -2)).view(B, Hq, Nq, n)
+        local = torch.arange(n, device=q.device) - off[chunk_seq]
+        candidate = pk.same(chunk_seq, count) & ((local + 1) * cs <= pk.pos[:, None])   # ends before the query
+        own = torch.div(pk.pos, cs, rounding_mode="floor")
+        own = torch.where((pk.pos >= 0) & (own < (off[1:] - off[:-1])[pk.seq]), off[pk.seq] + own, -1)
+        return Selection(pk.local(self._select(gate, candidate, own).indices, off), cs)
 
     def init_state(self, keys: torch.Tensor | None = None) -> BlockKeyState:
         """A decode state for one layer's KV cache: MoBA's mean of every complete chunk and the keys of
@@ -438,9 +513,39 @@ class NSASelector:
         complete, forced = self._blocks(seqlen_q, seqlen_k, device)
         return complete | forced
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> Selection:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, *, cu_seqlens=None) -> Selection:
+        """The selection of ``q [B, Hq, Nq, D]`` over ``k [B, Hkv, Nk, D]``; ``cu_seqlens`` (a tensor or a
+        pair): packed sequences (``B = 1``), blocks and compressed keys restarting at each sequence's
+        start as in fla's ``naive_nsa_topk(..., cu_seqlens=)``, the indices local block numbers (run
+        it with ``selection_attention(..., cu_seqlens=)``)."""
         with torch.no_grad():
+            if cu_seqlens is not None:
+                return self._packed(q, k, cu_seqlens)
             return self._choose(self.scores(q, k), q.shape[2], k.shape[2], q.device)
+
+    def _packed(self, q: torch.Tensor, k: torch.Tensor, cu_seqlens) -> Selection:
+        """NSA over packed sequences: scores against every sequence's compressed blocks, softmax over the
+        complete ones of the token's sequence, forced and chosen blocks there only (:class:`Packed`)."""
+        _check_qk(q, k, "the nsa selector")
+        pk = Packed.of(cu_seqlens, q, k, "bottom_right", "the nsa selector")
+        bs = self.block_size
+        off, block_seq, start, count = pk.blocks(bs)
+        k_cmp = block_means(pk.gather(k.detach(), start, bs), bs).to(k.dtype)   # fla's mean_pooling, whole blocks
+        B, Hq, Nq, D = q.shape
+        Hkv, n = k_cmp.shape[1], k_cmp.shape[2]
+        scale = D ** -0.5 if self.sm_scale is None else self.sm_scale
+        attn = (q.detach().view(B, Hkv, Hq // Hkv, Nq, D) @ k_cmp[:, :, None].transpose(-1, -2)) * scale
+        local, pos = torch.arange(n, device=q.device) - off[block_seq], pk.pos[:, None]
+        same = pk.same(block_seq, count)
+        own = torch.div(pos, bs, rounding_mode="floor")
+        complete = same & ((local + 1) * bs - 1 <= pos)
+        forced = same & ((local == own) | (local == 0) | (local == own - 1)) & (pos >= 0)
+        probs = torch.softmax(attn.masked_fill(~complete, -math.inf), dim=-1)
+        scores = torch.where(forced, 1.0, torch.nan_to_num(probs, nan=0.0).mean(2))
+        chosen = ranked_topk(scores, min(self.num_blocks, n), eligible=complete | forced, ties="higher")
+        if self.num_blocks > n:
+            chosen = F.pad(chosen, (0, self.num_blocks - n), value=-1)
+        return Selection(pk.local(chosen, off), bs)
 
     def init_state(self, keys: torch.Tensor | None = None) -> BlockKeyState:
         """A decode state for one layer's KV cache: fla's compressed key (``mean_pooling``) of every
@@ -512,7 +617,7 @@ def lightning_scores(index_q: torch.Tensor, index_k: torch.Tensor, weights: torc
 
 
 def lightning_topk(index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.Tensor, top_k: int, *,
-                   causal="bottom_right") -> Selection:
+                   causal="bottom_right", cu_seqlens=None) -> Selection:
     """DeepSeek Sparse Attention's selection (DeepSeek-V3.2-Exp ``inference/model.py``, ``Indexer`` and
     ``MLA``'s index mask, commit ``3b99a535``): per query token the ``min(top_k, p + 1)`` keys of
     highest :func:`lightning_scores` among the keys ``s <= p`` (``p`` the query's position), shared by
@@ -523,14 +628,23 @@ def lightning_topk(index_q: torch.Tensor, index_k: torch.Tensor, weights: torch.
     causal mask; the effective set is this one. Ties go to the **higher key index** (V3.2's
     ``torch.topk`` order among equal scores is unspecified, and its FP8 inputs make near-ties
     quantisation noise). ``causal``: ``"bottom_right"`` (default: query row ``t`` at position
-    ``t + Tk - Tq``, prefill and decode alike) or ``True``/``"top_left"``."""
+    ``t + Tk - Tq``, prefill and decode alike) or ``True``/``"top_left"``. ``cu_seqlens`` (a tensor or
+    a pair): packed sequences (``B = 1``), each query choosing among its own sequence's keys, the
+    indices local key positions (run it with ``selection_attention(..., cu_seqlens=)``)."""
     causal = _causal_only(causal, "lightning_topk")
     top_k = positive_int(top_k, "top_k (keys per query token)")
     scores = lightning_scores(index_q, index_k, weights)
     Tq, Tk = scores.shape[1], scores.shape[2]
-    pos = _positions(causal, Tq, Tk, scores.device)
-    eligible = torch.arange(Tk, device=scores.device) <= pos[:, None]
-    return Selection(ranked_topk(scores, min(top_k, Tk), eligible=eligible, ties="higher")[:, None], 1)
+    if cu_seqlens is None:
+        pos = _positions(causal, Tq, Tk, scores.device)
+        eligible = torch.arange(Tk, device=scores.device) <= pos[:, None]
+        return Selection(ranked_topk(scores, min(top_k, Tk), eligible=eligible, ties="higher")[:, None], 1)
+    pk = Packed.of(cu_seqlens, index_q, index_k[:, None], causal, "lightning_topk")
+    keys = torch.arange(Tk, device=scores.device)
+    key_seq = sequence_of(pk.vl.cu_k, keys)
+    eligible = (key_seq[None, :] == pk.seq[:, None]) & (keys - pk.vl.cu_k[key_seq] <= pk.pos[:, None])
+    chosen = ranked_topk(scores, min(top_k, Tk), eligible=eligible, ties="higher")
+    return Selection(pk.local(chosen, pk.vl.cu_k)[:, None], 1)
 
 
 # ------------------------------------------------------------------------------------------ specs
@@ -597,6 +711,6 @@ def from_spec(spec: str, *, causal=True):
     return factory(**spec_values(spec, params, aliases), causal=causal)
 
 
-__all__ = ["MoBASelector", "NSASelector", "PooledTopKSelector", "SPEC_TYPES", "block_means", "from_spec",
+__all__ = ["MoBASelector", "NSASelector", "Packed", "PooledTopKSelector", "SPEC_TYPES", "block_means", "from_spec",
            "is_spec", "lightning_scores", "lightning_topk", "moba", "nsa", "pooled_topk", "spec_values",
            "whole_block_means"]

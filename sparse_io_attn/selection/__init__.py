@@ -3,6 +3,7 @@
 
 * :mod:`.api`: :func:`~.api.selection_attention` (checks, plan, backends).
 * :mod:`.plan`: :class:`~.plan.SelectionPlan` (normalised rows and the key-major lists, on the device).
+* :mod:`.varlen`: packed variable-length sequences (``cu_seqlens``): the block table.
 * :mod:`.torch_path`: backend ``"torch"`` (plain PyTorch, any device).
 * :mod:`.reference`: the float64 reference.
 """

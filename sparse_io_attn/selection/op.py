@@ -1,12 +1,15 @@
 """Selection attention as ``torch.library`` custom ops: the one path of every call, eager and compiled.
 
-* ``selection_attn_fwd(q, k, v, rows, row_counts, meta, causal_offset, sm_scale, backend) -> (out, lse, stats)``
-* ``selection_attn_bwd(do, q, k, v, out, stats, rows, row_counts, meta, causal_offset, sm_scale, backend) -> (dq, dk, dv)``
+* ``selection_attn_fwd(q, k, v, rows, row_counts, table, meta, causal_offset, sm_scale, backend, sinks=None,
+  residual=False) -> (out, lse, stats, residual)``
+* ``selection_attn_bwd(do, q, k, v, out, stats, rows, row_counts, table, meta, causal_offset, sm_scale, backend,
+  delta=None) -> (dq, dk, dv)``
 
 The wiring is the attention kit's :class:`~sparse_io_attn._attention.op.AttentionOp`, the same as
 :mod:`sparse_io_attn.block_sparse.op`'s (a ``torch.library`` forward op whose ``Autograd`` kernel is
 one ``autograd.Function``). A :class:`~sparse_io_attn.selection.plan.SelectionPlan` crosses the
-boundary as its normalised ``rows`` / ``row_counts`` and its integers ``meta``;
+boundary as its normalised ``rows`` / ``row_counts``, its block table (``None`` but for packed
+sequences) and its integers ``meta``;
 :meth:`SelectionPlan.from_op` finds the plan object (with the key-major lists it built) or rebuilds
 one over the tensors. Inside ``torch.compile`` the plan is built in the graph from the indices
 (tensor operations of fixed shapes), so a new selection of the same shapes reuses the graph. The
@@ -15,7 +18,7 @@ backends are plain functions of ``(q, k, v, plan, sm_scale)``: ``"cpu"`` (C++), 
 """
 from __future__ import annotations
 
-from sparse_io_attn._attention.op import AttentionOp
+from sparse_io_attn._attention.op import EXTENSIONS, AttentionOp
 from sparse_io_attn.selection import torch_path
 from sparse_io_attn.selection.plan import SelectionPlan
 
@@ -32,8 +35,12 @@ def _triton_backend():
     return launch
 
 
-OP = AttentionOp("selection_attn", "Tensor rows, Tensor row_counts", SelectionPlan,
-                 {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path})
+#: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`); the Triton
+#: kernels take none yet: a call needing one there raises ``NotImplementedError`` naming ``cpu``/``torch``
+FEATURES = {"cpu": frozenset(EXTENSIONS), "torch": frozenset(EXTENSIONS), "triton": frozenset()}
+OP = AttentionOp("selection_attn", "Tensor rows, Tensor row_counts, Tensor? table", SelectionPlan,
+                 {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path},
+                 FEATURES)
 #: the forward op (``torch.ops.sparse_io_attn.selection_attn_fwd.default``) and the backward op
 selection_attn_fwd = OP.fwd
 selection_attn_bwd = OP.bwd

@@ -18,6 +18,13 @@ Two views of the same (query token, key block) pairs:
 Because rows are normalised (ascending, unique), results do not depend on the order or repetition
 of the user's indices, and every backend walks each row's blocks in the same order.
 
+**Packed sequences** (``cu_seqlens``, :mod:`.varlen`): the user's local block numbers become global
+ones (each sequence's blocks after the previous sequences'), normalised as above, and the plan keeps
+the **block table** ``table int32 [2 num_kv_blocks + Nq]`` (each block's first key and end, each
+row's causal offset), which every backend reads in place of ``c * block_size`` and ``delta``
+(:meth:`SelectionPlan.key_start`, :meth:`~SelectionPlan.key_count`, :meth:`~SelectionPlan.causal_limit`);
+``table`` is None on the fixed grid.
+
 On CPU tensors, once the library's C++ extension is loaded (the first ``backend="cpu"`` call, or
 ``backend="auto"`` on CPU, loads it; :func:`sparse_io_attn.selection.cpu.load` does it directly),
 :func:`normalize_rows` and :func:`key_lists` run its ops ``selection_rows`` (a bitmap per row
@@ -35,6 +42,7 @@ import torch
 
 from sparse_io_attn.layout._csr import INDEX_DTYPE, check_index_capacity, group_offsets
 from sparse_io_attn.layout.selection import Selection
+from sparse_io_attn.selection.varlen import Varlen, block_table, capacity, global_blocks
 
 
 def _native_ops(t: torch.Tensor):
@@ -112,7 +120,8 @@ def key_lists(rows: torch.Tensor, num_kv_blocks: int) -> KeyLists:
 
 
 #: the integers of :attr:`SelectionPlan.meta`, in order (how a plan crosses the custom op's boundary)
-META_FIELDS = ("block_size", "seqlen_q", "seqlen_k", "num_selections", "layout_batch", "batched", "checked")
+META_FIELDS = ("block_size", "seqlen_q", "seqlen_k", "num_selections", "layout_batch", "batched", "num_kv_blocks",
+               "checked")
 
 #: the attribute of a plan's ``rows`` tensor holding a weak reference to the plan (how the custom op
 #: finds the plan object, with its key lists, from the tensor it receives)
@@ -129,22 +138,32 @@ class SelectionPlan:
     the selection it was built from.
     """
 
-    def __init__(self, selection: Selection, seqlen_k: int, causal_offset: int | None):
+    def __init__(self, selection: Selection, seqlen_k: int, causal_offset: int | None, varlen: Varlen | None = None):
         if not isinstance(selection, Selection):
             raise TypeError(f"expected a Selection, got {type(selection).__name__}")
         self.selection = selection
         self.block_size = selection.block_size
         self.seqlen = (selection.seqlen_q, int(seqlen_k))
-        self.num_kv_blocks = math.ceil(self.seqlen[1] / self.block_size)
-        self.causal_offset = causal_offset
         self.num_selections = selection.num_selections
         self.layout_batch = selection.batch or 1
         self.batched = selection.batch is not None
         L = self.layout_batch * self.num_selections
         Nq, K = selection.seqlen_q, selection.max_blocks
         counts = None if selection.counts is None else selection.counts.reshape(L, Nq)
-        self.rows, self.row_counts = normalize_rows(selection.indices.reshape(L, Nq, K), counts,
-                                                    self.num_kv_blocks, self.block_size, causal_offset)
+        indices = selection.indices.reshape(L, Nq, K)
+        self.varlen_causal = None if varlen is None else varlen.causal
+        if varlen is None:
+            self.num_kv_blocks = math.ceil(self.seqlen[1] / self.block_size)
+            self.causal_offset, self.table = causal_offset, None
+        else:
+            if self.layout_batch != 1:
+                raise ValueError(f"with cu_seqlens the batch is one packed sequence: pass indices [G, total, K] or "
+                                 f"[1, G, total, K], got batch {self.layout_batch}")
+            self.num_kv_blocks = capacity(self.seqlen[1], self.block_size, varlen.num_sequences)
+            self.causal_offset = None if varlen.causal is None else 0     # causal; the table holds each row's offset
+            self.table = block_table(varlen, self.block_size, Nq, self.seqlen[1])
+            indices, causal_offset = global_blocks(indices, varlen, self.block_size, self.seqlen[1]), None
+        self.rows, self.row_counts = normalize_rows(indices, counts, self.num_kv_blocks, self.block_size, causal_offset)
         self.checked = True              # normalised here: every entry in range, rows ascending and unique
         self._keys: KeyLists | None = None
         self._derived: dict = {}
@@ -154,7 +173,7 @@ class SelectionPlan:
         """The plan's integers (:data:`META_FIELDS`): with :attr:`rows`, :attr:`row_counts` and the
         causal offset, what the custom op receives."""
         return (self.block_size, self.seqlen[0], self.seqlen[1], self.num_selections, self.layout_batch,
-                int(self.batched), int(self.checked))
+                int(self.batched), self.num_kv_blocks, int(self.checked))
 
     def register(self) -> "SelectionPlan":
         """Make this plan findable from its ``rows`` tensor (what the custom op receives)."""
@@ -163,22 +182,23 @@ class SelectionPlan:
         return self
 
     @classmethod
-    def from_op(cls, rows: torch.Tensor, row_counts: torch.Tensor, meta, causal_offset: int | None) -> "SelectionPlan":
+    def from_op(cls, rows: torch.Tensor, row_counts: torch.Tensor, table: torch.Tensor | None, meta,
+                causal_offset: int | None) -> "SelectionPlan":
         """The plan behind a custom op's arguments: the plan whose ``rows`` these are when it is still
         alive (its key lists kept), else a plan over them (validated once unless its meta says it was
         built by :class:`SelectionPlan`)."""
         ref = getattr(rows, PLAN_ATTR, None)
         hit = ref() if ref is not None else None
-        if hit is not None and hit.rows is rows and hit.row_counts is row_counts and hit.meta[:-1] == tuple(meta)[:-1] \
-                and hit.causal_offset == causal_offset:
+        if hit is not None and hit.rows is rows and hit.row_counts is row_counts and hit.table is table \
+                and hit.meta[:-1] == tuple(meta)[:-1] and hit.causal_offset == causal_offset:
             return hit
         m = dict(zip(META_FIELDS, (int(x) for x in meta)))
         plan = cls.__new__(cls)
         plan.selection = None
         plan.block_size = m["block_size"]
         plan.seqlen = (m["seqlen_q"], m["seqlen_k"])
-        plan.num_kv_blocks = math.ceil(plan.seqlen[1] / plan.block_size)
-        plan.causal_offset = causal_offset
+        plan.num_kv_blocks = m["num_kv_blocks"]
+        plan.causal_offset, plan.table, plan.varlen_causal = causal_offset, table, None
         plan.num_selections, plan.layout_batch, plan.batched = m["num_selections"], m["layout_batch"], bool(m["batched"])
         plan.rows, plan.row_counts, plan.checked = rows, row_counts, bool(m["checked"])
         plan._keys = None
@@ -187,13 +207,27 @@ class SelectionPlan:
         if tuple(rows.shape[:2]) != (L, plan.seqlen[0]) or tuple(row_counts.shape) != (L, plan.seqlen[0]):
             raise ValueError(f"selection plan: rows {tuple(rows.shape)} and row_counts {tuple(row_counts.shape)} do not "
                              f"match {L} selections of {plan.seqlen[0]} query rows")
+        grid = math.ceil(plan.seqlen[1] / plan.block_size)
+        if (table is None and plan.num_kv_blocks != grid) or (table is not None and (
+                table.dtype != INDEX_DTYPE or tuple(table.shape) != (2 * plan.num_kv_blocks + plan.seqlen[0],))):
+            raise ValueError(f"selection plan: {plan.num_kv_blocks} key blocks need a block table int32 "
+                             f"[2 * num_kv_blocks + Nq] (or none and {grid} blocks), got "
+                             f"{None if table is None else (table.dtype, tuple(table.shape))}")
         if not plan.checked:
             plan.validate()
         return plan.register()
 
     def validate(self) -> "SelectionPlan":
         """Check normalised rows from outside (a direct op call): entries in ``[-1, num_kv_blocks)``,
-        each row's first ``row_counts`` entries ascending and valid, ``-1`` after (``ValueError``)."""
+        each row's first ``row_counts`` entries ascending and valid, ``-1`` after; a block table's
+        blocks inside the keys, at most ``block_size`` each and contiguous (``ValueError``)."""
+        if self.table is not None:
+            n, Nk = self.num_kv_blocks, self.seqlen[1]
+            start, end = self.table[:n].to(torch.int64), self.table[n:2 * n].to(torch.int64)
+            ok = bool(((start >= 0) & (start <= end) & (end <= Nk) & (end - start <= self.block_size)).all())
+            if not ok or not bool((start[1:] == end[:-1]).all()):
+                raise ValueError(f"selection plan: the block table's blocks must lie in [0, {Nk}], hold at most "
+                                 f"{self.block_size} keys and follow each other; a direct op call passed others")
         K = self.rows.shape[-1]
         r = self.rows.to(torch.int64)
         n = self.row_counts.to(torch.int64)
@@ -219,6 +253,32 @@ class SelectionPlan:
     @property
     def max_blocks(self) -> int:
         return self.rows.shape[-1]
+
+    # ------------------------------------------------------------------- the blocks' keys
+    def key_start(self, blocks: torch.Tensor) -> torch.Tensor:
+        """int64: the first key of each block in ``blocks`` (block numbers ``>= 0``)."""
+        if self.table is None:
+            return blocks.to(torch.int64) * self.block_size
+        return self.table.to(torch.int64)[blocks]
+
+    def key_count(self, blocks: torch.Tensor) -> torch.Tensor:
+        """int64: the keys of each block in ``blocks`` (the last block of a sequence may be ragged)."""
+        if self.table is None:
+            return (self.seqlen[1] - blocks.to(torch.int64) * self.block_size).clamp(max=self.block_size)
+        n = self.num_kv_blocks
+        t = self.table.to(torch.int64)
+        return t[n:2 * n][blocks] - t[:n][blocks]
+
+    def causal_limit(self, tokens: torch.Tensor) -> torch.Tensor:
+        """int64: the last key each query token may use under causality (``t + delta``, or per row)."""
+        if self.table is None:
+            return tokens.to(torch.int64) + self.causal_offset
+        return tokens.to(torch.int64) + self.table.to(torch.int64)[2 * self.num_kv_blocks:][tokens]
+
+    @property
+    def varlen(self) -> bool:
+        """Whether the plan is of packed sequences (a block table)."""
+        return self.table is not None
 
     def keys(self, build=None) -> KeyLists:
         """The key-major lists (built on first use, then kept): :func:`key_lists`, or ``build(plan)`` (a
@@ -258,9 +318,11 @@ class SelectionPlan:
                 f"K={self.max_blocks}, causal_offset={self.causal_offset}, layout_batch={self.layout_batch})")
 
 
-def plan_selection(selection: Selection, seqlen_k: int, *, causal_offset: int | None = None) -> SelectionPlan:
-    """Plan ``selection`` against ``seqlen_k`` keys (see :class:`SelectionPlan`)."""
-    return SelectionPlan(selection, seqlen_k, causal_offset)
+def plan_selection(selection: Selection, seqlen_k: int, *, causal_offset: int | None = None,
+                   varlen: Varlen | None = None) -> SelectionPlan:
+    """Plan ``selection`` against ``seqlen_k`` keys (see :class:`SelectionPlan`); ``varlen``: packed
+    sequences (:func:`~sparse_io_attn.selection.varlen.varlen_of`), local block numbers."""
+    return SelectionPlan(selection, seqlen_k, causal_offset, varlen)
 
 
 __all__ = ["HeadMap", "KeyLists", "SelectionPlan", "key_lists", "normalize_rows", "plan_selection"]

@@ -48,6 +48,8 @@ from typing import NamedTuple
 
 import torch
 
+from sparse_io_attn._attention.delta import row_delta
+from sparse_io_attn._attention.sinks import finish_forward
 from sparse_io_attn.selection.plan import SelectionPlan
 
 LOG2E = 1.0 / math.log(2.0)
@@ -106,14 +108,35 @@ def _from_units(x: torch.Tensor, B: int, Hq: int, Nq: int) -> torch.Tensor:
 
 def _key_blocks(x: torch.Tensor, plan: SelectionPlan) -> torch.Tensor:
     """``[B, Hkv, Nk, D]`` -> fp32 ``[B * Hkv * (num_kv_blocks + 1), block_size * D]``: zero past
-    ``Nk`` and one all-zero block (index ``num_kv_blocks``) per KV head for empty slots and padding
-    (2-D: ``index_select`` of whole rows runs ~2x faster than of ``[block_size, D]`` slices on CPU)."""
+    each block's keys and one all-zero block (index ``num_kv_blocks``) per KV head for empty slots and
+    padding (2-D: ``index_select`` of whole rows runs ~2x faster than of ``[block_size, D]`` slices on
+    CPU). With a block table (packed sequences) each block's keys are gathered from where it starts."""
     B, H, Nk, D = x.shape
     bs, nkb = plan.block_size, plan.num_kv_blocks
     out = torch.empty(B * H, (nkb + 1) * bs, D, dtype=torch.float32, device=x.device)
-    out[:, :Nk].copy_(x.reshape(B * H, Nk, D))
-    out[:, Nk:].zero_()
+    if plan.table is None or Nk == 0:
+        out[:, :Nk].copy_(x.reshape(B * H, Nk, D))
+        out[:, Nk:].zero_()
+        return out.view(-1, bs * D)
+    blocks = torch.arange(nkb, device=x.device)
+    j = torch.arange(bs, device=x.device)
+    key = (plan.key_start(blocks)[:, None] + j).clamp(max=Nk - 1).reshape(-1)          # [nkb * bs]
+    out[:, :nkb * bs].copy_(x.reshape(B * H, Nk, D).index_select(1, key))
+    out[:, :nkb * bs].view(B * H, nkb, bs, D).mul_((j < plan.key_count(blocks)[:, None]).to(torch.float32)[..., None])
+    out[:, nkb * bs:].zero_()
     return out.view(-1, bs * D)
+
+
+def _allowed_keys(plan: SelectionPlan, blocks: torch.Tensor, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """bool ``[*blocks.shape, block_size]``: the keys of ``blocks`` (block numbers, any where ``keep``
+    is False) that ``tokens`` (broadcast against ``blocks``) may use: inside the block's keys, not in
+    the token's causal future, and ``keep``."""
+    b = torch.where(keep, blocks, 0)
+    j = torch.arange(plan.block_size, device=blocks.device)
+    allowed = keep[..., None] & (j < plan.key_count(b)[..., None])
+    if plan.causal_offset is not None:
+        allowed &= plan.key_start(b)[..., None] + j <= plan.causal_limit(tokens)[..., None]
+    return allowed
 
 
 def _masked_scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, sm_scale: float) -> torch.Tensor:
@@ -174,17 +197,14 @@ def _query_chunk(plan: SelectionPlan, rows: _Rows, r0: int, r1: int) -> _Chunk:
     blocks = plan.rows.view(-1, K).index_select(0, rows.unit_lid[u] * Nq + t).to(torch.int64)   # [T, K]
     empty = blocks < 0
     ids = (rows.unit_kv[u, None] * (nkb + 1) + torch.where(empty, nkb, blocks)).reshape(-1)
-    key = blocks[:, :, None] * bs + torch.arange(bs, device=blocks.device)                      # [T, K, bs]
-    allowed = ~empty[:, :, None] & (key < Nk)
-    if plan.causal_offset is not None:
-        allowed &= key <= t[:, None, None] + plan.causal_offset
+    allowed = _allowed_keys(plan, blocks, t[:, None], ~empty)                                    # [T, K, bs]
     return _Chunk(ids, allowed.view(r1 - r0, 1, K * bs))
 
 
 def _forward_query_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, log2_sum):
     NR, Gu, D = qu.shape
-    K, bs = plan.max_blocks, plan.block_size
-    step = _query_chunk_rows(plan, Gu, D, qu.device)
+    K, bs, Dv = plan.max_blocks, plan.block_size, out.shape[-1]
+    step = _query_chunk_rows(plan, Gu, max(D, Dv), qu.device)
     for r0 in range(0, NR, step):
         r1 = min(r0 + step, NR)
         ch = _query_chunk(plan, rows, r0, r1)
@@ -192,21 +212,21 @@ def _forward_query_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, lo
         m = s.amax(dim=-1, keepdim=True)                                     # [T, Gu, 1]
         p = s.sub_(m.masked_fill(m == float("-inf"), 0.0)).exp2_()
         l = p.sum(dim=-1, keepdim=True)                                      # >= 1 unless the row is empty
-        torch.bmm(p, vb.index_select(0, ch.ids).view(r1 - r0, K * bs, D), out=out[r0:r1])
+        torch.bmm(p, vb.index_select(0, ch.ids).view(r1 - r0, K * bs, Dv), out=out[r0:r1])
         out[r0:r1].div_(l.clamp(min=1.0))
         lse[r0:r1], row_max[r0:r1], log2_sum[r0:r1] = (x.squeeze(-1) for x in _stats_rows(m, l))
 
 
 def _backward_query_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows, sm_scale, dq, dk, dv):
     NR, Gu, D = qu.shape
-    K, bs, nkb = plan.max_blocks, plan.block_size, plan.num_kv_blocks
-    step = _query_chunk_rows(plan, Gu, D, qu.device)
+    K, bs, nkb, Dv = plan.max_blocks, plan.block_size, plan.num_kv_blocks, dou.shape[-1]
+    step = _query_chunk_rows(plan, Gu, max(D, Dv), qu.device)
     for r0 in range(0, NR, step):
         r1 = min(r0 + step, NR)
         T = r1 - r0
         ch = _query_chunk(plan, rows, r0, r1)
         kc = kb.index_select(0, ch.ids).view(T, K * bs, D)
-        vc = vb.index_select(0, ch.ids).view(T, K * bs, D)
+        vc = vb.index_select(0, ch.ids).view(T, K * bs, Dv)
         qc, doc = qu[r0:r1], dou[r0:r1]
         p = _masked_scores(qc, kc, ch.allowed, sm_scale)
         p.sub_(row_max[r0:r1, :, None]).sub_(log2_sum[r0:r1, :, None]).exp2_()    # 0 on empty rows
@@ -214,7 +234,7 @@ def _backward_query_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows,
         ds.sub_(delta[r0:r1, :, None]).mul_(p)                                       # dS (natural units)
         torch.bmm(ds, kc, out=dq[r0:r1])
         _sum_into(dk, ch.ids, torch.bmm(ds.transpose(1, 2), qc).view(T * K, bs * D), spare=nkb)
-        _sum_into(dv, ch.ids, torch.bmm(p.transpose(1, 2), doc).view(T * K, bs * D), spare=nkb)
+        _sum_into(dv, ch.ids, torch.bmm(p.transpose(1, 2), doc).view(T * K, bs * Dv), spare=nkb)
 
 
 # ------------------------------------------------------------------------------------- key-major
@@ -305,10 +325,7 @@ def _tiles(plan: SelectionPlan, rows: _Rows, units_of: torch.Tensor, pair_keys: 
     pad = token < 0
     qrow = torch.where(pad, rows.num_units * Nq, unit[:, :, None] * Nq + token)              # [TB, n_ul, M]
     dest = torch.where(pad, lg * n_ul * span * K, (local[:, :, None] * span + token - g.t0) * K + slot)
-    key = c[:, None, None] * bs + torch.arange(bs, device=dev)                # [TB, 1, bs]
-    allowed = ~pad[:, 0, :, None] & (key < Nk)                                # [TB, M, bs]
-    if plan.causal_offset is not None:
-        allowed &= key <= token[:, 0, :, None] + plan.causal_offset
+    allowed = _allowed_keys(plan, c[:, None].expand(TB, M), token[:, 0].clamp(min=0), ~pad[:, 0])   # [TB, M, bs]
     I = TB * n_ul
     return _Tiles(block.reshape(I), allowed.view(TB, M, 1, bs), n_ul, qrow.reshape(I, M), dest.reshape(I * M))
 
@@ -325,13 +342,13 @@ def _key_major_work(plan: SelectionPlan, rows: _Rows, D: int, device, per_item: 
 
 def _forward_key_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, log2_sum):
     NR, Gu, D = qu.shape
-    K, bs = plan.max_blocks, plan.block_size
+    K, bs, Dv = plan.max_blocks, plan.block_size, out.shape[-1]
     dev = qu.device
     qpad = torch.cat([qu.view(NR, Gu * D), qu.new_zeros(1, Gu * D)])          # row NR: padding
-    per_item = 3 * Gu * D + 3 * Gu * bs + 2 * bs * D                            # per tile row
-    for g, tiles, window in _key_major_work(plan, rows, D, dev, per_item):
+    per_item = Gu * D + 2 * Gu * Dv + 3 * Gu * bs + bs * (D + Dv)               # per tile row
+    for g, tiles, window in _key_major_work(plan, rows, Dv, dev, per_item):
         R = g.rows.numel()
-        o_part = torch.zeros(R * K + 1, Gu * D, dtype=torch.float32, device=dev)          # spare slot last
+        o_part = torch.zeros(R * K + 1, Gu * Dv, dtype=torch.float32, device=dev)         # spare slot last
         m_part = torch.full((R * K + 1, Gu), float("-inf"), dtype=torch.float32, device=dev)
         l_part = torch.zeros(R * K + 1, Gu, dtype=torch.float32, device=dev)
         M = tiles.qrow.shape[1]
@@ -343,9 +360,9 @@ def _forward_key_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, log2
             s = _masked_scores(qt, kt, tiles.item_allowed(a, b), sm_scale)      # [n, M, Gu, bs]
             m = s.amax(dim=-1, keepdim=True)                                  # [n, M, Gu, 1]
             p = s.sub_(m.masked_fill(m == float("-inf"), 0.0)).exp2_()
-            o = torch.bmm(p.view(n, M * Gu, bs), vb.index_select(0, tiles.block[a:b]).view(n, bs, D))
+            o = torch.bmm(p.view(n, M * Gu, bs), vb.index_select(0, tiles.block[a:b]).view(n, bs, Dv))
             dest = tiles.dest[a * M:b * M]
-            o_part.index_copy_(0, dest, o.view(n * M, Gu * D))
+            o_part.index_copy_(0, dest, o.view(n * M, Gu * Dv))
             m_part.index_copy_(0, dest, m.view(n * M, Gu))
             l_part.index_copy_(0, dest, p.sum(dim=-1).view(n * M, Gu))
         # merge each row's slots, in slot order (ascending key block)
@@ -353,7 +370,7 @@ def _forward_key_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, log2
         m = mp.amax(dim=1)                                                     # [R, Gu]
         w = torch.exp2(mp - m.masked_fill(m == float("-inf"), 0.0)[:, None])   # 0 on empty slots
         l = (w * l_part[:-1].view(R, K, Gu)).sum(dim=1)                        # >= 1 unless the row is empty
-        o = (w[..., None] * o_part[:-1].view(R, K, Gu, D)).sum(dim=1).div_(l.clamp(min=1.0)[..., None])
+        o = (w[..., None] * o_part[:-1].view(R, K, Gu, Dv)).sum(dim=1).div_(l.clamp(min=1.0)[..., None])
         out.index_copy_(0, g.rows, o)
         for dst, val in zip((lse, row_max, log2_sum), _stats_rows(m, l)):
             dst.index_copy_(0, g.rows, val)
@@ -361,12 +378,12 @@ def _forward_key_major(qu, kb, vb, plan, rows, sm_scale, out, lse, row_max, log2
 
 def _backward_key_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows, sm_scale, dq, dk, dv):
     NR, Gu, D = qu.shape
-    K, bs, nkb = plan.max_blocks, plan.block_size, plan.num_kv_blocks
+    K, bs, nkb, Dv = plan.max_blocks, plan.block_size, plan.num_kv_blocks, dou.shape[-1]
     dev = qu.device
     pad = lambda x, fill: torch.cat([x.reshape(NR, -1), x.new_full((1, x[0].numel()), fill)])  # noqa: E731
     qpad, dopad = pad(qu, 0.0), pad(dou, 0.0)
     m_pad, l2_pad, delta_pad = pad(row_max, float("inf")), pad(log2_sum, 0.0), pad(delta, 0.0)
-    per_item = 4 * Gu * D + 3 * Gu * bs + 4 * bs * D
+    per_item = 2 * Gu * (D + Dv) + 3 * Gu * bs + 2 * bs * (D + Dv)
     for g, tiles, window in _key_major_work(plan, rows, D, dev, per_item):
         R = g.rows.numel()
         dq_part = torch.zeros(R * K + 1, Gu * D, dtype=torch.float32, device=dev)
@@ -376,9 +393,9 @@ def _backward_key_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows, s
             n = b - a
             qrow = tiles.qrow[a:b].reshape(-1)
             qt = qpad.index_select(0, qrow).view(n, M * Gu, D)
-            dot = dopad.index_select(0, qrow).view(n, M * Gu, D)
+            dot = dopad.index_select(0, qrow).view(n, M * Gu, Dv)
             kt = kb.index_select(0, tiles.block[a:b]).view(n, bs, D)
-            vt = vb.index_select(0, tiles.block[a:b]).view(n, bs, D)
+            vt = vb.index_select(0, tiles.block[a:b]).view(n, bs, Dv)
             p = _masked_scores(qt, kt, tiles.item_allowed(a, b), sm_scale)      # [n, M, Gu, bs]
             row = lambda x: x.index_select(0, qrow).view(n, M, Gu, 1)  # noqa: E731
             p.sub_(row(m_pad)).sub_(row(l2_pad)).exp2_()                           # 0 on padding, empty rows
@@ -387,18 +404,21 @@ def _backward_key_major(qu, dou, delta, row_max, log2_sum, kb, vb, plan, rows, s
             ds, p = ds.view(n, M * Gu, bs), p.view(n, M * Gu, bs)
             dq_part.index_copy_(0, tiles.dest[a * M:b * M], torch.bmm(ds, kt).view(n * M, Gu * D))
             _sum_into(dk, tiles.block[a:b], torch.bmm(ds.transpose(1, 2), qt).view(n, bs * D), spare=nkb)
-            _sum_into(dv, tiles.block[a:b], torch.bmm(p.transpose(1, 2), dot).view(n, bs * D), spare=nkb)
+            _sum_into(dv, tiles.block[a:b], torch.bmm(p.transpose(1, 2), dot).view(n, bs * Dv), spare=nkb)
         dq.index_copy_(0, g.rows, dq_part[:-1].view(R, K, Gu, D).sum(dim=1))     # slot order
 
 
 # ------------------------------------------------------------------------------------ the backend
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SelectionPlan, *, sm_scale: float):
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SelectionPlan, *, sm_scale: float,
+            sinks: torch.Tensor | None = None, residual: bool = False):
     """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq] natural log, stats fp32 [2, B, Hq, Nq])``
-    (see the module docstring and :mod:`sparse_io_attn.selection.api`)."""
+    (see the module docstring and :mod:`sparse_io_attn.selection.api`), and with ``residual=True`` the
+    output's rounding residual (:mod:`sparse_io_attn._attention.delta`) as a fourth result. ``sinks``:
+    one sink logit per query head, folded into the fp32 results (:mod:`sparse_io_attn._attention.sinks`)."""
     B, Hq, Nq, D = q.shape
     rows = _rows(plan, B, Hq, k.shape[1])
     Gu, NR, dev = rows.heads, rows.num_units * Nq, q.device
-    out = torch.zeros(NR, Gu, D, dtype=torch.float32, device=dev)
+    out = torch.zeros(NR, Gu, v.shape[3], dtype=torch.float32, device=dev)
     lse = torch.full((NR, Gu), float("-inf"), dtype=torch.float32, device=dev)
     row_max = torch.full((NR, Gu), float("inf"), dtype=torch.float32, device=dev)
     log2_sum = torch.zeros(NR, Gu, dtype=torch.float32, device=dev)
@@ -406,31 +426,49 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SelectionPl
         run = _forward_key_major if plan.block_size >= KEY_MAJOR_MIN_BLOCK else _forward_query_major
         run(_to_units(q, Gu), _key_blocks(k, plan), _key_blocks(v, plan), plan, rows, sm_scale,
             out, lse, row_max, log2_sum)
-    stats = torch.stack([_from_units(row_max, B, Hq, Nq), _from_units(log2_sum, B, Hq, Nq)])
-    return _from_units(out, B, Hq, Nq).to(q.dtype), _from_units(lse, B, Hq, Nq), stats
+    return finish_forward(*(_from_units(x, B, Hq, Nq) for x in (out, lse, row_max, log2_sum)), q.dtype, sinks,
+                          residual)
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             stats: torch.Tensor, plan: SelectionPlan, *, sm_scale: float):
+             stats: torch.Tensor, plan: SelectionPlan, *, sm_scale: float, delta: torch.Tensor | None = None):
     """``(dq, dk, dv)`` in the inputs' dtypes, dk/dv summed over each GQA group (see the module
-    docstring): ``P`` recomputed from the forward's ``stats``; deterministic on every device."""
+    docstring): ``P`` recomputed from the forward's ``stats``; deterministic on every device.
+    ``delta``: fp32 ``[B, Hq, Nq]`` row deltas formed by the caller (from the forward's fp32 output:
+    :mod:`sparse_io_attn._attention.delta`), else ``rowsum(do * out)``."""
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     rows = _rows(plan, B, Hq, Hkv)
     Gu, NR, dev = rows.heads, rows.num_units * Nq, q.device
     bs, nkb = plan.block_size, plan.num_kv_blocks
     dq = torch.zeros(NR, Gu, D, dtype=torch.float32, device=dev)
     dk = torch.zeros(B * Hkv * (nkb + 1), bs * D, dtype=torch.float32, device=dev)
-    dv = torch.zeros_like(dk)
+    dv = torch.zeros(B * Hkv * (nkb + 1), bs * Dv, dtype=torch.float32, device=dev)
     if NR and plan.max_blocks:
-        delta = _to_units((do.float() * out.float()).sum(-1), Gu)                # [NR, Gu]
+        delta = _to_units(row_delta(do, out, None) if delta is None else delta, Gu)      # [NR, Gu]
         run = _backward_key_major if bs >= KEY_MAJOR_MIN_BLOCK else _backward_query_major
         run(_to_units(q, Gu), _to_units(do, Gu), delta, _to_units(stats[0], Gu), _to_units(stats[1], Gu),
             _key_blocks(k, plan), _key_blocks(v, plan), plan, rows, sm_scale, dq, dk, dv)
     dq.mul_(sm_scale)
     dk.mul_(sm_scale)
-    key_rows = lambda x: x.view(B * Hkv, nkb + 1, bs, D)[:, :nkb].reshape(B, Hkv, nkb * bs, D)[:, :, :Nk]  # noqa: E731
-    return _from_units(dq, B, Hq, Nq).to(q.dtype), key_rows(dk).to(k.dtype), key_rows(dv).to(v.dtype)
+    return (_from_units(dq, B, Hq, Nq).to(q.dtype), _key_rows(dk, plan, B, Hkv, Nk).to(k.dtype),
+            _key_rows(dv, plan, B, Hkv, Nk).to(v.dtype))
+
+
+def _key_rows(x: torch.Tensor, plan: SelectionPlan, B: int, Hkv: int, Nk: int) -> torch.Tensor:
+    """Per-block sums ``[B * Hkv * (num_kv_blocks + 1), block_size * D]`` -> ``[B, Hkv, Nk, D]`` (the
+    inverse of :func:`_key_blocks`; keys of no block get 0)."""
+    bs, nkb = plan.block_size, plan.num_kv_blocks
+    blocks = x.view(B * Hkv, nkb + 1, bs, -1)[:, :nkb]
+    if plan.table is None:
+        return blocks.reshape(B, Hkv, nkb * bs, -1)[:, :, :Nk]
+    g = torch.arange(nkb, device=x.device)
+    j = torch.arange(bs, device=x.device)
+    used = (j < plan.key_count(g)[:, None]).reshape(-1)
+    key = torch.where(used, (plan.key_start(g)[:, None] + j).reshape(-1), Nk)             # spare row Nk
+    out = x.new_zeros(B * Hkv, Nk + 1, x.shape[-1] // bs)
+    out.index_add_(1, key, blocks.reshape(B * Hkv, nkb * bs, -1))   # distinct keys: one add each (the spare aside)
+    return out[:, :Nk].view(B, Hkv, Nk, -1)
 
 
 __all__ = ["backward", "forward"]

@@ -22,9 +22,9 @@ LAYOUT = patterns.sliding_window(64, 16, 16)
     pytest.param(lambda q, k, v: (q.double(), k.double(), v.double(), LAYOUT), TypeError, "supported: float32",
                  id="float64"),
     pytest.param(lambda q, k, v: (q, k.half(), v, LAYOUT), TypeError, "must share a dtype", id="mixed-dtypes"),
-    pytest.param(lambda q, k, v: (q, k, v[..., :8], LAYOUT), ValueError, "k and v must have the same shape",
-                 id="k-v-shapes"),
-    pytest.param(lambda q, k, v: (q, k[..., :8], v[..., :8], LAYOUT), ValueError, "head_dim 16 and k/v have 8",
+    pytest.param(lambda q, k, v: (q, k, v[:, :, :32], LAYOUT), ValueError,
+                 "k and v must have the same shape but for v's head dim", id="k-v-shapes"),   # Dv of its own is valid
+    pytest.param(lambda q, k, v: (q, k[..., :8], v[..., :8], LAYOUT), ValueError, "q has head_dim 16 and k has 8",
                  id="head-dim"),
     pytest.param(lambda q, k, v: (q, torch.cat([k, k]), torch.cat([v, v]), LAYOUT), ValueError,
                  "q has batch 1 and k has batch 2", id="batch"),

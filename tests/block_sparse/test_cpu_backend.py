@@ -297,7 +297,7 @@ def _call(which, lists, masks, layout, q, k, v, do, slb, slh, masks_t=None):
     sizes = (layout.BLOCK_SIZE_Q, layout.BLOCK_SIZE_KV, slb, slh, None, 0.25)
     if which == "fwd":
         return kernel_ops.fwd(q, k, v, *args, *sizes)
-    out, _, stats = kernel_ops.fwd(q, k, v, *_rows_of(layout), masks, *sizes)
+    out, _, stats, _ = kernel_ops.fwd(q, k, v, *_rows_of(layout), masks, *sizes)
     return kernel_ops.bwd(do, q, k, v, out, stats, *args, masks_t, *sizes)
 
 

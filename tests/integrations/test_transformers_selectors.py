@@ -114,6 +114,28 @@ def test_moba_spec_with_left_and_right_padding_is_moba_of_each_sequence():
             assert rel_err(got[b, keep], want) < 1e-4, b   # RoPE at shifted positions: rounding only
 
 
+def test_moba_spec_with_padding_on_triton_takes_the_per_sequence_path():
+    """The Triton kernels take no cu_seqlens yet (issue 48 phase B): a padded batch on backend 'triton'
+    (the interpreter here) runs the per-sequence path, not the packed call, and computes what the torch
+    backend's packed call computes."""
+    torch.manual_seed(4)
+    models = []
+    moba16 = "moba:block=16,top_k=2"                  # the Triton block-sparse kernels' tiles: blocks of 16+
+    for spec in ({"pattern": moba16, "backend": "triton"}, {"pattern": moba16, "backend": "torch"}):
+        cfg = _config()
+        cfg.sparse_attention = spec
+        models.append(AutoModelForCausalLM.from_config(cfg, attn_implementation=NAME).eval())
+    sp, ref = models
+    ref.load_state_dict(sp.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 40))
+    am = torch.ones(2, 40, dtype=torch.long)
+    am[0, :3] = 0
+    with torch.no_grad():
+        got, want = sp(ids, attention_mask=am).logits, ref(ids, attention_mask=am).logits
+    keep = am.bool()
+    assert rel_err(got[keep], want[keep]) < 1e-5
+
+
 def test_moba_spec_with_packed_sequences_is_mobas_varlen():
     """position_ids restarting at 0 (packing: no attention_mask, no cache): MoBA's cu_seqlens semantics."""
     torch.manual_seed(2)

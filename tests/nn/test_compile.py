@@ -45,10 +45,19 @@ def test_opcheck(case, backend):
     p = plan(layout, causal=case["causal"]).for_heads(case["Hq"], case["Hkv"])
     args = (q, k, v, p.index, list(p.meta), p.causal_offset, case["D"] ** -0.5, backend)
     torch.library.opcheck(op.block_sparse_attn_fwd, args)
-    out, lse, stats = op.block_sparse_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    out, lse, stats, _ = op.block_sparse_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     do = torch.randn_like(out)
     torch.library.opcheck(op.block_sparse_attn_bwd,
                           (do, q.detach(), k.detach(), v.detach(), out, stats, *args[3:]))
+    if backend != "triton":    # the arguments the Triton kernels do not take yet: sinks, residual, delta
+        low = [a.detach().to(torch.bfloat16).requires_grad_() for a in (q, k, v)]
+        sinks = torch.randn(case["Hq"], requires_grad=True)
+        ext = (*low, *args[3:], sinks, True)
+        torch.library.opcheck(op.block_sparse_attn_fwd, ext)
+        out, _, stats, res = op.block_sparse_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in ext])
+        delta = (out.float() + res.float()).mul(torch.randn_like(out).float()).sum(-1)
+        torch.library.opcheck(op.block_sparse_attn_bwd, (torch.randn_like(out), *(t.detach() for t in low), out,
+                                                         stats, *args[3:], delta))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

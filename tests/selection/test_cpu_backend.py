@@ -324,8 +324,8 @@ def _fwd(q, k, v, a, fam, stride_lb=0, hps=2, block=4):
 
 def _bwd(q, k, v, do, a, fam):
     ops = cpu.load()
-    out, _, stats = ops.selection_fwd(q, k, v, a["rows"], a["counts"], a["ptr"], a["query"], a["slot"], 4, 0, 2,
-                                      0, 0.25, 2)
+    out, _, stats, _ = ops.selection_fwd(q, k, v, a["rows"], a["counts"], a["ptr"], a["query"], a["slot"], 4, 0, 2,
+                                         0, 0.25, 2)
     return ops.selection_bwd(do, q, k, v, out, stats, a["rows"], a["counts"], a["ptr"], a["query"], a["slot"], 4,
                              0, 2, 0, 0.25, fam)
 

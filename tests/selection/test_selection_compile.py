@@ -47,11 +47,18 @@ def test_fullgraph_no_recompile_on_new_indices():
 def test_opcheck(backend):
     q, k, v, fresh, bs = _case()
     plan = SelectionPlan(Selection(fresh(), bs), k.shape[2], 0)
-    args = (q, k, v, plan.rows, plan.row_counts, list(plan.meta), plan.causal_offset, 0.25, backend)
+    args = (q, k, v, plan.rows, plan.row_counts, None, list(plan.meta), plan.causal_offset, 0.25, backend)
     torch.library.opcheck(op.selection_attn_fwd, args)
-    out, _, stats = op.selection_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    out, _, stats, _ = op.selection_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
     torch.library.opcheck(op.selection_attn_bwd, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out,
                                                   stats, *args[3:]))
+    low = [a.detach().to(torch.bfloat16).requires_grad_() for a in (q, k, v)]
+    ext = (*low, *args[3:], torch.randn(q.shape[1], requires_grad=True), True)       # sinks, residual
+    torch.library.opcheck(op.selection_attn_fwd, ext)
+    out, _, stats, res = op.selection_attn_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a for a in ext])
+    delta = (out.float() + res.float()).mul(torch.randn_like(out).float()).sum(-1)
+    torch.library.opcheck(op.selection_attn_bwd, (torch.randn_like(out), *(t.detach() for t in low), out, stats,
+                                                  *args[3:], delta))
 
 
 def test_direct_op_call_with_bad_rows_is_refused():
@@ -62,4 +69,5 @@ def test_direct_op_call_with_bad_rows_is_refused():
     meta = list(plan.meta)
     meta[-1] = 0                                           # not built by the library
     with pytest.raises(ValueError, match=r"ascending key blocks in \[0, 5\)"):
-        op.selection_attn_fwd(q.detach(), k.detach(), v.detach(), rows, plan.row_counts, meta, None, 0.25, "torch")
+        op.selection_attn_fwd(q.detach(), k.detach(), v.detach(), rows, plan.row_counts, None, meta, None, 0.25,
+                              "torch")

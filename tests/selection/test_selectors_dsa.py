@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from sparse_io_attn import selection_attention
 from sparse_io_attn.layout import selection_from_flashmla
 from sparse_io_attn.nn import LightningIndexer, selectors
+from sparse_io_attn.selection.reference import selection_reference
 
 from .selector_checks import assert_valid_topk, chosen_mask, close
 from .test_correctness import SELECTION_BACKENDS, _cpu_kernel_present, device_of  # noqa: F401 (autouse fixture)
@@ -110,16 +111,17 @@ def _flashmla_problem(s_q=6, s_kv=11, h_q=3, d_qk=24, d_v=16):
     return q, kv, idx, topk_length, d_v
 
 
-def _ours_flashmla(q, kv, sel, d_v, scale, backend, causal=False):
+def _ours_flashmla(q, kv, sel, d_v, scale, backend, causal=False, sinks=None):
     """FlashMLA's tensors through selection_attention: q [1, h_q, s_q, d_qk], K = kv, V = kv[..., :d_v]
-    zero-padded to d_qk (equal head dims), output sliced back."""
+    (V's own head dim; the Triton kernels, which take equal head dims only, get it zero-padded to d_qk
+    and the output sliced back)."""
     dev = device_of(backend)
     qq = q.transpose(0, 1)[None].to(dev).requires_grad_()
     kvv = kv.to(dev).requires_grad_()
     K = kvv.transpose(0, 1)[None]
-    V = F.pad(kvv[..., :d_v], (0, kv.shape[-1] - d_v)).transpose(0, 1)[None]
-    out, lse = selection_attention(qq, K, V, sel.to(dev), causal=causal, sm_scale=scale, return_lse=True,
-                                   backend=backend)
+    V = kvv[..., :d_v] if backend != "triton" else F.pad(kvv[..., :d_v], (0, kv.shape[-1] - d_v))
+    out, lse = selection_attention(qq, K, V.transpose(0, 1)[None], sel.to(dev), causal=causal, sm_scale=scale,
+                                   sinks=sinks, return_lse=True, backend=backend)
     return out[0].transpose(0, 1)[..., :d_v], lse[0].transpose(0, 1), qq, kvv
 
 
@@ -152,6 +154,35 @@ def test_flashmla_indices_through_selection_attention_equal_ref_sparse_attn_fwd(
     live = torch.isfinite(ref_lse)                                   # FlashMLA: +inf on empty rows, ours -inf
     torch.testing.assert_close(lse.cpu()[live], ref_lse[live], rtol=1e-5, atol=1e-5)
     assert torch.isneginf(lse.cpu()[~live]).all() and (out.cpu()[3] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_flashmla_sink_and_mla_head_dims_equal_ref_sparse_attn_fwd(backend):
+    """FlashMLA's reference with ``attn_sink`` at MLA's head dims (d_qk 576, d_v 512): the output equals
+    ``ref_sparse_attn_fwd``'s (the sink multiplies it by exp(lse) / (exp(lse) + exp(sink))), our lse is
+    FlashMLA's merged with the sink (FlashMLA returns it without; a row with no valid index: out 0,
+    our lse the sink, FlashMLA's +inf); gradients, the sink's included, against the float64 reference."""
+    s_q, s_kv, h_q = 6, 40, 4
+    q, kv = torch.randn(s_q, h_q, 576), torch.randn(s_kv, 1, 576)
+    idx = torch.stack([torch.randperm(s_kv + 6)[:8] - 3 for _ in range(s_q)])[:, None].to(torch.int32)  # some invalid
+    topk_length = torch.tensor([8, 5, 0, 8, 3, 8], dtype=torch.int32)  # row 2: no valid slot
+    sink = torch.randn(h_q)
+    _, ref, _, ref_lse = dsa.ref_sparse_attn_fwd(q, kv, idx, 576 ** -0.5, 512, attn_sink=sink, topk_length=topk_length)
+    sel = selection_from_flashmla(idx, s_kv, topk_length=topk_length)
+    sinks = sink.clone().requires_grad_()
+    out, lse, qq, kvv = _ours_flashmla(q, kv, sel, 512, 576 ** -0.5, backend, sinks=sinks)
+    assert out.shape == (s_q, h_q, 512) and not close([out], [ref])
+    live = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[live], torch.logaddexp(ref_lse, sink)[live], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[~live], sink.expand(s_q, h_q)[~live], rtol=1e-6, atol=1e-6)   # via base 2
+    assert (out[~live] == 0).all()
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (qq, kvv, sinks), do)
+    K = kv.transpose(0, 1)[None]
+    want = selection_reference(q.transpose(0, 1)[None], K, K[..., :512], sel, sm_scale=576 ** -0.5,
+                               do=do.transpose(0, 1)[None], sinks=sink)
+    dkv = want[3] + F.pad(want[4], (0, 64))                          # K and V are views of one kv tensor
+    assert not close([got[0], got[1].transpose(0, 1)[None], got[2]], [want[2], dkv, want[5]])
 
 
 def test_causality_made_explicit_with_the_indexers_future_slots():

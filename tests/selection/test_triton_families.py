@@ -14,6 +14,7 @@ import torch
 from helpers import check_close, check_repeatable, make_inputs
 from selection.test_triton_selection import make_selection
 from sparse_io_attn._triton.runtime import INTERPRET
+from sparse_io_attn import selection_attention
 from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.selection import Selection
@@ -21,6 +22,7 @@ from sparse_io_attn.selection import tiles
 from sparse_io_attn.selection.plan import plan_selection
 from sparse_io_attn.selection.reference import selection_reference
 from sparse_io_attn.selection.triton import launch
+from sparse_io_attn.selection.varlen import varlen_of
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 FAMILIES = ("key", "masked")
@@ -114,3 +116,37 @@ def test_auto_family_falls_back_and_names_are_checked(monkeypatch):
         tiles.kernel_family(*args, "fast")
     monkeypatch.setenv(tiles.FAMILY_ENV, "masked")
     assert tiles.kernel_family(*args) == "masked"
+
+
+@pytest.mark.parametrize("family", ["query", "key", "masked", "decode"])
+def test_every_family_refuses_the_arguments_it_lacks(family, monkeypatch):
+    """Sinks, a V head dim of its own and packed sequences (issue 48 phase A: backends ``cpu``/``torch``)
+    are refused by every Triton family and the decode kernels with a ``NotImplementedError`` naming the
+    argument and those backends: at the API before any launch, and at the launcher's entry when called
+    directly (whose only call sites are the op's backends and these tests)."""
+    monkeypatch.setenv(tiles.FAMILY_ENV, "auto" if family == "decode" else family)
+    Nq = 8 if family == "decode" else 24                               # decode: Nq <= 16
+    q, k, v, _ = make_inputs(1, 4, 2, Nq, 40, 16, device=DEVICE)
+    sel = make_selection(1, 2, Nq, 40, 16, 2)
+    cu = torch.tensor([0, Nq // 2, Nq], device=DEVICE), torch.tensor([0, 15, 40], device=DEVICE)
+    local = Selection(sel.indices.clamp(max=0), 16)                    # block 0 exists in every sequence
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a kernel was launched")
+    monkeypatch.setattr(launch, "run", no_launch)
+    monkeypatch.setattr(launch, "run_calls", no_launch)
+    refused = "does not support {}.*backend='cpu' or 'torch'"
+    for kwargs, what in (({"sinks": torch.zeros(4, device=DEVICE)}, "sinks="),
+                         ({"cu_seqlens": cu, "indices": local}, "cu_seqlens="),
+                         ({"v": v[..., :8]}, "a V head dim other than Q/K's")):
+        call = {"q": q, "k": k, "v": v, "indices": sel, **kwargs}
+        with pytest.raises(NotImplementedError, match=refused.format(what)):
+            selection_attention(**call, causal=True, backend="triton")
+    name = None if family == "decode" else family
+    plan = plan_selection(local, 40, causal_offset=0, varlen=varlen_of(cu, Nq, 40, True, q.device))
+    grid = plan_selection(sel, 40, causal_offset=0)
+    for p, vv, what in ((plan, v, "cu_seqlens="), (grid, v[..., :8], "a V head dim")):
+        with pytest.raises(NotImplementedError, match=refused.format(what)):
+            launch.forward(q, k, vv, p, sm_scale=0.25, decode=family == "decode", family_name=name)
+        with pytest.raises(NotImplementedError, match=refused.format(what)):
+            launch.backward(q, q, k, vv, q, q, p, sm_scale=0.25, family_name=name)

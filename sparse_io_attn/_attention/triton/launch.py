@@ -54,6 +54,20 @@ class Call:
     bucket: int = 0
 
 
+def check_supported(op: str, q: torch.Tensor, v: torch.Tensor, plan) -> None:
+    """Refuse at a Triton launcher's entry what no Triton kernel implements yet (issue 48 phase B), as
+    the op's feature check (:meth:`~sparse_io_attn._attention.op.AttentionOp.require`) refuses it at
+    the API: a V head dim other than q's, a plan of packed sequences (``cu_seqlens``). Sinks and the
+    row deltas cannot reach a launcher (it takes no such keyword)."""
+    if v.shape[-1] != q.shape[-1]:
+        arg = f"a V head dim other than Q/K's (v {v.shape[-1]}, q {q.shape[-1]})"
+    elif getattr(plan, "varlen", False):
+        arg = "cu_seqlens= (a plan of packed sequences)"
+    else:
+        return
+    raise NotImplementedError(f"{op} backend 'triton' does not support {arg} yet; use backend='cpu' or 'torch'")
+
+
 def strides(t: torch.Tensor, prefix: str) -> dict:
     """``stride_{prefix}z, _h, _m|_n, _d`` of a ``[B, H, N, D]`` tensor (``n`` for key-side tensors)."""
     axes = "zh" + ("n" if prefix in _KEY_AXES else "m") + "d"
@@ -216,5 +230,6 @@ def last_tiles(*names: str) -> list[tuple[int, int]] | None:
     return [_LAST_TILES[n] for n in names]
 
 
-__all__ = ["Call", "MERGE_ROWS", "PREPROCESS_CONFIG", "Prepared", "decode_partial", "forward_outputs", "last_tiles",
-           "merge_call", "preprocess_call", "backward_outputs", "run", "run_calls", "strides"]
+__all__ = ["Call", "MERGE_ROWS", "PREPROCESS_CONFIG", "Prepared", "backward_outputs", "check_supported",
+           "decode_partial", "forward_outputs", "last_tiles", "merge_call", "preprocess_call", "run", "run_calls",
+           "strides"]

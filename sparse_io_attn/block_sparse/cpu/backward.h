@@ -9,7 +9,7 @@ namespace sia {
 // ------------------------------------------------------------------------------ backward
 struct BwdIn : OperandRows {  // Q, K, V, dO: fp32 rows (views or packed copies)
   using OperandRows::OperandRows;
-  const float *QT, *dOT;      // [B, Hq, nqb, D, bq]
+  const float *QT, *dOT;      // [B, Hq, nqb, D, bq], [B, Hq, nqb, Dv, bq]
   const float* KT;            // [B, Hkv, nkb, D, bk]
   const float *m, *l2, *dl;   // [B*Hq, ldst]: row max (+inf on padding), log2 row sum, delta
   int64_t ldst;
@@ -22,7 +22,7 @@ struct BwdState {
   Buf s, dp, dk, dv;
   std::vector<int64_t> cost;
   explicit BwdState(const Problem& P)
-      : s(P.BNK * P.lds_b), dp(P.BNK * P.lds_b), dk(P.BNK * P.D), dv(P.BNK * P.D) {}
+      : s(P.BNK * P.lds_b), dp(P.BNK * P.lds_b), dk(P.BNK * P.D), dv(P.BNK * P.Dv) {}
 };
 
 // The key tiles [lo, hi) of segment s of (b, g): cut at equal shares of the schedule entries
@@ -61,7 +61,7 @@ static void bwd_task(const Problem& P, const Lists& L, const BwdIn& in, T* dk, T
   const int64_t BH = P.B * P.Hkv;
   const int64_t s = task / BH, b = (task % BH) / P.Hkv, g = task % P.Hkv;
   const auto [t_lo, t_hi] = segment_tiles(P, L, in, b, g, s, w.cost);
-  const int64_t D = P.D, lds = P.lds_b, bq = P.bq;
+  const int64_t D = P.D, Dv = P.Dv, lds = P.lds_b, bq = P.bq;
 
   // query blocks this segment touches, per query head: zero their dQ^T partial sums
   for (int64_t jh = 0; jh < P.G; ++jh) {
@@ -103,7 +103,7 @@ static void bwd_task(const Problem& P, const Lists& L, const BwdIn& in, T* dk, T
     const float* vp = in.V.at(b, g, n0);
     const float* ktp = in.KT + ((b * P.Hkv + g) * P.nkb + c) * D * P.bk + kt * P.BNK;
     std::fill(dK, dK + nk * D, 0.f);
-    std::fill(dV, dV + nk * D, 0.f);
+    std::fill(dV, dV + nk * Dv, 0.f);
 
     for (int64_t jh = 0; jh < P.G; ++jh) {
       const int64_t h = g * P.G + jh;
@@ -112,7 +112,7 @@ static void bwd_task(const Problem& P, const Lists& L, const BwdIn& in, T* dk, T
       const float* dbase = in.dl + (b * P.Hq + h) * in.ldst;
 
       auto qblock = [&](int64_t r, int32_t mid, bool partial) {
-        const int64_t boff = ((b * P.Hq + h) * P.nqb + r) * D * bq;
+        const int64_t boff = ((b * P.Hq + h) * P.nqb + r) * D * bq, boff_v = boff / D * Dv;
         float* dq_blk = in.dqt + (((s * P.B + b) * P.Hq + h) * P.nqb + r) * D * bq;
         for (int64_t sub = 0; sub < P.nsubq; ++sub) {
           const int64_t i0 = sub * P.BM;  // query offset inside the block
@@ -140,7 +140,7 @@ static void bwd_task(const Problem& P, const Lists& L, const BwdIn& in, T* dk, T
           float* S0 = S + ja * lds + ia;
           float* dP0 = dP + ja * lds + ia;
           gemm(nj, ni, D, in.K.ld, bq, lds, false, kp + ja * in.K.ld, in.QT + boff + i0 + ia, S0);
-          gemm(nj, ni, D, in.V.ld, bq, lds, false, vp + ja * in.V.ld, in.dOT + boff + i0 + ia, dP0);
+          gemm(nj, ni, Dv, in.V.ld, bq, lds, false, vp + ja * in.V.ld, in.dOT + boff_v + i0 + ia, dP0);
           const int64_t niv = round_up(ni, VL);
           const float* mr = mbase + m0 + ia;
           const float* lr = lbase + m0 + ia;
@@ -170,7 +170,7 @@ static void bwd_task(const Problem& P, const Lists& L, const BwdIn& in, T* dk, T
               }
             }
           }
-          gemm(nj, D, ni, lds, in.dO.ld, D, true, S0, in.dO.at(b, h, m0 + ia), dV + ja * D);  // dV += P^T dO
+          gemm(nj, Dv, ni, lds, in.dO.ld, Dv, true, S0, in.dO.at(b, h, m0 + ia), dV + ja * Dv);  // dV += P^T dO
           gemm(nj, D, ni, lds, in.Q.ld, D, true, dP0, in.Q.at(b, h, m0 + ia), dK + ja * D);   // dK += dS^T Q
           gemm(D, ni, nj, P.bk, lds, bq, true, ktp + ja, dP0, dq_blk + i0 + ia);             // dQ^T += K^T dS^T
         }
@@ -182,8 +182,8 @@ static void bwd_task(const Problem& P, const Lists& L, const BwdIn& in, T* dk, T
       for (int64_t e = L.full_ptr[col]; e < L.full_ptr[col + 1]; ++e) qblock(L.full_idx[e], -1, false);
     }
 
-    const int64_t obase = ((b * P.Hkv + g) * P.Nk + n0) * D;
-    store_dkv(dK, dV, nk * D, P.sm_scale, dk + obase, dv + obase);
+    const int64_t orow = (b * P.Hkv + g) * P.Nk + n0;
+    store_dkv(dK, nk * D, dV, nk * Dv, P.sm_scale, dk + orow * D, dv + orow * Dv);
   }
 }
 
@@ -221,9 +221,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& stats, const at::Tensor& full_ptr, const at::Tensor& full_idx, const at::Tensor& part_ptr,
     const at::Tensor& part_idx, const at::Tensor& part_mask, const at::Tensor& masks, const at::Tensor& masks_t,
     int64_t block_q, int64_t block_k, int64_t stride_lb, int64_t stride_lh, std::optional<int64_t> causal_offset,
-    double sm_scale) {
+    double sm_scale, const std::optional<at::Tensor>& delta) {
   const Dims dims = check_qkv(q, k, v);
-  check_grad_inputs(q, dout, out, stats);
+  check_grad_inputs(q, v, dout, out, stats);
   Problem P = make_problem(dims, block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale, masks);
   TORCH_CHECK(masks_t.scalar_type() == at::kInt && masks_t.is_contiguous() && masks_t.dim() == 3 &&
                   masks_t.size(0) == masks.size(0) && masks_t.size(1) == block_k && masks_t.size(2) == P.WT,
@@ -238,7 +238,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   if (B * Hq * Nq * D == 0 || B * Hkv * Nk == 0) return {dq, dk, dv};
 
   BwdIn in(q, k, v, dout, NqP, NkP);
-  Buf qt(B * Hq * NqP * D), dot(B * Hq * NqP * D), kt(B * Hkv * NkP * D);
+  Buf qt(B * Hq * NqP * D), dot(B * Hq * NqP * P.Dv), kt(B * Hkv * NkP * D);
   pack_transposed(q, P.bq, P.nqb, qt.p);
   pack_transposed(dout, P.bq, P.nqb, dot.p);
   pack_transposed(k, P.bk, P.nkb, kt.p);
@@ -252,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   in.m = mbuf.p;
   in.l2 = lbuf.p;
   in.dl = dbuf.p;
-  row_deltas(out, dout, dbuf.p, in.ldst, 1);
+  deltas_into(delta, out, dout, dbuf.p, in.ldst, 1);
   {
     const auto st = stats.contiguous();
     const float* sm = st.data_ptr<float>();

@@ -74,7 +74,7 @@ static DecPlan decode_plan(const Problem& P, const Lists& L) {
   const int64_t U = static_cast<int64_t>(dp.units.size());
   for (DecUnit& u : dp.units) {
     u.splits = dec::num_splits(u.ne * P.bk, u.items, U);
-    dp.add_unit(u.splits, u.rows(), P.D);
+    dp.add_unit(u.splits, u.rows(), P.Dv);
     dp.max_rows = std::max(dp.max_rows, u.rows());
   }
   return dp;
@@ -87,9 +87,9 @@ static void decode_task(const Problem& P, const Lists& L, const DecPlan& dp, con
                         dec::Partials& pp, int64_t task, dec::Work& w) {
   const auto [ui, s] = dp.of(task);
   const DecUnit& u = dp.units[ui];
-  const int64_t D = P.D, R = u.rows(), nt = u.nt;
+  const int64_t D = P.D, Dv = P.Dv, R = u.rows(), nt = u.nt;
   const dec::UnitRows rows{u.b, u.h0, u.m0, nt, R};
-  dec::start_split(in, rows, D, w);
+  dec::start_split(in, rows, D, Dv, w);
   const auto [lo, hi] = dec::split_items(u.items, u.splits, s);
   const int64_t* pre = dp.pre.data() + u.pre;
   int64_t e = std::upper_bound(pre, pre + u.ne + 1, lo) - pre - 1;
@@ -120,46 +120,47 @@ static void decode_task(const Problem& P, const Lists& L, const DecPlan& dp, con
     for (int64_t i = 0; i < R; ++i) {
       float* srow = w.s.p + i * dec::LDS;
       if (!partial) {
-        softmax_step(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, AllBits{});
+        softmax_step(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * Dv, Dv, AllBits{});
         continue;
       }
       const int64_t m = rows.token(i);
       const int64_t nallow = P.causal ? std::min(nc, m + P.delta - k0 + 1) : nc;
       const int32_t* bits = mid >= 0 ? P.masks + (static_cast<int64_t>(mid) * P.bq + (m - u.r * P.bq)) * P.W : nullptr;
-      softmax_step(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, [&](int64_t jv) {
+      softmax_step(srow, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * Dv, Dv, [&](int64_t jv) {
         const uint32_t kb = len_bits(nallow - jv);
         return bits != nullptr && kb ? kb & word_bits(bits, a + jv) : kb;
       });
     }
-    const float* vr = dec::rows_f32(in.v, u.b, u.kv, k0, nc, D, w.kv.p, ldv);
-    gemm(R, D, nc, dec::LDS, ldv, D, true, w.s.p, vr, w.acc.p);  // acc += P V  [R, D]
+    const float* vr = dec::rows_f32(in.v, u.b, u.kv, k0, nc, Dv, w.kv.p, ldv);
+    gemm(R, Dv, nc, dec::LDS, ldv, Dv, true, w.s.p, vr, w.acc.p);  // acc += P V  [R, Dv]
   }
-  dec::finish_split(in, rows, P.Hq, P.Nq, D, dp, pp, ui, s, u.splits, w);
+  dec::finish_split(in, rows, P.Hq, P.Nq, Dv, dp, pp, ui, s, u.splits, w);
 }
 
 // The decode forward op: fwd's arguments and results (see kernel.cpp), for any Nq (meant for
 // Nq <= dec::MAX_QUERIES).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd_decode(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd_decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& full_ptr,
     const at::Tensor& full_idx, const at::Tensor& part_ptr, const at::Tensor& part_idx,
     const at::Tensor& part_mask, const at::Tensor& masks, int64_t block_q, int64_t block_k, int64_t stride_lb,
-    int64_t stride_lh, std::optional<int64_t> causal_offset, double sm_scale) {
+    int64_t stride_lh, std::optional<int64_t> causal_offset, double sm_scale, const std::optional<at::Tensor>& sinks,
+    bool residual) {
   const Dims d = check_qkv(q, k, v);
   dec::Tally tally;
   const Problem P = make_problem(d, block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale, masks);
   const Lists L = lists_of(P, true, full_ptr, full_idx, part_ptr, part_idx, part_mask);
-  at::Tensor out, lse, stats;
-  std::tie(out, lse, stats) = forward_results(q);
-  if (P.B * P.Hq * P.Nq * P.D == 0) return {out, lse, stats};
+  const float* sinks2 = sinks_of(sinks, P.Hq);
+  Results res = forward_results(q, v, residual);
+  if (P.B * P.Hq * P.Nq * P.D == 0) return res.tuple();
   const DecPlan dp = decode_plan(P, L);
   dec::Partials pp(dp, tally);
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    const dec::In<scalar_t> in(q, k, v, out, lse, stats);
-    run_tasks(dp.tasks, [&] { return std::make_unique<dec::Work>(dp.max_rows, P.D, 0, tally); },
+    const dec::In<scalar_t> in(q, k, v, row_store<scalar_t>(res, sinks2));
+    run_tasks(dp.tasks, [&] { return std::make_unique<dec::Work>(dp.max_rows, P.D, P.Dv, 0, tally); },
               [&](int64_t t, dec::Work& w) { decode_task<scalar_t>(P, L, dp, in, pp, t, w); });
   });
-  return {out, lse, stats};
+  return res.tuple();
 }
 
 int64_t decode_work_bytes() { return dec::work_bytes().load(); }

@@ -19,12 +19,12 @@ struct Seg {                // one key chunk of a softmax group
 struct FwdState {
   Buf s, acc, rows;
   std::vector<Seg> segs;
-  explicit FwdState(const Problem& P) : s(P.BM * P.lds_f), acc(P.BM * P.D), rows(6 * P.BMv) { segs.reserve(64); }
+  explicit FwdState(const Problem& P) : s(P.BM * P.lds_f), acc(P.BM * P.Dv), rows(6 * P.BMv) { segs.reserve(64); }
 };
 
 template <typename T>
-static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const float* KT, const Rows& V, T* out,
-                     float* lse, float* st_m, float* st_l, int64_t task, FwdState& w) {
+static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const float* KT, const Rows& V,
+                     const RowStore<T>& store, int64_t task, FwdState& w) {
   int64_t t = task;
   const int64_t sub = t % P.nsubq;
   t /= P.nsubq;
@@ -35,7 +35,7 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
   const int64_t mend = std::min(r * P.bq + std::min((sub + 1) * P.BM, P.bq), P.Nq);
   const int64_t mrows = mend - m0;
   if (mrows <= 0) return;
-  const int64_t D = P.D, lds = P.lds_f, BMv = P.BMv, rq = m0 - r * P.bq;
+  const int64_t D = P.D, Dv = P.Dv, lds = P.lds_f, BMv = P.BMv, rq = m0 - r * P.bq;
   const float* q = Q.at(b, h, m0);
   float* acc = w.acc.p;
   float* S = w.s.p;
@@ -45,7 +45,7 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
   float* ms = mn + BMv;   // new maximum, 0 where -inf
   float* al = ms + BMv;   // rescale factor
   float* rs = al + BMv;   // row sum of the group
-  std::fill(acc, acc + mrows * D, 0.f);
+  std::fill(acc, acc + mrows * Dv, 0.f);
   std::fill(mi, mi + BMv, NEG_INF);
   std::fill(li, li + BMv, 0.f);
   std::fill(mn, mn + BMv, NEG_INF);
@@ -137,11 +137,11 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
     for (int64_t i = 0; i < mrows; ++i) {
       const float a = al[i];
       li[i] = li[i] * a + rs[i];
-      if (a != 1.f && mi[i] != NEG_INF) scale_row(acc + i * D, D, a);
+      if (a != 1.f && mi[i] != NEG_INF) scale_row(acc + i * Dv, Dv, a);
       mi[i] = mn[i];
     }
     for (const Seg& g : segs)
-      gemm(g.i1 - g.i0, D, g.nc, lds, V.ld, D, true, S + g.i0 * lds + g.col, V.at(b, hk, g.k0), acc + g.i0 * D);
+      gemm(g.i1 - g.i0, Dv, g.nc, lds, V.ld, Dv, true, S + g.i0 * lds + g.col, V.at(b, hk, g.k0), acc + g.i0 * Dv);
     segs.clear();
     used = 0;
   };
@@ -183,24 +183,23 @@ static void fwd_task(const Problem& P, const Lists& L, const Rows& Q, const floa
   run_group();
 
   const int64_t rbase = (b * P.Hq + h) * P.Nq + m0;
-  T* o = out + rbase * D;
-  for (int64_t i = 0; i < mrows; ++i)
-    store_row(acc + i * D, mi[i], li[i], D, o + i * D, lse + rbase + i, st_m + rbase + i, st_l + rbase + i);
+  for (int64_t i = 0; i < mrows; ++i) store.put(rbase + i, h, acc + i * Dv, mi[i], li[i]);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& full_ptr,
     const at::Tensor& full_idx, const at::Tensor& part_ptr, const at::Tensor& part_idx,
     const at::Tensor& part_mask, const at::Tensor& masks, int64_t block_q, int64_t block_k, int64_t stride_lb,
-    int64_t stride_lh, std::optional<int64_t> causal_offset, double sm_scale) {
+    int64_t stride_lh, std::optional<int64_t> causal_offset, double sm_scale, const std::optional<at::Tensor>& sinks,
+    bool residual) {
   const Problem P = make_problem(check_qkv(q, k, v), block_q, block_k, stride_lb, stride_lh, causal_offset, sm_scale,
                                  masks);
   const Lists L = lists_of(P, true, full_ptr, full_idx, part_ptr, part_idx, part_mask);
+  const float* sinks2 = sinks_of(sinks, P.Hq);
   const int64_t B = P.B, Hq = P.Hq, Nq = P.Nq, D = P.D;
 
-  at::Tensor out, lse, stats;
-  std::tie(out, lse, stats) = forward_results(q);
-  if (B * Hq * Nq * D == 0) return {out, lse, stats};
+  Results res = forward_results(q, v, residual);
+  if (B * Hq * Nq * D == 0) return res.tuple();
 
   std::unique_ptr<Buf> q_store, v_store;
   const Rows Q = as_rows(q, P.nqb * P.bq, q_store);
@@ -208,17 +207,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fwd(
   Buf kt(B * P.Hkv * P.nkb * D * P.bk);
   pack_transposed(k, P.bk, P.nkb, kt.p);
 
-  float* lse_p = lse.data_ptr<float>();
-  float* st_m = stats.data_ptr<float>();
-  float* st_l = st_m + B * Hq * Nq;
   const int64_t ntasks = B * Hq * P.nqb * P.nsubq;
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    scalar_t* o = out.data_ptr<scalar_t>();
+    const RowStore<scalar_t> store = row_store<scalar_t>(res, sinks2);
     run_tasks(ntasks, [&] { return std::make_unique<FwdState>(P); },
-              [&](int64_t t, FwdState& w) { fwd_task<scalar_t>(P, L, Q, kt.p, V, o, lse_p, st_m, st_l, t, w); });
+              [&](int64_t t, FwdState& w) { fwd_task<scalar_t>(P, L, Q, kt.p, V, store, t, w); });
   });
-  return {out, lse, stats};
+  return res.tuple();
 }
 
 }  // namespace sia

@@ -32,6 +32,10 @@
 // dQ^T buffers in segment order (only the query blocks a segment touches are zeroed and read).
 // Partial tiles are trimmed like the forward's.
 //
+// V may have its own head dim Dv; the forward folds optional per-head sinks into each row and returns
+// the output's rounding residual when asked (softmax.h's RowStore); the backward takes the caller's
+// row deltas when given (entry.h's deltas_into).
+//
 // Deterministic: every output element is produced by exactly one task summing in a fixed order,
 // and the decomposition depends on shapes and layout only; no atomics on data. Results are
 // bitwise identical across runs and thread counts. Tasks are handed to at::parallel_for threads
@@ -94,14 +98,16 @@ std::string capability() {
 TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor full_ptr, Tensor full_idx, Tensor part_ptr, Tensor part_idx, "
         "Tensor part_mask, Tensor masks, int block_q, int block_k, int stride_lb, int stride_lh, "
-        "int? causal_offset, float sm_scale) -> (Tensor, Tensor, Tensor)");
+        "int? causal_offset, float sm_scale, Tensor? sinks=None, bool residual=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor full_ptr, "
         "Tensor full_idx, Tensor part_ptr, Tensor part_idx, Tensor part_mask, Tensor masks, Tensor masks_t, "
-        "int block_q, int block_k, int stride_lb, int stride_lh, int? causal_offset, float sm_scale) "
-        "-> (Tensor, Tensor, Tensor)");
+        "int block_q, int block_k, int stride_lb, int stride_lh, int? causal_offset, float sm_scale, "
+        "Tensor? delta=None) -> (Tensor, Tensor, Tensor)");
   m.def("fwd_decode(Tensor q, Tensor k, Tensor v, Tensor full_ptr, Tensor full_idx, Tensor part_ptr, "
         "Tensor part_idx, Tensor part_mask, Tensor masks, int block_q, int block_k, int stride_lb, int stride_lh, "
-        "int? causal_offset, float sm_scale) -> (Tensor, Tensor, Tensor)");
+        "int? causal_offset, float sm_scale, Tensor? sinks=None, bool residual=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("decode_work_bytes() -> int", &sia::decode_work_bytes);
   m.def("transpose_masks(Tensor masks, int block_k) -> Tensor");
   m.def("capability() -> str", &sia::capability);

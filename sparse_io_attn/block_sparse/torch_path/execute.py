@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from sparse_io_attn._attention.delta import row_delta
+from sparse_io_attn._attention.sinks import finish_forward
 from sparse_io_attn.block_sparse.torch_path.plan import _Chunk, _Plan, get_plan
 from sparse_io_attn.block_sparse.torch_path.workers import for_each_chunk
 from sparse_io_attn.block_sparse.plan import AttentionPlan
@@ -56,15 +58,15 @@ def _view(x: torch.Tensor, offset: int, size, stride) -> torch.Tensor:
 class _Exec:
     """Per-call tensors and reused work buffers; turns chunks into views and matmuls."""
 
-    def __init__(self, plan: _Plan, bq: int, bk: int, D: int, device, *, backward: bool = False):
-        self.plan, self.bq, self.bk, self.G, self.D = plan, bq, bk, plan.heads_per_unit, D
+    def __init__(self, plan: _Plan, bq: int, bk: int, D: int, Dv: int, device, *, backward: bool = False):
+        self.plan, self.bq, self.bk, self.G = plan, bq, bk, plan.heads_per_unit
         f32 = dict(dtype=torch.float32, device=device)
         self.buf_s = torch.empty(plan.max_scores, **f32)
         self.buf_q = torch.empty(plan.max_q_rows * self.G * D, **f32)
         self.buf_k = torch.empty(plan.max_k_rows * D, **f32)
-        self.buf_v = torch.empty_like(self.buf_k)
+        self.buf_v = torch.empty(plan.max_k_rows * Dv, **f32)
         if backward:
-            self.buf_do = torch.empty_like(self.buf_q)
+            self.buf_do = torch.empty(plan.max_q_rows * self.G * Dv, **f32)
             self.buf_dp = torch.empty_like(self.buf_s)
 
     # q side: x is [U, Nqp, G, *tail] contiguous; returns per-step [nb, R*bq*G, *tail]
@@ -87,9 +89,9 @@ class _Exec:
         g = torch.index_select(blocks, 0, ch.q_idx, out=out) if out is not None else blocks.index_select(0, ch.q_idx)
         return [g.view(ch.nb, M, *tail)]
 
-    # k side: x is [Ukv, Nkp, D] contiguous; returns per-step [nb, C*bk, D]
+    # k side: x is [Ukv, Nkp, D] contiguous (D: k's or v's head dim); returns per-step [nb, C*bk, D]
     def k_steps(self, x: torch.Tensor, ch: _Chunk, buf: torch.Tensor | None) -> list:
-        bk, D = self.bk, self.D
+        bk, D = self.bk, x.shape[-1]
         Nkp = x.shape[1]
         N = ch.C * bk
         if ch.kind == "units":
@@ -158,18 +160,21 @@ class _Exec:
         if ch.kind == "units":  # several items on one kv unit (stride 0): sum them first
             self.k_steps(dst, ch, None)[0][:1].add_(val.sum(0, keepdim=True))
             return
-        dst.view(-1, self.bk, self.D).index_add_(0, ch.k_idx, val.reshape(-1, self.bk, self.D))
+        dst.view(-1, self.bk, dst.shape[-1]).index_add_(0, ch.k_idx, val.reshape(-1, self.bk, dst.shape[-1]))
 
 
-def forward(q, k, v, attn_plan: AttentionPlan, *, sm_scale: float):
+def forward(q, k, v, attn_plan: AttentionPlan, *, sm_scale: float, sinks: torch.Tensor | None = None,
+            residual: bool = False):
     """``(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] float32 natural log, stats)``; ``stats``
     float32 ``[2, B, Hq, Nq]`` holds each row's base-2 score maximum ``m`` and ``log2`` of its sum
     ``l`` (``+inf``/``0`` on rows without keys), what backward needs to recompute ``P`` exactly as
     the forward did (``lse`` alone, rounded at the magnitude of ``m``, loses the digits of ``log2 l``
     when logits are large). The host plan maps each unit to its layout mask (kept in the attention
-    plan per shape)."""
+    plan per shape). ``sinks``: one sink logit per query head, folded into the fp32 results
+    (:mod:`sparse_io_attn._attention.sinks`); ``residual=True``: the output's rounding residual
+    (:mod:`sparse_io_attn._attention.delta`) as a fourth result."""
     B, Hq, Nq, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, Dv = k.shape[1], v.shape[3]
     bq, bk = attn_plan.block_size
     Nqp, Nkp = attn_plan.num_q_blocks * bq, attn_plan.num_kv_blocks * bk
     plan = get_plan(attn_plan, B, Hq, Hkv, q.device)
@@ -177,7 +182,7 @@ def forward(q, k, v, attn_plan: AttentionPlan, *, sm_scale: float):
 
     qu = _q_units(q, plan.heads_per_unit, Nqp, scale=sm_scale * LOG2E)   # [U, Nqp, G, D], base-2 scores
     ku, vu = _kv_units(k, Nkp), _kv_units(v, Nkp)
-    out = torch.empty_like(qu)
+    out = torch.empty(*qu.shape[:3], Dv, dtype=torch.float32, device=dev)
     lse = torch.empty(qu.shape[:3], dtype=torch.float32, device=dev)
     row_max, log2_sum = torch.empty_like(lse), torch.empty_like(lse)
     if plan.has_empty_rows:                             # rows without keys: out 0, lse -inf
@@ -194,10 +199,10 @@ def forward(q, k, v, attn_plan: AttentionPlan, *, sm_scale: float):
         s.sub_(m).exp2_()                               # unnormalised p
         l = s.sum(dim=-1, keepdim=True)
         vs = ex.k_steps(vu, ch, ex.buf_v)
-        o = torch.empty(ch.steps, ch.nb, s.shape[1], D, dtype=torch.float32, device=dev)
+        o = torch.empty(ch.steps, ch.nb, s.shape[1], Dv, dtype=torch.float32, device=dev)
         for i, (p_i, v_i) in enumerate(zip(s.view(ch.steps, ch.nb, *s.shape[1:]), vs)):
             torch.bmm(p_i, v_i, out=o[i])
-        o = o.view(-1, s.shape[1], D).div_(l.clamp(min=1e-30))   # l == 0 only where o == 0
+        o = o.view(-1, s.shape[1], Dv).div_(l.clamp(min=1e-30))   # l == 0 only where o == 0
         ex.write_q(out, o, ch)
         log2l = torch.log2(l)
         ex.write_q(lse, (log2l + m).mul_(LN2).squeeze(-1), ch)
@@ -206,16 +211,18 @@ def forward(q, k, v, attn_plan: AttentionPlan, *, sm_scale: float):
         ex.write_q(log2_sum, log2l.masked_fill_(empty, 0.0).squeeze(-1), ch)
 
     # every output row comes from one chunk, so the queue order does not change the result
-    for_each_chunk(plan, dev, lambda: _Exec(plan, bq, bk, D, dev), chunk_fwd, deterministic=False)
-    stats = torch.stack([_from_q_units(row_max, B, Hq, Nq), _from_q_units(log2_sum, B, Hq, Nq)])
-    return _from_q_units(out, B, Hq, Nq).to(q.dtype), _from_q_units(lse, B, Hq, Nq), stats
+    for_each_chunk(plan, dev, lambda: _Exec(plan, bq, bk, D, Dv, dev), chunk_fwd, deterministic=False)
+    return finish_forward(*(_from_q_units(x, B, Hq, Nq) for x in (out, lse, row_max, log2_sum)), q.dtype, sinks,
+                          residual)
 
 
-def backward(do, q, k, v, out, stats, attn_plan: AttentionPlan, *, sm_scale: float):
+def backward(do, q, k, v, out, stats, attn_plan: AttentionPlan, *, sm_scale: float, delta=None):
     """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group. ``P = exp2((S - m)
-    - log2 l)`` from the forward's ``stats``, the same scores and the same row maximum."""
+    - log2 l)`` from the forward's ``stats``, the same scores and the same row maximum. ``delta``: fp32
+    ``[B, Hq, Nq]`` row deltas formed by the caller (from the forward's fp32 output:
+    :mod:`sparse_io_attn._attention.delta`), else ``rowsum(do * out)``."""
     B, Hq, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     bq, bk = attn_plan.block_size
     Nqp, Nkp = attn_plan.num_q_blocks * bq, attn_plan.num_kv_blocks * bk
     plan = get_plan(attn_plan, B, Hq, Hkv, q.device)
@@ -224,7 +231,7 @@ def backward(do, q, k, v, out, stats, attn_plan: AttentionPlan, *, sm_scale: flo
 
     qu = _q_units(q, G, Nqp, scale=sm_scale * LOG2E)
     dou = _q_units(do, G, Nqp)
-    delta = _q_units((do.float() * out.float()).sum(-1), G, Nqp)     # [U, Nqp, G]
+    delta = _q_units(row_delta(do, out, None) if delta is None else delta, G, Nqp)     # [U, Nqp, G]
     # rows with no key and padded rows: m = +inf, so that p = 0
     row_max = _q_units(stats[0], G, Nqp, fill=float("inf"))
     log2_sum = _q_units(stats[1], G, Nqp)
@@ -233,7 +240,8 @@ def backward(do, q, k, v, out, stats, attn_plan: AttentionPlan, *, sm_scale: flo
 
     def make_state():  # work buffers + this worker's dK/dV sums
         dk_ = torch.zeros(ku.shape[0], Nkp, D, dtype=torch.float32, device=dev)
-        return _Exec(plan, bq, bk, D, dev, backward=True), dk_, torch.zeros_like(dk_)
+        dv_ = torch.zeros(ku.shape[0], Nkp, Dv, dtype=torch.float32, device=dev)
+        return _Exec(plan, bq, bk, D, Dv, dev, backward=True), dk_, dv_
 
     def chunk_bwd(ch: _Chunk, state):
         ex, dk, dv = state
@@ -243,7 +251,7 @@ def backward(do, q, k, v, out, stats, attn_plan: AttentionPlan, *, sm_scale: flo
         n, M, N = p.shape
         p.sub_(ex.q_rows(row_max, ch)).sub_(ex.q_rows(log2_sum, ch)).exp2_()
         d_s = ex.buf_dp[:n * M * N].view(ch.steps, ch.nb, M, N)
-        dvs = torch.empty(ch.steps, ch.nb, N, D, dtype=torch.float32, device=dev)
+        dvs = torch.empty(ch.steps, ch.nb, N, Dv, dtype=torch.float32, device=dev)
         p4 = p.view(ch.steps, ch.nb, M, N)
         for i in range(ch.steps):
             torch.bmm(p4[i].transpose(1, 2), dos[i], out=dvs[i])
@@ -258,7 +266,7 @@ def backward(do, q, k, v, out, stats, attn_plan: AttentionPlan, *, sm_scale: flo
             torch.bmm(d_s4[i].transpose(1, 2), qs[i], out=dks[i])
         ex.write_q(dq, dqs.view(n, M, D), ch)
         ex.add_k(dk, dks.view(n, N, D), ch)
-        ex.add_k(dv, dvs.view(n, N, D), ch)
+        ex.add_k(dv, dvs.view(n, N, Dv), ch)
 
     states = for_each_chunk(plan, dev, make_state, chunk_bwd, deterministic=True)
     _, dk, dv = states[0]
@@ -269,5 +277,5 @@ def backward(do, q, k, v, out, stats, attn_plan: AttentionPlan, *, sm_scale: flo
     dk.mul_(LN2)                     # Q carried sm_scale * log2(e); dK needs sm_scale only
     dq = _from_q_units(dq, B, Hq, Nq).to(q.dtype)
     dk = dk[:, :Nk].reshape(B, Hkv, Nk, D).to(k.dtype)
-    dv = dv[:, :Nk].reshape(B, Hkv, Nk, D).to(v.dtype)
+    dv = dv[:, :Nk].reshape(B, Hkv, Nk, Dv).to(v.dtype)
     return dq, dk, dv

@@ -27,8 +27,9 @@ import functools
 import torch
 
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, padded_head_dim
-from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, decode_partial, forward_outputs,
-                                                     last_tiles, merge_call, preprocess_call, run, run_calls, strides)
+from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, check_supported, decode_partial,
+                                                     forward_outputs, last_tiles, merge_call, preprocess_call, run,
+                                                     run_calls, strides)
 from sparse_io_attn._triton.runtime import check_device, density_bucket, dot_dtype
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, kernel_configs
@@ -162,6 +163,7 @@ def _key(kind: str, q, k, v, plan: AttentionPlan, sm_scale: float, *more) -> tup
 
 def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None):
     """``decode``: run the decode kernels (:func:`decode_calls`); ``None`` (default): when ``Nq <= 16``."""
+    check_supported("block_sparse_attn", q, v, plan)
     check_device(q, "backend 'triton'")
     if decode is None:
         decode = q.shape[2] <= DECODE_MAX_QUERIES
@@ -177,6 +179,7 @@ def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | Non
 
 
 def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float):
+    check_supported("block_sparse_attn", q, v, plan)
     check_device(q, "backend 'triton'")
     do, stats = do.to(q.dtype), stats.contiguous()
     delta, dq, dk, dv = backward_outputs(q, k, v)

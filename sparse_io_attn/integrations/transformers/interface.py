@@ -15,13 +15,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from sparse_io_attn.integrations.transformers.decode_state import select_with_state
 from sparse_io_attn.integrations.transformers.layouts import (check_lengths, layout_no_mask, layout_with_mask,
-                                                              module_selector, remember_mask,
+                                                              module_selector, packed_sequences, remember_mask,
                                                               selection_layout_with_mask)
 from sparse_io_attn.integrations.transformers.nsa import nsa_forward
+from sparse_io_attn._attention.checks import resolve_backend
 from sparse_io_attn.block_sparse.api import block_sparse_attention
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.nn.nsa import NSAAttention
 from sparse_io_attn.selection.api import selection_attention
+from sparse_io_attn.selection.op import FEATURES as SELECTION_FEATURES
 
 DEFAULT_NAME = "sparse_io_attn"
 
@@ -119,6 +121,9 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         else:
             layout, backend = layout_no_mask(module, q, kv, device, causal)
     elif selector is not None:   # chosen per sequence of the padded, packed or static-cache batch
+        packed = packed_sequences(selector, attention_mask, query, key) if _runs_packed(backend, device) else None
+        if packed is not None:   # a per-token selector: the sequences packed, one call with cu_seqlens
+            return _packed_call(selector, packed, query, key, value, scaling, backend), None
         layout = selection_layout_with_mask(selector, attention_mask, query, key, (selector.block_size,) * 2)
         causal = False  # the element mask carries the model's causality
     else:
@@ -126,6 +131,30 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         causal = False
     out = block_sparse_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _runs_packed(backend: str, device: torch.device) -> bool:
+    """Whether ``selection_attention``'s backend takes ``cu_seqlens`` (``cpu``, ``torch``; the Triton
+    kernels not yet, issue 48 phase B: their calls take the per-sequence path)."""
+    return "cu_seqlens" in SELECTION_FEATURES.get(resolve_backend(backend, device), ())
+
+
+def _packed_call(selector, packed, query, key, value, scaling, backend) -> torch.Tensor:
+    """The sequences of a padded or packed batch as one packed batch: the selector and
+    ``selection_attention`` once, with ``cu_seqlens`` (bottom-right per sequence: each sequence's rows
+    are its last tokens); rows in no sequence (right padding) get 0. Returns ``[B, Nq, Hq, Dv]``."""
+    B, Hq, q, _ = query.shape
+    flat = lambda x, rows: x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3])[rows]  # noqa: E731
+    qp, kp, vp = flat(query, packed.q_rows), flat(key, packed.k_rows), flat(value, packed.k_rows)
+    cu = (packed.cu_q, packed.cu_k)
+    heads_first = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    if hasattr(selector, "with_causal"):
+        selector = selector.with_causal("bottom_right")
+    selection = selector(heads_first(qp), heads_first(kp), cu_seqlens=cu)
+    out = selection_attention(qp, kp, vp, selection, causal="bottom_right", cu_seqlens=cu, sm_scale=scaling,
+                              backend=backend, check=False)                          # [total, Hq, Dv]
+    full = out.new_zeros(B * q, Hq, out.shape[-1])
+    return full.index_copy(0, packed.q_rows, out).view(B, q, Hq, out.shape[-1])
 
 
 def register(name: str = DEFAULT_NAME) -> str:

@@ -2,12 +2,13 @@
 rows and columns for a KV-cache call (queries at absolute positions ``q_start..``, keys at
 ``kv_start..``), and its intersection with the model's element mask (padding, packed documents,
 static caches, a model's own sliding window); a selector's choice under an element mask, made per
-sequence (:func:`selection_layout_with_mask`). Building is kept out of ``torch.compile``
-graphs."""
+sequence (:func:`selection_layout_with_mask`), or, for a per-token selector whose mask is exactly its
+sequences, the batch's sequences packed for one call with ``cu_seqlens`` (:func:`packed_sequences`).
+Building is kept out of ``torch.compile`` graphs."""
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -413,6 +414,59 @@ def selection_layout_with_mask(selector, mask: torch.Tensor, query: torch.Tensor
     layout = BlockSparseLayout.from_dense_mask(chosen & allowed[:, None], block_size, name=f"{selector!r} & mask")
     plan(layout, causal=False)
     return layout
+
+
+class PackedRows(NamedTuple):
+    """A padded, packed or static-cache batch's sequences as one packed batch (:func:`packed_sequences`):
+    the flat query rows (``b * q + r``) and keys (``b * kv + s``) of every sequence in order, and their
+    ``cu_seqlens`` (int32, queries and keys)."""
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+@torch.compiler.disable(reason="sparse_io_attn: the sequences of a padded or packed batch are read from its mask "
+                        "(data-dependent)")
+def packed_sequences(selector, mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> Optional[PackedRows]:
+    """The sequences (:func:`_sequences`) of a causal per-token selector's call under the model's
+    element mask as one packed batch, when the mask is exactly those sequences (each of their rows
+    allows its sequence's keys up to its own position, nothing else): then one selector call and one
+    ``selection_attention`` call with ``cu_seqlens`` (bottom-right per sequence) compute what
+    :func:`selection_layout_with_mask` computes with one selector call per sequence and a dense
+    layout. ``None`` otherwise (a model's own window inside a sequence, a per-head mask, a non-causal
+    selector): the caller takes the per-sequence path."""
+    if not getattr(selector, "per_token", False) or selector.causal is False:
+        return None
+    q, kv, B = query.shape[2], key.shape[2], query.shape[0]
+    allowed = _element_mask(mask, q, kv)
+    if allowed.shape[1] != 1:
+        return None
+    allowed = allowed[:, 0].expand(B, q, kv).to(query.device)
+    q_offset, kv_offset, _ = _MASK_INFO.get(mask, (kv - q, 0, False))
+    pos = torch.arange(q, device=query.device) + (int(q_offset) - int(kv_offset))
+    try:
+        seqs = _sequences(selector, allowed, pos, True)
+    except NotImplementedError:
+        return None
+    expect = torch.zeros_like(allowed)
+    q_rows, k_rows, cu_q, cu_k = [], [], [0], [0]
+    for b, parts in enumerate(seqs):
+        for r0, r1, a, end in parts:
+            keys = torch.arange(kv, device=query.device)
+            expect[b, r0:r1] = (keys >= a) & (keys <= pos[r0:r1, None])
+            q_rows.append(torch.arange(b * q + r0, b * q + r1, device=query.device))
+            k_rows.append(torch.arange(b * kv + a, b * kv + end, device=query.device))
+            cu_q.append(cu_q[-1] + r1 - r0)
+            cu_k.append(cu_k[-1] + end - a)
+    rows = torch.zeros(B, q, dtype=torch.bool, device=query.device)
+    for b, parts in enumerate(seqs):
+        for r0, r1, _, _ in parts:
+            rows[b, r0:r1] = True
+    if not q_rows or not torch.equal(expect[rows], allowed[rows]):
+        return None
+    as_cu = lambda c: torch.tensor(c, dtype=torch.int32, device=query.device)  # noqa: E731
+    return PackedRows(torch.cat(q_rows), torch.cat(k_rows), as_cu(cu_q), as_cu(cu_k))
 
 
 @torch.compiler.disable(reason="sparse_io_attn: remembering the offsets of a materialized mask")

@@ -7,6 +7,7 @@ import os
 import torch
 
 from sparse_io_attn._attention.cpu import check_cpu
+from sparse_io_attn._attention.sinks import sinks_base2
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES
 from sparse_io_attn._cpu.build import load
 from sparse_io_attn.selection.plan import SelectionPlan
@@ -46,30 +47,40 @@ def _plan_args(plan: SelectionPlan, q: torch.Tensor, k: torch.Tensor, lists: boo
                                                  plan.causal_offset)
 
 
-def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None,
-            decode: bool | None = None):
-    """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``.
+def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, sinks=None, residual: bool = False,
+            family_name: str | None = None, decode: bool | None = None):
+    """``(out [B, Hq, Nq, D] in q's dtype, lse fp32 [B, Hq, Nq], stats fp32 [2, B, Hq, Nq])``, and with
+    ``residual=True`` the output's rounding residual (None for fp32) as a fourth result.
 
-    ``decode``: run the decode kernel (split-K over each token's selected keys, K/V read in place, no
-    key lists, nothing proportional to Nk), with the scores formed as the family's backward forms
-    them; ``None`` (default): when ``Nq <= 16``."""
+    ``sinks``: one sink logit per query head (:mod:`sparse_io_attn._attention.sinks`), folded in the
+    kernels' row store. ``decode``: run the decode kernel (split-K over each token's selected keys,
+    K/V read in place, no key lists, nothing proportional to Nk), with the scores formed as the
+    family's backward forms them; ``None`` (default): when ``Nq <= 16``."""
     check_cpu(q, k, v, plan_device=plan.device)
     ops = load()
     fam = family(plan, family_name, q)
     if decode is None:
         decode = q.shape[2] <= DECODE_MAX_QUERIES
+    tail = (float(sm_scale), FAMILIES[fam], None if sinks is None else sinks_base2(sinks), residual)
     if decode:
         _, ints = _plan_args(plan, q, k, lists=False)
-        return ops.selection_decode_fwd(q, k, v, plan.rows, plan.row_counts, *ints, float(sm_scale), FAMILIES[fam])
-    tensors, ints = _plan_args(plan, q, k, lists=fam == "key")
-    return ops.selection_fwd(q, k, v, *tensors, *ints, float(sm_scale), FAMILIES[fam])
+        out, lse, stats, res = ops.selection_decode_fwd(q, k, v, plan.rows, plan.row_counts, *ints, *tail,
+                                                        table=plan.table)
+    else:
+        tensors, ints = _plan_args(plan, q, k, lists=fam == "key")
+        out, lse, stats, res = ops.selection_fwd(q, k, v, *tensors, *ints, *tail, table=plan.table)
+    return (out, lse, stats, res if res.numel() else None) if residual else (out, lse, stats)
 
 
-def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
-    """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group."""
+def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, delta=None,
+             family_name: str | None = None):
+    """``(dq, dk, dv)`` in the inputs' dtypes; dk/dv summed over each GQA group. ``delta``: fp32 ``[B,
+    Hq, Nq]`` row deltas formed by the caller (:mod:`sparse_io_attn._attention.delta`), else
+    ``rowsum(do * out)``."""
     check_cpu(do, q, k, v, out, stats, plan_device=plan.device)
     ops = load()
     fam = family(plan, family_name, q)
     tensors, ints = _plan_args(plan, q, k, lists=True)
     return ops.selection_bwd(do.to(q.dtype), q, k, v, out.to(q.dtype), stats.to(torch.float32), *tensors, *ints,
-                             float(sm_scale), FAMILIES[fam])
+                             float(sm_scale), FAMILIES[fam], None if delta is None else delta.float().contiguous(),
+                             table=plan.table)

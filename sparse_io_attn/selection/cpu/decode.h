@@ -61,7 +61,7 @@ static DecodePlan decode_plan(const Problem& P) {
   const int64_t U = static_cast<int64_t>(dp.units.size());
   for (DecodeUnit& u : dp.units) {
     u.splits = dec::num_splits(u.keys, u.items, U);
-    dp.add_unit(u.splits, P.R, P.D);
+    dp.add_unit(u.splits, P.R, P.Dv);
   }
   return dp;
 }
@@ -70,21 +70,21 @@ static DecodePlan decode_plan(const Problem& P) {
 template <typename T>
 static void decode_blocks(const Problem& P, const DecodePlan& dp, const dec::In<T>& in, const DecodeUnit& u,
                           const int32_t* row, int64_t lo, int64_t hi, dec::Work& w) {
-  const int64_t D = P.D, R = P.R, b = P.unit_b(u.pu), kv = P.unit_kv(u.pu);
+  const int64_t D = P.D, Dv = P.Dv, R = P.R, b = P.unit_b(u.pu), kv = P.unit_kv(u.pu);
   const int64_t* pre = dp.pre.data() + u.pre;
   int64_t e = std::upper_bound(pre, pre + u.count + 1, lo) - pre - 1;
   for (int64_t it = lo; it < hi; ++it) {
     while (pre[e + 1] <= it) ++e;
     const int64_t j0 = (it - pre[e]) * dec::CHUNK;
-    const int64_t k0 = row[e] * P.bs + j0, nc = std::min(dec::CHUNK, P.allowed(u.t, row[e]) - j0);
+    const int64_t k0 = P.key0(row[e]) + j0, nc = std::min(dec::CHUNK, P.allowed(u.t, row[e]) - j0);
     int64_t ldk, ldv;
     const float* kr = dec::rows_f32(in.k, b, kv, k0, nc, D, w.kv.p, ldk);
     dec::transpose_keys(kr, ldk, nc, D, w.kt.p);
     gemm(R, nc, D, D, dec::CHUNK, dec::LDS, false, w.q.p, w.kt.p, w.s.p);  // S = Q K^T  [R, nc]
     for (int64_t i = 0; i < R; ++i)
-      softmax_step(w.s.p + i * dec::LDS, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, AllBits{});
-    const float* vr = dec::rows_f32(in.v, b, kv, k0, nc, D, w.kv.p, ldv);
-    gemm(R, D, nc, dec::LDS, ldv, D, true, w.s.p, vr, w.acc.p);  // acc += P V  [R, D]
+      softmax_step(w.s.p + i * dec::LDS, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * Dv, Dv, AllBits{});
+    const float* vr = dec::rows_f32(in.v, b, kv, k0, nc, Dv, w.kv.p, ldv);
+    gemm(R, Dv, nc, dec::LDS, ldv, Dv, true, w.s.p, vr, w.acc.p);  // acc += P V  [R, Dv]
   }
 }
 
@@ -115,13 +115,13 @@ template <typename T, int NC>
 static void decode_keys(Kern<NC>, const Problem& P, const dec::In<T>& in, const DecodeUnit& u, const int32_t* row,
                         int64_t lo, int64_t hi, dec::Work& w) {
   using Kn = Kern<NC>;
-  const int64_t D = P.D, R = P.R, b = P.unit_b(u.pu), kv = P.unit_kv(u.pu);
+  const int64_t D = P.D, Dv = P.Dv, R = P.R, b = P.unit_b(u.pu), kv = P.unit_kv(u.pu);
   const int32_t* keys = row;  // single tokens: the row lists the keys
-  if (P.bs > 1) {             // else the keys of the row's blocks, in order
+  if (P.expand_keys()) {      // else the keys of the row's blocks, in order
     int32_t* out = w.keys.data();
     int64_t n = 0;
     for (int64_t j = 0; j < u.count; ++j) {
-      const int64_t n0 = row[j] * P.bs, na = P.allowed(u.t, row[j]);
+      const int64_t n0 = P.key0(row[j]), na = P.allowed(u.t, row[j]);
       for (int64_t z = 0; z < na; ++z) out[n++] = static_cast<int32_t>(n0 + z);
     }
     keys = out;
@@ -135,10 +135,10 @@ static void decode_keys(Kern<NC>, const Problem& P, const dec::In<T>& in, const 
       float* s = w.s.p + i * dec::LDS;
       for (int64_t z = 0; z < nc; z += DOTS)
         Kn::dots(w.q.p + i * D, kr.base, kr.ld, group16(kr.idx, z, nc, pad), D, s + z);
-      softmax_step(s, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * D, D, AllBits{});
+      softmax_step(s, nc, P.c2, w.m[i], w.l[i], w.acc.p + i * Dv, Dv, AllBits{});
     }
-    const Gathered vr = gathered(in.v, b, kv, ki, nc, D, w.kv.p);
-    for (int64_t i = 0; i < R; ++i) Kn::axpy(w.acc.p + i * D, w.s.p + i * dec::LDS, nc, vr.base, vr.ld, vr.idx, D);
+    const Gathered vr = gathered(in.v, b, kv, ki, nc, Dv, w.kv.p);
+    for (int64_t i = 0; i < R; ++i) Kn::axpy(w.acc.p + i * Dv, w.s.p + i * dec::LDS, nc, vr.base, vr.ld, vr.idx, Dv);
   }
 }
 
@@ -149,39 +149,40 @@ static void decode_task(Kern<NC> kern, const Problem& P, const DecodePlan& dp, c
   const auto [ui, s] = dp.of(task);
   const DecodeUnit& u = dp.units[ui];
   const dec::UnitRows rows{P.unit_b(u.pu), P.unit_h0(u.pu), u.t, 1, P.R};
-  dec::start_split(in, rows, P.D, w);
+  dec::start_split(in, rows, P.D, P.Dv, w);
   const int32_t* row = P.rows + (P.unit_l(u.pu) * P.Nq + u.t) * P.K;
   const std::pair<int64_t, int64_t> range = dec::split_items(u.items, u.splits, s);
   if (P.family == KEY_MAJOR) decode_blocks(P, dp, in, u, row, range.first, range.second, w);
   else decode_keys(kern, P, in, u, row, range.first, range.second, w);
-  dec::finish_split(in, rows, P.Hq, P.Nq, P.D, dp, pp, ui, s, u.splits, w);
+  dec::finish_split(in, rows, P.Hq, P.Nq, P.Dv, dp, pp, ui, s, u.splits, w);
 }
 
 // The decode forward op: selection_fwd's arguments without the key lists, and its results.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_decode_fwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_decode_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
     const at::Tensor& row_counts, int64_t block_size, int64_t stride_lb, int64_t heads_per_selection,
-    std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
+    std::optional<int64_t> causal_offset, double sm_scale, int64_t family, const std::optional<at::Tensor>& sinks,
+    bool residual, const std::optional<at::Tensor>& table) {
   const Dims d = check_qkv(q, k, v);
   dec::Tally tally;
-  const Problem P = make_problem(d, rows, row_counts, std::nullopt, std::nullopt, std::nullopt, block_size, stride_lb,
-                                 heads_per_selection, causal_offset, sm_scale, family, false);
-  at::Tensor out, lse, stats;
-  std::tie(out, lse, stats) = forward_results(q);
-  if (P.B * P.Hq * P.Nq == 0) return {out, lse, stats};
+  const Problem P = make_problem(d, rows, row_counts, std::nullopt, std::nullopt, std::nullopt, table, block_size,
+                                 stride_lb, heads_per_selection, causal_offset, sm_scale, family, false);
+  const float* sinks2 = sinks_of(sinks, P.Hq);
+  Results res = forward_results(q, v, residual);
+  if (P.B * P.Hq * P.Nq == 0) return res.tuple();
   TORCH_CHECK(P.D > 0, "sparse_io_attn cpu: head_dim must be positive");
   const DecodePlan dp = decode_plan(P);
   dec::Partials pp(dp, tally);
-  const int64_t nkeys = P.family == QUERY_MAJOR && P.bs > 1 ? dp.max_keys : 0;
+  const int64_t nkeys = P.family == QUERY_MAJOR && P.expand_keys() ? dp.max_keys : 0;
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    const dec::In<scalar_t> in(q, k, v, out, lse, stats);
-    dispatch_dim(P.D, [&](auto kern) {
-      run_tasks(dp.tasks, [&] { return std::make_unique<dec::Work>(P.R, P.D, nkeys, tally); },
+    const dec::In<scalar_t> in(q, k, v, row_store<scalar_t>(res, sinks2));
+    dispatch_dim(P.D, P.Dv, [&](auto kern) {
+      run_tasks(dp.tasks, [&] { return std::make_unique<dec::Work>(P.R, P.D, P.Dv, nkeys, tally); },
                 [&](int64_t t, dec::Work& w) { decode_task<scalar_t>(kern, P, dp, in, pp, t, w); });
     });
   });
-  return {out, lse, stats};
+  return res.tuple();
 }
 
 }  // namespace sel

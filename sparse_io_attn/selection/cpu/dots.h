@@ -132,9 +132,14 @@ struct Kern {
   }
 };
 
-// f(Kern<NC>{}) for the head dim: the AVX-512 code up to 128, else the generic one
+// f(Kern<NC>{}) for the head dims: the AVX-512 code up to 128 when q/k's and v's head dims take the
+// same NC, else the generic one (bitwise the same sums)
 template <typename F>
-static void dispatch_dim(int64_t D, F&& f) {
+static void dispatch_dim(int64_t D, int64_t Dv, F&& f) {
+  if ((D + 15) / 16 != (Dv + 15) / 16) {
+    f(Kern<0>{});
+    return;
+  }
   switch ((D + 15) / 16) {
     case 1: f(Kern<1>{}); break;
     case 2: f(Kern<2>{}); break;
@@ -149,7 +154,7 @@ static void dispatch_dim(int64_t D, F&& f) {
 }
 #else
 template <typename F>
-static void dispatch_dim(int64_t, F&& f) {
+static void dispatch_dim(int64_t, int64_t, F&& f) {
   f(Kern<0>{});
 }
 #endif

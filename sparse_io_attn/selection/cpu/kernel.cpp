@@ -35,6 +35,13 @@
 //   (DeepSeek's sparse attention) has no dense tile to exploit: these passes are bound by gathering
 //   rows (256 bytes per key per head) and by the FMA rate, not by tile products.
 //
+// Packed sequences (cu_seqlens, selection/varlen.py): the raw ops' optional `table` gives each block's
+// first key and end and each query row's causal offset (problem.h: key0, keys, last_key); without
+// it block c is keys [c bs, min((c + 1) bs, Nk)) and the offset is causal_offset. V may have its own
+// head dim Dv (outputs, dO and dV have it). The forward folds optional per-head sinks into each row
+// and returns the output's rounding residual when asked (softmax.h's RowStore); the backward takes the
+// caller's row deltas when given (entry.h's deltas_into).
+//
 // Deterministic: every output element is produced by exactly one task (or one ordered reduction)
 // summing in an order fixed by the plan and the shapes; no atomics on data; which thread runs a
 // task does not change what it computes: bitwise identical across runs and thread counts.
@@ -52,60 +59,61 @@ namespace sia {
 namespace sel {
 
 static void run_forward(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        at::Tensor& out, float* lse, float* st_m, float* st_l) {
+                        Results& res, const float* sinks2) {
   const Inputs in(q, k, v, P.Nq, P.Nk);
   const int64_t nchunk = cdiv(P.Nq, QM_TOKENS);
   dispatch(q.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
-    scalar_t* o = out.data_ptr<scalar_t>();
+    const RowStore<scalar_t> store = row_store<scalar_t>(res, sinks2);
     if (P.family == QUERY_MAJOR) {
-      dispatch_dim(P.D, [&](auto kern) {
+      dispatch_dim(P.D, P.Dv, [&](auto kern) {
         run_tasks(qm_tasks(P), [&] { return std::make_unique<QState>(P); },
-                  [&](int64_t t, QState& w) { qm_fwd_task<scalar_t>(kern, P, in, o, lse, st_m, st_l, t, w); });
+                  [&](int64_t t, QState& w) { qm_fwd_task<scalar_t>(kern, P, in, store, t, w); });
       });
       return;
     }
     Buf kt(P.B * P.Hkv * P.nkb * P.D * P.bs);
-    pack_transposed(k, P.bs, P.nkb, kt.p);
+    pack_transposed(k, P.bs, P.nkb, kt.p, P.blk_start, P.blk_end);
     const Chunks C = make_chunks(P, FWD_CHUNK);
     const int64_t nslots = P.B * P.Hq * P.Nq * P.K;
-    Buf po(nslots * P.D), pm(nslots), pl(nslots);
+    Buf po(nslots * P.Dv), pm(nslots), pl(nslots);
     const Partials pp{po.p, pm.p, pl.p};
     run_tasks(C.tasks(), [&] { return std::make_unique<KState>(P, false); },
               [&](int64_t t, KState& w) { km_fwd_task(P, in, kt.p, C, pp, t, w); });
-    run_tasks(P.B * P.Hq * nchunk, [&] { return std::make_unique<Buf>(P.D); },
-              [&](int64_t t, Buf& w) { km_merge_task<scalar_t>(P, pp, o, lse, st_m, st_l, t, w); });
+    run_tasks(P.B * P.Hq * nchunk, [&] { return std::make_unique<Buf>(P.Dv); },
+              [&](int64_t t, Buf& w) { km_merge_task<scalar_t>(P, pp, store, t, w); });
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_fwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> selection_fwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& rows,
     const at::Tensor& row_counts, const std::optional<at::Tensor>& col_ptr, const std::optional<at::Tensor>& col_query,
     const std::optional<at::Tensor>& col_slot, int64_t block_size, int64_t stride_lb, int64_t heads_per_selection,
-    std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
+    std::optional<int64_t> causal_offset, double sm_scale, int64_t family, const std::optional<at::Tensor>& sinks,
+    bool residual, const std::optional<at::Tensor>& table) {
   const Dims d = check_qkv(q, k, v);
   const bool key_major = family == KEY_MAJOR ||
                          (family == AUTO && rows.dim() == 3 &&
                           key_major_by_default(block_size, d.B, d.Hq, d.Nq, rows.size(2), d.D));
-  const Problem P = make_problem(d, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
+  const Problem P = make_problem(d, rows, row_counts, col_ptr, col_query, col_slot, table, block_size, stride_lb,
                                  heads_per_selection, causal_offset, sm_scale, family, key_major);
-  at::Tensor out, lse, stats;
-  std::tie(out, lse, stats) = forward_results(q);
-  if (P.B * P.Hq * P.Nq == 0) return {out, lse, stats};
+  const float* sinks2 = sinks_of(sinks, P.Hq);
+  Results res = forward_results(q, v, residual);
+  if (P.B * P.Hq * P.Nq == 0) return res.tuple();
   TORCH_CHECK(P.D > 0, "sparse_io_attn cpu: head_dim must be positive");
-  float* st_m = stats.data_ptr<float>();
-  run_forward(P, q, k, v, out, lse.data_ptr<float>(), st_m, st_m + P.B * P.Hq * P.Nq);
-  return {out, lse, stats};
+  run_forward(P, q, k, v, res, sinks2);
+  return res.tuple();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& stats, const at::Tensor& rows, const at::Tensor& row_counts, const at::Tensor& col_ptr,
     const at::Tensor& col_query, const at::Tensor& col_slot, int64_t block_size, int64_t stride_lb,
-    int64_t heads_per_selection, std::optional<int64_t> causal_offset, double sm_scale, int64_t family) {
+    int64_t heads_per_selection, std::optional<int64_t> causal_offset, double sm_scale, int64_t family,
+    const std::optional<at::Tensor>& delta, const std::optional<at::Tensor>& table) {
   const Dims dims = check_qkv(q, k, v);
-  check_grad_inputs(q, dout, out, stats);
-  const Problem P = make_problem(dims, rows, row_counts, col_ptr, col_query, col_slot, block_size, stride_lb,
+  check_grad_inputs(q, v, dout, out, stats);
+  const Problem P = make_problem(dims, rows, row_counts, col_ptr, col_query, col_slot, table, block_size, stride_lb,
                                  heads_per_selection, causal_offset, sm_scale, family, true);
   const int64_t B = P.B, Hq = P.Hq, Hkv = P.Hkv, Nq = P.Nq, Nk = P.Nk, D = P.D;
   at::Tensor dq, dk, dv;
@@ -114,10 +122,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
     dq.zero_();
     return {dq, dk, dv};
   }
-  if (B * Hq * Nq == 0) {
+  if (B * Hq * Nq == 0 || P.blk_start != nullptr) {  // a block table need not cover every key: zero first
     dk.zero_();
     dv.zero_();
-    return {dq, dk, dv};
+    if (B * Hq * Nq == 0) return {dq, dk, dv};
   }
   Inputs in(q, k, v, dout, Nq, Nk);
   // row statistics, [row, 4]: m, log2 l from the forward, delta = rowsum(dO * O), 0
@@ -126,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
   const float* sl = sm + B * Hq * Nq;
   Buf sbuf(B * Hq * Nq * 4);
   in.st = sbuf.p;
-  row_deltas(out, dout, sbuf.p + 2, Nq * 4, 4);
+  deltas_into(delta, out, dout, sbuf.p + 2, Nq * 4, 4);
   for (int64_t r = 0; r < B * Hq * Nq; ++r) {
     float* s = sbuf.p + r * 4;
     s[0] = sm[r];
@@ -140,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
     scalar_t* dk_p = dk.data_ptr<scalar_t>();
     scalar_t* dv_p = dv.data_ptr<scalar_t>();
     if (P.family == QUERY_MAJOR) {
-      dispatch_dim(D, [&](auto kern) {
+      dispatch_dim(D, P.Dv, [&](auto kern) {
         run_tasks(qm_tasks(P), [&] { return std::make_unique<QState>(P); },
                   [&](int64_t t, QState& w) { qm_dq_task<scalar_t>(kern, P, in, dq_p, t, w); });
         run_tasks(B * Hkv * cdiv(P.nkb, qm_blocks_per_task(P)), [&] { return std::make_unique<KVState>(P); },
@@ -148,18 +156,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
       });
       return;
     }
-    Buf kt(B * Hkv * P.nkb * D * P.bs), vt(B * Hkv * P.nkb * D * P.bs);
-    pack_transposed(k, P.bs, P.nkb, kt.p);
-    pack_transposed(v, P.bs, P.nkb, vt.p);
+    Buf kt(B * Hkv * P.nkb * D * P.bs), vt(B * Hkv * P.nkb * P.Dv * P.bs);
+    pack_transposed(k, P.bs, P.nkb, kt.p, P.blk_start, P.blk_end);
+    pack_transposed(v, P.bs, P.nkb, vt.p, P.blk_start, P.blk_end);
     const Chunks C = make_chunks(P, BWD_CHUNK);
     const int64_t nblocks = B * Hkv * P.nkb;
     const bool split = C.tasks() > nblocks;
-    Buf dqp(B * Hq * Nq * P.K * D), dkvp(split ? C.tasks() * 2 * P.bs * D : 1);
+    Buf dqp(B * Hq * Nq * P.K * D), dkvp(split ? C.tasks() * P.bs * (D + P.Dv) : 1);
     const KBwd kb{kt.p, vt.p, dqp.p, dkvp.p};
     run_tasks(C.tasks(), [&] { return std::make_unique<KState>(P, true); },
               [&](int64_t t, KState& w) { km_bwd_task<scalar_t>(P, in, kb, C, dk_p, dv_p, t, w); });
     if (split)
-      run_tasks(nblocks, [&] { return std::make_unique<Buf>(P.bs * D); },
+      run_tasks(nblocks, [&] { return std::make_unique<Buf>(P.bs * std::max(D, P.Dv)); },
                 [&](int64_t x, Buf& w) { km_dkv_reduce<scalar_t>(P, kb, C, x, dk_p, dv_p, w); });
     run_tasks(B * Hq * nchunk, [&] { return std::make_unique<Buf>(D); },
               [&](int64_t t, Buf& w) { km_dq_reduce<scalar_t>(P, kb, dq_p, t, w); });
@@ -174,13 +182,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> selection_bwd(
 TORCH_LIBRARY_FRAGMENT(sparse_io_attn_cpu, m) {
   m.def("selection_fwd(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor row_counts, Tensor? col_ptr, "
         "Tensor? col_query, Tensor? col_slot, int block_size, int stride_lb, int heads_per_selection, "
-        "int? causal_offset, float sm_scale, int family) -> (Tensor, Tensor, Tensor)");
+        "int? causal_offset, float sm_scale, int family, Tensor? sinks=None, bool residual=False, "
+        "Tensor? table=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("selection_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor stats, Tensor rows, "
         "Tensor row_counts, Tensor col_ptr, Tensor col_query, Tensor col_slot, int block_size, int stride_lb, "
-        "int heads_per_selection, int? causal_offset, float sm_scale, int family) -> (Tensor, Tensor, Tensor)");
+        "int heads_per_selection, int? causal_offset, float sm_scale, int family, Tensor? delta=None, "
+        "Tensor? table=None) -> (Tensor, Tensor, Tensor)");
   m.def("selection_decode_fwd(Tensor q, Tensor k, Tensor v, Tensor rows, Tensor row_counts, int block_size, "
-        "int stride_lb, int heads_per_selection, int? causal_offset, float sm_scale, int family) "
-        "-> (Tensor, Tensor, Tensor)");
+        "int stride_lb, int heads_per_selection, int? causal_offset, float sm_scale, int family, "
+        "Tensor? sinks=None, bool residual=False, Tensor? table=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("selection_rows(Tensor indices, Tensor? counts, int num_kv_blocks, int block_size, int? causal_offset) "
         "-> (Tensor, Tensor)");
   m.def("selection_keys(Tensor rows, int num_kv_blocks) -> (Tensor, Tensor, Tensor)");

@@ -58,7 +58,7 @@ struct ChunkTask {
   ChunkTask(const Problem& P, const Chunks& C, int64_t task)
       : x(static_cast<int64_t>(std::upper_bound(C.first.begin(), C.first.end(), task) - C.first.begin()) - 1),
         c(x % P.nkb), b(x / P.nkb / P.Hkv), kv(x / P.nkb % P.Hkv), r_lo((task - C.first[x]) * C.chunk),
-        r_hi(std::min(C.rows[x], r_lo + C.chunk)), n0(c * P.bs), nblk(std::min(P.bs, P.Nk - n0)) {}
+        r_hi(std::min(C.rows[x], r_lo + C.chunk)), n0(P.key0(c)), nblk(P.keys(c)) {}
 };
 
 // dst[0..n) = src[0..n): a pair's partial row, read back only by the merge/reduce pass much later,
@@ -111,9 +111,9 @@ struct KState {
   std::vector<RowRef> refs;
   int64_t lds;
   explicit KState(const Problem& P, bool backward)
-      : qg(TM * P.D), gg(backward ? TM * P.D : 1), s(TM * stride(P)), dp(backward ? TM * stride(P) : 1),
-        t1(backward ? std::min(P.bs, BWD_KEYS) * LDC : 1), acc(TM * P.D),
-        dk(backward ? P.bs * P.D : 1), dv(backward ? P.bs * P.D : 1), stat(8 * LDC), refs(TM),
+      : qg(TM * P.D), gg(backward ? TM * P.Dv : 1), s(TM * stride(P)), dp(backward ? TM * stride(P) : 1),
+        t1(backward ? std::min(P.bs, BWD_KEYS) * LDC : 1), acc(TM * std::max(P.D, P.Dv)),
+        dk(backward ? P.bs * P.D : 1), dv(backward ? P.bs * P.Dv : 1), stat(8 * LDC), refs(TM),
         lds(stride(P)) {}
   static constexpr int64_t LDC = TM + 16;  // per-row columns (stat) and transposed tiles (t1): leading dimension
   float* col(int64_t k) { return stat.p + k * LDC; }
@@ -123,7 +123,7 @@ struct KState {
 
 // ------------------------------------------------------------------------------ forward
 struct Partials {  // per pair slot (b, h, t, j)
-  float* o;        // [B*Hq*Nq*K, D] unnormalised output
+  float* o;        // [B*Hq*Nq*K, Dv] unnormalised output
   float* m;        // row maximum (base 2)
   float* l;        // row sum
 };
@@ -132,7 +132,7 @@ static void km_fwd_task(const Problem& P, const Inputs& in, const float* KT, con
                         int64_t task, KState& w) {
   const ChunkTask ct(P, C, task);
   const int64_t b = ct.b, kv = ct.kv, c = ct.c, n0 = ct.n0, nblk = ct.nblk, r_lo = ct.r_lo, r_hi = ct.r_hi;
-  const int64_t D = P.D, lds = w.lds;
+  const int64_t D = P.D, Dv = P.Dv, lds = w.lds;
   const float* kt = KT + ct.x * D * P.bs;  // [D, bs]
   float *Qg = w.qg.p, *S = w.s.p, *acc = w.acc.p;
   float *mi = w.col(0), *li = w.col(1), *al = w.col(2);  // row maximum, row sum, rescale factor
@@ -160,12 +160,12 @@ static void km_fwd_task(const Problem& P, const Inputs& in, const float* KT, con
       }
       if (a > 0)
         for (int64_t i = 0; i < tm; ++i)
-          if (al[i] != 1.f) scale_row(acc + i * D, D, al[i]);
-      gemm(tm, D, nc, lds, in.V.ld, D, a > 0, S, in.V.at(b, kv, n0 + a), acc);  // acc (+)= P V_c
+          if (al[i] != 1.f) scale_row(acc + i * Dv, Dv, al[i]);
+      gemm(tm, Dv, nc, lds, in.V.ld, Dv, a > 0, S, in.V.at(b, kv, n0 + a), acc);  // acc (+)= P V_c
     }
     for (int64_t i = 0; i < tm; ++i) {
       const int64_t slot = ((b * P.Hq + ref[i].h) * P.Nq + ref[i].t) * P.K + ref[i].j;
-      store_stream(out.o + slot * D, acc + i * D, D);
+      store_stream(out.o + slot * Dv, acc + i * Dv, Dv);
       out.m[slot] = mi[i];
       out.l[slot] = li[i];
     }
@@ -175,11 +175,10 @@ static void km_fwd_task(const Problem& P, const Inputs& in, const float* KT, con
 
 // out, lse, stats of query rows [t0, t1) of (b, h): the pair partials merged in slot order
 template <typename T>
-static void km_merge_task(const Problem& P, const Partials& pp, T* out, float* lse, float* st_m, float* st_l,
-                          int64_t task, Buf& wbuf) {
+static void km_merge_task(const Problem& P, const Partials& pp, const RowStore<T>& store, int64_t task, Buf& wbuf) {
   const int64_t nchunk = cdiv(P.Nq, QM_TOKENS);
   const int64_t bh = task / nchunk, t0 = (task % nchunk) * QM_TOKENS, t1 = std::min(P.Nq, t0 + QM_TOKENS);
-  const int64_t b = bh / P.Hq, h = bh % P.Hq, l = b * P.slb + h / P.hps, D = P.D;
+  const int64_t b = bh / P.Hq, h = bh % P.Hq, l = b * P.slb + h / P.hps, D = P.Dv;
   float* acc = wbuf.p;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = bh * P.Nq + t, cnt = P.counts[l * P.Nq + t];
@@ -199,15 +198,15 @@ static void km_merge_task(const Problem& P, const Partials& pp, T* out, float* l
         for (; d < D; ++d) acc[d] = std::fma(wj, src[d], acc[d]);
       }
     }
-    store_row(acc, m, lsum, D, out + row * D, lse + row, st_m + row, st_l + row);
+    store.put(row, h, acc, m, lsum);
   }
 }
 
 // ------------------------------------------------------------------------------ backward
 struct KBwd {
-  const float *KT, *VT;  // [B, Hkv, nkb, D, bs]
+  const float *KT, *VT;  // [B, Hkv, nkb, D, bs], [B, Hkv, nkb, Dv, bs]
   float* dqp;            // [B*Hq*Nq*K, D]: dQ partial of each pair slot (unscaled)
-  float* dkvp;           // [tasks, 2, bs, D]: dK, dV of the chunks of blocks with several
+  float* dkvp;           // [tasks, bs, D + Dv]: dK ([bs, D]), then dV ([bs, Dv]) of the chunks of blocks with several
 };
 
 template <typename T>
@@ -215,13 +214,13 @@ static void km_bwd_task(const Problem& P, const Inputs& in, const KBwd& kb, cons
                         int64_t task, KState& w) {
   const ChunkTask ct(P, C, task);
   const int64_t x = ct.x, b = ct.b, kv = ct.kv, c = ct.c, n0 = ct.n0, nblk = ct.nblk, r_lo = ct.r_lo, r_hi = ct.r_hi;
-  const int64_t D = P.D, lds = w.lds, ldt = KState::LDC;
+  const int64_t D = P.D, Dv = P.Dv, lds = w.lds, ldt = KState::LDC;
   const float* kt = kb.KT + x * D * P.bs;
-  const float* vt = kb.VT + x * D * P.bs;
+  const float* vt = kb.VT + x * Dv * P.bs;
   float *Qg = w.qg.p, *Gg = w.gg.p, *S = w.s.p, *dP = w.dp.p, *Tr = w.t1.p, *dQ = w.acc.p, *dK = w.dk.p, *dV = w.dv.p;
   float *mr = w.col(0), *lr = w.col(1), *dr = w.col(2);  // the rows' m, log2 l, delta
   std::fill(dK, dK + nblk * D, 0.f);
-  std::fill(dV, dV + nblk * D, 0.f);
+  std::fill(dV, dV + nblk * Dv, 0.f);
   const Vec vc(P.c2);
   for (int64_t r0 = r_lo; r0 < r_hi; r0 += TM) {
     const int64_t tm = std::min(TM, r_hi - r0);
@@ -230,7 +229,7 @@ static void km_bwd_task(const Problem& P, const Inputs& in, const KBwd& kb, cons
     for (int64_t i = 0; i < tm; ++i) {
       const int64_t row = (b * P.Hq + ref[i].h) * P.Nq + ref[i].t;
       std::memcpy(Qg + i * D, in.Q.at(b, ref[i].h, ref[i].t), D * sizeof(float));
-      std::memcpy(Gg + i * D, in.dO.at(b, ref[i].h, ref[i].t), D * sizeof(float));
+      std::memcpy(Gg + i * Dv, in.dO.at(b, ref[i].h, ref[i].t), Dv * sizeof(float));
       mr[i] = in.st[row * 4];
       lr[i] = in.st[row * 4 + 1];
       dr[i] = in.st[row * 4 + 2];
@@ -239,7 +238,7 @@ static void km_bwd_task(const Problem& P, const Inputs& in, const KBwd& kb, cons
     for (int64_t a = 0; a < nblk; a += BWD_KEYS) {
       const int64_t nk = std::min(BWD_KEYS, nblk - a), nkv = round_up(nk, VL);
       gemm(tm, nk, D, D, P.bs, lds, false, Qg, kt + a, S);   // S = Qg K^T   [tm, nk]
-      gemm(tm, nk, D, D, P.bs, lds, false, Gg, vt + a, dP);  // dP = dOg V^T [tm, nk]
+      gemm(tm, nk, Dv, Dv, P.bs, lds, false, Gg, vt + a, dP);  // dP = dOg V^T [tm, nk]
       for (int64_t i = 0; i < tm; ++i) {
         float* s = S + i * lds;
         float* g = dP + i * lds;
@@ -253,7 +252,7 @@ static void km_bwd_task(const Problem& P, const Inputs& in, const KBwd& kb, cons
         }
       }
       at::vec::transpose_mxn<float>(S, lds, Tr, ldt, static_cast<int>(tm), static_cast<int>(nk));
-      gemm(nk, D, tm, ldt, D, D, true, Tr, Gg, dV + a * D);  // dV += P^T dOg
+      gemm(nk, Dv, tm, ldt, Dv, Dv, true, Tr, Gg, dV + a * Dv);  // dV += P^T dOg
       at::vec::transpose_mxn<float>(dP, lds, Tr, ldt, static_cast<int>(tm), static_cast<int>(nk));
       gemm(nk, D, tm, ldt, D, D, true, Tr, Qg, dK + a * D);  // dK += dS^T Qg
       gemm(tm, D, nk, lds, in.K.ld, D, true, dP, in.K.at(b, kv, n0 + a), dQ);  // dQ += dS K
@@ -265,12 +264,12 @@ static void km_bwd_task(const Problem& P, const Inputs& in, const KBwd& kb, cons
   }
   stream_fence();
   if (C.first[x + 1] - C.first[x] == 1) {
-    const int64_t obase = ((b * P.Hkv + kv) * P.Nk + n0) * D;
-    store_dkv(dK, dV, nblk * D, P.sm_scale, dk + obase, dv + obase);
+    const int64_t orow = (b * P.Hkv + kv) * P.Nk + n0;
+    store_dkv(dK, nblk * D, dV, nblk * Dv, P.sm_scale, dk + orow * D, dv + orow * Dv);
   } else {
-    float* dst = kb.dkvp + task * 2 * P.bs * D;
+    float* dst = kb.dkvp + task * P.bs * (D + Dv);
     std::memcpy(dst, dK, nblk * D * sizeof(float));
-    std::memcpy(dst + P.bs * D, dV, nblk * D * sizeof(float));
+    std::memcpy(dst + P.bs * D, dV, nblk * Dv * sizeof(float));
   }
 }
 
@@ -279,11 +278,12 @@ template <typename T>
 static void km_dkv_reduce(const Problem& P, const KBwd& kb, const Chunks& C, int64_t x, T* dk, T* dv, Buf& acc) {
   const int64_t n = C.first[x + 1] - C.first[x];
   if (n == 1) return;
-  const int64_t bk = x / P.nkb, c = x % P.nkb, b = bk / P.Hkv, kv = bk % P.Hkv, D = P.D;
-  const int64_t n0 = c * P.bs, nblk = std::min(P.bs, P.Nk - n0);
+  const int64_t bk = x / P.nkb, c = x % P.nkb, b = bk / P.Hkv, kv = bk % P.Hkv, W = P.bs * (P.D + P.Dv);
+  const int64_t n0 = P.key0(c), nblk = P.keys(c);
   for (int64_t which = 0; which < 2; ++which) {
-    std::memcpy(acc.p, kb.dkvp + (C.first[x] * 2 + which) * P.bs * D, nblk * D * sizeof(float));
-    for (int64_t s = 1; s < n; ++s) add_row(acc.p, kb.dkvp + ((C.first[x] + s) * 2 + which) * P.bs * D, nblk * D);
+    const int64_t D = which == 0 ? P.D : P.Dv, off = which == 0 ? 0 : P.bs * P.D;
+    std::memcpy(acc.p, kb.dkvp + C.first[x] * W + off, nblk * D * sizeof(float));
+    for (int64_t s = 1; s < n; ++s) add_row(acc.p, kb.dkvp + (C.first[x] + s) * W + off, nblk * D);
     T* o = (which == 0 ? dk : dv) + ((b * P.Hkv + kv) * P.Nk + n0) * D;
     const float sc = which == 0 ? P.sm_scale : 1.f;
     for (int64_t i = 0; i < nblk * D; ++i) o[i] = static_cast<T>(acc.p[i] * sc);

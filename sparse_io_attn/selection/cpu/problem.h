@@ -34,6 +34,13 @@ struct Problem : Dims {
   const int32_t* col_ptr = nullptr;    // [L, nkb + 1] absolute offsets
   const int32_t* col_query = nullptr;  // query token of each list entry
   const int32_t* col_slot = nullptr;   // its slot in the row
+  // Packed variable-length sequences (selection/varlen.py): the block table, block c = keys
+  // [blk_start[c], blk_end[c]) (contiguous: blk_start[c + 1] == blk_end[c]), and the causal offset of
+  // each query row (key s allowed for query t iff s <= t + row_delta[t]); null: the fixed grid,
+  // block c = keys [c bs, min((c + 1) bs, Nk)), offset delta.
+  const int32_t* blk_start = nullptr;
+  const int32_t* blk_end = nullptr;
+  const int32_t* row_delta = nullptr;
 
   // unit u = (b, kv head, selection inside it): its first query head and its selection
   int64_t units() const { return B * Hkv * spk; }
@@ -41,19 +48,47 @@ struct Problem : Dims {
   int64_t unit_kv(int64_t u) const { return (u / spk) % Hkv; }
   int64_t unit_h0(int64_t u) const { return unit_kv(u) * Gq + (u % spk) * R; }
   int64_t unit_l(int64_t u) const { return unit_b(u) * slb + unit_h0(u) / hps; }
+  // block c's first key and its number of keys
+  int64_t key0(int64_t c) const { return blk_start != nullptr ? blk_start[c] : c * bs; }
+  int64_t keys(int64_t c) const { return blk_start != nullptr ? blk_end[c] - blk_start[c] : std::min(bs, Nk - c * bs); }
+  // the last key query t may use under causality
+  int64_t last_key(int64_t t) const { return t + (row_delta != nullptr ? row_delta[t] : delta); }
   // keys of block c query t may use: the first n of the block (0: none)
   int64_t allowed(int64_t t, int64_t c) const {
-    const int64_t n0 = c * bs;
-    int64_t n = std::min(bs, Nk - n0);
-    if (causal) n = std::min(n, t + delta - n0 + 1);
+    const int64_t n0 = key0(c);
+    int64_t n = keys(c);
+    if (causal) n = std::min(n, last_key(t) - n0 + 1);
     return std::max<int64_t>(n, 0);
   }
+  // whether a row's keys are listed one by one (blocks expanded): always but for single-token blocks
+  // of the fixed grid, whose block numbers are the keys
+  bool expand_keys() const { return bs > 1 || blk_start != nullptr; }
   explicit Problem(const Dims& d) : Dims(d) {}
 };
 
 static void check_index(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu(), "sparse_io_attn cpu: ", name,
               " must be a contiguous int32 CPU tensor");
+}
+
+// A variable-length call's table (int32 [2 nkb + Nq]: block starts, block ends, row offsets) checked
+// and set in P: blocks inside [0, Nk], at most bs keys each, contiguous (each starts where the one
+// before ends), so nothing is read outside the keys and a run of blocks is a run of keys.
+static void check_table(Problem& P, const at::Tensor& table) {
+  check_index(table, "the block table");
+  const int64_t n = table.numel() - P.Nq;
+  TORCH_CHECK(table.dim() == 1 && n >= 0 && n % 2 == 0, "sparse_io_attn cpu: the block table must be int32 ",
+              "[2 num_kv_blocks + Nq] with Nq = ", P.Nq, ", got ", table.sizes());
+  P.nkb = n / 2;
+  P.blk_start = table.data_ptr<int32_t>();
+  P.blk_end = P.blk_start + P.nkb;
+  P.row_delta = P.blk_end + P.nkb;
+  for (int64_t c = 0; c < P.nkb; ++c) {
+    const int64_t s = P.blk_start[c], e = P.blk_end[c];
+    TORCH_CHECK(0 <= s && s <= e && e <= P.Nk && e - s <= P.bs && (c == 0 || s == P.blk_end[c - 1]),
+                "sparse_io_attn cpu: block ", c, " of the block table spans keys [", s, ", ", e, "); blocks must ",
+                "lie in [0, ", P.Nk, "], hold at most ", P.bs, " keys and follow each other");
+  }
 }
 
 // Checks the plan's rows (counts in [0, K], the first `count` entries strictly ascending in [0, nkb))
@@ -63,14 +98,15 @@ static void check_index(const at::Tensor& t, const char* name) {
 // pair slot is written exactly once). d: the operands' sizes (check_qkv's).
 static Problem make_problem(const Dims& d, const at::Tensor& rows, const at::Tensor& row_counts,
                             const std::optional<at::Tensor>& col_ptr, const std::optional<at::Tensor>& col_query,
-                            const std::optional<at::Tensor>& col_slot, int64_t block_size, int64_t stride_lb,
-                            int64_t heads_per_selection, std::optional<int64_t> causal_offset, double sm_scale,
-                            int64_t family, bool need_lists) {
+                            const std::optional<at::Tensor>& col_slot, const std::optional<at::Tensor>& table,
+                            int64_t block_size, int64_t stride_lb, int64_t heads_per_selection,
+                            std::optional<int64_t> causal_offset, double sm_scale, int64_t family, bool need_lists) {
   Problem P(d);
   P.Gq = P.Hq / P.Hkv;
   TORCH_CHECK(block_size >= 1, "sparse_io_attn cpu: block_size must be >= 1, got ", block_size);
   P.bs = block_size;
   P.nkb = cdiv(P.Nk, P.bs);
+  if (table.has_value()) check_table(P, *table);
   TORCH_CHECK(family >= 0 && family <= 2, "sparse_io_attn cpu: family must be 0 (auto), 1 (key-major) or 2 ",
               "(query-major), got ", family);
   check_index(rows, "rows");

@@ -46,12 +46,12 @@ struct TokenTile {
   std::vector<int64_t> n, cur;
   int64_t tokens = 0, k_end = 0, stride = 0;
   explicit TokenTile(const Problem& P)
-      : buf(P.bs > 1 ? qm_tile(P) * P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1)) : 0),
+      : buf(P.expand_keys() ? qm_tile(P) * P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1)) : 0),
         idx(qm_tile(P)), n(qm_tile(P)), cur(qm_tile(P)), stride(P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1))) {}
   // tokens per query-major task: 64, fewer where expanded key lists would pass 4 MiB
   static int64_t qm_tile(const Problem& P) {
     const int64_t keys = P.K * std::min(P.bs, std::max<int64_t>(P.Nk, 1));
-    return P.bs == 1 ? QM_TILE : std::max<int64_t>(1, std::min<int64_t>(QM_TILE, (int64_t(1) << 20) / std::max<int64_t>(keys, 1)));
+    return !P.expand_keys() ? QM_TILE : std::max<int64_t>(1, std::min<int64_t>(QM_TILE, (int64_t(1) << 20) / std::max<int64_t>(keys, 1)));
   }
   void build(const Problem& P, int64_t l, int64_t t0, int64_t t1) {
     tokens = t1 - t0;
@@ -59,17 +59,17 @@ struct TokenTile {
     for (int64_t i = 0; i < tokens; ++i) {
       const int64_t t = t0 + i;
       const int32_t* row = P.rows + (l * P.Nq + t) * P.K;
-      const int64_t cnt = P.counts[l * P.Nq + t], bs = P.bs;
-      const int64_t lim = P.causal ? std::min(P.Nk, t + P.delta + 1) : P.Nk;  // keys [0, lim) allowed
+      const int64_t cnt = P.counts[l * P.Nq + t];
+      const int64_t lim = P.causal ? std::min(P.Nk, P.last_key(t) + 1) : P.Nk;  // keys [0, lim) allowed
       int64_t m = 0;
-      if (bs == 1) {
+      if (!P.expand_keys()) {
         m = cnt;
         while (m > 0 && row[m - 1] >= lim) --m;
         idx[i] = row;
       } else {
         int32_t* out = buf.data() + i * stride;
         for (int64_t j = 0; j < cnt; ++j) {
-          const int64_t k0 = row[j] * bs, na = std::min(bs, lim - k0);
+          const int64_t k0 = P.key0(row[j]), na = std::min(P.keys(row[j]), lim - k0);
           for (int64_t z = 0; z < na; ++z) out[m++] = static_cast<int32_t>(k0 + z);
         }
         idx[i] = out;
@@ -99,7 +99,7 @@ struct QState {
   Buf acc;
   std::vector<float> m, l;
   explicit QState(const Problem& P)
-      : tile(P), acc(TokenTile::qm_tile(P) * P.R * P.D), m(TokenTile::qm_tile(P) * P.R), l(m.size()) {}
+      : tile(P), acc(TokenTile::qm_tile(P) * P.R * std::max(P.D, P.Dv)), m(TokenTile::qm_tile(P) * P.R), l(m.size()) {}
 };
 
 static inline int64_t qm_tasks(const Problem& P) { return P.units() * cdiv(P.Nq, TokenTile::qm_tile(P)); }
@@ -121,14 +121,14 @@ static inline void by_steps(const float* x, int64_t ldx, const float* y, int64_t
 }
 
 // Query-major forward/dQ task `task`: tokens [t0, t1) of unit (b, kv head, first query head h0,
-// selection l), their key lists built in w.tile and their accumulators zeroed; kb, vb: the kv head's
-// K and V rows.
+// selection l), their key lists built in w.tile and their accumulators ([token, head, width]: width Dv
+// for the forward's outputs, D for dQ) zeroed; kb, vb: the kv head's K and V rows.
 struct TileTask {
   int64_t b, kv, h0, l, t0, t1;
   const float *kb, *vb;
   int64_t ldk, ldv;
   TokenTile& tile;
-  TileTask(const Problem& P, const Inputs& in, int64_t task, QState& w) : tile(w.tile) {
+  TileTask(const Problem& P, const Inputs& in, int64_t task, QState& w, int64_t width) : tile(w.tile) {
     const int64_t TT = TokenTile::qm_tile(P), nchunk = cdiv(P.Nq, TT), u = task / nchunk;
     b = P.unit_b(u);
     kv = P.unit_kv(u);
@@ -141,7 +141,7 @@ struct TileTask {
     ldk = in.K.ld;
     ldv = in.V.ld;
     tile.build(P, l, t0, t1);
-    std::fill(w.acc.p, w.acc.p + tile.tokens * P.R * P.D, 0.f);
+    std::fill(w.acc.p, w.acc.p + tile.tokens * P.R * width, 0.f);
   }
   // f(i, j0, nc): keys [j0, j0 + nc) of token i, in TokenTile::sweep's order, QCH at a time (their K
   // and V rows of the step after prefetched)
@@ -154,12 +154,12 @@ struct TileTask {
 };
 
 template <typename T, int NC>
-static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, T* out, float* lse, float* st_m,
-                        float* st_l, int64_t task, QState& w) {
+static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, const RowStore<T>& store, int64_t task,
+                        QState& w) {
   using Kn = Kern<NC>;
-  TileTask tt(P, in, task, w);
+  TileTask tt(P, in, task, w, P.Dv);
   const TokenTile& tile = tt.tile;
-  const int64_t R = P.R, D = P.D, b = tt.b, h0 = tt.h0;
+  const int64_t R = P.R, D = P.D, Dv = P.Dv, b = tt.b, h0 = tt.h0;
   alignas(64) float sb[QCH + DOTS];
   int32_t pad[DOTS];
   std::fill(w.m.begin(), w.m.begin() + tile.tokens * R, NEG_INF);
@@ -170,16 +170,15 @@ static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, T* out, fl
       const float* qr = in.Q.at(b, h0 + r, tt.t0 + i);
       for (int64_t z = 0; z < nc; z += DOTS)
         Kn::dots(qr, tt.kb, tt.ldk, group16(ki, j0 + z, tile.n[i], pad), D, sb + z);
-      float* ar = w.acc.p + (i * R + r) * D;
-      softmax_step(sb, nc, P.c2, w.m[i * R + r], w.l[i * R + r], ar, D, AllBits{});
-      Kn::axpy(ar, sb, nc, tt.vb, tt.ldv, ki + j0, D);
+      float* ar = w.acc.p + (i * R + r) * Dv;
+      softmax_step(sb, nc, P.c2, w.m[i * R + r], w.l[i * R + r], ar, Dv, AllBits{});
+      Kn::axpy(ar, sb, nc, tt.vb, tt.ldv, ki + j0, Dv);
     }
   });
   for (int64_t i = 0; i < tile.tokens; ++i)
     for (int64_t r = 0; r < R; ++r) {
       const int64_t row = (b * P.Hq + h0 + r) * P.Nq + tt.t0 + i;
-      store_row(w.acc.p + (i * R + r) * D, w.m[i * R + r], w.l[i * R + r], D, out + row * D, lse + row, st_m + row,
-                st_l + row);
+      store.put(row, h0 + r, w.acc.p + (i * R + r) * Dv, w.m[i * R + r], w.l[i * R + r]);
     }
 }
 
@@ -187,9 +186,9 @@ static void qm_fwd_task(Kern<NC>, const Problem& P, const Inputs& in, T* out, fl
 template <typename T, int NC>
 static void qm_dq_task(Kern<NC>, const Problem& P, const Inputs& in, T* dq, int64_t task, QState& w) {
   using Kn = Kern<NC>;
-  TileTask tt(P, in, task, w);
+  TileTask tt(P, in, task, w, P.D);
   const TokenTile& tile = tt.tile;
-  const int64_t R = P.R, D = P.D, b = tt.b, h0 = tt.h0;
+  const int64_t R = P.R, D = P.D, Dv = P.Dv, b = tt.b, h0 = tt.h0;
   const float *kb = tt.kb, *vb = tt.vb;
   const int64_t ldk = tt.ldk, ldv = tt.ldv;
   alignas(64) float sb[QCH + DOTS], pb[QCH + DOTS];
@@ -205,7 +204,7 @@ static void qm_dq_task(Kern<NC>, const Problem& P, const Inputs& in, T* dq, int6
       for (int64_t z = 0; z < nc; z += DOTS) {
         const int32_t* g = group16(ki, j0 + z, tile.n[i], pad);
         Kn::dots(qr, kb, ldk, g, D, sb + z);
-        Kn::dots(gr, vb, ldv, g, D, pb + z);
+        Kn::dots(gr, vb, ldv, g, Dv, pb + z);
       }
       const Vec vm(in.st[row * 4]), vl(in.st[row * 4 + 1]), vd(in.st[row * 4 + 2]);
       for (int64_t z = 0; z < ncv; z += VL) {
@@ -239,8 +238,8 @@ struct KeyCursor {
 
 struct KVState {
   std::vector<KeyCursor> keys;
-  Buf acc;  // [keys, 2, D]: dK, dV sums
-  explicit KVState(const Problem& P) : acc(2 * std::max(QM_KEYS, P.bs) * P.D) {}
+  Buf acc;  // [keys, D + Dv]: dK, dV sums
+  explicit KVState(const Problem& P) : acc(std::max(QM_KEYS, P.bs) * (P.D + P.Dv)) {}
 };
 
 static inline int64_t qm_blocks_per_task(const Problem& P) { return std::max<int64_t>(1, QM_KEYS / P.bs); }
@@ -266,13 +265,13 @@ static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* 
   using Kn = Kern<NC>;
   const int64_t cpt = qm_blocks_per_task(P), ntask_c = cdiv(P.nkb, cpt);
   const int64_t bk = task / ntask_c, c_lo = (task % ntask_c) * cpt, c_hi = std::min(P.nkb, c_lo + cpt);
-  const int64_t b = bk / P.Hkv, kv = bk % P.Hkv, D = P.D;
-  const int64_t n0 = c_lo * P.bs, nkeys = std::min(c_hi * P.bs, P.Nk) - n0;
+  const int64_t b = bk / P.Hkv, kv = bk % P.Hkv, D = P.D, Dv = P.Dv, W = D + Dv;
+  const int64_t n0 = P.key0(c_lo), nkeys = P.key0(c_hi - 1) + P.keys(c_hi - 1) - n0;  // the blocks' keys, a run
   const Vec vc(P.c2);
   alignas(64) float sb[QCH + DOTS], pb[QCH + DOTS], ms[QCH + DOTS], ls[QCH + DOTS], ds[QCH + DOTS];
   int32_t pad[DOTS];
   float* acc = w.acc.p;
-  std::fill(acc, acc + nkeys * 2 * D, 0.f);
+  std::fill(acc, acc + nkeys * W, 0.f);
   for (int64_t h = kv * P.Gq; h < (kv + 1) * P.Gq; ++h) {
     const int64_t l = b * P.slb + h / P.hps;
     const float* qh = in.Q.at(b, h, 0);
@@ -284,7 +283,7 @@ static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* 
     for (int64_t c = c_lo; c < c_hi; ++c) {
       const int32_t* ptr = P.col_ptr + l * (P.nkb + 1) + c;
       const int32_t* tl = P.col_query + ptr[0];
-      const int64_t len = ptr[1] - ptr[0], nblk = std::min(P.bs, P.Nk - c * P.bs);
+      const int64_t len = ptr[1] - ptr[0], nblk = P.keys(c);
       int64_t first = 0;
       for (int64_t key = 0; key < nblk; ++key) {
         while (first < len && P.allowed(tl[first], c) <= key) ++first;  // tokens ascending: a prefix
@@ -304,14 +303,14 @@ static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* 
         if (n == 0) continue;
         const float* kr = in.K.at(b, kv, n0 + key);
         const float* vr = in.V.at(b, kv, n0 + key);
-        float* dkr = acc + key * 2 * D;
+        float* dkr = acc + key * W;
         float* dvr = dkr + D;
         by_steps<Kn>(qh, ldq, gh, ldg, ti, n, [&](int64_t i0, int64_t nc) {
           const int64_t ncv = round_up(nc, VL);
           for (int64_t i = 0; i < nc; i += DOTS) {
             const int32_t* g = group16(ti, i0 + i, n, pad);
             Kn::dots(kr, qh, ldq, g, D, sb + i);
-            Kn::dots(vr, gh, ldg, g, D, pb + i);
+            Kn::dots(vr, gh, ldg, g, Dv, pb + i);
             row_stats(sth, g, ms + i, ls + i, ds + i);
           }
           for (int64_t i = 0; i < ncv; i += VL) {  // P and dS, the forward's arithmetic
@@ -321,14 +320,14 @@ static void qm_dkv_task(Kern<NC>, const Problem& P, const Inputs& in, T* dk, T* 
             p.store(sb + i);
           }
           Kn::axpy(dkr, pb, nc, qh, ldq, ti + i0, D);
-          Kn::axpy(dvr, sb, nc, gh, ldg, ti + i0, D);
+          Kn::axpy(dvr, sb, nc, gh, ldg, ti + i0, Dv);
         });
       }
     }
   }
   for (int64_t key = 0; key < nkeys; ++key) {
-    const int64_t o = ((b * P.Hkv + kv) * P.Nk + n0 + key) * D;
-    store_dkv(acc + key * 2 * D, acc + key * 2 * D + D, D, P.sm_scale, dk + o, dv + o);
+    const int64_t o = (b * P.Hkv + kv) * P.Nk + n0 + key;
+    store_dkv(acc + key * W, D, acc + key * W + D, Dv, P.sm_scale, dk + o * D, dv + o * Dv);
   }
 }
 

@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, decode_partial, forward_outputs,
-                                                     last_tiles, merge_call, preprocess_call, run, run_calls, strides)
+from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, check_supported, decode_partial,
+                                                     forward_outputs, last_tiles, merge_call, preprocess_call, run,
+                                                     run_calls, strides)
 from sparse_io_attn._triton.runtime import check_device
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
@@ -179,6 +180,7 @@ def prepare(q, k, plan: SelectionPlan, family_name: str | None = None) -> str:
     """Build what the family of these inputs derives from the plan (key-major lists and work tiles, or the
     masked tiles; all on the plan's device, kept with it) ahead of the first launch, as a step's plan
     would; returns the family."""
+    check_supported("selection_attn", q, q, plan)
     fam = family(q, k, plan, family_name)
     common = common_args(q, k, plan, 1.0)
     if fam == "masked":
@@ -195,6 +197,7 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | Non
     """``decode``: run the decode kernels (:func:`decode_calls`, ``split_keys`` passed on); ``None``
     (default): when ``Nq <= 16`` (:data:`~sparse_io_attn.selection.tiles.DECODE_MAX_QUERIES`). Otherwise
     the family's forward (:func:`family`; ``family_name`` forces one)."""
+    check_supported("selection_attn", q, v, plan)
     check_device(q, "backend 'triton'")
     if decode is None:
         decode = q.shape[2] <= DECODE_MAX_QUERIES
@@ -231,6 +234,7 @@ BACKWARD_CALLS = {"query": backward_calls, "key": key_backward_calls, "masked": 
 
 def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
     """The family's backward (:func:`family`; ``family_name`` forces one), whatever forward made ``stats``."""
+    check_supported("selection_attn", q, v, plan)
     check_device(q, "backend 'triton'")
     fam = family(q, k, plan, family_name)
     do, stats = do.to(q.dtype), stats.contiguous()
