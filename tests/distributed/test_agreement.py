@@ -192,5 +192,5 @@ def test_a_refused_rank_sends_its_error_text():
 
 def test_docs_state_the_agreement_bytes():
     root = Path(__file__).resolve().parents[2]
-    assert f"({agreement_bytes(0)} + 16 W bytes per rank" in (root / "README.md").read_text()
+    assert f"({agreement_bytes(0)} + 16 W bytes per rank" in (root / "docs" / "CONTEXT_PARALLEL.md").read_text()
     assert f"a {agreement_bytes(0)} + 16 W-byte int64 descriptor" in (root / "docs" / "ARCHITECTURE.md").read_text()
