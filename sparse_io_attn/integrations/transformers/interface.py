@@ -14,16 +14,14 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
                       "pip install 'sparse-io-attn[hf]' (or pip install 'transformers>=5')") from exc
 
 from sparse_io_attn.integrations.transformers.decode_state import select_with_state
-from sparse_io_attn.integrations.transformers.layouts import (check_lengths, layout_no_mask, layout_with_mask,
+from sparse_io_attn.integrations.transformers.layouts import (check_lengths, runs_packed, layout_no_mask, layout_with_mask,
                                                               module_selector, packed_sequences, remember_mask,
                                                               selection_layout_with_mask)
 from sparse_io_attn.integrations.transformers.nsa import nsa_forward
-from sparse_io_attn._attention.checks import resolve_backend
 from sparse_io_attn.block_sparse.api import block_sparse_attention
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.nn.nsa import NSAAttention
 from sparse_io_attn.selection.api import selection_attention
-from sparse_io_attn.selection.op import FEATURES as SELECTION_FEATURES
 
 DEFAULT_NAME = "sparse_io_attn"
 
@@ -121,7 +119,7 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         else:
             layout, backend = layout_no_mask(module, q, kv, device, causal)
     elif selector is not None:   # chosen per sequence of the padded, packed or static-cache batch
-        packed = packed_sequences(selector, attention_mask, query, key) if _runs_packed(backend, device) else None
+        packed = packed_sequences(selector, attention_mask, query, key) if runs_packed(backend, device) else None
         if packed is not None:   # a per-token selector: the sequences packed, one call with cu_seqlens
             return _packed_call(selector, packed, query, key, value, scaling, backend), None
         layout = selection_layout_with_mask(selector, attention_mask, query, key, (selector.block_size,) * 2)
@@ -131,12 +129,6 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         causal = False
     out = block_sparse_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _runs_packed(backend: str, device: torch.device) -> bool:
-    """Whether ``selection_attention``'s backend takes ``cu_seqlens`` (``cpu``, ``torch``; the Triton
-    kernels not yet, issue 48 phase B: their calls take the per-sequence path)."""
-    return "cu_seqlens" in SELECTION_FEATURES.get(resolve_backend(backend, device), ())
 
 
 def _packed_call(selector, packed, query, key, value, scaling, backend) -> torch.Tensor:

@@ -13,11 +13,13 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from sparse_io_attn._attention.checks import resolve_backend
 from sparse_io_attn.block_sparse.plan import plan
 from sparse_io_attn.integrations.transformers.config import CONFIG_ATTR, LayerPattern, layer_pattern, module_pattern
 from sparse_io_attn.layout import patterns
 from sparse_io_attn.layout.core import BlockSparseLayout
 from sparse_io_attn.layout.selection import layout_from_selection
+from sparse_io_attn.selection.op import FEATURES as SELECTION_FEATURES
 
 _SQUARE_CACHE_SIZE = 64     # (pattern, n) -> square layout, shared by every model and layer (LRU)
 _MODULE_CACHE_SIZE = 256    # (seqlen_q, seqlen_k, device) -> layout, per attention module (cleared when full)
@@ -428,6 +430,12 @@ class PackedRows(NamedTuple):
 
 @torch.compiler.disable(reason="sparse_io_attn: the sequences of a padded or packed batch are read from its mask "
                         "(data-dependent)")
+def runs_packed(backend: str, device: torch.device) -> bool:
+    """Whether ``selection_attention``'s backend takes ``cu_seqlens`` (``cpu``, ``torch``; the Triton
+    kernels not yet, issue 48 phase B: their calls take the per-sequence path)."""
+    return "cu_seqlens" in SELECTION_FEATURES.get(resolve_backend(backend, device), ())
+
+
 def packed_sequences(selector, mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> Optional[PackedRows]:
     """The sequences (:func:`_sequences`) of a causal per-token selector's call under the model's
     element mask as one packed batch, when the mask is exactly those sequences (each of their rows

@@ -18,8 +18,14 @@ Decoding: the model's ``Cache`` keeps the keys and values; NSA's state (compress
 of the complete blocks, the raw tail: :class:`~sparse_io_attn.nn.nsa_cache.NSAState`) is kept on the
 same ``Cache`` object as the selectors' (``decode_state.py``), so a step reads the compressed blocks,
 its selected blocks and its window. Calls that need gradients, or find no cache, compute from the
-whole ``key``/``value`` instead (same result). Not supported (``NotImplementedError``): an element mask
-(padding, packed sequences, a static cache).
+whole ``key``/``value`` instead (same result).
+
+Element masks: a padded or packed batch's prefill (or training forward) whose mask is exactly its
+sequences, each causal from its first token (left or right padding, packed documents), runs as one
+packed call (:meth:`NSAAttention.packed`, ``cu_seqlens``: compression blocks, selection and window
+restart at each sequence's start, as each sequence alone); rows in no sequence get 0. Not supported
+(``NotImplementedError``): any other element mask (decoding a padded batch from the cache, a static
+cache, a model's own window), and the ``triton`` backend under a mask (no ``cu_seqlens`` yet).
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from torch import nn
 
 from sparse_io_attn.integrations.transformers.config import module_pattern
 from sparse_io_attn.integrations.transformers import decode_state
-from sparse_io_attn.integrations.transformers.layouts import check_lengths
+from sparse_io_attn.integrations.transformers.layouts import PackedRows, check_lengths, packed_sequences, runs_packed
 from sparse_io_attn.nn.nsa import NSAAttention
 
 #: the gate projection's attribute on an attention module (fla's name)
@@ -111,17 +117,43 @@ def _gates(module, query: torch.Tensor) -> torch.Tensor:
 def nsa_forward(module, nsa: NSAAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], scaling: Optional[float], backend: str, kwargs):
     """The attention function's ``"nsa:"`` branch: ``(out [B, Nq, Hq, D], None)``."""
-    if attention_mask is not None:
-        raise NotImplementedError("sparse_io_attn: 'nsa:...' under an element mask (padding, packed sequences, a "
-                                  "static cache) is not supported: NSA's compression and window would have to "
-                                  "restart per sequence; run unpadded batches with the default dynamic cache, or use "
-                                  "'nsa_selection:...' (NSA's selection branch, which supports them)")
     check_lengths(query.shape[2], key.shape[2])
+    if attention_mask is not None:
+        packed = _packed_prefill(nsa, attention_mask, query, key, backend)
+        return _packed_call(nsa, packed, query, key, value, _gates(module, query), scaling, backend), None
     gates = _gates(module, query)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, gates))
     state = None if grad or torch.compiler.is_compiling() else _state(module, nsa, query, key, value, kwargs)
     out = nsa(query, key, value, gates, state=state, sm_scale=scaling, backend=backend)
     return out.contiguous(), None
+
+
+def _packed_prefill(nsa: NSAAttention, mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                    backend: str) -> PackedRows:
+    """The sequences of a masked prefill as one packed batch, or ``NotImplementedError`` saying why not."""
+    if not runs_packed(backend, query.device):
+        raise NotImplementedError(f"sparse_io_attn: 'nsa:...' under an element mask (padding, packed sequences) runs "
+                                  f"the sequences packed with cu_seqlens, which backend {backend!r} does not take yet "
+                                  f"on {query.device.type}; use backend 'cpu' or 'torch', or run unpadded batches")
+    packed = packed_sequences(nsa.selector, mask, query, key) if query.shape[2] == key.shape[2] else None
+    if packed is None or not torch.equal(packed.cu_q, packed.cu_k) or not torch.equal(packed.q_rows, packed.k_rows):
+        raise NotImplementedError("sparse_io_attn: 'nsa:...' under this element mask is not supported: only a "
+                                  "prefill whose mask is exactly its sequences (padding, packed documents), each causal "
+                                  "from its first token, runs (packed, with cu_seqlens); not decoding a padded batch "
+                                  "from the cache, a static cache or a model's own window. Run unpadded batches with "
+                                  "the default dynamic cache, or use 'nsa_selection:...' (NSA's selection branch, "
+                                  "which supports them)")
+    return packed
+
+
+def _packed_call(nsa: NSAAttention, packed: PackedRows, query, key, value, gates, scaling, backend) -> torch.Tensor:
+    """NSA on the packed sequences (:meth:`NSAAttention.packed`); rows in no sequence get 0. ``[B, Nq, Hq, D]``."""
+    B, Hq, q, D = query.shape
+    rows = packed.q_rows
+    flat = lambda x: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])[rows].transpose(0, 1)[None]  # noqa: E731
+    o = nsa(flat(query), flat(key), flat(value), gates.reshape(B * q, Hq, 3)[rows][None], cu_seqlens=packed.cu_q,
+            sm_scale=scaling, backend=backend)                                                  # [1, total, Hq, D]
+    return o.new_zeros(B * q, Hq, D).index_copy(0, rows, o[0]).view(B, q, Hq, D)
 
 
 @torch.compiler.disable(reason="sparse_io_attn: NSA's decode state lives in Python objects on the KV cache")
