@@ -90,16 +90,60 @@ def test_sinks_and_value_dim_match_float64(op, backend, B, Hq, Hkv, Nq, Nk, D, D
         assert got[0].shape == (B, Hq, Nq, Dv) and got[4].shape == v.shape
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# Triton (the interpreter, fp32): the sink folded where each kernel stores its rows: the block-sparse
+# forward and decode (one split, and split-K with the merge), the selection query-major, key-major
+# (merge) and element-masked forwards and its decode. (B, Hq, Hkv, Nq, Nk, D, block, causal, empty rows)
+TRITON_SINK_CASES = [
+    pytest.param(2, 4, 2, 37, 53, 16, 16, False, (), id="gqa-bs16"),
+    pytest.param(1, 2, 2, 48, 48, 16, 16, True, (16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31),
+                 id="causal-empty-rows"),
+    pytest.param(1, 4, 2, 3, 61, 16, 16, "bottom_right", (), id="decode-Nq3"),
+    pytest.param(1, 2, 1, 1, 2100, 16, 16, "bottom_right", (), id="decode-split-K"),
+]
+
+
+@pytest.mark.parametrize("family", [None, "query", "masked"], ids=["auto", "query", "masked"])
+@pytest.mark.parametrize("op", ["selection", "block_sparse"])
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,D,bs,causal,empty_rows", TRITON_SINK_CASES)
+def test_triton_sinks_match_float64(monkeypatch, op, family, B, Hq, Hkv, Nq, Nk, D, bs, causal, empty_rows):
+    from sparse_io_attn._triton.runtime import INTERPRET
+    from sparse_io_attn.selection.tiles import FAMILY_ENV
+
+    if not INTERPRET:
+        pytest.skip("CPU tensors: run under Triton's interpreter")
+    if op == "block_sparse" and family is not None:
+        pytest.skip("one kernel family")
+    if family is not None:
+        monkeypatch.setenv(FAMILY_ENV, family)
+    long = Nk > 1000                          # decode split over the keys (merged with the sink folded in)
+    if op == "block_sparse":
+        mask = make_layout(B, Hq, Nq, Nk, bs, density=1.0 if long else 0.4,
+                           empty_rows=tuple(r // bs for r in empty_rows))
+    else:
+        mask = _selection(B, Hkv, Nq, Nk, bs, 60 if long else 3, empty_rows)
+    q, k, v, do = torch.randn(B, Hq, Nq, D), torch.randn(B, Hkv, Nk, D), torch.randn(B, Hkv, Nk, D), \
+        torch.randn(B, Hq, Nq, D)
+    sinks = torch.randn(Hq) * 2
+    sinks[-1] = float("-inf")                 # a head without a sink
+    got = _run(op, q, k, v, do, mask, causal, "triton", sinks)
+    _check(got, _reference(op, q, k, v, do, mask, causal, sinks))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ("triton",))
 @pytest.mark.parametrize("op", ["selection", "block_sparse"])
 def test_row_without_keys_with_a_sink(op, backend):
     """No allowed key: output 0, lse = the sink (the row's only term), zero dq, and the sink's gradient
     from the other rows only; without a sink (-inf) the row stays empty (lse -inf)."""
+    from sparse_io_attn._triton.runtime import INTERPRET
+
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("CPU tensors: run under Triton's interpreter")
     B, Hq, Hkv, N, D = 1, 2, 1, 16, 16
+    bs = 16 if backend == "triton" else 4     # (Triton's blocks: a power-of-two divisor >= 16)
     if op == "selection":
-        mask = Selection(torch.full((1, N, 2), -1), 4)
+        mask = Selection(torch.full((1, N, 2), -1), bs)
     else:
-        mask = make_layout(B, Hq, N, N, 4, fill=False)
+        mask = make_layout(B, Hq, N, N, bs, fill=False)
     q, k, v, do = torch.randn(B, Hq, N, D), torch.randn(B, Hkv, N, D), torch.randn(B, Hkv, N, D), torch.randn(B, Hq, N, D)
     sinks = torch.tensor([0.7, float("-inf")])
     out, lse, dq, dk, dv, dsinks = _run(op, q, k, v, do, mask, False, backend, sinks)
@@ -208,12 +252,10 @@ def test_residual_only_when_a_gradient_is_needed(backend):
 
 # --------------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("op", ["selection", "block_sparse"])
-def test_triton_refuses_sinks_and_value_dim(op):
+def test_triton_refuses_value_dim(op):
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 8)
     mask = _mask(op, 1, 2, 1, 8, 8, 4)
     fn = selection_attention if op == "selection" else block_sparse_attention
-    with pytest.raises(NotImplementedError, match=r"sinks=.*backend='cpu' or 'torch'"):
-        fn(q, k, k, mask, sinks=torch.zeros(2), backend="triton")
     with pytest.raises(NotImplementedError, match=r"V head dim .*backend='cpu' or 'torch'"):
         fn(q, k, v, mask, backend="triton")
 

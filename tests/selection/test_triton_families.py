@@ -120,7 +120,7 @@ def test_auto_family_falls_back_and_names_are_checked(monkeypatch):
 
 @pytest.mark.parametrize("family", ["query", "key", "masked", "decode"])
 def test_every_family_refuses_the_arguments_it_lacks(family, monkeypatch):
-    """Sinks, a V head dim of its own and packed sequences (issue 48 phase A: backends ``cpu``/``torch``)
+    """A V head dim of its own and packed sequences (issue 48 phase A: backends ``cpu``/``torch``)
     are refused by every Triton family and the decode kernels with a ``NotImplementedError`` naming the
     argument and those backends: at the API before any launch, and at the launcher's entry when called
     directly (whose only call sites are the op's backends and these tests)."""
@@ -136,8 +136,7 @@ def test_every_family_refuses_the_arguments_it_lacks(family, monkeypatch):
     monkeypatch.setattr(launch, "run", no_launch)
     monkeypatch.setattr(launch, "run_calls", no_launch)
     refused = "does not support {}.*backend='cpu' or 'torch'"
-    for kwargs, what in (({"sinks": torch.zeros(4, device=DEVICE)}, "sinks="),
-                         ({"cu_seqlens": cu, "indices": local}, "cu_seqlens="),
+    for kwargs, what in (({"cu_seqlens": cu, "indices": local}, "cu_seqlens="),
                          ({"v": v[..., :8]}, "a V head dim other than Q/K's")):
         call = {"q": q, "k": k, "v": v, "indices": sel, **kwargs}
         with pytest.raises(NotImplementedError, match=refused.format(what)):

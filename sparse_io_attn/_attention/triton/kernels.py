@@ -49,7 +49,8 @@ def attn_bwd_preprocess_kernel(
 
 @triton.jit
 def merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, counts, n_splits, stride_oz, stride_oh,
-               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, HEAD_DIM: tl.constexpr):
+               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM: tl.constexpr,
+               HAS_SINKS: tl.constexpr):
     """Rows ``rows`` (flat ``(b, h, t)``) of ``partial [splits, num_rows, 2 + HEAD_DIM]`` merged in split order,
     each row's first ``counts`` splits (``counts`` per row, ``n_splits`` their maximum; ``M = max m_s``, ``L =
     sum l_s 2^(m_s - M)``, ``o = sum acc_s 2^(m_s - M) / L``, as a running merge), then ``o``, ``lse``,
@@ -79,23 +80,23 @@ def merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, counts, n_s
     m = rows % seqlen_q
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows,
                z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + m * stride_om, offs_d * stride_od,
-               mask_r, mask_d, num_rows)
+               mask_r, mask_d, num_rows, sinks_ptr, h, HAS_SINKS)
 
 
 @triton.jit
 def attn_decode_merge_kernel(
-    partial_ptr, o_ptr, lse_ptr, stats_ptr, io_ptr,
+    partial_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, io_ptr,
     stride_oz, stride_oh, stride_om, stride_od,
     num_rows, seqlen_q, num_heads_q, head_dim,
     BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """One program per ``BLOCK_R`` rows: the splits' partial results merged in split order
     (:func:`merge_rows`), then ``o``, ``lse``, ``stats``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < num_rows
     merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, NUM_SPLITS, NUM_SPLITS, stride_oz, stride_oh,
-               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, HEAD_DIM)
+               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM, HAS_SINKS)
     if COUNT_IO:
         n = tl.sum(mask_r.to(tl.int64))
         tally_merge(io_ptr, n, n * NUM_SPLITS, head_dim * ELEM_BYTES, head_dim)

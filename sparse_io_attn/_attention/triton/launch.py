@@ -108,17 +108,24 @@ def decode_partial(splits: int, rows: int, head_dim: int, device) -> torch.Tenso
     return torch.empty((splits, rows, 2 + head_dim) if splits > 1 else (1,), dtype=torch.float32, device=device)
 
 
+def sink_args(sinks2: torch.Tensor | None, dummy: torch.Tensor) -> dict:
+    """A row-storing kernel's sink arguments: ``sinks_ptr`` (fp32 base-2 ``[Hq]``,
+    :func:`~sparse_io_attn._attention.sinks.sinks_base2`; ``dummy``, never read, without sinks) and
+    ``HAS_SINKS``."""
+    return dict(sinks_ptr=dummy if sinks2 is None else sinks2, HAS_SINKS=sinks2 is not None)
+
+
 def merge_call(name: str, partial: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor,
-               splits: int, head_dim: int) -> Call:
+               splits: int, head_dim: int, sinks2: torch.Tensor | None = None) -> Call:
     """The decode merge launched as ``name``: every row's ``splits`` partial results (``partial``) merged in
-    split order into ``out``, ``lse``, ``stats``."""
+    split order into ``out``, ``lse``, ``stats`` (``sinks2``: the heads' sinks folded in, :func:`sink_args`)."""
     B, Hq, Nq, D = out.shape
     rows = B * Hq * Nq
     return Call(name, attn_decode_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),), DECODE_MERGE_TENSORS,
                 [MERGE_CONFIG], dict(partial_ptr=partial, o_ptr=out, lse_ptr=lse, stats_ptr=stats,
                                      **strides(out, "o"), num_rows=rows, seqlen_q=Nq, num_heads_q=Hq, head_dim=D,
                                      BLOCK_R=MERGE_ROWS, HEAD_DIM=head_dim, NUM_SPLITS=splits,
-                                     ELEM_BYTES=out.element_size()))
+                                     ELEM_BYTES=out.element_size(), **sink_args(sinks2, lse)))
 
 
 def run(call: Call, device, tune_key: tuple[str, ...]):
@@ -232,4 +239,4 @@ def last_tiles(*names: str) -> list[tuple[int, int]] | None:
 
 __all__ = ["Call", "MERGE_ROWS", "PREPROCESS_CONFIG", "Prepared", "backward_outputs", "check_supported",
            "decode_partial", "forward_outputs", "last_tiles", "merge_call", "preprocess_call", "run", "run_calls",
-           "strides"]
+           "sink_args", "strides"]

@@ -100,10 +100,30 @@ def dkdv_ds_step(dk, dv, pT, q, do, v, delta, DOT_DTYPE: tl.constexpr, DP_FIRST:
 
 
 @triton.jit
-def store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_cols, mask_r, mask_d, stats_stride):
+def fold_sink(acc, l_i, m_i, s2):
+    """``(acc, l, m)`` with each row's sink folded in (``s2``: the head's sink in base-2 units, ``-inf`` for
+    none; :mod:`sparse_io_attn._attention.sinks`): ``m' = max(m, s2)``, ``l' = l 2^(m - m') + 2^(s2 - m')``,
+    ``acc' = acc 2^(m - m')``. A row without an allowed key gets ``l' = 1``, ``m' = s2``: ``o = 0``,
+    ``lse = s``."""
+    sink = s2 > float("-inf")
+    m = tl.where(l_i == 0.0, float("-inf"), m_i)       # (an empty row's running shift is not a maximum)
+    top = tl.where(sink, tl.maximum(m, s2), 0.0)       # m', finite where there is a sink (no -inf - -inf)
+    scale = tl.math.exp2(m - top)                      # 0 for an empty row
+    l_new = l_i * scale + tl.math.exp2(s2 - top)
+    return (tl.where(sink[:, None], acc * scale[:, None], acc), tl.where(sink, l_new, l_i),
+            tl.where(sink, top, m_i))
+
+
+@triton.jit
+def store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_cols, mask_r, mask_d, stats_stride,
+               sinks_ptr, heads, HAS_SINKS: tl.constexpr):
     """The rows' outputs from ``(acc, l, m)``: ``o = acc / l`` (0 on empty rows; at ``o_ptr + o_rows[:, None]
     + o_cols[None, :]``), ``lse`` (natural log, ``-inf`` on empty rows) and ``stats`` (row maximum, log2
-    row sum; ``+inf``/0 on empty rows) at the flat rows ``rows_out``."""
+    row sum; ``+inf``/0 on empty rows) at the flat rows ``rows_out``. ``HAS_SINKS``: the rows' heads'
+    sinks (``sinks_ptr``: fp32 base-2 ``[Hq]``, ``heads``: each row's head) folded in first
+    (:func:`fold_sink`); the sink's 4 bytes per row are not counted (nor in the traffic model)."""
+    if HAS_SINKS:
+        acc, l_i, m_i = fold_sink(acc, l_i, m_i, tl.load(sinks_ptr + heads, mask=mask_r, other=float("-inf")))
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
@@ -116,12 +136,14 @@ def store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_col
 
 @triton.jit
 def store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out, o_rows, o_cols, offs_d,
-                     mask_r, mask_d, stats_stride, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                     mask_r, mask_d, stats_stride, sinks_ptr, heads, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                     HAS_SINKS: tl.constexpr):
     """A decode split's rows: with one split the outputs (:func:`store_rows`, ``o`` at ``o_rows[:, None] +
     o_cols[None, :]``); otherwise its ``(m, l, acc)`` into ``partial [NUM_SPLITS, stats_stride rows, 2 +
     HEAD_DIM]`` (fp32) for the merge kernel."""
     if NUM_SPLITS == 1:
-        store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_cols, mask_r, mask_d, stats_stride)
+        store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_cols, mask_r, mask_d, stats_stride,
+                   sinks_ptr, heads, HAS_SINKS)
     else:
         store_partial_rows(partial_ptr, acc, l_i, m_i, split, rows_out, offs_d, mask_r, mask_d, stats_stride,
                            HEAD_DIM)
@@ -141,4 +163,4 @@ def store_partial_rows(partial_ptr, acc, l_i, m_i, split, rows_out, offs_d, mask
 
 
 __all__ = ["dkdv_ds_step", "dkdv_step", "dq_step", "load_stats", "probabilities", "score_tile", "softmax_step",
-           "store_partial_rows", "store_rows", "store_split_rows"]
+           "fold_sink", "store_partial_rows", "store_rows", "store_split_rows"]

@@ -32,7 +32,7 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _attn_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr, sinks_ptr,
     full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
@@ -43,7 +43,7 @@ def _attn_decode_kernel(
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
     HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
     split = tl.program_id(0)
@@ -104,7 +104,8 @@ def _attn_decode_kernel(
     rows_out = (off_z * num_heads_q + head) * seqlen_q + offs_m      # [BLOCK_M]: the rows' flat index
     store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
                      off_z * stride_oz + head.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
-                     offs_d, mask_m, mask_d, stats_stride, HEAD_DIM, NUM_SPLITS)
+                     offs_d, mask_m, mask_d, stats_stride, sinks_ptr, head + offs_m * 0, HEAD_DIM, NUM_SPLITS,
+                     HAS_SINKS)
 
     if COUNT_IO:
         keys_loaded += (full_hi - full_lo).to(tl.int64) * BLOCK_N

@@ -139,7 +139,7 @@ def _attn_fwd_step(acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, idx
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr,
     full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
@@ -149,7 +149,8 @@ def _attn_fwd_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
+    COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
     pid_zh = tl.program_id(1)
@@ -194,7 +195,7 @@ def _attn_fwd_kernel(
 
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, pid_zh.to(tl.int64) * seqlen_q + offs_m,
                off_z * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
-               mask_m, mask_d, stats_stride)
+               mask_m, mask_d, stats_stride, sinks_ptr, off_h + offs_m * 0, HAS_SINKS)
 
     if COUNT_IO:
         tally_forward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, 1)

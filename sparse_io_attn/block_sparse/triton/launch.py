@@ -27,9 +27,10 @@ import functools
 import torch
 
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, padded_head_dim
+from sparse_io_attn._attention.sinks import sinks_base2
 from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, check_supported, decode_partial,
                                                      forward_outputs, last_tiles, merge_call, preprocess_call, run,
-                                                     run_calls, strides)
+                                                     run_calls, sink_args, strides)
 from sparse_io_attn._triton.runtime import check_device, density_bucket, dot_dtype
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, kernel_configs
@@ -70,23 +71,24 @@ def _lists(lists: BlockLists, masks: torch.Tensor) -> dict:
                 part_idx_ptr=lists.part_idx, part_mask_ptr=lists.part_mask, mask_ptr=masks)
 
 
-def _forward_call(q, k, v, out, lse, stats, plan: AttentionPlan, sm_scale: float) -> Call:
+def _forward_call(q, k, v, out, lse, stats, plan: AttentionPlan, sm_scale: float, sinks2=None) -> Call:
     B, Hq, Nq, D = q.shape
     return Call("attn_fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
                 FWD_TENSORS, _configs("fwd", plan.block_size, D, q.dtype), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats,
                     **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
                     **strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq,
-                    **_common(q, k, plan, sm_scale)), density_bucket(plan.kept_fraction))
+                    **sink_args(sinks2, lse), **_common(q, k, plan, sm_scale)), density_bucket(plan.kept_fraction))
 
 
-def forward_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
-    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs."""
+def forward_calls(q, k, v, plan: AttentionPlan, sm_scale: float, sinks2=None):
+    """``(call, out, lse, stats)``: the forward launch and its (uninitialised) outputs (``sinks2``: the
+    heads' sinks in base-2 units, :func:`~sparse_io_attn._attention.triton.launch.sink_args`)."""
     out, lse, stats = forward_outputs(q)
-    return _forward_call(q, k, v, out, lse, stats, plan, sm_scale), out, lse, stats
+    return _forward_call(q, k, v, out, lse, stats, plan, sm_scale, sinks2), out, lse, stats
 
 
-def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
+def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float, sinks2=None):
     """``(calls, out, lse, stats)``: the decode launches (split-K over each row's kept blocks; a merge
     when the rows are split: :func:`~sparse_io_attn.block_sparse.tiles.decode_config`) and their
     (uninitialised) outputs. K and V are passed as they are (any strides)."""
@@ -103,9 +105,11 @@ def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float):
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, partial_ptr=partial,
         **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
         **strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=rows, HEADS=cfg.heads,
-        TOKENS=cfg.tokens, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits, **common))]
+        TOKENS=cfg.tokens, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_SPLITS=cfg.splits,
+        **sink_args(sinks2 if cfg.splits == 1 else None, lse), **common))]
     if cfg.splits > 1:
-        calls.append(merge_call("attn_decode_merge", partial, out, lse, stats, cfg.splits, common["HEAD_DIM"]))
+        calls.append(merge_call("attn_decode_merge", partial, out, lse, stats, cfg.splits, common["HEAD_DIM"],
+                                sinks2))
     return calls, out, lse, stats
 
 
@@ -161,20 +165,25 @@ def _key(kind: str, q, k, v, plan: AttentionPlan, sm_scale: float, *more) -> tup
             v.stride(), q.dtype, *more)
 
 
-def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None):
-    """``decode``: run the decode kernels (:func:`decode_calls`); ``None`` (default): when ``Nq <= 16``."""
+def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None,
+            sinks: torch.Tensor | None = None):
+    """``decode``: run the decode kernels (:func:`decode_calls`); ``None`` (default): when ``Nq <= 16``.
+    ``sinks [Hq]``: each head's sink logit, folded into every row when it is stored."""
     check_supported("block_sparse_attn", q, v, plan)
     check_device(q, "backend 'triton'")
+    sinks2 = None if sinks is None else sinks_base2(sinks)
     if decode is None:
         decode = q.shape[2] <= DECODE_MAX_QUERIES
     if decode:
-        calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale)
+        calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, sinks2)
         for call in calls:
             run(call, q.device, TUNE_KEY)
         return out, lse, stats
     out, lse, stats = forward_outputs(q)
-    run_calls(_key("fwd", q, k, v, plan, sm_scale), lambda: [_forward_call(q, k, v, out, lse, stats, plan, sm_scale)],
-              (q, k, v, out, lse, stats, *plan.rows.tensors(), plan.masks), TUNE_KEY)
+    run_calls(_key("fwd", q, k, v, plan, sm_scale, sinks2 is not None),
+              lambda: [_forward_call(q, k, v, out, lse, stats, plan, sm_scale, sinks2)],
+              (q, k, v, out, lse, stats, *plan.rows.tensors(), plan.masks, *(() if sinks2 is None else (sinks2,))),
+              TUNE_KEY)
     return out, lse, stats
 
 

@@ -36,7 +36,7 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _sel_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr, sinks_ptr, rows_ptr, row_counts_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -46,7 +46,7 @@ def _sel_decode_kernel(
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     pid = tl.program_id(0)  # ((batch, head unit, chunk of BLOCK_H heads), query token)
     split = tl.program_id(1)
@@ -90,7 +90,7 @@ def _sel_decode_kernel(
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats / partial
     store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
                      off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
-                     offs_d, mask_h, mask_d, stats_stride, HEAD_DIM, NUM_SPLITS)
+                     offs_d, mask_h, mask_d, stats_stride, sinks_ptr, offs_h, HEAD_DIM, NUM_SPLITS, HAS_SINKS)
 
     if COUNT_IO:
         tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, NUM_SPLITS)

@@ -136,7 +136,7 @@ def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s
 
 @triton.jit
 def _sel_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, rows_ptr, row_counts_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -146,7 +146,7 @@ def _sel_fwd_kernel(
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
     off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
@@ -184,7 +184,7 @@ def _sel_fwd_kernel(
 
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, (off_z * num_heads_q + offs_h) * seqlen_q + t,
                off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
-               mask_h, mask_d, stats_stride)
+               mask_h, mask_d, stats_stride, sinks_ptr, offs_h, HAS_SINKS)
 
     if COUNT_IO:
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE  # whole blocks of the unmasked steps

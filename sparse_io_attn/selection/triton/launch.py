@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import torch
 
+from sparse_io_attn._attention.sinks import sinks_base2
 from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, check_supported, decode_partial,
                                                      forward_outputs, last_tiles, merge_call, preprocess_call, run,
-                                                     run_calls, strides)
+                                                     run_calls, sink_args, strides)
 from sparse_io_attn._triton.runtime import check_device
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
@@ -80,7 +81,7 @@ def _row_grid(q, common: dict, block_h: int):
     return (Nq, B * (Hq // r) * triton.cdiv(r, block_h))
 
 
-def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None):
+def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None, sinks2=None):
     """``([call], out, lse, stats)``: the query-major forward launch and its (uninitialised) outputs
     (``outputs``: their buffers, from :func:`forward_outputs`, allocated here when not given)."""
     B, Hq, Nq, D = q.shape
@@ -91,11 +92,12 @@ def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple 
     call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
         row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
-        **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
+        **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h,
+        **sink_args(sinks2, lse), **common))
     return [call], out, lse, stats
 
 
-def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: int = DECODE_SPLIT_KEYS):
+def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: int = DECODE_SPLIT_KEYS, sinks2=None):
     """``(calls, out, lse, stats)``: the decode launches (split-K over each row's key steps; a merge
     when the rows are split: :func:`~sparse_io_attn.selection.tiles.decode_config`, ``split_keys``
     passed on) and their (uninitialised) outputs. K and V are passed as they are (any strides); only
@@ -116,9 +118,11 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
                       rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
                       **strides(v, "v"), **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=rows,
                       BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SLOTS=cfg.slots, TILES=cfg.tiles,
-                      MASK_LANES=cfg.mask_lanes, NUM_SPLITS=cfg.splits, **common))]
+                      MASK_LANES=cfg.mask_lanes, NUM_SPLITS=cfg.splits,
+                      **sink_args(sinks2 if cfg.splits == 1 else None, lse), **common))]
     if cfg.splits > 1:
-        calls.append(merge_call("selection_decode_merge", partial, out, lse, stats, cfg.splits, common["HEAD_DIM"]))
+        calls.append(merge_call("selection_decode_merge", partial, out, lse, stats, cfg.splits, common["HEAD_DIM"],
+                                sinks2))
     return calls, out, lse, stats
 
 
@@ -193,25 +197,28 @@ def prepare(q, k, plan: SelectionPlan, family_name: str | None = None) -> str:
 
 
 def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | None = None,
-            split_keys: int = DECODE_SPLIT_KEYS, family_name: str | None = None):
+            split_keys: int = DECODE_SPLIT_KEYS, family_name: str | None = None, sinks: torch.Tensor | None = None):
     """``decode``: run the decode kernels (:func:`decode_calls`, ``split_keys`` passed on); ``None``
     (default): when ``Nq <= 16`` (:data:`~sparse_io_attn.selection.tiles.DECODE_MAX_QUERIES`). Otherwise
-    the family's forward (:func:`family`; ``family_name`` forces one)."""
+    the family's forward (:func:`family`; ``family_name`` forces one). ``sinks [Hq]``: each head's sink
+    logit, folded into every row when it is stored."""
     check_supported("selection_attn", q, v, plan)
     check_device(q, "backend 'triton'")
+    sinks2 = None if sinks is None else sinks_base2(sinks)
     if decode is None:
         decode = q.shape[2] <= DECODE_MAX_QUERIES
     if decode:
-        calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, split_keys=split_keys)
+        calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, split_keys=split_keys, sinks2=sinks2)
     else:
         fam = family(q, k, plan, family_name)
         if fam == "query":      # from the launches kept for these shapes after the first call (run_calls)
             out, lse, stats = forward_outputs(q)
-            run_calls(_key("fwd", q, k, v, plan, sm_scale),
-                      lambda: forward_calls(q, k, v, plan, sm_scale, (out, lse, stats))[0],
-                      (q, k, v, out, lse, stats, plan.rows, plan.row_counts), TUNE_KEY)
+            run_calls(_key("fwd", q, k, v, plan, sm_scale, sinks2 is not None),
+                      lambda: forward_calls(q, k, v, plan, sm_scale, (out, lse, stats), sinks2)[0],
+                      (q, k, v, out, lse, stats, plan.rows, plan.row_counts, *(() if sinks2 is None else (sinks2,))),
+                      TUNE_KEY)
             return out, lse, stats
-        calls, out, lse, stats = FORWARD_CALLS[fam](q, k, v, plan, sm_scale)
+        calls, out, lse, stats = FORWARD_CALLS[fam](q, k, v, plan, sm_scale, sinks2=sinks2)
     for call in calls:
         run(call, q.device, TUNE_KEY)
     return out, lse, stats

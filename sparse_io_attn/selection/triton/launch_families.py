@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.tiles import padded_head_dim
-from sparse_io_attn._attention.triton.launch import MERGE_ROWS, Call, forward_outputs, preprocess_call, strides
+from sparse_io_attn._attention.triton.launch import (MERGE_ROWS, Call, forward_outputs, preprocess_call, sink_args,
+                                                     strides)
 from sparse_io_attn._triton.runtime import dot_dtype
 from sparse_io_attn._triton.shapes import next_pow2
 from sparse_io_attn.selection.plan import SelectionPlan
@@ -80,7 +81,7 @@ def key_work_of(plan: SelectionPlan, block_t: int) -> KeyWork:
     return plan.derived(("key_work", block_t), build)
 
 
-def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
+def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, sinks2=None):
     """``([key_fwd, key_merge], out, lse, stats)``: the key-major forward (each key block against the
     tiles of tokens that chose it, partials per (row, slot)) and the merge of each row's slots."""
     B, Hq, Nq, D = q.shape
@@ -103,7 +104,8 @@ def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
                      partial_ptr=partial, o_ptr=out, lse_ptr=lse, stats_ptr=stats, row_counts_ptr=plan.row_counts,
                      **strides(out, "o"), stride_lb=common["stride_lb"],
                      heads_per_selection=common["heads_per_selection"], num_rows=rows, seqlen_q=Nq, num_heads_q=Hq,
-                     head_dim=D, BLOCK_R=MERGE_ROWS, HEAD_DIM=common["HEAD_DIM"], ELEM_BYTES=q.element_size()))
+                     head_dim=D, BLOCK_R=MERGE_ROWS, HEAD_DIM=common["HEAD_DIM"], ELEM_BYTES=q.element_size(),
+                     **sink_args(sinks2, lse)))
     return [fwd, merge], out, lse, stats
 
 
@@ -180,7 +182,7 @@ def _masked_args(q, k, v, plan: SelectionPlan, common: dict, t: FamilyTiles, m: 
                 SEL_ROWS=t.sel_rows, **common)
 
 
-def masked_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
+def masked_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, sinks2=None):
     """``([masked_fwd], out, lse, stats)``: each query tile against the key tiles of its tokens' union."""
     B, Hq, Nq, _ = q.shape
     common = common_args(q, k, plan, sm_scale)
@@ -189,7 +191,7 @@ def masked_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float):
     grid = (m.row_counts.shape[1], B * (Hq // common["SEL_HEADS"]))
     call = Call("selection_masked_fwd", _masked_rows_kernel, lambda meta: grid, FWD_TENSORS, _configs(t), dict(
         out_ptr=out, lse_ptr=lse, stats_ptr=stats, do_ptr=q, delta_ptr=lse, union_ptr=m.union, tiles_ptr=m.row_tiles,
-        counts_ptr=m.row_counts, **strides(out, "o"), **strides(q, "do"), DQ=False,
+        counts_ptr=m.row_counts, **strides(out, "o"), **strides(q, "do"), DQ=False, **sink_args(sinks2, lse),
         **_masked_args(q, k, v, plan, common, t, m)))
     return [call], out, lse, stats
 
@@ -215,7 +217,8 @@ def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale
                      **strides(dk, "dk"), **strides(dv, "dv")))
     dq_grid = (m.row_counts.shape[1], B * (Hq // common["SEL_HEADS"]))
     dq_call = Call("selection_masked_dq", _masked_rows_kernel, lambda meta: dq_grid, DQ_TENSORS, _configs(t),
-                   dict(args, out_ptr=dq, lse_ptr=delta, union_ptr=m.union, DQ=True, **strides(dq, "o")))
+                   dict(args, out_ptr=dq, lse_ptr=delta, union_ptr=m.union, DQ=True, **sink_args(None, delta),
+                        **strides(dq, "o")))
     return [pre, dkdv, dq_call], dq, dk, dv
 
 

@@ -71,8 +71,8 @@ def _bits(bits_ptr, tok, row_ok, kt, num_key_tiles, offs_n):
 
 @triton.jit
 def _masked_rows_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, stats_ptr, do_ptr, delta_ptr, bits_ptr, union_ptr, tiles_ptr, counts_ptr,
-    io_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, stats_ptr, sinks_ptr, do_ptr, delta_ptr, bits_ptr, union_ptr, tiles_ptr,
+    counts_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -82,7 +82,8 @@ def _masked_rows_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DQ: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DQ: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
+    COUNT_IO: tl.constexpr,
 ):
     """The forward (``DQ`` False: ``out`` = ``o``, writes ``lse`` and ``stats``) or dQ (``DQ``: ``out`` =
     ``dq``; reads ``do``, ``stats``, ``delta``) of one query tile (axis 0) and batch x unit (axis 1): the
@@ -137,7 +138,7 @@ def _masked_rows_kernel(
             io_add(io_ptr, DQ_PLAN, plan_bytes, 0)
     else:
         store_rows(out_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, out_rows, offs_d * stride_od, row_ok,
-                   mask_d, stats_stride)
+                   mask_d, stats_stride, sinks_ptr, heads, HAS_SINKS)
         if COUNT_IO:
             tally_forward(io_ptr, tl.sum(row_ok.to(tl.int64)), keys, head_dim * ELEM_BYTES, head_dim, 1)
             io_add(io_ptr, FWD_PLAN, plan_bytes, 0)
