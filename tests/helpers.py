@@ -299,3 +299,15 @@ def spawn(worker, args: tuple, nprocs: int, what: str, timeout_s: float = SPAWN_
             for p in ctx.processes:
                 p.kill()
             raise AssertionError(f"{what} did not finish within {timeout_s} s")
+
+
+def force_triton_configs(monkeypatch, configs) -> None:
+    """The block-sparse Triton launcher takes its candidates from ``configs(kernel, block_size, head_dim,
+    dtype)`` for the rest of the test: past the launcher's cached candidate lists and the launches an
+    earlier test kept (``run_calls``)."""
+    from sparse_io_attn._attention.triton import launch as kit_launch
+    from sparse_io_attn.block_sparse.triton import launch
+
+    monkeypatch.setattr(launch, "kernel_configs", configs)
+    monkeypatch.setattr(launch, "_configs", launch._configs.__wrapped__)
+    monkeypatch.setattr(kit_launch, "_PREPARED", {})

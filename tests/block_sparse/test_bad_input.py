@@ -15,7 +15,7 @@ from sparse_io_attn.cli import main as cli
 from sparse_io_attn import plan
 from sparse_io_attn.block_sparse import op
 
-from helpers import BACKENDS, make_inputs, run
+from helpers import BACKENDS, force_triton_configs, make_inputs, run
 
 
 def _qkv(D=16, Hq=2, Hkv=2, N=64, B=1):
@@ -182,15 +182,11 @@ def test_dv_exact_at_large_logits(monkeypatch, backend, dtype, tol):
     benchmarks/results/extreme_logits.md)."""
     if backend == "triton":
         from sparse_io_attn.block_sparse import tiles
-        from sparse_io_attn.block_sparse.triton import launch
-        from sparse_io_attn._attention.triton import launch as kit_launch
 
         def exact_first(kernel, *args):
             found = tiles.kernel_configs(kernel, *args)
             return [c for c in found if c.exact_scores] if kernel == "dkdv" else found
-        monkeypatch.setattr(launch, "kernel_configs", exact_first)
-        monkeypatch.setattr(launch, "_configs", launch._configs.__wrapped__)
-        monkeypatch.setattr(kit_launch, "_PREPARED", {})
+        force_triton_configs(monkeypatch, exact_first)
     layout = patterns.sliding_window(64, 16, window=16)
     q, k, v, do = make_inputs(1, 2, 2, 64, 64, 16)
     q, k = q * 1e3, k * 1e3

@@ -10,10 +10,9 @@ from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn.block_sparse.reference import attention_reference, element_mask, rel_err
 from sparse_io_attn.block_sparse.tiles import kernel_configs
 from sparse_io_attn.block_sparse.triton import launch
-from sparse_io_attn._attention.triton import launch as kit_launch
 
 import helpers
-from helpers import check_close, check_repeatable, check_within_baseline, make_inputs, run
+from helpers import check_close, check_repeatable, check_within_baseline, force_triton_configs, make_inputs, run
 
 DEVICE = "cpu" if INTERPRET else "cuda"  # the same tests run compiled where CUDA is in use
 # The bf16/fp16 candidates forced below run in fp32 under the interpreter (its 16-bit dot is wrong) and
@@ -103,9 +102,7 @@ def force_configs(monkeypatch, **chosen):
     """The launcher runs ``chosen[kernel]`` for each kernel named, the bf16 default for the others."""
     def configs(kernel, block_size, head_dim, dtype):
         return [chosen[kernel] if kernel in chosen else kernel_configs(kernel, block_size, head_dim, torch.bfloat16)[0]]
-    monkeypatch.setattr(launch, "kernel_configs", configs)
-    monkeypatch.setattr(launch, "_configs", launch._configs.__wrapped__)   # not the cached candidates
-    monkeypatch.setattr(kit_launch, "_PREPARED", {})                       # nor launches kept by an earlier test
+    force_triton_configs(monkeypatch, configs)
 
 
 @pytest.mark.parametrize("kind,config,D", CANDIDATES)

@@ -136,8 +136,8 @@ def _packed_call(selector, packed, query, key, value, scaling, backend) -> torch
     ``selection_attention`` once, with ``cu_seqlens`` (bottom-right per sequence: each sequence's rows
     are its last tokens); rows in no sequence (right padding) get 0. Returns ``[B, Nq, Hq, Dv]``."""
     B, Hq, q, _ = query.shape
-    flat = lambda x, rows: x.transpose(1, 2).reshape(-1, *x.shape[1:2], x.shape[3])[rows]  # noqa: E731
-    qp, kp, vp = flat(query, packed.q_rows), flat(key, packed.k_rows), flat(value, packed.k_rows)
+    qp, kp, vp = (packed.gather(x, rows) for x, rows in ((query, packed.q_rows), (key, packed.k_rows),
+                                                           (value, packed.k_rows)))
     cu = (packed.cu_q, packed.cu_k)
     heads_first = lambda x: x.transpose(0, 1)[None]  # noqa: E731
     if hasattr(selector, "with_causal"):
@@ -145,8 +145,7 @@ def _packed_call(selector, packed, query, key, value, scaling, backend) -> torch
     selection = selector(heads_first(qp), heads_first(kp), cu_seqlens=cu)
     out = selection_attention(qp, kp, vp, selection, causal="bottom_right", cu_seqlens=cu, sm_scale=scaling,
                               backend=backend, check=False)                          # [total, Hq, Dv]
-    full = out.new_zeros(B * q, Hq, out.shape[-1])
-    return full.index_copy(0, packed.q_rows, out).view(B, q, Hq, out.shape[-1])
+    return packed.scatter(out, B, q)
 
 
 def register(name: str = DEFAULT_NAME) -> str:

@@ -427,6 +427,17 @@ class PackedRows(NamedTuple):
     cu_q: torch.Tensor
     cu_k: torch.Tensor
 
+    @staticmethod
+    def gather(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``x [B, H, N, D]``'s flat rows ``rows`` (``b * N + t``) as ``[total, H, D]``."""
+        return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])[rows]
+
+    def scatter(self, out: torch.Tensor, batch: int, q: int) -> torch.Tensor:
+        """``out [total, H, D]`` of the packed query rows back to ``[batch, q, H, D]``; rows in no
+        sequence (right padding) get 0."""
+        full = out.new_zeros(batch * q, *out.shape[1:])
+        return full.index_copy(0, self.q_rows, out).view(batch, q, *out.shape[1:])
+
 
 @torch.compiler.disable(reason="sparse_io_attn: the sequences of a padded or packed batch are read from its mask "
                         "(data-dependent)")

@@ -148,12 +148,12 @@ def _packed_prefill(nsa: NSAAttention, mask: torch.Tensor, query: torch.Tensor, 
 
 def _packed_call(nsa: NSAAttention, packed: PackedRows, query, key, value, gates, scaling, backend) -> torch.Tensor:
     """NSA on the packed sequences (:meth:`NSAAttention.packed`); rows in no sequence get 0. ``[B, Nq, Hq, D]``."""
-    B, Hq, q, D = query.shape
+    B, Hq, q, _ = query.shape
     rows = packed.q_rows
-    flat = lambda x: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])[rows].transpose(0, 1)[None]  # noqa: E731
+    flat = lambda x: packed.gather(x, rows).transpose(0, 1)[None]  # noqa: E731   [1, H, total, D]
     o = nsa(flat(query), flat(key), flat(value), gates.reshape(B * q, Hq, 3)[rows][None], cu_seqlens=packed.cu_q,
             sm_scale=scaling, backend=backend)                                                  # [1, total, Hq, D]
-    return o.new_zeros(B * q, Hq, D).index_copy(0, rows, o[0]).view(B, q, Hq, D)
+    return packed.scatter(o[0], B, q)
 
 
 @torch.compiler.disable(reason="sparse_io_attn: NSA's decode state lives in Python objects on the KV cache")
