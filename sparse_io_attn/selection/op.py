@@ -36,8 +36,10 @@ def _triton_backend():
 
 
 #: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`); the Triton
-#: kernels take none yet: a call needing one there raises ``NotImplementedError`` naming ``cpu``/``torch``
-FEATURES = {"cpu": frozenset(EXTENSIONS), "torch": frozenset(EXTENSIONS), "triton": frozenset({"sinks"})}
+#: kernels take sinks and packed sequences: a call needing another there raises ``NotImplementedError``
+#: naming ``cpu``/``torch``
+FEATURES = {"cpu": frozenset(EXTENSIONS), "torch": frozenset(EXTENSIONS),
+            "triton": frozenset({"sinks", "cu_seqlens"})}
 OP = AttentionOp("selection_attn", "Tensor rows, Tensor row_counts, Tensor? table", SelectionPlan,
                  {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path},
                  FEATURES)

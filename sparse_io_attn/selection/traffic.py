@@ -43,7 +43,7 @@ from sparse_io_attn.selection.traffic_families import key_backward, key_forward,
 from sparse_io_attn.selection.traffic_terms import (DECODE_KERNEL_NAMES, DECODE_TENSORS, DKDV_TENSORS,
                                                     DQ_MERGE_TENSORS, DQ_TENSORS, FWD_TENSORS, KERNEL_NAMES,
                                                     MERGE_TENSORS, block_tokens, check_plan, dkdv_traffic, row_pairs,
-                                                    selection_pairs, usage)
+                                                    selection_pairs, table_reads, usage)
 from sparse_io_attn.tally.report import TrafficReport
 
 
@@ -69,7 +69,7 @@ def _row_reads(plan: SelectionPlan, batch, num_heads_q, num_heads_kv, block_h: i
     programs = mult * (hps // R) * -(-R // block_h)     # per stored (selection, token)
     keys = int(row_pairs(plan).sum()) * programs
     counts = plan.row_counts.cpu().to(torch.int64)
-    entries = (counts.numel() + int(counts.sum()) * tiles) * programs
+    entries = (counts.numel() + int(counts.sum()) * tiles + table_reads(plan, tiles)) * programs
     return keys, entries
 
 
@@ -121,7 +121,7 @@ def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, 
     programs = mult * (hps // R) * -(-R // cfg.block_h)          # row programs per stored (selection, token)
     counts = plan.row_counts.cpu().to(torch.int64)
     keys = int(row_pairs(plan).sum()) * programs
-    entries = (counts.numel() * S + int(counts.sum()) * cfg.tiles) * programs
+    entries = (counts.numel() * S + int(counts.sum()) * cfg.tiles + table_reads(plan, cfg.tiles)) * programs
     rows = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
     if not rows:            # an empty grid is not launched

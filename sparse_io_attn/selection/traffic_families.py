@@ -72,12 +72,18 @@ def key_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv:
     if cap and units:
         rep.add("selection_key_fwd",
                 {"q": units * R * entries * D * es, "k": units * keys * D * es, "v": units * keys * D * es,
-                 "plan": units * (cap + 3 * int(tiles.sum()) + 2 * entries) * INDEX_BYTES},
+                 "plan": units * (cap + (3 + _key_table(plan)) * int(tiles.sum()) + 2 * entries) * INDEX_BYTES},
                 {"partial": units * R * entries * (2 + D) * STAT_BYTES})
     slots = int(plan.row_counts.cpu().to(torch.int64).sum()) * (rows_out // (plan.num_layouts * Nq))
     rep.add("selection_key_merge", {"partial": slots * (2 + D) * STAT_BYTES, "plan": rows_out * INDEX_BYTES},
             {"o": rows_out * D * es, "lse": rows_out * STAT_BYTES, "stats": rows_out * 2 * STAT_BYTES})
     return rep
+
+
+def _key_table(plan: SelectionPlan) -> int:
+    """Block-table entries a live key-major forward tile reads: its block's start and end and, causal, its first
+    token's row offset (0 without a table)."""
+    return (2 + (plan.causal_offset is not None)) if plan.varlen else 0
 
 
 def key_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
@@ -100,6 +106,7 @@ def key_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv
     heads = rows_q // (plan.num_layouts * Nq)                                # (batch, head) rows per stored row
     n_slots = int(plan.row_counts.cpu().to(torch.int64).sum())
     ids = n_slots if key_tile(plan.block_size, block_n)[1] > 1 else 0      # block id per slot, several key tiles
+    ids *= 3 if plan.varlen else 1                                          # (and its start and end)
     rep.add("selection_key_dq_merge",
             {"partial": heads * live * D * STAT_BYTES, "plan": (rows_q + heads * ids) * INDEX_BYTES},
             {"dq": rows_q * D * es})
@@ -125,7 +132,7 @@ def _masked_terms(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_k
     t = family_tiles("masked", plan.block_size, head_dim, dtype, R)
     Nq, Nk = plan.seqlen
     m = plan.derived(("masked", t.block_t), lambda: masked_tiles(plan.rows, plan.block_size, Nk, plan.causal_offset,
-                                                                  t.block_t, t.block_n))
+                                                                  t.block_t, t.block_n, plan.table))
     tokens = torch.clamp(Nq - torch.arange(m.row_counts.shape[1], dtype=torch.int64) * t.block_t, max=t.block_t)
     rc, cc = m.row_counts.cpu().to(torch.int64), m.col_counts.cpu().to(torch.int64)
     ct = m.col_tiles.cpu().to(torch.int64)

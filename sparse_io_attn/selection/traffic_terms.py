@@ -30,14 +30,26 @@ DECODE_KERNEL_NAMES = ("selection_decode", "selection_decode_merge")
 
 def row_pairs(plan: SelectionPlan) -> torch.Tensor:
     """``int64 [L, Nq]``: the allowed keys of each query row (its blocks, the last one clipped to the
-    keys and to the causal diagonal: every other block of a normalised row is whole and allowed)."""
-    rows, counts = plan.rows.cpu().to(torch.int64), plan.row_counts.cpu().to(torch.int64)
-    bs, (Nq, Nk), delta = plan.block_size, plan.seqlen, plan.causal_offset
-    last = rows.gather(-1, (counts - 1).clamp(min=0)[..., None])[..., 0]                  # [L, Nq]
-    end = torch.clamp((last + 1) * bs, max=Nk)
-    if delta is not None:
-        end = torch.minimum(end, torch.arange(Nq, dtype=torch.int64) + delta + 1)
-    return torch.where(counts > 0, (counts - 1) * bs + (end - last * bs).clamp(min=0), 0)
+    keys (a packed sequence's ragged block) and to the causal diagonal: every other block of a
+    normalised row is whole and allowed)."""
+    rows, counts = plan.rows.to(torch.int64), plan.row_counts.to(torch.int64)
+    last = rows.gather(-1, (counts - 1).clamp(min=0)[..., None])[..., 0].clamp(min=0)     # [L, Nq]
+    start = plan.key_start(last)
+    end = start + plan.key_count(last)
+    if plan.causal_offset is not None:
+        end = torch.minimum(end, plan.causal_limit(torch.arange(plan.seqlen[0], device=rows.device)) + 1)
+    return torch.where(counts > 0, (counts - 1) * plan.block_size + (end - start).clamp(min=0), 0).cpu()
+
+
+def table_reads(plan: SelectionPlan, tiles: int) -> int:
+    """The block-table entries (int32) the row programs of one stored selection's rows read in all (one
+    program each; 0 without a table): a block start per row entry (``count * tiles``) and, per masked key
+    step (``tiles`` of a row with blocks), its last block's end and, causal, the row's offset."""
+    if not plan.varlen:
+        return 0
+    counts = plan.row_counts.cpu().to(torch.int64)
+    steps = int((counts > 0).sum()) * tiles
+    return int(counts.sum()) * tiles + steps * (2 if plan.causal_offset is not None else 1)
 
 
 def block_tokens(plan: SelectionPlan) -> torch.Tensor:
@@ -51,9 +63,9 @@ def block_tokens(plan: SelectionPlan) -> torch.Tensor:
 
 
 def block_keys(plan: SelectionPlan) -> torch.Tensor:
-    """``int64 [num_kv_blocks]``: keys of each block inside the sequence (the last may be ragged)."""
-    bs, nk = plan.block_size, plan.seqlen[1]
-    return torch.clamp(nk - torch.arange(plan.num_kv_blocks, dtype=torch.int64) * bs, max=bs)
+    """``int64 [num_kv_blocks]``: keys of each block inside the sequence (the last may be ragged; a packed
+    plan's from its table, unused slots empty)."""
+    return plan.key_count(torch.arange(plan.num_kv_blocks, device=plan.device)).cpu()
 
 
 def usage(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int):
@@ -94,15 +106,17 @@ def dkdv_traffic(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv
     mult, hps, R = usage(plan, batch, num_heads_q, num_heads_kv)
     bs, nk, D = plan.block_size, plan.seqlen[1], head_dim
     _, key_tiles = key_tile(bs, block_n)
-    starts = torch.arange(plan.num_kv_blocks, dtype=torch.int64)[:, None] * bs \
-        + torch.arange(key_tiles, dtype=torch.int64)[None, :] * block_n
-    live = (starts < torch.clamp((torch.arange(plan.num_kv_blocks)[:, None] + 1) * bs, max=nk)).sum(1)  # [nkb]
+    live = (torch.arange(key_tiles)[None, :] * block_n < block_keys(plan)[:, None]).sum(1)          # [nkb]
     n = block_tokens(plan)                                                   # [L, nkb]
     per_entry = max(1, next_pow2(R) // block_m)
     sel_slots = mult * (hps // R)        # (batch element, KV head, selection slot) triples per stored selection
     gathered = int((n * live).sum()) * sel_slots * R
     lists = int((n * live).sum()) * per_entry * (2 if store_dq else 1)
     entries = (2 * int(live.sum()) * n.shape[0] + lists) * sel_slots
+    if plan.varlen:     # every program: its block's start and end; causal, per nonempty list its first token's offset
+        entries += 2 * plan.num_kv_blocks * key_tiles * batch * num_heads_kv
+        if plan.causal_offset is not None:
+            entries += 2 * int(((n > 0) * live).sum()) * sel_slots
     rows_k = batch * num_heads_kv * nk
     reads = {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
              "delta": gathered * STAT_BYTES, "k": rows_k * D * es, "v": rows_k * D * es,
@@ -115,4 +129,4 @@ def dkdv_traffic(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv
 
 __all__ = ["DECODE_KERNEL_NAMES", "DECODE_TENSORS", "DKDV_TENSORS", "DQ_MERGE_TENSORS", "DQ_TENSORS", "FWD_TENSORS",
            "KERNEL_NAMES", "MERGE_TENSORS", "block_keys", "block_tokens", "check_plan", "dkdv_traffic", "row_pairs",
-           "selection_pairs", "usage"]
+           "selection_pairs", "table_reads", "usage"]

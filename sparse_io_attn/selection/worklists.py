@@ -94,11 +94,13 @@ def _words(flags: torch.Tensor) -> torch.Tensor:
 
 
 def masked_tiles(rows: torch.Tensor, block_size: int, seqlen_k: int, causal_offset: int | None, block_t: int,
-                 block_n: int) -> MaskedTiles:
+                 block_n: int, table: torch.Tensor | None = None) -> MaskedTiles:
     """The :class:`MaskedTiles` of normalised ``rows [L, Nq, K]`` (blocks of ``block_size`` keys): each
     selected key (clipped to ``seqlen_k`` and the diagonal) becomes a bit of its token's word of its key
     tile (a row's keys are distinct, so a scatter-add of powers of two is their OR) and a flag of its query
-    tile's union (scattered flags, packed); then the query tiles' key tiles, compacted both ways."""
+    tile's union (scattered flags, packed); then the query tiles' key tiles, compacted both ways.
+    ``table``: a packed plan's block table (:func:`~sparse_io_attn.selection.varlen.block_table`): each
+    block's keys and each row's causal offset from it (``causal_offset`` then only says causal or not)."""
     if block_n != 64:
         raise ValueError(f"masked tiles hold one int64 word of 64 keys per token, got block_n={block_n}")
     L, Nq, K = rows.shape
@@ -106,10 +108,18 @@ def masked_tiles(rows: torch.Tensor, block_size: int, seqlen_k: int, causal_offs
     nkt = -(-seqlen_k // block_n)
     nqt = -(-Nq // block_t)
     c = rows.to(torch.int64)[..., None]                                             # [L, Nq, K, 1]
-    key = c * block_size + torch.arange(block_size, device=dev)                     # [L, Nq, K, bs]
-    ok = (c >= 0) & (key < seqlen_k)
+    j = torch.arange(block_size, device=dev)
+    t = torch.arange(Nq, device=dev)[:, None, None]
+    if table is None:
+        key, ok, limit = c * block_size + j, c >= 0, t + (causal_offset or 0)      # [L, Nq, K, bs]
+        ok = ok & (key < seqlen_k)
+    else:
+        nkb = (table.numel() - Nq) // 2
+        tab = table.to(torch.int64)
+        cc = c.clamp(min=0)
+        key, ok, limit = tab[cc] + j, (c >= 0) & (j < tab[nkb + cc] - tab[cc]), t + tab[2 * nkb:][:, None, None]
     if causal_offset is not None:
-        ok &= key <= torch.arange(Nq, device=dev)[:, None, None] + causal_offset
+        ok &= key <= limit
     key = torch.where(ok, key, 0)
     word = torch.where(ok, torch.bitwise_left_shift(torch.ones_like(key), key % block_n), 0)
     bits = torch.zeros(L, Nq, nkt, dtype=torch.int64, device=dev)

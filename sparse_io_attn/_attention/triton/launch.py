@@ -57,12 +57,10 @@ class Call:
 def check_supported(op: str, q: torch.Tensor, v: torch.Tensor, plan) -> None:
     """Refuse at a Triton launcher's entry what no Triton kernel implements yet (issue 48 phase B), as
     the op's feature check (:meth:`~sparse_io_attn._attention.op.AttentionOp.require`) refuses it at
-    the API: a V head dim other than q's, a plan of packed sequences (``cu_seqlens``). Sinks and the
-    row deltas cannot reach a launcher (it takes no such keyword)."""
+    the API: a V head dim other than q's. Sinks, the row deltas cannot reach a launcher (it takes no such
+    keyword); packed sequences (a selection plan's block table) every selection kernel takes."""
     if v.shape[-1] != q.shape[-1]:
         arg = f"a V head dim other than Q/K's (v {v.shape[-1]}, q {q.shape[-1]})"
-    elif getattr(plan, "varlen", False):
-        arg = "cu_seqlens= (a plan of packed sequences)"
     else:
         return
     raise NotImplementedError(f"{op} backend 'triton' does not support {arg} yet; use backend='cpu' or 'torch'")

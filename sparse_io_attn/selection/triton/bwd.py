@@ -29,7 +29,7 @@ from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, d
 from sparse_io_attn._attention.triton.tally import tally_backward
 from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step, _row_steps
+from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step, _row_plan_reads, _row_steps
 from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN
 
 import triton  # noqa: E402
@@ -108,7 +108,7 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_
 @triton.jit
 def _sel_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dk_ptr, dv_ptr, col_ptr_ptr, col_query_ptr, col_slot_ptr,
-    partial_ptr, io_ptr,
+    table_ptr, partial_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -119,7 +119,7 @@ def _sel_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr, ELEM_BYTES: tl.constexpr,
     COUNT_IO: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # (key block, key tile inside it)
@@ -128,8 +128,13 @@ def _sel_bwd_dkdv_kernel(
     off_z = (pid_zg // num_heads_kv).to(tl.int64)
     off_g = (pid_zg % num_heads_kv).to(tl.int64)
     group = num_heads_q // num_heads_kv
-    n_start = blk * BLOCK_SIZE + (pid_n % KEY_TILES) * BLOCK_N
-    key_end = tl.minimum(blk * BLOCK_SIZE + BLOCK_SIZE, seqlen_k)  # the block's keys: [blk * BLOCK_SIZE, key_end)
+    if IS_VARLEN:  # the block's keys [key_start, key_end) from the table (unused slots: empty at seqlen_k)
+        key_start = tl.load(table_ptr + blk)
+        key_end = tl.load(table_ptr + num_kv_blocks + blk)
+    else:
+        key_start = blk * BLOCK_SIZE
+        key_end = tl.minimum(blk * BLOCK_SIZE + BLOCK_SIZE, seqlen_k)  # the block's keys: [key_start, key_end)
+    n_start = key_start + (pid_n % KEY_TILES) * BLOCK_N
     live = n_start < key_end
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
@@ -145,9 +150,10 @@ def _sel_bwd_dkdv_kernel(
     qk_scale = sm_scale * LOG2E
     # list entries e < n_edge may see keys of this tile past their diagonal (every tile is masked
     # when the key tile is ragged: past the block end or the sequence end)
-    n_edge = tl.minimum(n_start + BLOCK_N, key_end) - 1 - blk * BLOCK_SIZE
+    n_edge = tl.minimum(n_start + BLOCK_N, key_end) - 1 - key_start
     ragged = n_start + BLOCK_N > key_end
     entries = tl.zeros([], dtype=tl.int64)
+    offsets = tl.zeros([], dtype=tl.int64)  # (IS_VARLEN, causal: lists whose row offset was read)
 
     for i in range(0, group // SEL_HEADS):  # the selections serving this group, SEL_HEADS heads each
         off_h = off_g * group + i * SEL_HEADS  # their first query head
@@ -161,6 +167,13 @@ def _sel_bwd_dkdv_kernel(
             n_masked = tl.where(ragged, n_tiles, (edge_rows + BLOCK_M - 1) // BLOCK_M)
         else:
             n_masked = tl.where(ragged, n_tiles, 0)
+        delta_c = causal_offset
+        if IS_VARLEN:  # causal: a list's tokens share their sequence, hence its row offset
+            if IS_CAUSAL:
+                tok0 = tl.load(col_query_ptr + lo, mask=n > 0, other=0)
+                delta_c = tl.load(table_ptr + 2 * num_kv_blocks + tok0, mask=n > 0, other=0)
+                if COUNT_IO:
+                    offsets += tl.where(n > 0, 1, 0).to(tl.int64)
         q_base = q_ptr + off_z * stride_qz + off_h * stride_qh
         do_base = do_ptr + off_z * stride_doz + off_h * stride_doh
         row_base = (off_z * num_heads_q + off_h) * seqlen_q  # stats / delta are contiguous [.., B, Hq, Nq]
@@ -170,14 +183,14 @@ def _sel_bwd_dkdv_kernel(
             dk, dv = _sel_bwd_dkdv_step(
                 dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, partial_ptr,
                 pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr,
-                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, causal_offset,
+                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, delta_c,
                 qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, DOT_DTYPE, STORE_DQ,
                 MASKED=True)
         for t in range(n_masked, n_tiles):
             dk, dv = _sel_bwd_dkdv_step(
                 dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, partial_ptr,
                 pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr,
-                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, causal_offset,
+                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, delta_c,
                 qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, DOT_DTYPE, STORE_DQ,
                 MASKED=False)
         if COUNT_IO:
@@ -190,6 +203,8 @@ def _sel_bwd_dkdv_kernel(
         per_entry: tl.constexpr = (SEL_ROWS // BLOCK_M if SEL_ROWS > BLOCK_M else 1) * (2 if STORE_DQ else 1)
         # (a tile inside one token's heads reads its entry once; with STORE_DQ its slot too)
         reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * per_entry
+        if IS_VARLEN:  # the block's start and end; per list whose row offset was read, its first token and it
+            reads += 2 + 2 * offsets
         tally_backward(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
         io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
         if STORE_DQ:
@@ -198,15 +213,16 @@ def _sel_bwd_dkdv_kernel(
 
 @triton.jit
 def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d,
-                     mask_d, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
-                     keys_loaded, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr,
-                     TILES: tl.constexpr, MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
+                     mask_d, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr,
+                     num_kv_blocks, qk_scale, keys_loaded, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr,
+                     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
     """One key step of dQ (:func:`~.fwd._key_step`; keys outside ``valid`` get ``p = 0``).
     Returns ``(dq, keys_loaded)``."""
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
-                                  BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
+                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr,
+                                  num_kv_blocks, BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL,
+                                  IS_VARLEN, MASKED)
     sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
     if MASKED:
         sc = tl.where(valid[None, :], sc, float("-inf"))
@@ -220,17 +236,17 @@ def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr,
 
 @triton.jit
 def _sel_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dq_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, delta_ptr, dq_ptr, rows_ptr, row_counts_ptr, table_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_dqz, stride_dqh, stride_dqm, stride_dqd,
-    stride_lb, heads_per_selection, max_blocks, stats_stride,
+    stride_lb, heads_per_selection, max_blocks, num_kv_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
     COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
@@ -259,13 +275,15 @@ def _sel_bwd_dq_kernel(
     for s in range(0, n_full):
         dq, keys_loaded = _sel_bwd_dq_step(
             dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale, keys_loaded,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
+            keys_loaded, BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE,
+            COUNT_IO, MASKED=False)
     for s in range(n_full, n_steps):
         dq, keys_loaded = _sel_bwd_dq_step(
             dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale, keys_loaded,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
+            keys_loaded, BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE,
+            COUNT_IO, MASKED=True)
 
     tl.store(dq_ptr + off_z * stride_dqz + offs_h[:, None] * stride_dqh + t64 * stride_dqm
              + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_hd)
@@ -273,4 +291,4 @@ def _sel_bwd_dq_kernel(
     if COUNT_IO:
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE
         tally_backward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, DKDV=False)
-        io_add(io_ptr, DQ_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)
+        io_add(io_ptr, DQ_PLAN, _row_plan_reads(cnt, TILES, IS_CAUSAL, IS_VARLEN) * 4, 0)

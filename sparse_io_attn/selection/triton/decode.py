@@ -36,16 +36,16 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _sel_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr, sinks_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr, sinks_ptr, rows_ptr, row_counts_ptr, table_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_od,
-    stride_lb, heads_per_selection, max_blocks, stats_stride,
+    stride_lb, heads_per_selection, max_blocks, num_kv_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     pid = tl.program_id(0)  # ((batch, head unit, chunk of BLOCK_H heads), query token)
@@ -77,15 +77,17 @@ def _sel_decode_kernel(
     for s in range(lo, tl.minimum(hi, n_full)):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
             acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, COUNT_IO,
+            MASKED=False)
         if COUNT_IO:  # an unmasked step loads its slots' keys of tile s % TILES (whole blocks when SLOTS > 1)
             keys_loaded += SLOTS * tl.minimum(BLOCK_N, BLOCK_SIZE - (s % TILES) * BLOCK_N).to(tl.int64)
     for s in range(tl.maximum(lo, n_full), hi):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
             acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, COUNT_IO,
+            MASKED=True)
 
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats / partial
     store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
@@ -95,5 +97,7 @@ def _sel_decode_kernel(
     if COUNT_IO:
         tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, NUM_SPLITS)
         entries = cnt * TILES  # the row's entries (a slot per step of a TILES-step block; slots once)
-        taken = tl.minimum(hi * SLOTS, entries) - tl.minimum(lo * SLOTS, entries)
-        io_add(io_ptr, DEC_PLAN, (1 + taken.to(tl.int64)) * 4, 0)
+        taken = (tl.minimum(hi * SLOTS, entries) - tl.minimum(lo * SLOTS, entries)).to(tl.int64)
+        if IS_VARLEN:  # as many block starts; per masked step of the split the last block's end (and row offset)
+            taken += taken + tl.maximum(hi - tl.maximum(lo, n_full), 0) * (2 if IS_CAUSAL else 1)
+        io_add(io_ptr, DEC_PLAN, (1 + taken) * 4, 0)

@@ -77,19 +77,26 @@ def _row_steps(rows_ptr, row_counts_ptr, row, max_blocks, SLOTS: tl.constexpr, T
 
 @triton.jit
 def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-              stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+              stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks,
               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
-              MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+              MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+              MASKED: tl.constexpr):
     """``(k, v, valid, keys)`` of key step ``s`` of the query row ``row_ptr`` (``cnt`` blocks) for
     query token ``query`` (forward and dQ). ``MASKED`` (the last block's steps): ``valid [BLOCK_N]``
     marks the keys inside a listed block, inside the sequence and (``IS_CAUSAL``) at or before the
     diagonal; only those are loaded and ``keys`` counts them. Otherwise every lane inside a block is
     an allowed key (``valid`` marks those lanes when ``MASK_LANES``; ``keys`` is 0: the caller counts
-    whole blocks)."""
+    whole blocks). ``IS_VARLEN``: blocks start where the table says; a masked step reads the end of the
+    row's last block (every other block of the row is whole: the sequence's blocks ascend and only its
+    last is ragged) and, causal, the row's offset (key ``n`` allowed iff ``n <= query + offset``)."""
     off = (s % TILES) * BLOCK_N + offs_n % BLOCK_SIZE  # [BLOCK_N] key offset inside its block
     lane_ok = (offs_n < SLOTS * BLOCK_SIZE) & (off < BLOCK_SIZE)  # [BLOCK_N] lanes inside a block
     if SLOTS == 1:
-        cols = tl.load(row_ptr + s // TILES) * BLOCK_SIZE + off  # [BLOCK_N]: one block per step
+        blk = tl.load(row_ptr + s // TILES)  # one block per step
+        if IS_VARLEN:
+            cols = tl.load(table_ptr + blk) + off  # [BLOCK_N]
+        else:
+            cols = blk * BLOCK_SIZE + off  # [BLOCK_N]
     else:
         slot = s * SLOTS + offs_n // BLOCK_SIZE  # [BLOCK_N] (TILES == 1): SLOTS blocks per step
         if MASKED:
@@ -98,11 +105,22 @@ def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
             blk = tl.load(row_ptr + slot, mask=lane_ok, other=-1)
         else:
             blk = tl.load(row_ptr + slot)
-        cols = blk * BLOCK_SIZE + off  # [BLOCK_N]; negative where no slot
+        if IS_VARLEN:
+            cols = tl.load(table_ptr + blk, mask=blk >= 0, other=-BLOCK_SIZE) + off  # [BLOCK_N]; < 0 where no slot
+        else:
+            cols = blk * BLOCK_SIZE + off  # [BLOCK_N]; negative where no slot
     if MASKED:
-        valid = lane_ok & (cols >= 0) & (cols < seqlen_k)
-        if IS_CAUSAL:
-            valid = valid & (cols <= query + causal_offset)
+        if IS_VARLEN:
+            if SLOTS == 1:   # (a listed block)
+                valid = lane_ok & (cols < tl.load(table_ptr + num_kv_blocks + blk))
+            else:            # the step's last block (ascending) ends the row's keys
+                valid = lane_ok & (blk >= 0) & (cols < tl.load(table_ptr + num_kv_blocks + tl.max(blk, 0)))
+            if IS_CAUSAL:
+                valid = valid & (cols <= query + tl.load(table_ptr + 2 * num_kv_blocks + query))
+        else:
+            valid = lane_ok & (cols >= 0) & (cols < seqlen_k)
+            if IS_CAUSAL:
+                valid = valid & (cols <= query + causal_offset)
         keys = tl.sum(valid.to(tl.int64))
     else:
         valid = lane_ok   # (read only when MASK_LANES)
@@ -113,16 +131,28 @@ def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
 
 
 @triton.jit
+def _row_plan_reads(cnt, TILES: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The int32 plan entries a row program reads: its row count, one row entry per key step of a block
+    (each gathered slot once) and, ``IS_VARLEN``, as many block starts, and per masked step (``TILES`` of
+    a row with blocks) the last block's end and, causal, the row's offset."""
+    n = 1 + cnt.to(tl.int64) * TILES
+    if IS_VARLEN:
+        n += cnt.to(tl.int64) * TILES + tl.where(cnt > 0, TILES * (2 if IS_CAUSAL else 1), 0)
+    return n
+
+
+@triton.jit
 def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
-                  MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks,
+                  qk_scale, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
+                  MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
     """One key step of the online softmax (:func:`_key_step`; keys outside ``valid`` get
     probability 0). Returns ``(acc, l_i, m_i, keys_loaded)``."""
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
-                                  BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
+                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr,
+                                  num_kv_blocks, BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL,
+                                  IS_VARLEN, MASKED)
     sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
     if MASKED:   # (a step keeps its block's first key: never an empty row)
         sc = tl.where(valid[None, :], sc, float("-inf"))
@@ -136,16 +166,16 @@ def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s
 
 @triton.jit
 def _sel_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, rows_ptr, row_counts_ptr, table_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_od,
-    stride_lb, heads_per_selection, max_blocks, stats_stride,
+    stride_lb, heads_per_selection, max_blocks, num_kv_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
     HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
@@ -174,13 +204,15 @@ def _sel_fwd_kernel(
     for s in range(0, n_full):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
             acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, COUNT_IO,
+            MASKED=False)
     for s in range(n_full, n_steps):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
             acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, COUNT_IO,
+            MASKED=True)
 
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, (off_z * num_heads_q + offs_h) * seqlen_q + t,
                off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
@@ -189,4 +221,4 @@ def _sel_fwd_kernel(
     if COUNT_IO:
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE  # whole blocks of the unmasked steps
         tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, 1)
-        io_add(io_ptr, FWD_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)
+        io_add(io_ptr, FWD_PLAN, _row_plan_reads(cnt, TILES, IS_CAUSAL, IS_VARLEN) * 4, 0)

@@ -58,7 +58,7 @@ def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_
 
 @triton.jit
 def _key_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, partial_ptr, work_ptr, col_ptr_ptr, col_query_ptr, col_slot_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, partial_ptr, work_ptr, col_ptr_ptr, col_query_ptr, col_slot_ptr, table_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -66,7 +66,7 @@ def _key_fwd_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // SEL_ROWS  # tokens per tile
     p = tl.program_id(0)  # the tile
@@ -97,12 +97,19 @@ def _key_fwd_kernel(
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
     # the block's keys [key_start, key_end): whole key tiles every row sees whole first, then the rest
-    key_start = blk * BLOCK_SIZE
-    key_end = tl.where(live, tl.minimum(key_start + BLOCK_SIZE, seqlen_k), key_start)
+    # (IS_VARLEN: from the block table; the list's tokens share one sequence, hence one causal offset)
+    if IS_VARLEN:
+        key_start = tl.load(table_ptr + blk, mask=live, other=0)
+        key_end = tl.where(live, tl.load(table_ptr + num_kv_blocks + blk, mask=live, other=0), key_start)
+    else:
+        key_start = blk * BLOCK_SIZE
+        key_end = tl.where(live, tl.minimum(key_start + BLOCK_SIZE, seqlen_k), key_start)
     n_tiles = (key_end - key_start + BLOCK_N - 1) // BLOCK_N
     n_plain = (key_end - key_start) // BLOCK_N
     if IS_CAUSAL:  # the tile's first token (the lowest: lists ascend) sees keys up to its diagonal
         first = tl.min(tl.where(row_ok, tok, seqlen_q))
+        if IS_VARLEN:
+            causal_offset = tl.load(table_ptr + 2 * num_kv_blocks + first, mask=live, other=0)
         n_plain = tl.minimum(n_plain, tl.maximum(first + causal_offset + 1 - key_start, 0) // BLOCK_N)
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -123,7 +130,8 @@ def _key_fwd_kernel(
         tokens = tl.where(live, tl.minimum(n - i * BLOCK_T, BLOCK_T), 0).to(tl.int64)
         tally_forward(io_ptr, tl.sum(row_ok.to(tl.int64)), (key_end - key_start).to(tl.int64),
                       head_dim * ELEM_BYTES, head_dim, 2)
-        io_add(io_ptr, DEC_PLAN, (1 + tl.where(live, 3, 0) + 2 * tokens) * 4, 0)
+        table = (2 + (1 if IS_CAUSAL else 0)) if IS_VARLEN else 0  # block start, end (and the tokens' offset)
+        io_add(io_ptr, DEC_PLAN, (1 + tl.where(live, 3 + table, 0) + 2 * tokens) * 4, 0)
 
 
 @triton.jit
@@ -150,16 +158,16 @@ def _key_merge_kernel(
 
 @triton.jit
 def _key_dq_merge_kernel(
-    partial_ptr, dq_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    partial_ptr, dq_ptr, rows_ptr, row_counts_ptr, table_ptr, io_ptr,
     stride_dqz, stride_dqh, stride_dqm, stride_dqd,
-    stride_lb, heads_per_selection, max_blocks, num_rows, seqlen_q, seqlen_k, num_heads_q, head_dim, sm_scale,
+    stride_lb, heads_per_selection, max_blocks, num_kv_blocks, num_rows, seqlen_q, seqlen_k, num_heads_q, head_dim, sm_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """One program per ``BLOCK_R`` rows (flat ``(b, h, t)``): ``dq = sm_scale * sum`` of the row's dQ
     partials ``partial [max_blocks * KEY_TILES, num_rows, HEAD_DIM]`` in slot order, each slot's key tiles in
     order (with several key tiles per block, a tile past the sequence end was not written: its block id
-    decides)."""
+    decides, ``IS_VARLEN``: the block's start and end in the table)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < num_rows
     z = rows // (num_heads_q * seqlen_q)
@@ -175,10 +183,16 @@ def _key_dq_merge_kernel(
         ok = mask_r & (j < counts)
         if KEY_TILES > 1:
             blk = tl.load(rows_ptr + row.to(tl.int64) * max_blocks + j, mask=ok, other=0)
+            if IS_VARLEN:
+                n_keys = tl.load(table_ptr + num_kv_blocks + blk, mask=ok, other=0) - tl.load(table_ptr + blk,
+                                                                                              mask=ok, other=0)
         for kt in tl.static_range(KEY_TILES):
             live = ok
             if KEY_TILES > 1:
-                live = live & (blk * BLOCK_SIZE + kt * BLOCK_N < seqlen_k)
+                if IS_VARLEN:
+                    live = live & (kt * BLOCK_N < n_keys)
+                else:
+                    live = live & (blk * BLOCK_SIZE + kt * BLOCK_N < seqlen_k)
             rows64 = rows.to(tl.int64)
             src = (rows64 * 0 + j * KEY_TILES + kt) * num_rows + rows64  # (int64 offsets)
             dq += tl.load(partial_ptr + src[:, None] * HEAD_DIM + offs_d[None, :],
@@ -190,7 +204,7 @@ def _key_dq_merge_kernel(
              mask=mask_r[:, None] & mask_d[None, :])
     if COUNT_IO:
         n = tl.sum(mask_r.to(tl.int64))
-        ids = tl.sum(counts.to(tl.int64)) if KEY_TILES > 1 else 0
+        ids = tl.sum(counts.to(tl.int64)) * (3 if IS_VARLEN else 1) if KEY_TILES > 1 else 0  # (and start, end)
         io_add(io_ptr, DQM_PARTIAL, tiles * head_dim * 4, 0)
         io_add(io_ptr, DQM_PLAN, (n + ids) * 4, 0)
         io_add(io_ptr, DQM_DQ, 0, n * head_dim * ELEM_BYTES)

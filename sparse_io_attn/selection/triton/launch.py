@@ -55,11 +55,12 @@ from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
 from sparse_io_attn.selection.triton.launch_families import (PREPROCESS_BLOCK_M, common_args, dkdv_call, key_dq_calls,
                                                              key_forward_calls, key_tiles_of, key_work_of,
                                                              masked_backward_calls, masked_forward_calls,
-                                                             masked_tiles_of, plan_keys)
+                                                             masked_tiles_of, plan_keys, table_args)
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
-TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE", "SEL_HEADS", "max_blocks")
+TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "IS_VARLEN", "BLOCK_SIZE", "SEL_HEADS",
+            "max_blocks")
 KERNEL_NAMES = ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")
 
 
@@ -92,7 +93,7 @@ def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple 
     call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
         row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
-        **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h,
+        **strides(out, "o"), max_blocks=plan.max_blocks, **table_args(plan), stats_stride=B * Hq * Nq, BLOCK_H=block_h,
         **sink_args(sinks2, lse), **common))
     return [call], out, lse, stats
 
@@ -116,7 +117,8 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
                   [triton.Config({}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)], dict(
                       q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, partial_ptr=partial,
                       rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
-                      **strides(v, "v"), **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=rows,
+                      **strides(v, "v"), **strides(out, "o"), max_blocks=plan.max_blocks, **table_args(plan),
+                      stats_stride=rows,
                       BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, SLOTS=cfg.slots, TILES=cfg.tiles,
                       MASK_LANES=cfg.mask_lanes, NUM_SPLITS=cfg.splits,
                       **sink_args(sinks2 if cfg.splits == 1 else None, lse), **common))]
@@ -142,7 +144,7 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
                        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
                        rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
                        **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"), max_blocks=plan.max_blocks,
-                       stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
+                       **table_args(plan), stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
     return [pre, dkdv, dq_call], dq, dk, dv
 
 
@@ -215,7 +217,8 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | Non
             out, lse, stats = forward_outputs(q)
             run_calls(_key("fwd", q, k, v, plan, sm_scale, sinks2 is not None),
                       lambda: forward_calls(q, k, v, plan, sm_scale, (out, lse, stats), sinks2)[0],
-                      (q, k, v, out, lse, stats, plan.rows, plan.row_counts, *(() if sinks2 is None else (sinks2,))),
+                      (q, k, v, out, lse, stats, plan.rows, plan.row_counts, *_table(plan),
+                       *(() if sinks2 is None else (sinks2,))),
                       TUNE_KEY)
             return out, lse, stats
         calls, out, lse, stats = FORWARD_CALLS[fam](q, k, v, plan, sm_scale, sinks2=sinks2)
@@ -229,8 +232,13 @@ def _key(kind: str, q, k, v, plan: SelectionPlan, sm_scale: float, *more) -> tup
     launch.run_calls`): the plan's integers, its rows' shape and causal offset (not its identity: a new
     selection of the same shapes every step reuses the launches), shapes, strides, dtype, ``sm_scale``.
     The key-major and masked families build their calls every time (their work lists come with the plan)."""
-    return (kind, plan.meta[:-1], plan.rows.shape, plan.causal_offset, sm_scale, q.shape, q.stride(), k.shape,
-            k.stride(), v.stride(), q.dtype, *more)
+    return (kind, plan.meta[:-1], plan.rows.shape, plan.causal_offset, plan.varlen, sm_scale, q.shape, q.stride(),
+            k.shape, k.stride(), v.stride(), q.dtype, *more)
+
+
+def _table(plan: SelectionPlan) -> tuple:
+    """The plan's block table among a call's tensors (:func:`run_calls`), when it has one."""
+    return () if plan.table is None else (plan.table,)
 
 
 FORWARD_CALLS = {"query": forward_calls, "key": key_forward_calls, "masked": masked_forward_calls}
@@ -251,7 +259,7 @@ def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, f
         run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride()),
                   lambda: backward_calls(do, q, k, v, out, stats, plan, sm_scale, outputs)[0],
                   (do, q, k, v, out, stats, delta, dq, dk, dv, plan.rows, plan.row_counts, keys.col_ptr,
-                   keys.col_query, keys.col_slot), TUNE_KEY)
+                   keys.col_query, keys.col_slot, *_table(plan)), TUNE_KEY)
         return dq, dk, dv
     calls, dq, dk, dv = BACKWARD_CALLS[fam](do, q, k, v, out, stats, plan, sm_scale)
     for call in calls:

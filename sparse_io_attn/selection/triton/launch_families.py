@@ -49,6 +49,13 @@ def common_args(q, k, plan: SelectionPlan, sm_scale: float) -> dict:
                 IS_CAUSAL=delta is not None, DOT_DTYPE=dot_dtype(q.dtype), ELEM_BYTES=q.element_size())
 
 
+def table_args(plan: SelectionPlan) -> dict:
+    """A kernel's block-table arguments: ``table_ptr`` (the plan's table, :mod:`~sparse_io_attn.selection.varlen`;
+    its ``row_counts``, never read, on the fixed grid), ``num_kv_blocks`` and ``IS_VARLEN``."""
+    return dict(table_ptr=plan.row_counts if plan.table is None else plan.table, num_kv_blocks=plan.num_kv_blocks,
+                IS_VARLEN=plan.varlen)
+
+
 def _configs(t: FamilyTiles) -> list:
     """The autotuning candidates: the family's fixed tiles, each (warps, stages) pair."""
     return [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=w, num_stages=s)
@@ -97,7 +104,7 @@ def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, sinks2=None
         q_ptr=q, k_ptr=k, v_ptr=v, partial_ptr=partial, work_ptr=work.work, col_ptr_ptr=keys.col_ptr,
         col_query_ptr=keys.col_query, col_slot_ptr=keys.col_slot, **strides(q, "q"), **strides(k, "k"),
         **strides(v, "v"), num_selections=plan.num_selections, units=grid[1] // (1 if plan.batched else B),
-        num_kv_blocks=plan.num_kv_blocks, work_capacity=work.capacity, num_rows=rows, SEL_ROWS=t.sel_rows,
+        **table_args(plan), work_capacity=work.capacity, num_rows=rows, SEL_ROWS=t.sel_rows,
         **{a: x for a, x in common.items() if a != "stride_lb"}))
     merge = Call("selection_key_merge", _key_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),), MERGE_TENSORS,
                  [MERGE_CONFIG], dict(
@@ -139,7 +146,7 @@ def dkdv_call(name: str, do, q, k, v, stats, delta, plan: SelectionPlan, common:
                     col_ptr_ptr=keys.col_ptr, col_query_ptr=keys.col_query, col_slot_ptr=keys.col_slot,
                     partial_ptr=dk if partial is None else partial, **strides(q, "q"), **strides(k, "k"),
                     **strides(v, "v"), **strides(do, "do"), **strides(dk, "dk"), **strides(dv, "dv"),
-                    num_kv_blocks=nkb, stats_stride=B * Hq * Nq, SEL_ROWS=next_pow2(common["SEL_HEADS"]),
+                    **table_args(plan), stats_stride=B * Hq * Nq, SEL_ROWS=next_pow2(common["SEL_HEADS"]),
                     STORE_DQ=partial is not None, **common))
     return call, dk, dv
 
@@ -158,6 +165,7 @@ def key_dq_calls(do, q, k, v, stats, delta, plan: SelectionPlan, common: dict):
                      partial_ptr=partial, dq_ptr=dq, rows_ptr=plan.rows, row_counts_ptr=plan.row_counts,
                      **strides(dq, "dq"), stride_lb=common["stride_lb"],
                      heads_per_selection=common["heads_per_selection"], max_blocks=plan.max_blocks, num_rows=rows,
+                     **table_args(plan),
                      seqlen_q=Nq, seqlen_k=k.shape[2], num_heads_q=Hq, head_dim=D, sm_scale=common["sm_scale"],
                      BLOCK_SIZE=plan.block_size, BLOCK_N=t.block_n, KEY_TILES=t.key_tiles, BLOCK_R=MERGE_ROWS,
                      HEAD_DIM=common["HEAD_DIM"], ELEM_BYTES=q.element_size()))
@@ -171,7 +179,8 @@ def masked_tiles_of(q, plan: SelectionPlan, common: dict) -> tuple[FamilyTiles, 
     def build():
         if on_device(plan.rows):
             return device_masked_tiles(plan, t.block_t, t.block_n)
-        return masked_tiles(plan.rows, plan.block_size, plan.seqlen[1], plan.causal_offset, t.block_t, t.block_n)
+        return masked_tiles(plan.rows, plan.block_size, plan.seqlen[1], plan.causal_offset, t.block_t, t.block_n,
+                            plan.table)
     return t, plan.derived(("masked", t.block_t), build)
 
 
@@ -222,5 +231,5 @@ def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale
     return [pre, dkdv, dq_call], dq, dk, dv
 
 
-__all__ = ["PREPROCESS_BLOCK_M", "common_args", "dkdv_call", "plan_keys", "key_dq_calls", "key_forward_calls", "key_tiles_of",
+__all__ = ["PREPROCESS_BLOCK_M", "common_args", "table_args", "dkdv_call", "plan_keys", "key_dq_calls", "key_forward_calls", "key_tiles_of",
            "key_work_of", "masked_backward_calls", "masked_forward_calls", "masked_tiles_of"]

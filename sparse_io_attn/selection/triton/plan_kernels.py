@@ -127,18 +127,27 @@ def _key_work_kernel(tile_end_ptr, work_ptr, num_lists, capacity, LOG_LISTS: tl.
 
 
 @triton.jit
-def _masked_bits_kernel(rows_ptr, row_counts_ptr, bits_ptr, union_ptr, seqlen_q, seqlen_k, causal_offset,
-                        num_key_tiles, num_query_tiles, K: tl.constexpr, KP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+def _masked_bits_kernel(rows_ptr, row_counts_ptr, table_ptr, bits_ptr, union_ptr, seqlen_q, seqlen_k, causal_offset,
+                        num_kv_blocks, num_key_tiles, num_query_tiles, K: tl.constexpr, KP: tl.constexpr,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                        IS_VARLEN: tl.constexpr):
+    """IS_VARLEN: a block's keys ``[start, end)`` and the row's causal offset from the block table."""
     pid = tl.program_id(0)
     off_l = pid // seqlen_q
     t = pid % seqlen_q
     c, ok, _ = _chunk_rows(rows_ptr + off_l * seqlen_q * K, row_counts_ptr + off_l * seqlen_q, seqlen_q, t, K, KP)
     word_base = bits_ptr + (off_l * seqlen_q + t).to(tl.int64) * num_key_tiles
     union_base = union_ptr + (off_l * num_query_tiles + t // BLOCK_T).to(tl.int64) * num_key_tiles
+    if IS_VARLEN:
+        start = tl.load(table_ptr + c, mask=ok, other=0)  # [KP]
+        end = tl.load(table_ptr + num_kv_blocks + c, mask=ok, other=0)
+        causal_offset = tl.load(table_ptr + 2 * num_kv_blocks + t)
+    else:
+        start = c * BLOCK_SIZE
+        end = seqlen_k
     for i in tl.static_range(BLOCK_SIZE):
-        key = c * BLOCK_SIZE + i  # [KP]
-        allowed = ok & (key < seqlen_k)
+        key = start + i  # [KP]
+        allowed = ok & (key < end)
         if IS_CAUSAL:
             allowed = allowed & (key <= t + causal_offset)
         bit = tl.full([KP], 1, tl.int64) << (key % BLOCK_N).to(tl.int64)
