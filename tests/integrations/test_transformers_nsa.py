@@ -84,9 +84,6 @@ def test_nsa_errors():
     sia_hf.add_nsa_gates(model)
     with pytest.raises(NotImplementedError, match="element mask"):   # a hole: not a sequence, not padding
         model(ids, attention_mask=torch.tensor([[1] * 6, [1, 0] + [1] * 4]))
-    model.config.sparse_attention = {"pattern": NSA, "backend": "triton"}     # no cu_seqlens on triton yet
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        model(ids, attention_mask=torch.tensor([[1] * 6, [0, 0] + [1] * 4]))
     with pytest.raises(ValueError, match="no attention module of this model runs 'nsa:"):
         sia_hf.add_nsa_gates(tiny_llama("moba:block=4,top_k=2", gates=False))
     cfg = model.config
@@ -117,4 +114,20 @@ def test_a_padded_batch_computes_each_sequence_as_alone(side):
             want = model(seq, use_cache=False).logits[0]
             cols = slice(T - n, T) if side == "left" else slice(0, n)
             assert rel_err(got[b, cols], want) < 1e-5, (b, rel_err(got[b, cols], want))
+
+
+def test_a_padded_batch_on_triton_runs_packed():
+    """``"nsa:"`` under a padding mask on backend 'triton' (the interpreter here): the packed call (its
+    selection branch with cu_seqlens on the Triton kernels) computes what backend 'torch' computes."""
+    ids, mask = _ids(2, 9, 11), torch.tensor([[1] * 9, [0, 0, 0] + [1] * 6])
+    logits = []
+    for backend in ("triton", "torch"):
+        model = tiny_llama(NSA, seed=7)             # (the same weights; a model resolves its pattern once)
+        model.config.sparse_attention = {"pattern": NSA, "backend": backend}
+        with torch.no_grad(), mock.patch.object(NSAAttention, "packed", autospec=True,
+                                                side_effect=NSAAttention.packed) as packed:
+            logits.append(model(ids, attention_mask=mask, use_cache=False).logits)
+        assert packed.called and all(c.kwargs["backend"] == backend for c in packed.call_args_list)
+    keep = mask.bool()
+    assert rel_err(logits[0][keep], logits[1][keep]) < 1e-5
 

@@ -114,10 +114,13 @@ def test_moba_spec_with_left_and_right_padding_is_moba_of_each_sequence():
             assert rel_err(got[b, keep], want) < 1e-4, b   # RoPE at shifted positions: rounding only
 
 
-def test_moba_spec_with_padding_on_triton_takes_the_per_sequence_path():
-    """The Triton kernels take no cu_seqlens yet (issue 48 phase B): a padded batch on backend 'triton'
-    (the interpreter here) runs the per-sequence path, not the packed call, and computes what the torch
-    backend's packed call computes."""
+def test_moba_spec_with_padding_on_triton_runs_the_packed_call(monkeypatch):
+    """The Triton kernels take cu_seqlens: a padded batch on backend 'triton' (the interpreter here) runs the
+    packed call, as the torch backend does, and computes what the torch backend computes."""
+    from sparse_io_attn.integrations.transformers import interface
+    packed_backends = []
+    packed_call = interface._packed_call
+    monkeypatch.setattr(interface, "_packed_call", lambda *a: packed_backends.append(a[-1]) or packed_call(*a))
     torch.manual_seed(4)
     models = []
     moba16 = "moba:block=16,top_k=2"                  # the Triton block-sparse kernels' tiles: blocks of 16+
@@ -134,6 +137,8 @@ def test_moba_spec_with_padding_on_triton_takes_the_per_sequence_path():
         got, want = sp(ids, attention_mask=am).logits, ref(ids, attention_mask=am).logits
     keep = am.bool()
     assert rel_err(got[keep], want[keep]) < 1e-5
+    layers = len(packed_backends) // 2
+    assert layers and packed_backends == ["triton"] * layers + ["torch"] * layers
 
 
 def test_moba_spec_with_packed_sequences_is_mobas_varlen():

@@ -13,6 +13,7 @@ from sparse_io_attn._triton.runtime import INTERPRET
 from sparse_io_attn.layout.selection import Selection
 from sparse_io_attn.selection.plan import key_lists, plan_selection
 from sparse_io_attn.selection.triton import launch_plan
+from sparse_io_attn.selection.varlen import varlen_of
 from sparse_io_attn.selection.worklists import key_work, masked_tiles
 
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -44,6 +45,31 @@ def test_device_builders_equal_the_torch_builders(L, Nq, Nk, bs, K, delta):
     have = launch_plan.device_masked_tiles(plan, 16, 64)
     for name in ("bits", "union", "col_union", "row_tiles", "row_counts", "col_tiles", "col_counts"):
         assert torch.equal(getattr(have, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_device_builders_of_a_packed_plan(causal):
+    """A plan of packed sequences (``cu_seqlens``: a block table, global block ids, ``capacity`` blocks):
+    the device builders' masked tiles read the table's keys and row offsets, their key-major lists the
+    global ids; equal to the torch builders'."""
+    lens_q, lens_k, bs = [13, 0, 22], [20, 7, 30], 4
+    cu = tuple(torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], device=DEVICE) for n in (lens_q, lens_k))
+    Nq, Nk = sum(lens_q), sum(lens_k)
+    vl = varlen_of(cu, Nq, Nk, causal, torch.device(DEVICE))
+    nb = torch.tensor([math.ceil(n / bs) for n in lens_k])[torch.searchsorted(cu[0][1:].cpu(), torch.arange(Nq),
+                                                                              right=True)]
+    idx = (torch.rand(2, Nq, 4) * nb[:, None]).long().to(DEVICE)
+    plan = plan_selection(Selection(idx, bs), Nk, causal_offset=None if causal is None else 0, varlen=vl)
+    ref = key_lists(plan.rows, plan.num_kv_blocks)
+    n = int(ref.col_ptr[-1, -1])
+    launch_plan.device_key_work(plan, 8)
+    got = plan.keys()
+    assert torch.equal(got.col_ptr, ref.col_ptr) and torch.equal(got.col_query[:n], ref.col_query[:n])
+    want = masked_tiles(plan.rows, bs, Nk, plan.causal_offset, 16, 64, plan.table)
+    have = launch_plan.device_masked_tiles(plan, 16, 64)
+    for name in ("bits", "union", "col_union", "row_tiles", "row_counts", "col_tiles", "col_counts"):
+        assert torch.equal(getattr(have, name), getattr(want, name)), name
+    assert int(want.bits.ne(0).sum()) > 0
 
 
 def test_few_launches_and_no_host_read(monkeypatch):

@@ -1,5 +1,6 @@
 """Packed variable-length batches (``cu_seqlens``) on ``selection_attention``, the selectors and
-``NativeSparseAttention``, backends ``cpu`` (both kernel families) and ``torch``: against the float64
+``NativeSparseAttention``, backends ``cpu`` (both kernel families) and ``torch`` (Triton:
+``test_triton_varlen.py``): against the float64
 reference of the same local selection (each sequence expanded on its own), against separate calls per
 sequence, and against the transcribed peers (MoBA's ``moba_attn_varlen_naive``, fla's varlen
 ``naive_nsa_topk`` + ``naive_nsa_selection`` and its NSA layer). Edge cases: a sequence shorter than a
@@ -273,8 +274,6 @@ def _call(**kw):
                  ValueError, "past the sequence of query token 0", id="block-past-its-sequence"),
     pytest.param({"cu_seqlens": (torch.tensor([0, 5, 12]), torch.tensor([0, 12]))}, ValueError,
                  "as many sequences", id="pair-mismatch"),
-    pytest.param({"cu_seqlens": torch.tensor([0, 5, 12]), "backend": "triton"}, NotImplementedError,
-                 "cu_seqlens=.*backend='cpu' or 'torch'", id="triton"),
 ])
 def test_bad_input(kw, err, match):
     with pytest.raises(err, match=match):

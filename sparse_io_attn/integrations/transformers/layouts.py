@@ -442,8 +442,8 @@ class PackedRows(NamedTuple):
 @torch.compiler.disable(reason="sparse_io_attn: the sequences of a padded or packed batch are read from its mask "
                         "(data-dependent)")
 def runs_packed(backend: str, device: torch.device) -> bool:
-    """Whether ``selection_attention``'s backend takes ``cu_seqlens`` (``cpu``, ``torch``; the Triton
-    kernels not yet, issue 48 phase B: their calls take the per-sequence path)."""
+    """Whether ``selection_attention``'s backend takes ``cu_seqlens`` (``cpu``, ``torch`` and ``triton`` do;
+    a backend without it would take the per-sequence path)."""
     return "cu_seqlens" in SELECTION_FEATURES.get(resolve_backend(backend, device), ())
 
 

@@ -25,7 +25,7 @@ sequences, each causal from its first token (left or right padding, packed docum
 packed call (:meth:`NSAAttention.packed`, ``cu_seqlens``: compression blocks, selection and window
 restart at each sequence's start, as each sequence alone); rows in no sequence get 0. Not supported
 (``NotImplementedError``): any other element mask (decoding a padded batch from the cache, a static
-cache, a model's own window), and the ``triton`` backend under a mask (no ``cu_seqlens`` yet).
+cache, a model's own window).
 """
 from __future__ import annotations
 
