@@ -55,7 +55,7 @@ class Call:
 
 
 def check_supported(op: str, q: torch.Tensor, v: torch.Tensor, plan) -> None:
-    """Refuse at a Triton launcher's entry what no Triton kernel implements yet (issue 48 phase B), as
+    """Refuse at a Triton launcher's entry what no Triton kernel implements yet (issue 48), as
     the op's feature check (:meth:`~sparse_io_attn._attention.op.AttentionOp.require`) refuses it at
     the API: a V head dim other than q's. Sinks, the row deltas cannot reach a launcher (it takes no such
     keyword); packed sequences (a selection plan's block table) every selection kernel takes."""

@@ -13,7 +13,9 @@ Deterministic, no atomics on data:
   registers and are written once. Only the list's first entries can see keys of the tile past
   their diagonal (entry ``e`` holds a token ``>= c * BLOCK_SIZE - delta + e``): the tiles holding
   the first ``last_key - c * BLOCK_SIZE`` entries apply the causal test (``MASKED``), the rest run
-  without one; a key tile past the sequence end or the block end masks every tile.
+  without one; a key tile past the sequence end or the block end masks every tile. ``IS_VARLEN``: the
+  block's keys from the plan's block table (unused slots empty: no work), and a list's tokens, all of one
+  sequence, share the row offset of its first (the same edge argument from the block's first key).
 * ``_sel_bwd_dq_kernel``: **query-major** like the forward (:mod:`.fwd`): one program per (query
   token, batch x head unit), the heads as the tile's rows, the row's blocks in key steps.
 
@@ -119,8 +121,8 @@ def _sel_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr,
+    ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # (key block, key tile inside it)
     pid_zg = tl.program_id(1)  # batch x kv head
@@ -216,7 +218,8 @@ def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr,
                      mask_d, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr,
                      num_kv_blocks, qk_scale, keys_loaded, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                      SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr,
-                     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
+                     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                     COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
     """One key step of dQ (:func:`~.fwd._key_step`; keys outside ``valid`` get ``p = 0``).
     Returns ``(dq, keys_loaded)``."""
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
@@ -246,8 +249,8 @@ def _sel_bwd_dq_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
     off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,

@@ -18,6 +18,11 @@ unmasked (``MASKED=False``: no per-element test; ``MASK_LANES`` only when the bl
 ``BLOCK_N`` do not divide one another), the last ``TILES`` steps apply key padding, causality and
 the count (``MASKED=True``). Keys past the diagonal or the sequence are not loaded.
 
+Packed sequences (``IS_VARLEN``, ``table_ptr``: the plan's block table, :mod:`sparse_io_attn.selection.varlen`):
+a block's first key is its table entry, a masked step's keys end at the end of the row's last block and
+causality uses the row's own offset; the structure above holds (a row's blocks ascend inside its
+sequence, only the sequence's last block is ragged). Without it the generated code is the fixed grid's.
+
 Online softmax in base 2 (``sm_scale * LOG2E`` folded into one multiply, scores formed by the
 attention kit's :func:`~sparse_io_attn._attention.triton.softmax.score_tile`, as every kernel forms
 them); writes ``o``, ``lse`` (natural log, ``-inf`` on empty rows) and ``stats``
@@ -175,8 +180,8 @@ def _sel_fwd_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
     off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,

@@ -10,7 +10,8 @@ dense tiles, run against that block read once per tile.
   (whole tiles that every row sees whole: no per-element test; the ragged tile at the sequence end and
   the tiles some row sees past its causal diagonal: masked) with the kit's online softmax, and writes
   each row's partial ``(m, l, acc)`` at ``partial[slot, row]`` (``slot``: the pair's slot in the row,
-  from the key-major list). Programs past the last tile read their work entry and stop.
+  from the key-major list). Programs past the last tile read their work entry and stop. ``IS_VARLEN``:
+  the block's keys from the plan's block table, the causal offset the tile's tokens share (one sequence).
 * ``_key_merge_kernel``: one program per ``BLOCK_R`` rows (flat ``(b, h, t)``): each row's
   ``row_counts`` partials merged in slot order (ascending block: the kit's
   :func:`~sparse_io_attn._attention.triton.kernels.merge_rows`), then ``o``, ``lse``, ``stats``; a
@@ -160,7 +161,8 @@ def _key_merge_kernel(
 def _key_dq_merge_kernel(
     partial_ptr, dq_ptr, rows_ptr, row_counts_ptr, table_ptr, io_ptr,
     stride_dqz, stride_dqh, stride_dqm, stride_dqd,
-    stride_lb, heads_per_selection, max_blocks, num_kv_blocks, num_rows, seqlen_q, seqlen_k, num_heads_q, head_dim, sm_scale,
+    stride_lb, heads_per_selection, max_blocks, num_kv_blocks, num_rows, seqlen_q, seqlen_k, num_heads_q, head_dim,
+    sm_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, BLOCK_R: tl.constexpr,
     HEAD_DIM: tl.constexpr, IS_VARLEN: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):

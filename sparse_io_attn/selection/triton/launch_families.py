@@ -231,5 +231,5 @@ def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale
     return [pre, dkdv, dq_call], dq, dk, dv
 
 
-__all__ = ["PREPROCESS_BLOCK_M", "common_args", "table_args", "dkdv_call", "plan_keys", "key_dq_calls", "key_forward_calls", "key_tiles_of",
-           "key_work_of", "masked_backward_calls", "masked_forward_calls", "masked_tiles_of"]
+__all__ = ["PREPROCESS_BLOCK_M", "common_args", "dkdv_call", "plan_keys", "key_dq_calls", "key_forward_calls", "key_tiles_of",
+           "key_work_of", "masked_backward_calls", "masked_forward_calls", "masked_tiles_of", "table_args"]

@@ -109,10 +109,10 @@ def device_masked_tiles(plan: SelectionPlan, block_t: int, block_n: int) -> Mask
     col_counts = torch.empty(L, nkt, dtype=INDEX_DTYPE, device=dev)
     _run([Call("selection_plan_masked_bits", _masked_bits_kernel, (L * Nq,), (), [PLAN_CONFIG], dict(
               rows_ptr=rows, row_counts_ptr=counts, table_ptr=counts if plan.table is None else plan.table,
-              bits_ptr=bits, union_ptr=union, seqlen_q=Nq, seqlen_k=Nk, causal_offset=0 if delta is None else int(delta),
-              num_kv_blocks=plan.num_kv_blocks, num_key_tiles=nkt, num_query_tiles=nqt, K=K, KP=next_pow2(max(K, 1)),
-              BLOCK_SIZE=plan.block_size, BLOCK_T=block_t, BLOCK_N=block_n, IS_CAUSAL=delta is not None,
-              IS_VARLEN=plan.varlen)),
+              bits_ptr=bits, union_ptr=union, seqlen_q=Nq, seqlen_k=Nk,
+              causal_offset=0 if delta is None else int(delta), num_kv_blocks=plan.num_kv_blocks, num_key_tiles=nkt,
+              num_query_tiles=nqt, K=K, KP=next_pow2(max(K, 1)), BLOCK_SIZE=plan.block_size, BLOCK_T=block_t,
+              BLOCK_N=block_n, IS_CAUSAL=delta is not None, IS_VARLEN=plan.varlen)),
           Call("selection_plan_masked_lists", _masked_lists_kernel, (L * nqt + L * nkt,), (), [PLAN_CONFIG], dict(
               union_ptr=union, col_union_ptr=col_union, row_tiles_ptr=row_tiles, row_counts_ptr=row_counts,
               col_tiles_ptr=col_tiles, col_counts_ptr=col_counts, num_layouts=L, num_query_tiles=nqt,

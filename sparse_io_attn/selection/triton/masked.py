@@ -18,7 +18,7 @@ one word of their union: only the union's keys are loaded (a key no token select
 Probabilities are recomputed from the forward's ``stats`` (the kit's ``probabilities``, never above 1). Deterministic, no atomics on data. With ``COUNT_IO`` each program tallies its
 bytes (model: :func:`sparse_io_attn.selection.traffic_families.masked_forward` / ``masked_backward``):
 rows, the union's keys per key tile, list entries (int32), one bit word per token and key tile and the
-union words (int64).
+union words (int64). Packed sequences need nothing here: the bits' builders read the block table.
 """
 from __future__ import annotations
 
