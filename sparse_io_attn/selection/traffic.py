@@ -69,7 +69,7 @@ def _row_reads(plan: SelectionPlan, batch, num_heads_q, num_heads_kv, block_h: i
     programs = mult * (hps // R) * -(-R // block_h)     # per stored (selection, token)
     keys = int(row_pairs(plan).sum()) * programs
     counts = plan.row_counts.cpu().to(torch.int64)
-    entries = (counts.numel() + int(counts.sum()) * tiles + table_reads(plan, tiles)) * programs
+    entries = (counts.numel() + int(counts.sum()) * tiles + table_reads(plan)) * programs
     return keys, entries
 
 
@@ -121,7 +121,7 @@ def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, 
     programs = mult * (hps // R) * -(-R // cfg.block_h)          # row programs per stored (selection, token)
     counts = plan.row_counts.cpu().to(torch.int64)
     keys = int(row_pairs(plan).sum()) * programs
-    entries = (counts.numel() * S + int(counts.sum()) * cfg.tiles + table_reads(plan, cfg.tiles)) * programs
+    entries = (counts.numel() * S + int(counts.sum()) * cfg.tiles + table_reads(plan, S)) * programs
     rows = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
     if not rows:            # an empty grid is not launched

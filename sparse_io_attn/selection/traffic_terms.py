@@ -41,15 +41,14 @@ def row_pairs(plan: SelectionPlan) -> torch.Tensor:
     return torch.where(counts > 0, (counts - 1) * plan.block_size + (end - start).clamp(min=0), 0).cpu()
 
 
-def table_reads(plan: SelectionPlan, tiles: int) -> int:
-    """The block-table entries (int32) the row programs of one stored selection's rows read in all (one
-    program each; 0 without a table): a block start per row entry (``count * tiles``) and, per masked key
-    step (``tiles`` of a row with blocks), its last block's end and, causal, the row's offset."""
+def table_reads(plan: SelectionPlan, splits: int = 1) -> int:
+    """The int32 entries beyond the fixed grid's that the row programs of one stored selection's rows read
+    in all (``splits`` programs per row; 0 without a table): per program of a row with blocks, its first
+    and last row entries, their blocks' start and end and, causal, the row's offset."""
     if not plan.varlen:
         return 0
     counts = plan.row_counts.cpu().to(torch.int64)
-    steps = int((counts > 0).sum()) * tiles
-    return int(counts.sum()) * tiles + steps * (2 if plan.causal_offset is not None else 1)
+    return int((counts > 0).sum()) * splits * (5 if plan.causal_offset is not None else 4)
 
 
 def block_tokens(plan: SelectionPlan) -> torch.Tensor:
@@ -96,6 +95,22 @@ def selection_pairs(plan: SelectionPlan, batch: int, num_heads_q: int) -> int:
     return int(row_pairs(plan).sum()) * mult * (num_heads_q // G)
 
 
+def _masked_tiles(n: torch.Tensor, keys: torch.Tensor, rows: int, block_m: int, block_n: int, key_tiles: int) -> int:
+    """The dK/dV kernel's causally masked row tiles (``MASKED`` under causality), summed over its programs
+    (key tile ``kt`` of each block, ``keys`` per block) and the lists ``n [L, nkb]`` (``rows`` gathered
+    rows per token): all of a ragged key tile's, else those of the first entries that may see past
+    their diagonal (:func:`~.triton.bwd._sel_bwd_dkdv_kernel`)."""
+    total = 0
+    for kt in range(key_tiles):
+        start = kt * block_n
+        tiles = -(-n * rows // block_m)                                               # [L, nkb]
+        edge = (torch.minimum(keys, torch.full_like(keys, start + block_n)) - 1)[None, :]   # [1, nkb]
+        edge_tiles = -(-torch.minimum(n, edge).clamp(min=0) * rows // block_m)
+        masked = torch.where((start + block_n > keys)[None, :], tiles, edge_tiles)
+        total += int(torch.where((start < keys)[None, :], masked, 0).sum())
+    return total
+
+
 def dkdv_traffic(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int, es: int,
                  block_m: int, block_n: int, *, store_dq: bool) -> tuple[dict, dict]:
     """``(reads, writes)`` of the key-major dK/dV kernel (one program per key tile of ``block_n`` keys
@@ -113,10 +128,10 @@ def dkdv_traffic(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv
     gathered = int((n * live).sum()) * sel_slots * R
     lists = int((n * live).sum()) * per_entry * (2 if store_dq else 1)
     entries = (2 * int(live.sum()) * n.shape[0] + lists) * sel_slots
-    if plan.varlen:     # every program: its block's start and end; causal, per nonempty list its first token's offset
+    if plan.varlen:     # every program: its block's start and end; causal, per masked tile its list's offset
         entries += 2 * plan.num_kv_blocks * key_tiles * batch * num_heads_kv
         if plan.causal_offset is not None:
-            entries += 2 * int(((n > 0) * live).sum()) * sel_slots
+            entries += 2 * _masked_tiles(n, block_keys(plan), next_pow2(R), block_m, block_n, key_tiles) * sel_slots
     rows_k = batch * num_heads_kv * nk
     reads = {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
              "delta": gathered * STAT_BYTES, "k": rows_k * D * es, "v": rows_k * D * es,

@@ -31,7 +31,8 @@ from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, d
 from sparse_io_attn._attention.triton.tally import tally_backward
 from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step, _row_plan_reads, _row_steps
+from sparse_io_attn.selection.triton.fwd import (_head_unit, _key_step, _row_bounds, _row_plan_reads, _row_shift,
+                                                 _row_steps)
 from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN
 
 import triton  # noqa: E402
@@ -69,18 +70,21 @@ def _row_inputs(q_ptr, do_ptr, q_rows, do_rows, offs_d, stride_qd, stride_dod, m
 
 
 @triton.jit
-def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_ptr, partial_ptr, split, n, i,
+def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_ptr, table_ptr, partial_ptr, split,
+                       n, i,
                        offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh,
                        stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, causal_offset, qk_scale,
                        SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                        KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                       DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr, MASKED: tl.constexpr):
+                       IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr,
+                       MASKED: tl.constexpr):
     """Gathered row tile ``i`` of one key-major list (``n`` tokens at ``query_ptr``; heads from
     ``q_base``/``do_base``/``row_base``). ``MASKED``: disallowed elements (past the diagonal, keys
     outside the tile) get ``p = 0``; otherwise every element of a real row is allowed (padding rows
     have ``m = +inf``, so ``p = 0``). ``STORE_DQ``: each row's ``dS @ k`` (unscaled, fp32) goes to
     ``partial[slot * KEY_TILES + split, row]`` (``slot``: the pair's slot in its row, at ``slot_ptr``;
-    ``split``: this key tile of the block). Returns ``(dk, dv)``."""
+    ``split``: this key tile of the block). ``IS_VARLEN``: ``causal_offset`` is where the table's row
+    offsets start. Returns ``(dk, dv)``."""
     e, hh, row_ok, tok = _gathered_rows(query_ptr, n, i, offs_r, SEL_HEADS, SEL_ROWS, BLOCK_M)
     mask_md = row_ok[:, None] & mask_d[None, :]
     rows = row_base + hh.to(tl.int64) * seqlen_q + tok  # [BLOCK_M] rows of stats / delta
@@ -94,6 +98,8 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_
     if MASKED:
         valid = mask_n[:, None] & row_ok[None, :]  # [BLOCK_N, BLOCK_M]
         if IS_CAUSAL:
+            if IS_VARLEN:  # (a list's tokens share one sequence: its first token's offset; read here, where used)
+                causal_offset = tl.load(table_ptr + causal_offset + tl.load(query_ptr))
             valid = valid & (offs_n[:, None] <= tok[None, :] + causal_offset)
         sT = tl.where(valid, sT, float("-inf"))
     pT = probabilities(sT, m_row[None, :], log2_sum[None, :])  # [BLOCK_N, BLOCK_M]
@@ -155,7 +161,7 @@ def _sel_bwd_dkdv_kernel(
     n_edge = tl.minimum(n_start + BLOCK_N, key_end) - 1 - key_start
     ragged = n_start + BLOCK_N > key_end
     entries = tl.zeros([], dtype=tl.int64)
-    offsets = tl.zeros([], dtype=tl.int64)  # (IS_VARLEN, causal: lists whose row offset was read)
+    offset_reads = tl.zeros([], dtype=tl.int64)  # (IS_VARLEN, causal: masked tiles, each reads the row offset)
 
     for i in range(0, group // SEL_HEADS):  # the selections serving this group, SEL_HEADS heads each
         off_h = off_g * group + i * SEL_HEADS  # their first query head
@@ -170,12 +176,10 @@ def _sel_bwd_dkdv_kernel(
         else:
             n_masked = tl.where(ragged, n_tiles, 0)
         delta_c = causal_offset
-        if IS_VARLEN:  # causal: a list's tokens share their sequence, hence its row offset
-            if IS_CAUSAL:
-                tok0 = tl.load(col_query_ptr + lo, mask=n > 0, other=0)
-                delta_c = tl.load(table_ptr + 2 * num_kv_blocks + tok0, mask=n > 0, other=0)
-                if COUNT_IO:
-                    offsets += tl.where(n > 0, 1, 0).to(tl.int64)
+        if IS_VARLEN:  # a masked tile reads the row offset its list's tokens share at table_ptr + delta_c + tok0
+            delta_c = 2 * num_kv_blocks
+            if IS_CAUSAL and COUNT_IO:
+                offset_reads += n_masked.to(tl.int64)
         q_base = q_ptr + off_z * stride_qz + off_h * stride_qh
         do_base = do_ptr + off_z * stride_doz + off_h * stride_doh
         row_base = (off_z * num_heads_q + off_h) * seqlen_q  # stats / delta are contiguous [.., B, Hq, Nq]
@@ -183,17 +187,17 @@ def _sel_bwd_dkdv_kernel(
         # 1. the first entries (causal test) or a ragged key tile; 2. the rest: no mask
         for t in range(0, n_masked):
             dk, dv = _sel_bwd_dkdv_step(
-                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, partial_ptr,
+                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, table_ptr, partial_ptr,
                 pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr,
                 stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, delta_c,
-                qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, DOT_DTYPE, STORE_DQ,
+                qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, STORE_DQ,
                 MASKED=True)
         for t in range(n_masked, n_tiles):
             dk, dv = _sel_bwd_dkdv_step(
-                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, partial_ptr,
+                dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, table_ptr, partial_ptr,
                 pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr,
                 stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, delta_c,
-                qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, DOT_DTYPE, STORE_DQ,
+                qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, STORE_DQ,
                 MASKED=False)
         if COUNT_IO:
             entries += n.to(tl.int64)
@@ -205,8 +209,8 @@ def _sel_bwd_dkdv_kernel(
         per_entry: tl.constexpr = (SEL_ROWS // BLOCK_M if SEL_ROWS > BLOCK_M else 1) * (2 if STORE_DQ else 1)
         # (a tile inside one token's heads reads its entry once; with STORE_DQ its slot too)
         reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * per_entry
-        if IS_VARLEN:  # the block's start and end; per list whose row offset was read, its first token and it
-            reads += 2 + 2 * offsets
+        if IS_VARLEN:  # the block's start and end; per masked tile (causal) its list's first token and its offset
+            reads += 2 + 2 * offset_reads
         tally_backward(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
         io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
         if STORE_DQ:
@@ -215,17 +219,15 @@ def _sel_bwd_dkdv_kernel(
 
 @triton.jit
 def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d,
-                     mask_d, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr,
-                     num_kv_blocks, qk_scale, keys_loaded, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr,
-                     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
+                     mask_d, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+                     keys_loaded, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr,
+                     TILES: tl.constexpr, MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
     """One key step of dQ (:func:`~.fwd._key_step`; keys outside ``valid`` get ``p = 0``).
     Returns ``(dq, keys_loaded)``."""
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr,
-                                  num_kv_blocks, BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL,
-                                  IS_VARLEN, MASKED)
+                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+                                  BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
     sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
     if MASKED:
         sc = tl.where(valid[None, :], sc, float("-inf"))
@@ -270,6 +272,11 @@ def _sel_bwd_dq_kernel(
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
     cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
+    shift = 0
+    if IS_VARLEN:  # the row's keys as on the fixed grid, counted from its sequence's shift (.fwd._row_shift)
+        shift = _row_shift(table_ptr, row_ptr, cnt, BLOCK_SIZE)
+        k_base += shift * stride_kn
+        v_base += shift * stride_vn
     qk_scale = sm_scale * LOG2E
     dq = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     keys_loaded = tl.zeros([], dtype=tl.int64)
@@ -278,15 +285,15 @@ def _sel_bwd_dq_kernel(
     for s in range(0, n_full):
         dq, keys_loaded = _sel_bwd_dq_step(
             dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
-            keys_loaded, BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE,
-            COUNT_IO, MASKED=False)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale, keys_loaded,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
+    key_end, offset = _row_bounds(table_ptr, row_ptr, cnt, t, num_kv_blocks, shift, seqlen_k, causal_offset,
+                                  IS_CAUSAL, IS_VARLEN)
     for s in range(n_full, n_steps):
         dq, keys_loaded = _sel_bwd_dq_step(
             dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
-            keys_loaded, BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE,
-            COUNT_IO, MASKED=True)
+            stride_kn, stride_kd, stride_vn, stride_vd, key_end, offset, qk_scale, keys_loaded,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
     tl.store(dq_ptr + off_z * stride_dqz + offs_h[:, None] * stride_dqh + t64 * stride_dqm
              + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_hd)

@@ -27,7 +27,8 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.softmax import store_split_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import _head_unit, _row_steps, _sel_fwd_step
+from sparse_io_attn.selection.triton.fwd import (_head_unit, _row_bounds, _row_plan_reads, _row_shift, _row_steps,
+                                                 _sel_fwd_step)
 from sparse_io_attn.selection.triton.slots import DEC_PLAN
 
 import triton  # noqa: E402
@@ -45,8 +46,8 @@ def _sel_decode_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     pid = tl.program_id(0)  # ((batch, head unit, chunk of BLOCK_H heads), query token)
     split = tl.program_id(1)
@@ -68,6 +69,11 @@ def _sel_decode_kernel(
     cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
     lo = (split * n_steps) // NUM_SPLITS
     hi = ((split + 1) * n_steps) // NUM_SPLITS
+    shift = 0
+    if IS_VARLEN:  # the row's keys as on the fixed grid, counted from its sequence's shift (.fwd._row_shift)
+        shift = _row_shift(table_ptr, row_ptr, cnt, BLOCK_SIZE)
+        k_base += shift * stride_kn
+        v_base += shift * stride_vn
 
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -77,17 +83,17 @@ def _sel_decode_kernel(
     for s in range(lo, tl.minimum(hi, n_full)):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
             acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, COUNT_IO,
-            MASKED=False)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
         if COUNT_IO:  # an unmasked step loads its slots' keys of tile s % TILES (whole blocks when SLOTS > 1)
             keys_loaded += SLOTS * tl.minimum(BLOCK_N, BLOCK_SIZE - (s % TILES) * BLOCK_N).to(tl.int64)
+    key_end, delta = _row_bounds(table_ptr, row_ptr, cnt, t, num_kv_blocks, shift, seqlen_k, causal_offset, IS_CAUSAL,
+                                 IS_VARLEN)
     for s in range(tl.maximum(lo, n_full), hi):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
             acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, COUNT_IO,
-            MASKED=True)
+            stride_kn, stride_kd, stride_vn, stride_vd, key_end, delta, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats / partial
     store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
@@ -97,7 +103,5 @@ def _sel_decode_kernel(
     if COUNT_IO:
         tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, NUM_SPLITS)
         entries = cnt * TILES  # the row's entries (a slot per step of a TILES-step block; slots once)
-        taken = (tl.minimum(hi * SLOTS, entries) - tl.minimum(lo * SLOTS, entries)).to(tl.int64)
-        if IS_VARLEN:  # as many block starts; per masked step of the split the last block's end (and row offset)
-            taken += taken + tl.maximum(hi - tl.maximum(lo, n_full), 0) * (2 if IS_CAUSAL else 1)
-        io_add(io_ptr, DEC_PLAN, (1 + taken) * 4, 0)
+        taken = tl.minimum(hi * SLOTS, entries) - tl.minimum(lo * SLOTS, entries)
+        io_add(io_ptr, DEC_PLAN, (_row_plan_reads(cnt, 0, IS_CAUSAL, IS_VARLEN) + taken.to(tl.int64)) * 4, 0)

@@ -19,9 +19,10 @@ unmasked (``MASKED=False``: no per-element test; ``MASK_LANES`` only when the bl
 the count (``MASKED=True``). Keys past the diagonal or the sequence are not loaded.
 
 Packed sequences (``IS_VARLEN``, ``table_ptr``: the plan's block table, :mod:`sparse_io_attn.selection.varlen`):
-a block's first key is its table entry, a masked step's keys end at the end of the row's last block and
-causality uses the row's own offset; the structure above holds (a row's blocks ascend inside its
-sequence, only the sequence's last block is ragged). Without it the generated code is the fixed grid's.
+a row's blocks ascend inside its sequence, whose blocks follow each other whole but its last, so the row
+runs as on the fixed grid with K/V moved by the sequence's shift (:func:`_row_shift`) and its masked
+steps bounded by its last block's end and its own causal offset (:func:`_row_bounds`): the steps' code
+is the fixed grid's, and without ``IS_VARLEN`` the generated code is unchanged.
 
 Online softmax in base 2 (``sm_scale * LOG2E`` folded into one multiply, scores formed by the
 attention kit's :func:`~sparse_io_attn._attention.triton.softmax.score_tile`, as every kernel forms
@@ -81,27 +82,57 @@ def _row_steps(rows_ptr, row_counts_ptr, row, max_blocks, SLOTS: tl.constexpr, T
 
 
 @triton.jit
+def _row_shift(table_ptr, row_ptr, cnt, BLOCK_SIZE: tl.constexpr):
+    """Packed sequences: ``shift`` with block ``c`` of the row's sequence starting at key ``c * BLOCK_SIZE +
+    shift`` (its first block's table entry; the sequence's blocks follow each other, whole but the last),
+    so a row kernel walks the row as on the fixed grid with its K/V pointers moved by ``shift`` keys
+    (0 for a row without blocks)."""
+    live = cnt > 0
+    first = tl.load(row_ptr, mask=live, other=0)
+    return (tl.load(table_ptr + first, mask=live, other=0) - first * BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def _row_bounds(table_ptr, row_ptr, cnt, query, num_kv_blocks, shift, seqlen_k, causal_offset,
+                IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """``(seqlen_k, causal_offset)`` of the row's masked steps: unchanged on the fixed grid; ``IS_VARLEN``
+    (keys counted from ``shift``, :func:`_row_shift`): the end of the row's last block and the row's own
+    causal offset from the block table, read after the unmasked steps (not live across them)."""
+    if IS_VARLEN:
+        live = cnt > 0
+        last = tl.load(row_ptr + cnt - 1, mask=live, other=0)
+        seqlen_k = tl.load(table_ptr + num_kv_blocks + last, mask=live, other=0) - shift
+        if IS_CAUSAL:
+            causal_offset = tl.load(table_ptr + 2 * num_kv_blocks + query, mask=live, other=0) - shift
+    return seqlen_k, causal_offset
+
+
+@triton.jit
+def _row_plan_reads(cnt, TILES: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The int32 plan entries a row program reads: its row count, one row entry per key step of a block
+    (each gathered slot once) and, ``IS_VARLEN`` with blocks, its first and last entries, their blocks'
+    start and end and, causal, the row's offset (:func:`_row_shift`, :func:`_row_bounds`)."""
+    n = 1 + cnt.to(tl.int64) * TILES
+    if IS_VARLEN:
+        n += tl.where(cnt > 0, 5 if IS_CAUSAL else 4, 0)
+    return n
+
+
+@triton.jit
 def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-              stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks,
+              stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
-              MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-              MASKED: tl.constexpr):
+              MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
     """``(k, v, valid, keys)`` of key step ``s`` of the query row ``row_ptr`` (``cnt`` blocks) for
     query token ``query`` (forward and dQ). ``MASKED`` (the last block's steps): ``valid [BLOCK_N]``
     marks the keys inside a listed block, inside the sequence and (``IS_CAUSAL``) at or before the
     diagonal; only those are loaded and ``keys`` counts them. Otherwise every lane inside a block is
     an allowed key (``valid`` marks those lanes when ``MASK_LANES``; ``keys`` is 0: the caller counts
-    whole blocks). ``IS_VARLEN``: blocks start where the table says; a masked step reads the end of the
-    row's last block (every other block of the row is whole: the sequence's blocks ascend and only its
-    last is ragged) and, causal, the row's offset (key ``n`` allowed iff ``n <= query + offset``)."""
+    whole blocks)."""
     off = (s % TILES) * BLOCK_N + offs_n % BLOCK_SIZE  # [BLOCK_N] key offset inside its block
     lane_ok = (offs_n < SLOTS * BLOCK_SIZE) & (off < BLOCK_SIZE)  # [BLOCK_N] lanes inside a block
     if SLOTS == 1:
-        blk = tl.load(row_ptr + s // TILES)  # one block per step
-        if IS_VARLEN:
-            cols = tl.load(table_ptr + blk) + off  # [BLOCK_N]
-        else:
-            cols = blk * BLOCK_SIZE + off  # [BLOCK_N]
+        cols = tl.load(row_ptr + s // TILES) * BLOCK_SIZE + off  # [BLOCK_N]: one block per step
     else:
         slot = s * SLOTS + offs_n // BLOCK_SIZE  # [BLOCK_N] (TILES == 1): SLOTS blocks per step
         if MASKED:
@@ -110,22 +141,11 @@ def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
             blk = tl.load(row_ptr + slot, mask=lane_ok, other=-1)
         else:
             blk = tl.load(row_ptr + slot)
-        if IS_VARLEN:
-            cols = tl.load(table_ptr + blk, mask=blk >= 0, other=-BLOCK_SIZE) + off  # [BLOCK_N]; < 0 where no slot
-        else:
-            cols = blk * BLOCK_SIZE + off  # [BLOCK_N]; negative where no slot
+        cols = blk * BLOCK_SIZE + off  # [BLOCK_N]; negative where no slot
     if MASKED:
-        if IS_VARLEN:
-            if SLOTS == 1:   # (a listed block)
-                valid = lane_ok & (cols < tl.load(table_ptr + num_kv_blocks + blk))
-            else:            # the step's last block (ascending) ends the row's keys
-                valid = lane_ok & (blk >= 0) & (cols < tl.load(table_ptr + num_kv_blocks + tl.max(blk, 0)))
-            if IS_CAUSAL:
-                valid = valid & (cols <= query + tl.load(table_ptr + 2 * num_kv_blocks + query))
-        else:
-            valid = lane_ok & (cols >= 0) & (cols < seqlen_k)
-            if IS_CAUSAL:
-                valid = valid & (cols <= query + causal_offset)
+        valid = lane_ok & (cols >= 0) & (cols < seqlen_k)
+        if IS_CAUSAL:
+            valid = valid & (cols <= query + causal_offset)
         keys = tl.sum(valid.to(tl.int64))
     else:
         valid = lane_ok   # (read only when MASK_LANES)
@@ -136,28 +156,16 @@ def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
 
 
 @triton.jit
-def _row_plan_reads(cnt, TILES: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The int32 plan entries a row program reads: its row count, one row entry per key step of a block
-    (each gathered slot once) and, ``IS_VARLEN``, as many block starts, and per masked step (``TILES`` of
-    a row with blocks) the last block's end and, causal, the row's offset."""
-    n = 1 + cnt.to(tl.int64) * TILES
-    if IS_VARLEN:
-        n += cnt.to(tl.int64) * TILES + tl.where(cnt > 0, TILES * (2 if IS_CAUSAL else 1), 0)
-    return n
-
-
-@triton.jit
 def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks,
-                  qk_scale, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
-                  MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
+                  MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
     """One key step of the online softmax (:func:`_key_step`; keys outside ``valid`` get
     probability 0). Returns ``(acc, l_i, m_i, keys_loaded)``."""
     k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr,
-                                  num_kv_blocks, BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL,
-                                  IS_VARLEN, MASKED)
+                                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+                                  BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
     sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
     if MASKED:   # (a step keeps its block's first key: never an empty row)
         sc = tl.where(valid[None, :], sc, float("-inf"))
@@ -198,6 +206,11 @@ def _sel_fwd_kernel(
 
     # this token's row of the plan: key steps [0, n_full) unmasked, [n_full, n_steps) the last block's
     cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
+    shift = 0
+    if IS_VARLEN:  # the row's keys as on the fixed grid, counted from its sequence's shift
+        shift = _row_shift(table_ptr, row_ptr, cnt, BLOCK_SIZE)
+        k_base += shift * stride_kn
+        v_base += shift * stride_vn
 
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -209,15 +222,15 @@ def _sel_fwd_kernel(
     for s in range(0, n_full):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
             acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, COUNT_IO,
-            MASKED=False)
+            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
+    key_end, delta = _row_bounds(table_ptr, row_ptr, cnt, t, num_kv_blocks, shift, seqlen_k, causal_offset, IS_CAUSAL,
+                                 IS_VARLEN)
     for s in range(n_full, n_steps):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
             acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, table_ptr, num_kv_blocks, qk_scale,
-            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, COUNT_IO,
-            MASKED=True)
+            stride_kn, stride_kd, stride_vn, stride_vd, key_end, delta, qk_scale,
+            BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, (off_z * num_heads_q + offs_h) * seqlen_q + t,
                off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
