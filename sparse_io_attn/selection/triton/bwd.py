@@ -31,7 +31,7 @@ from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, d
 from sparse_io_attn._attention.triton.tally import tally_backward
 from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import (_head_unit, _key_step, _row_bounds, _row_plan_reads, _row_shift,
+from sparse_io_attn.selection.triton.fwd import (_head_unit, _key_step, _row_bounds, _row_keys, _row_plan_reads,
                                                  _row_steps)
 from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN
 
@@ -272,11 +272,8 @@ def _sel_bwd_dq_kernel(
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
     cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
-    shift = 0
-    if IS_VARLEN:  # the row's keys as on the fixed grid, counted from its sequence's shift (.fwd._row_shift)
-        shift = _row_shift(table_ptr, row_ptr, cnt, BLOCK_SIZE)
-        k_base += shift * stride_kn
-        v_base += shift * stride_vn
+    k_base, v_base, shift = _row_keys(table_ptr, row_ptr, cnt, k_base, v_base, stride_kn, stride_vn, BLOCK_SIZE,
+                                      IS_VARLEN)
     qk_scale = sm_scale * LOG2E
     dq = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
     keys_loaded = tl.zeros([], dtype=tl.int64)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.softmax import store_split_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
-from sparse_io_attn.selection.triton.fwd import (_head_unit, _row_bounds, _row_plan_reads, _row_shift, _row_steps,
+from sparse_io_attn.selection.triton.fwd import (_head_unit, _row_bounds, _row_keys, _row_plan_reads, _row_steps,
                                                  _sel_fwd_step)
 from sparse_io_attn.selection.triton.slots import DEC_PLAN
 
@@ -37,7 +37,8 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def _sel_decode_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr, sinks_ptr, rows_ptr, row_counts_ptr, table_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, partial_ptr, sinks_ptr, rows_ptr, row_counts_ptr, table_ptr,
+    io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -46,8 +47,8 @@ def _sel_decode_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     pid = tl.program_id(0)  # ((batch, head unit, chunk of BLOCK_H heads), query token)
     split = tl.program_id(1)
@@ -69,11 +70,8 @@ def _sel_decode_kernel(
     cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
     lo = (split * n_steps) // NUM_SPLITS
     hi = ((split + 1) * n_steps) // NUM_SPLITS
-    shift = 0
-    if IS_VARLEN:  # the row's keys as on the fixed grid, counted from its sequence's shift (.fwd._row_shift)
-        shift = _row_shift(table_ptr, row_ptr, cnt, BLOCK_SIZE)
-        k_base += shift * stride_kn
-        v_base += shift * stride_vn
+    k_base, v_base, shift = _row_keys(table_ptr, row_ptr, cnt, k_base, v_base, stride_kn, stride_vn, BLOCK_SIZE,
+                                      IS_VARLEN)
 
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)

@@ -20,7 +20,7 @@ the count (``MASKED=True``). Keys past the diagonal or the sequence are not load
 
 Packed sequences (``IS_VARLEN``, ``table_ptr``: the plan's block table, :mod:`sparse_io_attn.selection.varlen`):
 a row's blocks ascend inside its sequence, whose blocks follow each other whole but its last, so the row
-runs as on the fixed grid with K/V moved by the sequence's shift (:func:`_row_shift`) and its masked
+runs as on the fixed grid with K/V moved by the sequence's shift (:func:`_row_keys`) and its masked
 steps bounded by its last block's end and its own causal offset (:func:`_row_bounds`): the steps' code
 is the fixed grid's, and without ``IS_VARLEN`` the generated code is unchanged.
 
@@ -82,21 +82,27 @@ def _row_steps(rows_ptr, row_counts_ptr, row, max_blocks, SLOTS: tl.constexpr, T
 
 
 @triton.jit
-def _row_shift(table_ptr, row_ptr, cnt, BLOCK_SIZE: tl.constexpr):
-    """Packed sequences: ``shift`` with block ``c`` of the row's sequence starting at key ``c * BLOCK_SIZE +
-    shift`` (its first block's table entry; the sequence's blocks follow each other, whole but the last),
-    so a row kernel walks the row as on the fixed grid with its K/V pointers moved by ``shift`` keys
-    (0 for a row without blocks)."""
-    live = cnt > 0
-    first = tl.load(row_ptr, mask=live, other=0)
-    return (tl.load(table_ptr + first, mask=live, other=0) - first * BLOCK_SIZE).to(tl.int64)
+def _row_keys(table_ptr, row_ptr, cnt, k_base, v_base, stride_kn, stride_vn, BLOCK_SIZE: tl.constexpr,
+              IS_VARLEN: tl.constexpr):
+    """``(k_base, v_base, shift)`` of a row program: unchanged on the fixed grid; ``IS_VARLEN`` (packed
+    sequences): block ``c`` of the row's sequence starts at key ``c * BLOCK_SIZE + shift`` (its first block's
+    table entry; the sequence's blocks follow each other, whole but the last), so the row runs as on the
+    fixed grid with K/V moved by ``shift`` keys (0 for a row without blocks)."""
+    shift = 0
+    if IS_VARLEN:
+        live = cnt > 0
+        first = tl.load(row_ptr, mask=live, other=0)
+        shift = (tl.load(table_ptr + first, mask=live, other=0) - first * BLOCK_SIZE).to(tl.int64)
+        k_base += shift * stride_kn
+        v_base += shift * stride_vn
+    return k_base, v_base, shift
 
 
 @triton.jit
 def _row_bounds(table_ptr, row_ptr, cnt, query, num_kv_blocks, shift, seqlen_k, causal_offset,
                 IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr):
     """``(seqlen_k, causal_offset)`` of the row's masked steps: unchanged on the fixed grid; ``IS_VARLEN``
-    (keys counted from ``shift``, :func:`_row_shift`): the end of the row's last block and the row's own
+    (keys counted from ``shift``, :func:`_row_keys`): the end of the row's last block and the row's own
     causal offset from the block table, read after the unmasked steps (not live across them)."""
     if IS_VARLEN:
         live = cnt > 0
@@ -111,7 +117,7 @@ def _row_bounds(table_ptr, row_ptr, cnt, query, num_kv_blocks, shift, seqlen_k, 
 def _row_plan_reads(cnt, TILES: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr):
     """The int32 plan entries a row program reads: its row count, one row entry per key step of a block
     (each gathered slot once) and, ``IS_VARLEN`` with blocks, its first and last entries, their blocks'
-    start and end and, causal, the row's offset (:func:`_row_shift`, :func:`_row_bounds`)."""
+    start and end and, causal, the row's offset (:func:`_row_keys`, :func:`_row_bounds`)."""
     n = 1 + cnt.to(tl.int64) * TILES
     if IS_VARLEN:
         n += tl.where(cnt > 0, 5 if IS_CAUSAL else 4, 0)
@@ -206,11 +212,8 @@ def _sel_fwd_kernel(
 
     # this token's row of the plan: key steps [0, n_full) unmasked, [n_full, n_steps) the last block's
     cnt, row_ptr, n_steps, n_full = _row_steps(rows_ptr, row_counts_ptr, off_l * seqlen_q + t, max_blocks, SLOTS, TILES)
-    shift = 0
-    if IS_VARLEN:  # the row's keys as on the fixed grid, counted from its sequence's shift
-        shift = _row_shift(table_ptr, row_ptr, cnt, BLOCK_SIZE)
-        k_base += shift * stride_kn
-        v_base += shift * stride_vn
+    k_base, v_base, shift = _row_keys(table_ptr, row_ptr, cnt, k_base, v_base, stride_kn, stride_vn, BLOCK_SIZE,
+                                      IS_VARLEN)
 
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
