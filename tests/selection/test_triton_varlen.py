@@ -164,3 +164,21 @@ def test_selectors_on_packed_sequences_equal_cpu(selector, family, monkeypatch):
                   monkeypatch, causal=True, cu_seqlens=cu.cpu())
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, rtol=2e-5, atol=2e-6)
+
+
+def test_nsa_attention_packed_on_triton_equals_torch():
+    """``NSAAttention(..., cu_seqlens=)`` (compression, selection and window branches of packed sequences)
+    on backend 'triton' equals backend 'torch', output and gradients."""
+    from sparse_io_attn.nn.nsa import NSAAttention
+    torch.manual_seed(4)
+    cu = offsets([13, 0, 6, 20])
+    T = int(cu[-1])
+    q, k, v = torch.randn(1, 4, T, 16), torch.randn(1, 2, T, 16), torch.randn(1, 2, T, 16)
+    g, do = torch.rand(1, T, 4, 3), torch.randn(1, T, 4, 16)
+    got = []
+    for backend in ("triton", "torch"):
+        leaves = [t.to(DEVICE).requires_grad_() for t in (q, k, v)]
+        out = NSAAttention(4, 3, 6, backend=backend)(*leaves, g.to(DEVICE), cu_seqlens=cu)
+        got.append((out.detach(), *torch.autograd.grad(out, leaves, do.to(DEVICE))))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
