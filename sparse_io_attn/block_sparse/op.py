@@ -46,7 +46,7 @@ def _triton_backend():
 
 #: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`); the Triton
 #: kernels take none yet: a call needing one there raises ``NotImplementedError`` naming ``cpu``/``torch``
-FEATURES = {"cpu": EXTENSIONS - {"cu_seqlens"}, "torch": EXTENSIONS - {"cu_seqlens"}, "triton": frozenset({"sinks"})}
+FEATURES = {"cpu": EXTENSIONS - {"cu_seqlens"}, "torch": EXTENSIONS - {"cu_seqlens"}, "triton": frozenset({"sinks", "value_dim"})}
 OP = AttentionOp("block_sparse_attn", "Tensor index", AttentionPlan,
                  {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path},
                  FEATURES)

@@ -74,6 +74,8 @@ _CONFIGS = {
           "dq": [(32, 32, 4, 2), (32, 32, 8, 2)],
           "dkdv": [(16, 32, 4, 2, DIRECT), (16, 32, 4, 2, EXACT), (32, 32, 8, 2, EXACT)]},
     1024: {"fwd": [(32, 32, 4, 2)], "dq": [(32, 32, 4, 2)], "dkdv": [(16, 32, 4, 2, DIRECT), (16, 32, 4, 2, EXACT)]},
+    # MLA's q/k rows (head dim 576 padded to 1024, V's 512): the smallest tiles, 8 warps for the wide accumulators
+    2048: {"fwd": [(32, 16, 8, 2)], "dq": [(16, 16, 8, 2)], "dkdv": [(16, 16, 8, 2, DIRECT), (16, 16, 8, 2, EXACT)]},
 }
 # fp32 runs exact IEEE products on CUDA cores (no tensor cores, no tf32): more registers per element.
 # Keys are padded-row bytes as above (256: head dim <= 64).
@@ -84,6 +86,8 @@ _CONFIGS_FP32 = {
           "dkdv": [(16, 32, 8, 2, EXACT), (16, 32, 8, 2, DIRECT), (32, 32, 8, 2, DIRECT)]},
     512: {"fwd": [(64, 32, 8, 2)], "dq": [(32, 32, 8, 2)], "dkdv": [(16, 32, 8, 2, EXACT), (16, 32, 8, 2, DIRECT)]},
     1024: {"fwd": [(32, 32, 4, 2)], "dq": [(16, 32, 4, 2)], "dkdv": [(16, 16, 4, 2, EXACT), (16, 16, 4, 2, DIRECT)]},
+    2048: {"fwd": [(16, 16, 8, 2)], "dq": [(16, 16, 8, 2)], "dkdv": [(16, 16, 8, 2, EXACT), (16, 16, 8, 2, DIRECT)]},
+    4096: {"fwd": [(16, 16, 8, 1)], "dq": [(16, 16, 8, 1)], "dkdv": [(16, 16, 8, 1, EXACT), (16, 16, 8, 1, DIRECT)]},
 }
 KERNELS = ("fwd", "dq", "dkdv")
 # dK/dV's query tile over partial blocks: at most this many rows (its BLOCK_M when smaller), as the
@@ -103,7 +107,8 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def kernel_configs(kernel: str, block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> list[KernelConfig]:
     """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a layout block
-    ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, head dim and dtype: the default first, then the other
+    ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, head dim (with a V head dim of its own, the larger of Q/K's and
+    V's: :func:`~sparse_io_attn._attention.tiles.tile_head_dim`) and dtype: the default first, then the other
     autotuning candidates. Tiles are capped to the largest power of two dividing the layout block
     (tiles never straddle blocks), duplicates removed. Depends on shapes and dtype only, so the
     traffic model, the launcher and the compile report agree everywhere. Raises

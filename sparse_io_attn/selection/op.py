@@ -37,7 +37,7 @@ def _triton_backend():
 
 #: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`); the Triton
 #: kernels take none yet: a call needing one there raises ``NotImplementedError`` naming ``cpu``/``torch``
-FEATURES = {"cpu": frozenset(EXTENSIONS), "torch": frozenset(EXTENSIONS), "triton": frozenset({"sinks"})}
+FEATURES = {"cpu": frozenset(EXTENSIONS), "torch": frozenset(EXTENSIONS), "triton": frozenset({"sinks", "value_dim"})}
 OP = AttentionOp("selection_attn", "Tensor rows, Tensor row_counts, Tensor? table", SelectionPlan,
                  {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path},
                  FEATURES)

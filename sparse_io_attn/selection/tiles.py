@@ -72,6 +72,8 @@ _CONFIGS = {
     512: {"heads": 32, "fwd": [(32, 4, 2), (32, 8, 2)], "dq": [(32, 4, 2)],
           "dkdv": {32: [(16, 8, 2), (32, 8, 2)], 16: [(16, 4, 2)]}},
     1024: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
+    # MLA's q/k rows (head dim 576 padded to 1024, V's 512): the smallest tiles, 8 warps for the wide accumulators
+    2048: {"heads": 16, "fwd": [(16, 8, 2)], "dq": [(16, 8, 2)], "dkdv": {16: [(16, 8, 2)]}},
 }
 # fp32 runs exact IEEE products on CUDA cores (no tensor cores): operands in registers, smaller tiles.
 _CONFIGS_FP32 = {
@@ -79,6 +81,8 @@ _CONFIGS_FP32 = {
           "dkdv": {32: [(16, 4, 3), (32, 8, 3)], 16: [(16, 4, 2)]}},
     512: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
     1024: {"heads": 16, "fwd": [(16, 4, 2)], "dq": [(16, 4, 2)], "dkdv": {16: [(16, 4, 2)]}},
+    2048: {"heads": 16, "fwd": [(16, 8, 2)], "dq": [(16, 8, 2)], "dkdv": {16: [(16, 8, 2)]}},
+    4096: {"heads": 16, "fwd": [(16, 8, 1)], "dq": [(16, 8, 1)], "dkdv": {16: [(16, 8, 1)]}},
 }
 
 
@@ -127,7 +131,9 @@ def key_tile(block_size: int, block_n: int) -> tuple[int, int]:
 def kernel_configs(kernel: str, block_size: int, head_dim: int, dtype: torch.dtype = torch.bfloat16
                    ) -> list[SelectionConfig]:
     """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a block size, head
-    dim and dtype: the default first, then the other autotuning candidates (forward/dQ: key widths
+    dim (with a V head dim of its own, the larger of Q/K's and V's:
+    :func:`~sparse_io_attn._attention.tiles.tile_head_dim`; every tile-choosing function here takes that)
+    and dtype: the default first, then the other autotuning candidates (forward/dQ: key widths
     fitted to ``block_size`` by :func:`key_step`, duplicates removed; dK/dV: the candidates of the
     key-tile width :func:`key_tile` gives). Depends on shapes and dtype only."""
     if kernel not in KERNELS:
@@ -200,9 +206,11 @@ class FamilyTiles:
 _FAMILY_CONFIGS = {128: (64, 32, ((4, 2), (4, 3), (8, 2)), ((4, 3), (8, 3))),
                    256: (64, 16, ((4, 2), (8, 2), (4, 3)), ((8, 3),)),
                    512: (32, 16, ((4, 2), (8, 2)), ((8, 2),)),
-                   1024: (16, 16, ((4, 1), (4, 2)), ((4, 1),))}
+                   1024: (16, 16, ((4, 1), (4, 2)), ((4, 1),)),
+                   2048: (16, 16, ((8, 1),), ((8, 1),))}
 _FAMILY_CONFIGS_FP32 = {256: (32, 16, ((4, 2), (8, 2)), ((4, 2),)), 512: (16, 16, ((4, 2),), ((4, 2),)),
-                        1024: (16, 16, ((4, 1),), ((4, 1),))}
+                        1024: (16, 16, ((4, 1),), ((4, 1),)), 2048: (16, 16, ((8, 1),), ((8, 1),)),
+                        4096: (16, 16, ((8, 1),), ((8, 1),))}
 _FAMILY_KEY_N = 64   # key tile of the key-major family (a block of up to 64 keys is one tile)
 
 

@@ -3,8 +3,8 @@ per-head attention sinks (value and gradient), a V head dim other than Q/K's, an
 row deltas from the forward's fp32 output (bf16 gradients against float64). Every case against the
 float64 references (the sink as one more score column, the mask from the layout or selection), on
 fresh random inputs: GQA, empty rows with and without a sink, a ``-inf`` sink, both causal
-alignments, decode calls (``Nq <= 16``), both selection kernel families. The Triton backend refuses
-them until its kernels take them."""
+alignments, decode calls (``Nq <= 16``), both selection kernel families. Triton's sinks are tested
+below, its V head dim of its own in test_triton_value_dim.py."""
 from __future__ import annotations
 
 import math
@@ -250,15 +250,6 @@ def test_residual_only_when_a_gradient_is_needed(backend):
 
 
 # --------------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("op", ["selection", "block_sparse"])
-def test_triton_refuses_value_dim(op):
-    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 8, 16), torch.randn(1, 1, 8, 8)
-    mask = _mask(op, 1, 2, 1, 8, 8, 4)
-    fn = selection_attention if op == "selection" else block_sparse_attention
-    with pytest.raises(NotImplementedError, match=r"V head dim .*backend='cpu' or 'torch'"):
-        fn(q, k, v, mask, backend="triton")
-
-
 @pytest.mark.parametrize("sinks,err,match", [
     pytest.param(torch.zeros(3), ValueError, r"sinks must have shape \[num_heads_q\] = \[2\]", id="shape"),
     pytest.param(torch.zeros(2, dtype=torch.int64), TypeError, "sinks has dtype torch.int64", id="dtype"),

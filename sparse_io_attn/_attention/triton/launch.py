@@ -57,15 +57,11 @@ class Call:
 def check_supported(op: str, q: torch.Tensor, v: torch.Tensor, plan) -> None:
     """Refuse at a Triton launcher's entry what no Triton kernel implements yet (issue 48 phase B), as
     the op's feature check (:meth:`~sparse_io_attn._attention.op.AttentionOp.require`) refuses it at
-    the API: a V head dim other than q's, a plan of packed sequences (``cu_seqlens``). Sinks and the
-    row deltas cannot reach a launcher (it takes no such keyword)."""
-    if v.shape[-1] != q.shape[-1]:
-        arg = f"a V head dim other than Q/K's (v {v.shape[-1]}, q {q.shape[-1]})"
-    elif getattr(plan, "varlen", False):
-        arg = "cu_seqlens= (a plan of packed sequences)"
-    else:
-        return
-    raise NotImplementedError(f"{op} backend 'triton' does not support {arg} yet; use backend='cpu' or 'torch'")
+    the API: a plan of packed sequences (``cu_seqlens``). Sinks and the row deltas cannot reach a
+    launcher (it takes no such keyword); a V head dim of its own (``v``) every kernel takes."""
+    if getattr(plan, "varlen", False):
+        raise NotImplementedError(f"{op} backend 'triton' does not support cu_seqlens= (a plan of packed sequences) "
+                                  f"yet; use backend='cpu' or 'torch'")
 
 
 def strides(t: torch.Tensor, prefix: str) -> dict:
@@ -74,11 +70,11 @@ def strides(t: torch.Tensor, prefix: str) -> dict:
     return {f"stride_{prefix}{ax}": s for ax, s in zip(axes, t.stride())}
 
 
-def forward_outputs(q: torch.Tensor):
-    """``(out, lse, stats)``, uninitialised: ``out`` like ``q`` (contiguous), ``lse`` fp32 ``[B, Hq, Nq]``,
-    ``stats`` fp32 ``[2, B, Hq, Nq]``."""
+def forward_outputs(q: torch.Tensor, v: torch.Tensor):
+    """``(out, lse, stats)``, uninitialised: ``out`` contiguous ``[B, Hq, Nq, Dv]`` in ``q``'s dtype (``Dv``:
+    ``v``'s head dim), ``lse`` fp32 ``[B, Hq, Nq]``, ``stats`` fp32 ``[2, B, Hq, Nq]``."""
     B, Hq, Nq, _ = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty(B, Hq, Nq, v.shape[-1])
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
     return out, lse, stats
@@ -95,7 +91,8 @@ def backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 def preprocess_call(name: str, out: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, block_m: int,
                     head_dim: int) -> Call:
     """The backward preprocess ``delta = rowsum(dO * O)`` into ``delta`` (fp32 ``[B, Hq, Nq]``,
-    :func:`backward_outputs`) launched as ``name`` over query tiles of ``block_m`` rows."""
+    :func:`backward_outputs`) launched as ``name`` over query tiles of ``block_m`` rows (``head_dim``: the
+    padded head dim of ``out``, V's)."""
     B, Hq, Nq, D = out.shape
     return Call(name, attn_bwd_preprocess_kernel, (triton.cdiv(Nq, block_m), B * Hq), PREPROCESS_TENSORS,
                 [PREPROCESS_CONFIG], dict(o_ptr=out, do_ptr=do, delta_ptr=delta, **strides(out, "o"),
@@ -118,7 +115,8 @@ def sink_args(sinks2: torch.Tensor | None, dummy: torch.Tensor) -> dict:
 def merge_call(name: str, partial: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor,
                splits: int, head_dim: int, sinks2: torch.Tensor | None = None) -> Call:
     """The decode merge launched as ``name``: every row's ``splits`` partial results (``partial``) merged in
-    split order into ``out``, ``lse``, ``stats`` (``sinks2``: the heads' sinks folded in, :func:`sink_args`)."""
+    split order into ``out``, ``lse``, ``stats`` (``head_dim``: the padded head dim of ``out``, V's; ``sinks2``:
+    the heads' sinks folded in, :func:`sink_args`)."""
     B, Hq, Nq, D = out.shape
     rows = B * Hq * Nq
     return Call(name, attn_decode_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),), DECODE_MERGE_TENSORS,

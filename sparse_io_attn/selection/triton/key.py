@@ -37,7 +37,7 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_n, offs_d, mask_d,
+def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_n, offs_d, mask_d, offs_dv, mask_dv,
                   stride_kn, stride_kd, stride_vn, stride_vd, causal_offset, qk_scale, EVEN_D: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
     """Key tile ``[n_start, n_start + BLOCK_N)`` of the block against the gathered rows (tokens ``tok``).
@@ -45,8 +45,8 @@ def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_
     get probability 0. Returns ``(acc, l_i, m_i)``."""
     cols = n_start + offs_n  # [BLOCK_N]
     mask_n = cols < key_end
-    k, v = load_row_pair(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                         MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
+    k, v = load_row_pair(k_base, v_base, cols, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn,
+                         stride_vd, MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM | HEAD_DIM_V]
     s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         valid = mask_n[None, :]
@@ -63,10 +63,10 @@ def _key_fwd_kernel(
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     num_selections, heads_per_selection, units, num_kv_blocks, work_capacity, num_rows,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // SEL_ROWS  # tokens per tile
     p = tl.program_id(0)  # the tile
@@ -88,6 +88,8 @@ def _key_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
+    offs_dv = tl.arange(0, HEAD_DIM_V)
+    mask_dv = offs_dv < head_dim_v
     e, hh, row_ok, tok = _gathered_rows(col_query_ptr + lo, n, i, offs_r, SEL_HEADS, SEL_ROWS, BLOCK_M)
     slot = tl.load(col_slot_ptr + lo + e, mask=e < n, other=0)  # [BLOCK_M] the pairs' slots in their rows
     heads = (off_h + hh).to(tl.int64)  # [BLOCK_M]
@@ -107,22 +109,22 @@ def _key_fwd_kernel(
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     for kt in range(0, n_plain):
         acc, l_i, m_i = _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, key_start + kt * BLOCK_N, key_end,
-                                      offs_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                                      causal_offset, qk_scale, EVEN_D, IS_CAUSAL, DOT_DTYPE, MASKED=False)
+                                      offs_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn,
+                                      stride_vd, causal_offset, qk_scale, EVEN_D, IS_CAUSAL, DOT_DTYPE, MASKED=False)
     for kt in range(n_plain, n_tiles):
         acc, l_i, m_i = _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, key_start + kt * BLOCK_N, key_end,
-                                      offs_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                                      causal_offset, qk_scale, EVEN_D, IS_CAUSAL, DOT_DTYPE, MASKED=True)
+                                      offs_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn,
+                                      stride_vd, causal_offset, qk_scale, EVEN_D, IS_CAUSAL, DOT_DTYPE, MASKED=True)
     rows_out = (off_z * num_heads_q + heads) * seqlen_q + tok  # [BLOCK_M] flat rows (b, h, t)
-    store_partial_rows(partial_ptr, acc, l_i, m_i, slot, rows_out, offs_d, row_ok, mask_d, num_rows, HEAD_DIM)
+    store_partial_rows(partial_ptr, acc, l_i, m_i, slot, rows_out, offs_dv, row_ok, mask_dv, num_rows, HEAD_DIM_V)
 
     if COUNT_IO:
         tokens = tl.where(live, tl.minimum(n - i * BLOCK_T, BLOCK_T), 0).to(tl.int64)
         tally_forward(io_ptr, tl.sum(row_ok.to(tl.int64)), (key_end - key_start).to(tl.int64),
-                      head_dim * ELEM_BYTES, head_dim, 2)
+                      head_dim, head_dim_v, ELEM_BYTES, 2)
         io_add(io_ptr, DEC_PLAN, (1 + tl.where(live, 3, 0) + 2 * tokens) * 4, 0)
 
 

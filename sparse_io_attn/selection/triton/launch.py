@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.sinks import sinks_base2
+from sparse_io_attn._attention.tiles import tile_head_dim
 from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, check_supported, decode_partial,
                                                      forward_outputs, last_tiles, merge_call, preprocess_call, run,
                                                      run_calls, sink_args, strides)
@@ -55,7 +56,7 @@ from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
 from sparse_io_attn.selection.triton.launch_families import (PREPROCESS_BLOCK_M, common_args, dkdv_call, key_dq_calls,
                                                              key_forward_calls, key_tiles_of, key_work_of,
                                                              masked_backward_calls, masked_forward_calls,
-                                                             masked_tiles_of, plan_keys)
+                                                             masked_tiles_of, plan_keys, tile_dim)
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
@@ -63,11 +64,12 @@ TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_
 KERNEL_NAMES = ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")
 
 
-def _row_configs(kind: str, q: torch.Tensor, plan: SelectionPlan) -> list:
-    """Forward / dQ configurations: ``BLOCK_N`` with its ``SLOTS``, ``TILES``, ``MASK_LANES``."""
+def _row_configs(kind: str, q: torch.Tensor, plan: SelectionPlan, head_dim: int) -> list:
+    """Forward / dQ configurations (for ``head_dim``: :func:`~.launch_families.tile_dim`): ``BLOCK_N`` with
+    its ``SLOTS``, ``TILES``, ``MASK_LANES``."""
     out = []
     bs = plan.block_size
-    for c in kernel_configs(kind, bs, q.shape[-1], q.dtype):
+    for c in kernel_configs(kind, bs, head_dim, q.dtype):
         n, slots, tiles = key_step(bs, c.block_n)
         out.append(triton.Config({"BLOCK_N": n, "SLOTS": slots, "TILES": tiles,
                                   "MASK_LANES": slots * bs != n if slots > 1 else tiles * n != bs},
@@ -85,11 +87,12 @@ def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple 
     """``([call], out, lse, stats)``: the query-major forward launch and its (uninitialised) outputs
     (``outputs``: their buffers, from :func:`forward_outputs`, allocated here when not given)."""
     B, Hq, Nq, D = q.shape
-    common = common_args(q, k, plan, sm_scale)
-    block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
-    out, lse, stats = forward_outputs(q) if outputs is None else outputs
+    common = common_args(q, k, v, plan, sm_scale)
+    block_h = head_rows(common["SEL_HEADS"], tile_dim(common), q.dtype)
+    out, lse, stats = forward_outputs(q, v) if outputs is None else outputs
     grid = _row_grid(q, common, block_h)
-    call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS, _row_configs("fwd", q, plan), dict(
+    call = Call("selection_fwd", _sel_fwd_kernel, lambda meta: grid, FWD_TENSORS,
+                _row_configs("fwd", q, plan, tile_dim(common)), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
         row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
         **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h,
@@ -104,12 +107,12 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
     the plan's rows are read."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
-    common = common_args(q, k, plan, sm_scale)
-    cfg = decode_config(plan.block_size, plan.max_blocks, B, Hq, Hkv, plan.num_selections, Nq, D, q.dtype,
-                        split_keys=split_keys)
-    out, lse, stats = forward_outputs(q)
+    common = common_args(q, k, v, plan, sm_scale)
+    cfg = decode_config(plan.block_size, plan.max_blocks, B, Hq, Hkv, plan.num_selections, Nq, tile_dim(common),
+                        q.dtype, split_keys=split_keys)
+    out, lse, stats = forward_outputs(q, v)
     rows = B * Hq * Nq
-    partial = decode_partial(cfg.splits, rows, common["HEAD_DIM"], q.device)
+    partial = decode_partial(cfg.splits, rows, common["HEAD_DIM_V"], q.device)
     r = common["SEL_HEADS"]
     grid = (B * (Hq // r) * triton.cdiv(r, cfg.block_h) * Nq, cfg.splits)
     calls = [Call("selection_decode", _sel_decode_kernel, grid, DECODE_TENSORS,
@@ -121,7 +124,7 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
                       MASK_LANES=cfg.mask_lanes, NUM_SPLITS=cfg.splits,
                       **sink_args(sinks2 if cfg.splits == 1 else None, lse), **common))]
     if cfg.splits > 1:
-        calls.append(merge_call("selection_decode_merge", partial, out, lse, stats, cfg.splits, common["HEAD_DIM"],
+        calls.append(merge_call("selection_decode_merge", partial, out, lse, stats, cfg.splits, common["HEAD_DIM_V"],
                                 sinks2))
     return calls, out, lse, stats
 
@@ -131,14 +134,14 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
     order, and their outputs (``outputs``: ``(delta, dq, dk, dv)`` buffers from :func:`backward_outputs`,
     allocated here when not given)."""
     B, Hq, Nq, D = q.shape
-    common = common_args(q, k, plan, sm_scale)
+    common = common_args(q, k, v, plan, sm_scale)
     delta, dq, dk, dv = backward_outputs(q, k, v) if outputs is None else outputs   # delta: rowsum(dO * O)
-    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
+    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM_V"])
     dkdv, dk, dv = dkdv_call("selection_bwd_dkdv", do, q, k, v, stats, delta, plan, common, None, dk=dk, dv=dv)
-    block_h = head_rows(common["SEL_HEADS"], D, q.dtype)
+    block_h = head_rows(common["SEL_HEADS"], tile_dim(common), q.dtype)
     grid = _row_grid(q, common, block_h)
     dq_call = Call("selection_bwd_dq", _sel_bwd_dq_kernel, lambda meta: grid, DQ_TENSORS,
-                   _row_configs("dq", q, plan), dict(
+                   _row_configs("dq", q, plan, tile_dim(common)), dict(
                        q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dq_ptr=dq,
                        rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
                        **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"), max_blocks=plan.max_blocks,
@@ -149,16 +152,18 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
 def key_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
     """``([preprocess, key_bwd, key_dq_merge] calls, dq, dk, dv)``: the key-major family's backward: the
     dK/dV kernel also writing each gathered row's dQ partial at its slot, then their merge."""
-    common = common_args(q, k, plan, sm_scale)
+    common = common_args(q, k, v, plan, sm_scale)
     delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)   # rowsum(dO * O)
-    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
+    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM_V"])
     calls, dq, dk, dv = key_dq_calls(do, q, k, v, stats, delta, plan, common)
     return [pre] + calls, dq, dk, dv
 
 
-def tiles_for(q: torch.Tensor, k: torch.Tensor, plan: SelectionPlan) -> SelectionTiles:
-    """The default kernel tiles for these inputs (what the traffic model assumes by default)."""
-    return choose_tiles(plan.block_size, q.shape[-1], q.dtype, sel_heads(q.shape[1], k.shape[1], plan.num_selections))
+def tiles_for(q: torch.Tensor, k: torch.Tensor, plan: SelectionPlan, v: torch.Tensor | None = None) -> SelectionTiles:
+    """The default kernel tiles for these inputs (``v``: when its head dim is not q's; what the traffic model
+    assumes by default)."""
+    return choose_tiles(plan.block_size, tile_head_dim(q.shape[-1], None if v is None else v.shape[-1]), q.dtype,
+                        sel_heads(q.shape[1], k.shape[1], plan.num_selections))
 
 
 def launched_tiles() -> SelectionTiles | None:
@@ -172,21 +177,23 @@ def launched_tiles() -> SelectionTiles | None:
     return SelectionTiles(fwd=fwd, dq=dq, dkdv=dkdv)
 
 
-def family(q, k, plan: SelectionPlan, name: str | None = None) -> str:
+def family(q, k, plan: SelectionPlan, name: str | None = None, v=None) -> str:
     """The kernel family of a call's prefill forward and backward
-    (:func:`~sparse_io_attn.selection.tiles.kernel_family`; ``name`` forces one)."""
+    (:func:`~sparse_io_attn.selection.tiles.kernel_family`; ``name`` forces one; ``v``: when its head dim is
+    not q's)."""
     B, Hq, Nq, D = q.shape
     return kernel_family(plan.block_size, plan.max_blocks, plan.num_layouts, B, Hq, k.shape[1], plan.num_selections,
-                         Nq, k.shape[2], D, q.dtype, name)
+                         Nq, k.shape[2], tile_head_dim(D, None if v is None else v.shape[-1]), q.dtype, name)
 
 
-def prepare(q, k, plan: SelectionPlan, family_name: str | None = None) -> str:
+def prepare(q, k, plan: SelectionPlan, family_name: str | None = None, v=None) -> str:
     """Build what the family of these inputs derives from the plan (key-major lists and work tiles, or the
     masked tiles; all on the plan's device, kept with it) ahead of the first launch, as a step's plan
-    would; returns the family."""
-    check_supported("selection_attn", q, q, plan)
-    fam = family(q, k, plan, family_name)
-    common = common_args(q, k, plan, 1.0)
+    would; returns the family (``v``: when its head dim is not q's)."""
+    v = q if v is None else v
+    check_supported("selection_attn", q, v, plan)
+    fam = family(q, k, plan, family_name, v)
+    common = common_args(q, k, v, plan, 1.0)
     if fam == "masked":
         masked_tiles_of(q, plan, common)
     else:
@@ -210,9 +217,9 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | Non
     if decode:
         calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, split_keys=split_keys, sinks2=sinks2)
     else:
-        fam = family(q, k, plan, family_name)
+        fam = family(q, k, plan, family_name, v)
         if fam == "query":      # from the launches kept for these shapes after the first call (run_calls)
-            out, lse, stats = forward_outputs(q)
+            out, lse, stats = forward_outputs(q, v)
             run_calls(_key("fwd", q, k, v, plan, sm_scale, sinks2 is not None),
                       lambda: forward_calls(q, k, v, plan, sm_scale, (out, lse, stats), sinks2)[0],
                       (q, k, v, out, lse, stats, plan.rows, plan.row_counts, *(() if sinks2 is None else (sinks2,))),
@@ -230,7 +237,7 @@ def _key(kind: str, q, k, v, plan: SelectionPlan, sm_scale: float, *more) -> tup
     selection of the same shapes every step reuses the launches), shapes, strides, dtype, ``sm_scale``.
     The key-major and masked families build their calls every time (their work lists come with the plan)."""
     return (kind, plan.meta[:-1], plan.rows.shape, plan.causal_offset, sm_scale, q.shape, q.stride(), k.shape,
-            k.stride(), v.stride(), q.dtype, *more)
+            k.stride(), v.shape, v.stride(), q.dtype, *more)
 
 
 FORWARD_CALLS = {"query": forward_calls, "key": key_forward_calls, "masked": masked_forward_calls}
@@ -243,7 +250,7 @@ def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, f
     """The family's backward (:func:`family`; ``family_name`` forces one), whatever forward made ``stats``."""
     check_supported("selection_attn", q, v, plan)
     check_device(q, "backend 'triton'")
-    fam = family(q, k, plan, family_name)
+    fam = family(q, k, plan, family_name, v)
     do, stats = do.to(q.dtype), stats.contiguous()
     if fam == "query":
         delta, dq, dk, dv = outputs = backward_outputs(q, k, v)
