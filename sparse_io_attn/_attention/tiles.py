@@ -11,6 +11,10 @@ from sparse_io_attn.bounds.units import itemsize
 #: the largest head dim the Triton kernels take (Q/K's or V's): 576, the width of MLA's q/k rows
 #: (DeepSeek's latent 512 + rope 64, FlashMLA's shapes), padded to 1024 lanes
 MAX_HEAD_DIM = 576
+#: padded row bytes (``HEAD_DIM * element bytes``) past which a row is *wide* (MLA's 576 in bf16, 512 and
+#: up in fp32): the tiles that fit sm_90's shared memory there are the smallest (the block-sparse decode's
+#: 32-key tiles, the selection op's query-major family)
+WIDE_ROW_BYTES = 1024
 #: query tokens up to which the forward runs the decode kernels (split-K over each row's keys)
 DECODE_MAX_QUERIES = 16
 DECODE_SPLIT_KEYS = 512     # keys a split holds at least (when the row has that many)
@@ -41,4 +45,4 @@ def element_size(dtype: torch.dtype) -> int:
 
 
 __all__ = ["DECODE_MAX_QUERIES", "DECODE_MAX_SPLITS", "DECODE_SPLIT_KEYS", "DECODE_TARGET_PROGRAMS",
-           "MAX_HEAD_DIM", "element_size", "padded_head_dim", "tile_head_dim"]
+           "MAX_HEAD_DIM", "WIDE_ROW_BYTES", "element_size", "padded_head_dim", "tile_head_dim"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn._attention.tiles import (DECODE_MAX_SPLITS, DECODE_SPLIT_KEYS, DECODE_TARGET_PROGRAMS,
-                                             element_size, padded_head_dim)
+                                             WIDE_ROW_BYTES, element_size, padded_head_dim)
 from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
 
 @dataclass(frozen=True)
@@ -172,7 +172,8 @@ def decode_config(plan, batch: int, num_heads_q: int, num_heads_kv: int, head_di
     masks) for these inputs. The heads of a GQA group share a program when they share one list: a
     layout shared by every head, or one mask per KV head repeated for the query heads. Splits come
     from the plan's kept-block capacity per row (storage slots / rows: a shape, no host read) and the
-    number of row programs, never from the data."""
+    number of row programs, never from the data. ``head_dim``: with a V head dim of its own, the larger
+    (:func:`~sparse_io_attn._attention.tiles.tile_head_dim`)."""
     bq, bk = plan.block_size
     nq, _ = plan.seqlen
     G = num_heads_q // num_heads_kv
@@ -183,7 +184,9 @@ def decode_config(plan, batch: int, num_heads_q: int, num_heads_kv: int, head_di
     if shared:
         heads = max(d for d in range(1, G + 1) if G % d == 0 and d * tokens <= max(DECODE_MAX_ROWS, tokens))
     fp32 = element_size(dtype) == 4   # exact IEEE products on CUDA cores: smaller key tiles, more warps
-    block_n = _pow2_divisor(bk, 32 if fp32 else 64)
+    # wide rows (MLA's 576 padded to 1024 lanes): 32-key tiles, two stages (sm_90 shared memory)
+    wide = padded_head_dim(head_dim) * element_size(dtype) > WIDE_ROW_BYTES
+    block_n = _pow2_divisor(bk, 32 if fp32 or wide else 64)
     if block_n < MIN_TILE:
         raise NotImplementedError(
             f"backend 'triton' needs layout block sizes with a power-of-two divisor >= {MIN_TILE} "
@@ -195,4 +198,4 @@ def decode_config(plan, batch: int, num_heads_q: int, num_heads_kv: int, head_di
                         -(-DECODE_TARGET_PROGRAMS // programs)))
     block_m = max(MIN_TILE, next_pow2(heads * tokens))
     return DecodeConfig(heads, tokens, block_m, block_n, splits, num_warps=8 if fp32 and block_m >= 64 else 4,
-                        num_stages=2 if fp32 else 3)
+                        num_stages=2 if fp32 or wide else 3)

@@ -169,7 +169,7 @@ def block_sparse_decode_forward(layout: BlockSparseLayout, batch: int, num_heads
     split writes fp32 ``partial`` rows (``m``, ``l``, ``acc``: ``2 + Dv`` floats) that the merge reads
     once before writing ``o``, ``lse``, ``stats``. O(kept blocks + programs), no launch."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    cfg = decode_config(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    cfg = decode_config(layout, batch, num_heads_q, num_heads_kv, tile_head_dim(head_dim, head_dim_v), dtype)
     (bq, bk), (sq, sk) = layout.block_size, layout.seqlen
     D, delta, S, tiles = head_dim, layout.causal_offset, cfg.splits, bk // cfg.block_n
     L, nqb = layout.num_layouts, layout.num_q_blocks

@@ -27,7 +27,7 @@ import torch
 
 from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
 from sparse_io_attn._attention.tiles import (DECODE_MAX_QUERIES, DECODE_MAX_SPLITS, DECODE_SPLIT_KEYS,
-                                             DECODE_TARGET_PROGRAMS, element_size, padded_head_dim)
+                                             DECODE_TARGET_PROGRAMS, WIDE_ROW_BYTES, element_size, padded_head_dim)
 
 KERNELS = ("fwd", "dq", "dkdv")
 
@@ -72,8 +72,9 @@ _CONFIGS = {
     512: {"heads": 32, "fwd": [(32, 4, 2), (32, 8, 2)], "dq": [(32, 4, 2)],
           "dkdv": {32: [(16, 8, 2), (32, 8, 2)], 16: [(16, 4, 2)]}},
     1024: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
-    # MLA's q/k rows (head dim 576 padded to 1024, V's 512): the smallest tiles, 8 warps for the wide accumulators
-    2048: {"heads": 16, "fwd": [(16, 8, 2)], "dq": [(16, 8, 2)], "dkdv": {16: [(16, 8, 2)]}},
+    # MLA's q/k rows (head dim 576 padded to 1024, V's 512): the smallest tiles, 8 warps for the wide
+    # accumulators; one stage for dK/dV and by default for the forward (the decode kernel's too): unspilled
+    2048: {"heads": 16, "fwd": [(16, 8, 1), (16, 8, 2)], "dq": [(16, 8, 2)], "dkdv": {16: [(16, 8, 1)]}},
 }
 # fp32 runs exact IEEE products on CUDA cores (no tensor cores): operands in registers, smaller tiles.
 _CONFIGS_FP32 = {
@@ -263,7 +264,9 @@ def kernel_family(block_size: int, max_blocks: int, layouts: int, batch: int, nu
     * ``"masked"``: smaller blocks (single tokens: DSA with few heads per list): tiles of consecutive
       query tokens against tiles of 64 consecutive keys with an element mask;
 
-    ``"query"`` where the family's work buffers would exceed :data:`MAX_WORK_BYTES`."""
+    ``"query"`` where the family's work buffers would exceed :data:`MAX_WORK_BYTES`, and for wide rows
+    (:data:`~sparse_io_attn._attention.tiles.WIDE_ROW_BYTES`: MLA's 576 in bf16), where the key-major and
+    masked families' 64-key tiles exceed sm_90's shared memory."""
     name = name if name is not None else os.environ.get(FAMILY_ENV, "auto") or "auto"
     if name != "auto" and name not in FAMILIES:
         raise ValueError(f"the Triton selection kernel family must be 'auto' or one of {FAMILIES}, got {name!r} "
@@ -271,7 +274,7 @@ def kernel_family(block_size: int, max_blocks: int, layouts: int, batch: int, nu
     if name != "auto":
         return name
     r = sel_heads(num_heads_q, num_heads_kv, num_selections)
-    if r >= QUERY_MAJOR_MIN_HEADS:
+    if r >= QUERY_MAJOR_MIN_HEADS or padded_head_dim(head_dim) * element_size(dtype) > WIDE_ROW_BYTES:
         return "query"
     fam = "key" if block_size >= KEY_MAJOR_MIN_BLOCK else "masked"
     work = family_work_bytes(fam, block_size, max_blocks, layouts, batch, num_heads_q, seqlen_q, seqlen_k, head_dim,

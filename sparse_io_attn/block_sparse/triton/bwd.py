@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
 from sparse_io_attn._attention.triton.tally import tally_backward
-from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _list_range, _query_tile, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import DKDV_LAYOUT, DKDV_MASK, DQ_LAYOUT, DQ_MASK
@@ -130,11 +130,9 @@ def _attn_bwd_dkdv_kernel(
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_part0 = tl.arange(0, PART_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < seqlen_k
-    mask_d = offs_d < head_dim
-    offs_dv = tl.arange(0, HEAD_DIM_V)
-    mask_dv = offs_dv < head_dim_v
+    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
+    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
 
     k, v = load_row_pair(k_ptr + off_z * stride_kz + off_g * stride_kh, v_ptr + off_z * stride_vz + off_g * stride_vh,
                          offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -237,7 +235,7 @@ def _attn_bwd_dq_kernel(
     pid_zh = tl.program_id(1)
     off_z, off_h, off_hkv, m_start, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv = _query_tile(
         tl.program_id(0), pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, head_dim_v, BLOCK_M, BLOCK_N, HEAD_DIM,
-        HEAD_DIM_V)
+        HEAD_DIM_V, EVEN_D)
     mask_md = mask_m[:, None] & mask_d[None, :]
 
     q, do = load_row_pair(q_ptr + off_z * stride_qz + off_h.to(tl.int64) * stride_qh,

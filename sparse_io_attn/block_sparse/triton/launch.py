@@ -96,7 +96,7 @@ def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float, sinks2=None):
     (uninitialised) outputs. K and V are passed as they are (any strides)."""
     B, Hq, Nq, D = q.shape
     Hkv = k.shape[1]
-    cfg = decode_config(plan, B, Hq, Hkv, D, q.dtype)
+    cfg = decode_config(plan, B, Hq, Hkv, tile_head_dim(D, v.shape[3]), q.dtype)
     out, lse, stats = forward_outputs(q, v)
     common = _common(q, k, v, plan, sm_scale)
     rows = B * Hq * Nq

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
-from sparse_io_attn._attention.triton.tile_io import load_row_pair
+from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.slots import FWD_PLAN
 
@@ -152,11 +152,9 @@ def _sel_fwd_kernel(
     off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
                                                        heads_per_selection, SEL_HEADS, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < head_dim
+    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
     mask_hd = mask_h[:, None] & mask_d[None, :]
-    offs_dv = tl.arange(0, HEAD_DIM_V)
-    mask_dv = offs_dv < head_dim_v
+    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
 
     q = tl.load(q_ptr + off_z * stride_qz + offs_h[:, None] * stride_qh + t.to(tl.int64) * stride_qm
                 + offs_d[None, :] * stride_qd, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]

@@ -27,7 +27,7 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.kernels import merge_rows
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_partial_rows
 from sparse_io_attn._attention.triton.tally import tally_forward, tally_merge
-from sparse_io_attn._attention.triton.tile_io import load_row_pair
+from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _gathered_rows
 from sparse_io_attn.selection.triton.slots import DEC_PLAN, DQM_DQ, DQM_PARTIAL, DQM_PLAN, MERGE_PLAN
@@ -87,9 +87,8 @@ def _key_fwd_kernel(
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < head_dim
-    offs_dv = tl.arange(0, HEAD_DIM_V)
-    mask_dv = offs_dv < head_dim_v
+    mask_d = offs_d < head_dim   # (q's mask at run time: a constant one spills at fp16 head dim 128 on sm_90)
+    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
     e, hh, row_ok, tok = _gathered_rows(col_query_ptr + lo, n, i, offs_r, SEL_HEADS, SEL_ROWS, BLOCK_M)
     slot = tl.load(col_slot_ptr + lo + e, mask=e < n, other=0)  # [BLOCK_M] the pairs' slots in their rows
     heads = (off_h + hh).to(tl.int64)  # [BLOCK_M]
