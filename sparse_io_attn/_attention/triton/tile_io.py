@@ -4,7 +4,7 @@ kernel reads and writes, one per mechanism:
 * :func:`load_row_pair`: two tiles at the same rows of two tensors (``k`` and ``v`` of a key tile, ``q``
   and ``do`` of a query tile: the first of Q/K's head dim, the second of V's), masked or not;
 * :func:`store_dkdv`: a dK/dV program's ``dk * sm_scale`` (Q/K's head dim) and ``dv`` (V's) at its key rows;
-* :func:`head_lanes`: a head dim's lanes and their mask, a constant where no lane is padding."""
+* :func:`value_lanes`: V's head-dim lanes and their mask (Q/K's where its head dim is theirs)."""
 from __future__ import annotations
 
 import sparse_io_attn._triton.jit  # noqa: F401  (sets TRITON_INTERPRET first)
@@ -14,16 +14,17 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def head_lanes(head_dim, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
-    """``(offs, mask)``: the ``HEAD_DIM`` lanes of a head dim of ``head_dim`` and those inside it. ``EVEN_D``
-    (no padded lane): the mask is a compile-time constant, so the loads and stores it masks carry no
-    head-dim predicate (Q/K's and V's masks are then one value, not two live beside the tiles)."""
-    offs = tl.arange(0, HEAD_DIM)
-    if EVEN_D:
-        mask = tl.full([HEAD_DIM], 1, tl.int1)
+def value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr):
+    """``(offs_dv, mask_dv)``: V's ``HEAD_DIM_V`` head-dim lanes and those inside ``head_dim_v``; ``DV_IS_D`` (V's
+    head dim is Q/K's): Q/K's ``(offs_d, mask_d)`` themselves, one mask for both as before V had a head dim of
+    its own (a second mask live beside the tiles spills sm_90 compiles: the key-major forward at head dim 80,
+    the block-sparse dK/dV's 128 x 128 tiles at 64)."""
+    if DV_IS_D:
+        offs_dv, mask_dv = offs_d, mask_d
     else:
-        mask = offs < head_dim
-    return offs, mask
+        offs_dv = tl.arange(0, HEAD_DIM_V)
+        mask_dv = offs_dv < head_dim_v
+    return offs_dv, mask_dv
 
 
 @triton.jit
@@ -60,4 +61,4 @@ def store_dkdv(dk_base, dv_base, dk, dv, rows, mask_n, offs_d, mask_d, offs_dv, 
              dv.to(dv_base.dtype.element_ty), mask=mask_n[:, None] & mask_dv[None, :])
 
 
-__all__ = ["head_lanes", "load_row_pair", "store_dkdv"]
+__all__ = ["load_row_pair", "store_dkdv", "value_lanes"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
 from sparse_io_attn._attention.triton.tally import tally_backward
-from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _list_range, _query_tile, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import DKDV_LAYOUT, DKDV_MASK, DQ_LAYOUT, DQ_MASK
@@ -114,9 +114,10 @@ def _attn_bwd_dkdv_kernel(
     stride_lb, stride_lh, num_kv_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, EXACT_SCORES: tl.constexpr,
-    PART_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, EXACT_SCORES: tl.constexpr, PART_M: tl.constexpr,
     ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_M: tl.constexpr = BLOCK_SIZE_Q // BLOCK_M
@@ -130,9 +131,10 @@ def _attn_bwd_dkdv_kernel(
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_part0 = tl.arange(0, PART_M)
+    offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < seqlen_k
-    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     k, v = load_row_pair(k_ptr + off_z * stride_kz + off_g * stride_kh, v_ptr + off_z * stride_vz + off_g * stride_vh,
                          offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -227,15 +229,16 @@ def _attn_bwd_dq_kernel(
     stride_lb, stride_lh, num_q_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
     pid_zh = tl.program_id(1)
     off_z, off_h, off_hkv, m_start, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv = _query_tile(
         tl.program_id(0), pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, head_dim_v, BLOCK_M, BLOCK_N, HEAD_DIM,
-        HEAD_DIM_V, EVEN_D)
+        HEAD_DIM_V, DV_IS_D)
     mask_md = mask_m[:, None] & mask_d[None, :]
 
     q, do = load_row_pair(q_ptr + off_z * stride_qz + off_h.to(tl.int64) * stride_qh,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import store_split_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
-from sparse_io_attn._attention.triton.tile_io import head_lanes
+from sparse_io_attn._attention.triton.tile_io import value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_step, _list_range
 from sparse_io_attn.block_sparse.triton.slots import DEC_LAYOUT, DEC_MASK
@@ -43,9 +43,10 @@ def _attn_decode_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
     HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
     split = tl.program_id(0)
@@ -62,8 +63,9 @@ def _attn_decode_kernel(
     offs_m = r * BLOCK_SIZE_Q + row_in_block
     mask_m = (offs_r // TOKENS < HEADS) & (row_in_block < BLOCK_SIZE_Q) & (offs_m < seqlen_q)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     q = tl.load(q_ptr + off_z * stride_qz + head.to(tl.int64)[:, None] * stride_qh + offs_m[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
-from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.slots import FWD_LAYOUT, FWD_MASK
 
@@ -51,7 +51,7 @@ def _tile_bits(mask_ptr, mask_id, row_in_block, col_in_block, load_ok,
 @triton.jit
 def _query_tile(pid_m, pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, head_dim_v,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                EVEN_D: tl.constexpr):
+                DV_IS_D: tl.constexpr):
     """The query tile of program ``(pid_m, pid_zh = batch x query head)``: ``(off_z, off_h, off_hkv,
     m_start, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv)`` (the KV head of the GQA group; key
     lanes ``offs_n`` of a tile, head-dim lanes ``offs_d`` of Q/K and ``offs_dv`` of V)."""
@@ -60,8 +60,9 @@ def _query_tile(pid_m, pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, he
     off_hkv = (off_h // (num_heads_q // num_heads_kv)).to(tl.int64)
     m_start = pid_m * BLOCK_M
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     return (off_z, off_h, off_hkv, m_start, offs_m, tl.arange(0, BLOCK_N), offs_d, offs_m < seqlen_q, mask_d,
             offs_dv, mask_dv)
 
@@ -150,16 +151,17 @@ def _attn_fwd_kernel(
     stride_lb, stride_lh, num_q_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
     COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
     pid_zh = tl.program_id(1)
     off_z, off_h, off_hkv, m_start, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv = _query_tile(
         tl.program_id(0), pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, head_dim_v, BLOCK_M, BLOCK_N, HEAD_DIM,
-        HEAD_DIM_V, EVEN_D)
+        HEAD_DIM_V, DV_IS_D)
 
     q = tl.load(q_ptr + off_z * stride_qz + off_h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM]

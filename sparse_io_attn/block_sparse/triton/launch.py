@@ -63,7 +63,7 @@ def _common(q, k, v, plan: AttentionPlan, sm_scale: float) -> dict:
                 num_heads_q=Hq, num_heads_kv=k.shape[1], head_dim=D, head_dim_v=Dv, sm_scale=float(sm_scale),
                 causal_offset=0 if causal_offset is None else int(causal_offset),
                 BLOCK_SIZE_Q=plan.BLOCK_SIZE_Q, BLOCK_SIZE_KV=plan.BLOCK_SIZE_KV,
-                MASK_WORDS=plan.masks.shape[-1], HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                MASK_WORDS=plan.masks.shape[-1], HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, DV_IS_D=Dv == D,
                 EVEN_D=head_dim == D and head_dim_v == Dv,
                 IS_CAUSAL=causal_offset is not None, DOT_DTYPE=dot_dtype(q.dtype), ELEM_BYTES=q.element_size())
 

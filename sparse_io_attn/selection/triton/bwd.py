@@ -27,7 +27,7 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, dq_step, load_stats, probabilities,
                                                       score_tile)
 from sparse_io_attn._attention.triton.tally import tally_backward
-from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.fwd import _head_unit, _key_step, _row_steps
 from sparse_io_attn.selection.triton.slots import DKDV_PARTIAL, DKDV_PLAN, DQ_PLAN
@@ -122,7 +122,8 @@ def _sel_bwd_dkdv_kernel(
     stride_lb, heads_per_selection, num_kv_blocks, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr, ELEM_BYTES: tl.constexpr,
     COUNT_IO: tl.constexpr,
@@ -138,9 +139,10 @@ def _sel_bwd_dkdv_kernel(
     live = n_start < key_end
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < key_end
-    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     k, v = load_row_pair(k_ptr + off_z * stride_kz + off_g * stride_kh, v_ptr + off_z * stride_vz + off_g * stride_vh,
                          offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -237,16 +239,18 @@ def _sel_bwd_dq_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
     off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
                                                        heads_per_selection, SEL_HEADS, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
     mask_hd = mask_h[:, None] & mask_d[None, :]
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     t64 = t.to(tl.int64)
 
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of stats / delta

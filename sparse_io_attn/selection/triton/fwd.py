@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
-from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.slots import FWD_PLAN
 
@@ -145,16 +145,18 @@ def _sel_fwd_kernel(
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
     off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
                                                        heads_per_selection, SEL_HEADS, BLOCK_H)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
     mask_hd = mask_h[:, None] & mask_d[None, :]
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     q = tl.load(q_ptr + off_z * stride_qz + offs_h[:, None] * stride_qh + t.to(tl.int64) * stride_qm
                 + offs_d[None, :] * stride_qd, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]

@@ -27,7 +27,7 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.kernels import merge_rows
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_partial_rows
 from sparse_io_attn._attention.triton.tally import tally_forward, tally_merge
-from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _gathered_rows
 from sparse_io_attn.selection.triton.slots import DEC_PLAN, DQM_DQ, DQM_PARTIAL, DQM_PLAN, MERGE_PLAN
@@ -45,8 +45,8 @@ def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_
     get probability 0. Returns ``(acc, l_i, m_i)``."""
     cols = n_start + offs_n  # [BLOCK_N]
     mask_n = cols < key_end
-    k, v = load_row_pair(k_base, v_base, cols, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn,
-                         stride_vd, MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM | HEAD_DIM_V]
+    k, v = load_row_pair(k_base, v_base, cols, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd,
+                         stride_vn, stride_vd, MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM | HEAD_DIM_V]
     s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         valid = mask_n[None, :]
@@ -65,8 +65,10 @@ def _key_fwd_kernel(
     num_selections, heads_per_selection, units, num_kv_blocks, work_capacity, num_rows,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // SEL_ROWS  # tokens per tile
     p = tl.program_id(0)  # the tile
@@ -87,8 +89,8 @@ def _key_fwd_kernel(
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_d = offs_d < head_dim   # (q's mask at run time: a constant one spills at fp16 head dim 128 on sm_90)
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     e, hh, row_ok, tok = _gathered_rows(col_query_ptr + lo, n, i, offs_r, SEL_HEADS, SEL_ROWS, BLOCK_M)
     slot = tl.load(col_slot_ptr + lo + e, mask=e < n, other=0)  # [BLOCK_M] the pairs' slots in their rows
     heads = (off_h + hh).to(tl.int64)  # [BLOCK_M]

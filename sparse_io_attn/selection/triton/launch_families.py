@@ -46,8 +46,8 @@ def common_args(q, k, v, plan: SelectionPlan, sm_scale: float) -> dict:
                 seqlen_k=k.shape[2], num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, head_dim_v=Dv,
                 sm_scale=float(sm_scale), causal_offset=0 if delta is None else int(delta), BLOCK_SIZE=plan.block_size,
                 SEL_HEADS=sel_heads(Hq, Hkv, plan.num_selections), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-                EVEN_D=head_dim == D and head_dim_v == Dv, IS_CAUSAL=delta is not None, DOT_DTYPE=dot_dtype(q.dtype),
-                ELEM_BYTES=q.element_size())
+                DV_IS_D=Dv == D, EVEN_D=head_dim == D and head_dim_v == Dv, IS_CAUSAL=delta is not None,
+                DOT_DTYPE=dot_dtype(q.dtype), ELEM_BYTES=q.element_size())
 
 
 def tile_dim(common: dict) -> int:

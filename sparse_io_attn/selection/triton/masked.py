@@ -26,7 +26,7 @@ from sparse_io_attn._attention.triton.slots import DKDV_DK, DKDV_DV
 from sparse_io_attn._attention.triton.softmax import (dkdv_step, dq_step, probabilities, score_tile, softmax_step,
                                                       store_rows)
 from sparse_io_attn._attention.triton.tally import tally_backward, tally_forward
-from sparse_io_attn._attention.triton.tile_io import head_lanes, load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _row_inputs
 from sparse_io_attn.selection.triton.fwd import _unit
@@ -82,9 +82,11 @@ def _masked_rows_kernel(
     stride_lb, heads_per_selection, num_query_tiles, num_key_tiles, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, DQ: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DQ: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
+    COUNT_IO: tl.constexpr,
 ):
     """The forward (``DQ`` False: ``out`` = ``o``, writes ``lse`` and ``stats``) or dQ (``DQ``: ``out`` =
     ``dq``; reads ``do``, ``stats``, ``delta``) of one query tile (axis 0) and batch x unit (axis 1): the
@@ -94,8 +96,9 @@ def _masked_rows_kernel(
                                          SEL_HEADS)
     tok, hh, row_ok, tokens = _tile_rows(qt, seqlen_q, 0, SEL_HEADS, SEL_ROWS, BLOCK_M, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     heads = (off_h + hh).to(tl.int64)  # [BLOCK_M]
     t64 = tok.to(tl.int64)
     rows_out = (off_z * num_heads_q + heads) * seqlen_q + tok  # [BLOCK_M] flat rows (b, h, t)
@@ -159,7 +162,8 @@ def _masked_dkdv_kernel(
     stride_lb, heads_per_selection, num_query_tiles, num_key_tiles, stats_stride,
     seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
@@ -170,8 +174,9 @@ def _masked_dkdv_kernel(
     off_g = (pid_zg % num_heads_kv).to(tl.int64)
     group = num_heads_q // num_heads_kv
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d, mask_d = head_lanes(head_dim, HEAD_DIM, EVEN_D)
-    offs_dv, mask_dv = head_lanes(head_dim_v, HEAD_DIM_V, EVEN_D)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     cols = kt * BLOCK_N + offs_n
     union = tl.zeros([], dtype=tl.int64)  # the keys of this tile some selection serving the group selected
     for i in range(0, group // SEL_HEADS):
