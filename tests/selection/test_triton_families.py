@@ -106,6 +106,16 @@ def test_auto_family_by_shape(block, G, Hq, Hkv, want):
     assert tiles.kernel_family(block, 8, G, 1, Hq, Hkv, G, 8192, 8192, 128, torch.bfloat16, "auto") == want
 
 
+@pytest.mark.parametrize("block, G, Hq, Hkv", [(64, 16, 16, 4), (1, 1, 16, 4)], ids=["moba", "dsa-4-heads"])
+def test_auto_family_is_query_major_for_wide_rows(block, G, Hq, Hkv):
+    """MLA's 576 in bf16 (and 512 in fp32) are wide rows: the key-major and masked families' 64-key tiles
+    exceed sm_90's shared memory there, so ``"auto"`` runs query-major; 512 in bf16 keeps the shape's family."""
+    args = (block, 8, G, 1, Hq, Hkv, G, 8192, 8192)
+    for head_dim, dtype in ((576, torch.bfloat16), (512, torch.float32)):
+        assert tiles.kernel_family(*args, head_dim, dtype, "auto") == "query"
+    assert tiles.kernel_family(*args, 512, torch.bfloat16, "auto") != "query"
+
+
 def test_auto_family_falls_back_and_names_are_checked(monkeypatch):
     """Work buffers past ``MAX_WORK_BYTES`` send ``"auto"`` to the query-major family; an unknown name (or
     environment value) raises naming the choices."""
