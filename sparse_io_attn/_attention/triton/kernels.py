@@ -51,7 +51,8 @@ def attn_bwd_preprocess_kernel(
 def merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, counts, n_splits, stride_oz, stride_oh,
                stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM: tl.constexpr,
                HAS_SINKS: tl.constexpr):
-    """Rows ``rows`` (flat ``(b, h, t)``) of ``partial [splits, num_rows, 2 + HEAD_DIM]`` merged in split order,
+    """Rows ``rows`` (flat ``(b, h, t)``) of ``partial [splits, num_rows, 2 + HEAD_DIM]`` (``HEAD_DIM``,
+    ``head_dim``: the output's, V's) merged in split order,
     each row's first ``counts`` splits (``counts`` per row, ``n_splits`` their maximum; ``M = max m_s``, ``L =
     sum l_s 2^(m_s - M)``, ``o = sum acc_s 2^(m_s - M) / L``, as a running merge), then ``o``, ``lse``,
     ``stats``. Splits without an allowed key (``l_s = 0``) add nothing; a row without any gets ``o = 0``."""

@@ -33,7 +33,7 @@ def score_tile(q, k, qk_scale, DOT_DTYPE: tl.constexpr):
 @triton.jit
 def softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
     """One tile of the online softmax: ``s [rows, keys]`` the tile's base-2 scores (``-inf`` where a key
-    is not allowed), ``v [keys, HEAD_DIM]``. ``MAY_BE_EMPTY``: a row may have no allowed key yet
+    is not allowed), ``v [keys, HEAD_DIM_V]``. ``MAY_BE_EMPTY``: a row may have no allowed key yet
     (``m = -inf``), kept at a finite shift. Returns ``(acc, l_i, m_i)``."""
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [rows]
     if MAY_BE_EMPTY:
@@ -43,7 +43,7 @@ def softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE: tl.constexpr, MAY_BE_EMPTY: tl.
     p = tl.math.exp2(s - m_shift[:, None])  # [rows, keys]
     alpha = tl.math.exp2(m_i - m_shift)  # [rows]
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [rows, HEAD_DIM]
+    acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [rows, HEAD_DIM_V]
     return acc, l_i, m_new
 
 
@@ -140,7 +140,7 @@ def store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, spli
                      HAS_SINKS: tl.constexpr):
     """A decode split's rows: with one split the outputs (:func:`store_rows`, ``o`` at ``o_rows[:, None] +
     o_cols[None, :]``); otherwise its ``(m, l, acc)`` into ``partial [NUM_SPLITS, stats_stride rows, 2 +
-    HEAD_DIM]`` (fp32) for the merge kernel."""
+    HEAD_DIM]`` (fp32; ``HEAD_DIM``, ``offs_d``, ``mask_d``: the output's, V's head dim) for the merge kernel."""
     if NUM_SPLITS == 1:
         store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_cols, mask_r, mask_d, stats_stride,
                    sinks_ptr, heads, HAS_SINKS)
@@ -153,7 +153,7 @@ def store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, spli
 def store_partial_rows(partial_ptr, acc, l_i, m_i, split, rows_out, offs_d, mask_r, mask_d, num_rows,
                        HEAD_DIM: tl.constexpr):
     """Rows' partial results ``(m, l, acc)`` (fp32, ``acc`` unnormalised) at ``partial[split, rows_out]`` of
-    ``partial [splits, num_rows, 2 + HEAD_DIM]`` (``split``: a scalar, or one per row), for
+    ``partial [splits, num_rows, 2 + HEAD_DIM]`` (``HEAD_DIM``: V's; ``split``: a scalar, or one per row), for
     :func:`~sparse_io_attn._attention.triton.kernels.merge_rows`."""
     rows64 = rows_out.to(tl.int64)
     base = partial_ptr + ((rows64 * 0 + split) * num_rows + rows64) * (2 + HEAD_DIM)  # (int64 offsets)
