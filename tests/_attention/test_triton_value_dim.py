@@ -39,7 +39,7 @@ PREFILL = [
 DECODE = [
     pytest.param(1, 4, 2, 3, 61, 48, 16, 16, "bottom_right", (), True, id="decode-Nq3-D48-Dv16-sinks"),
     pytest.param(1, 4, 2, 3, 61, 24, 40, 16, "bottom_right", (), False, id="decode-Nq3-D24-Dv40"),
-    pytest.param(1, 2, 1, 1, 2100, 16, 40, 16, "bottom_right", (), True, id="decode-split-K-D16-Dv40-sinks"),
+    pytest.param(1, 2, 1, 1, 1100, 16, 40, 16, "bottom_right", (), True, id="decode-split-K-D16-Dv40-sinks"),
 ]
 
 
@@ -48,7 +48,7 @@ def _inputs(B, Hq, Hkv, Nq, Nk, D, Dv):
 
 
 def _long_mask(op, B, Hq, Hkv, Nq, Nk, bs, empty_rows):
-    """The cases' masks; a decode against 2100 keys keeps enough of them to be split (merged)."""
+    """The cases' masks; a decode against 1100 keys keeps enough of them to be split (merged)."""
     if Nk < 1000:
         return _mask(op, B, Hq, Hkv, Nq, Nk, bs, empty_rows)
     if op == "block_sparse":
@@ -96,7 +96,7 @@ COUNT_PREFILL = [
 ]
 COUNT_DECODE = [
     pytest.param(1, 4, 2, 3, 61, 40, 24, 16, "bottom_right", id="decode-D40-Dv24"),
-    pytest.param(1, 2, 1, 1, 2100, 16, 40, 16, "bottom_right", id="decode-split-K-D16-Dv40"),
+    pytest.param(1, 2, 1, 1, 1100, 16, 40, 16, "bottom_right", id="decode-split-K-D16-Dv40"),
 ]
 COUNT_CASES = [pytest.param(*f.values, *c.values, id=f"{c.id}-{f.id}") for c in COUNT_PREFILL for f in FAMILIES] + \
     [pytest.param(*f.values, *c.values, id=f"{c.id}-{f.id}") for c in COUNT_DECODE for f in OPS]
@@ -123,6 +123,7 @@ def test_counted_equals_predicted_with_value_dim(monkeypatch, op, family, B, Hq,
         want_fwd = sel_traffic.selection_forward(*args, head_dim_v=Dv)
         want_bwd = sel_traffic.selection_backward(*args, head_dim_v=Dv)
     assert fwd_io.report == want_fwd, f"{fwd_io.report}\n{want_fwd}"
+    assert (Nk > 1000) == any(n.endswith("decode_merge") for n in fwd_io.report.kernels)   # split-K: merged
     assert bwd_io.report == want_bwd, f"{bwd_io.report}\n{want_bwd}"
     assert fwd_io.report.total_bytes != (bs_traffic.block_sparse_forward(*args, causal=causal) if op == "block_sparse"
                                          else sel_traffic.selection_forward(*args)).total_bytes

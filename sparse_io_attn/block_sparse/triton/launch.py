@@ -41,7 +41,7 @@ from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_kernel
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
-TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE_Q", "BLOCK_SIZE_KV")
+TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE_Q", "BLOCK_SIZE_KV")
 KERNEL_NAMES = ("attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv")
 
 

@@ -60,7 +60,8 @@ from sparse_io_attn.selection.triton.launch_families import (PREPROCESS_BLOCK_M,
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
-TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE", "SEL_HEADS", "max_blocks")
+TUNE_KEY = ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "HEAD_DIM", "IS_CAUSAL", "BLOCK_SIZE", "SEL_HEADS",
+            "max_blocks")
 KERNEL_NAMES = ("selection_fwd", "selection_bwd_dq", "selection_bwd_dkdv")
 
 
