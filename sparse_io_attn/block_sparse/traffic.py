@@ -39,7 +39,8 @@ from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, dkdv_part_rows
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, element_size
 from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
-                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
+                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess,
+                                               output_bytes, residual_made)
 
 # Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
 # then the layout's lists and masks (the kernels' named slots are built from these tuples in
@@ -130,12 +131,14 @@ def _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype):
 
 def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
                          head_dim: int, dtype: torch.dtype, *, causal=False,
-                         tiles: KernelTiles | None = None) -> TrafficReport:
+                         tiles: KernelTiles | None = None, residual: bool = False) -> TrafficReport:
     """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``);
-    ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`. For ``seqlen_q <= 16`` the
-    forward runs the decode kernels: :func:`block_sparse_decode_forward`."""
+    ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`; ``residual``: a gradient will be
+    needed, so a 16-bit forward also writes its output's rounding residual (:mod:`sparse_io_attn._attention.delta`).
+    For ``seqlen_q <= 16`` the forward runs the decode kernels (:func:`block_sparse_decode_forward`), but
+    not one that writes a residual."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    if layout.seqlen_q <= DECODE_MAX_QUERIES:
+    if layout.seqlen_q <= DECODE_MAX_QUERIES and not residual_made(dtype, residual):
         return block_sparse_decode_forward(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype, causal=causal)
     D, delta = head_dim, layout.causal_offset
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
@@ -146,7 +149,7 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
     rep = TrafficReport(source="predicted")
     rep.add("attn_fwd", {"q": rows * D * es, "k": kv, "v": kv, "layout": int((mult * index).sum()) * INDEX_BYTES,
                          "mask": int((mult * mask_rows).sum()) * _words(tiles.fwd[1]) * INDEX_BYTES},
-            {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+            output_bytes(rows, D, es, residual_made(dtype, residual)))
     return rep
 
 
@@ -205,8 +208,10 @@ def block_sparse_decode_forward(layout: BlockSparseLayout, batch: int, num_heads
 
 def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
                           head_dim: int, dtype: torch.dtype, *, causal=False,
-                          tiles: KernelTiles | None = None) -> TrafficReport:
-    """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``)."""
+                          tiles: KernelTiles | None = None, residual: bool = False) -> TrafficReport:
+    """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``);
+    ``residual``: the forward wrote a rounding residual (16-bit, through autograd), which the preprocess
+    reads."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     D, delta = head_dim, layout.causal_offset
     tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
@@ -214,7 +219,7 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
     rows_q = batch * num_heads_q * layout.seqlen_q
     rows_k = batch * num_heads_kv * layout.seqlen_k
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "attn_bwd_preprocess", rows_q, D, es)
+    add_preprocess(rep, "attn_bwd_preprocess", rows_q, D, es, residual_made(dtype, residual))
 
     # every query head of a group walks its own mask; summing over (b, h) covers all programs
     index, queries, mask_rows = _walk(layout, layout.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True,
@@ -245,10 +250,11 @@ def _words(block_n: int) -> int:
 
 def block_sparse(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                  dtype: torch.dtype, *, causal=False, tiles: KernelTiles | None = None) -> TrafficReport:
-    """Predicted bytes of forward + backward (what ``IOCounter`` sees around ``out.backward(...)``)."""
+    """Predicted bytes of forward + backward (what ``IOCounter`` sees around the forward and
+    ``out.backward(...)``: a 16-bit forward writes its rounding residual, the preprocess reads it)."""
     args = (layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    return (block_sparse_forward(*args, causal=causal, tiles=tiles)
-            + block_sparse_backward(*args, causal=causal, tiles=tiles))
+    return (block_sparse_forward(*args, causal=causal, tiles=tiles, residual=True)
+            + block_sparse_backward(*args, causal=causal, tiles=tiles, residual=True))
 
 
 def kept_elements(layout: BlockSparseLayout, batch: int, num_heads_q: int, *, causal=False) -> int:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._attention.traffic import INDEX_BYTES, STAT_BYTES, add_preprocess
+from sparse_io_attn._attention.traffic import INDEX_BYTES, STAT_BYTES, add_preprocess, output_bytes
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import family_tiles, key_tile
 from sparse_io_attn.selection.traffic_terms import block_keys, dkdv_traffic, usage
@@ -54,7 +54,7 @@ def _shape(plan, batch, num_heads_q, num_heads_kv):
 
 
 def key_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                dtype: torch.dtype, es: int) -> TrafficReport:
+                dtype: torch.dtype, es: int, residual: bool = False) -> TrafficReport:
     """``selection_key_fwd`` + ``selection_key_merge`` (see the module docstring)."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
     t = family_tiles("key", plan.block_size, head_dim, dtype, R)
@@ -76,18 +76,18 @@ def key_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv:
                 {"partial": units * R * entries * (2 + D) * STAT_BYTES})
     slots = int(plan.row_counts.cpu().to(torch.int64).sum()) * (rows_out // (plan.num_layouts * Nq))
     rep.add("selection_key_merge", {"partial": slots * (2 + D) * STAT_BYTES, "plan": rows_out * INDEX_BYTES},
-            {"o": rows_out * D * es, "lse": rows_out * STAT_BYTES, "stats": rows_out * 2 * STAT_BYTES})
+            output_bytes(rows_out, D, es, residual))
     return rep
 
 
 def key_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                 dtype: torch.dtype, es: int, dkdv_tiles: tuple[int, int]) -> TrafficReport:
+                 dtype: torch.dtype, es: int, dkdv_tiles: tuple[int, int], residual: bool = False) -> TrafficReport:
     """``selection_bwd_preprocess`` + ``selection_key_bwd`` (the dK/dV kernel with ``dkdv_tiles =
     (BLOCK_M, BLOCK_N)``, writing dQ partials) + ``selection_key_dq_merge``."""
     D, (Nq, _) = head_dim, plan.seqlen
     rows_q = batch * num_heads_q * Nq
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es)
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es, residual)
     if batch * num_heads_kv * plan.seqlen[1]:
         reads, writes = dkdv_traffic(plan, batch, num_heads_q, num_heads_kv, D, es, *dkdv_tiles, store_dq=True)
         rep.add("selection_key_bwd", reads, writes)
@@ -145,7 +145,7 @@ def _masked_terms(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_k
 
 
 def masked_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                   dtype: torch.dtype, es: int) -> TrafficReport:
+                   dtype: torch.dtype, es: int, residual: bool = False) -> TrafficReport:
     """``selection_masked_fwd`` (see the module docstring)."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
     rows = batch * num_heads_q * plan.seqlen[0]
@@ -157,18 +157,18 @@ def masked_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_
     rep.add("selection_masked_fwd",
             {"q": rows * D * es, "k": units * keys * D * es, "v": units * keys * D * es,
              "plan": units * ((q_tiles + entries) * INDEX_BYTES + (tokens + entries) * BITS_BYTES)},
-            {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+            output_bytes(rows, D, es, residual))
     return rep
 
 
 def masked_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                    dtype: torch.dtype, es: int) -> TrafficReport:
+                    dtype: torch.dtype, es: int, residual: bool = False) -> TrafficReport:
     """``selection_bwd_preprocess`` + ``selection_masked_dkdv`` + ``selection_masked_dq``."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
     D, (Nq, Nk) = head_dim, plan.seqlen
     rows_q, rows_k = batch * num_heads_q * Nq, batch * num_heads_kv * Nk
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es)
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es, residual)
     if not rows_q:
         return rep
     q_tiles, entries, keys, tokens, k_tiles, col_entries, col_tokens, dkdv_keys = _masked_terms(
