@@ -40,7 +40,8 @@ from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, dkdv_part_rows
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, element_size, tile_head_dim
 from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
-                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
+                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess,
+                                               output_bytes, residual_made)
 
 # Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
 # then the layout's lists and masks (the kernels' named slots are built from these tuples in
@@ -131,13 +132,16 @@ def _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype):
 
 def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
                          head_dim: int, dtype: torch.dtype, *, causal=False,
-                         tiles: KernelTiles | None = None, head_dim_v: int | None = None) -> TrafficReport:
+                         tiles: KernelTiles | None = None, head_dim_v: int | None = None,
+                         residual: bool = False) -> TrafficReport:
     """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``);
     ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`; ``head_dim_v``: v's head dim
-    when it is not q's. For ``seqlen_q <= 16`` the forward runs the decode kernels:
-    :func:`block_sparse_decode_forward`."""
+    when it is not q's; ``residual``: a gradient will be needed, so a 16-bit forward also writes its
+    output's rounding residual (:mod:`sparse_io_attn._attention.delta`). For ``seqlen_q <= 16`` the
+    forward runs the decode kernels (:func:`block_sparse_decode_forward`), but not one that writes a
+    residual."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    if layout.seqlen_q <= DECODE_MAX_QUERIES:
+    if layout.seqlen_q <= DECODE_MAX_QUERIES and not residual_made(dtype, residual):
         return block_sparse_decode_forward(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype, causal=causal,
                                            head_dim_v=head_dim_v)
     D, Dv, delta = head_dim, head_dim_v or head_dim, layout.causal_offset
@@ -150,7 +154,7 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
     rep.add("attn_fwd", {"q": rows * D * es, "k": kv * D, "v": kv * Dv,
                          "layout": int((mult * index).sum()) * INDEX_BYTES,
                          "mask": int((mult * mask_rows).sum()) * _words(tiles.fwd[1]) * INDEX_BYTES},
-            {"o": rows * Dv * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+            output_bytes(rows, Dv, es, residual_made(dtype, residual)))
     return rep
 
 
@@ -210,8 +214,11 @@ def block_sparse_decode_forward(layout: BlockSparseLayout, batch: int, num_heads
 
 def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
                           head_dim: int, dtype: torch.dtype, *, causal=False,
-                          tiles: KernelTiles | None = None, head_dim_v: int | None = None) -> TrafficReport:
-    """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``)."""
+                          tiles: KernelTiles | None = None, head_dim_v: int | None = None,
+                          residual: bool = False) -> TrafficReport:
+    """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``);
+    ``residual``: the forward wrote a rounding residual (16-bit, through autograd), which the preprocess
+    reads."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
     D, Dv, delta = head_dim, head_dim_v or head_dim, layout.causal_offset
     tiles = tiles or choose_tiles(layout.block_size, tile_head_dim(D, Dv), dtype)
@@ -219,7 +226,7 @@ def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: in
     rows_q = batch * num_heads_q * layout.seqlen_q
     rows_k = batch * num_heads_kv * layout.seqlen_k
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "attn_bwd_preprocess", rows_q, Dv, es)
+    add_preprocess(rep, "attn_bwd_preprocess", rows_q, Dv, es, residual_made(dtype, residual))
 
     # every query head of a group walks its own mask; summing over (b, h) covers all programs
     index, queries, mask_rows = _walk(layout, layout.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True,
@@ -251,10 +258,11 @@ def _words(block_n: int) -> int:
 def block_sparse(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                  dtype: torch.dtype, *, causal=False, tiles: KernelTiles | None = None,
                  head_dim_v: int | None = None) -> TrafficReport:
-    """Predicted bytes of forward + backward (what ``IOCounter`` sees around ``out.backward(...)``)."""
+    """Predicted bytes of forward + backward (what ``IOCounter`` sees around the forward and
+    ``out.backward(...)``: a 16-bit forward writes its rounding residual, the preprocess reads it)."""
     args = (layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    return (block_sparse_forward(*args, causal=causal, tiles=tiles, head_dim_v=head_dim_v)
-            + block_sparse_backward(*args, causal=causal, tiles=tiles, head_dim_v=head_dim_v))
+    return (block_sparse_forward(*args, causal=causal, tiles=tiles, head_dim_v=head_dim_v, residual=True)
+            + block_sparse_backward(*args, causal=causal, tiles=tiles, head_dim_v=head_dim_v, residual=True))
 
 
 def kept_elements(layout: BlockSparseLayout, batch: int, num_heads_q: int, *, causal=False) -> int:

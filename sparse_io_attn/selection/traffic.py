@@ -35,7 +35,7 @@ import torch
 
 from sparse_io_attn._attention.tiles import element_size, tile_head_dim
 from sparse_io_attn._attention.traffic import (DECODE_MERGE_TENSORS, INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES,
-                                               add_decode, add_preprocess)
+                                               add_decode, add_preprocess, output_bytes, residual_made)
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
                                             decode_config, family_tiles, kernel_family, key_step)
@@ -75,24 +75,28 @@ def _row_reads(plan: SelectionPlan, batch, num_heads_q, num_heads_kv, block_h: i
 
 def selection_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                       dtype: torch.dtype, *, tiles: SelectionTiles | None = None, decode: bool | None = None,
-                      family_name: str | None = None, head_dim_v: int | None = None) -> TrafficReport:
+                      family_name: str | None = None, head_dim_v: int | None = None,
+                      residual: bool = False) -> TrafficReport:
     """Predicted bytes of one forward (``TrafficReport(source="predicted")``): the kernels of the family
     the launcher runs (:func:`family`; ``family_name`` as given to it): ``selection_fwd`` (query-major;
     ``tiles`` applies to it), ``selection_key_fwd`` + ``selection_key_merge`` (key-major) or
     ``selection_masked_fwd``; with ``decode`` (``None``: when ``Nq <= 16``, as the launcher decides) the
-    decode kernels' (:func:`selection_decode_forward`). ``head_dim_v``: v's head dim when it is not q's."""
+    decode kernels' (:func:`selection_decode_forward`). ``head_dim_v``: v's head dim when it is not q's.
+    ``residual``: a gradient will be needed, so a 16-bit forward also writes its output's rounding
+    residual (and never runs the decode kernels)."""
     check_plan(plan)
+    res = residual_made(dtype, residual)
     if decode is None:
-        decode = plan.seqlen[0] <= DECODE_MAX_QUERIES
+        decode = plan.seqlen[0] <= DECODE_MAX_QUERIES and not res
     if decode:
         return selection_decode_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype,
                                         head_dim_v=head_dim_v)
     es, D, Dv = element_size(dtype), head_dim, head_dim_v or head_dim
     fam = family(plan, batch, num_heads_q, num_heads_kv, tile_head_dim(D, Dv), dtype, family_name)
     if fam == "key":
-        return key_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv)
+        return key_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv, residual=res)
     if fam == "masked":
-        return masked_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv)
+        return masked_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv, residual=res)
     R = usage(plan, batch, num_heads_q, num_heads_kv)[2]
     tiles = tiles or choose_tiles(plan.block_size, tile_head_dim(D, Dv), dtype, R)
     keys, entries = _row_reads(plan, batch, num_heads_q, num_heads_kv, *tiles.fwd)
@@ -102,7 +106,7 @@ def selection_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_hea
         return rep
     rep.add("selection_fwd", {"q": rows * D * es, "k": keys * D * es, "v": keys * Dv * es,
                               "plan": entries * INDEX_BYTES},
-            {"o": rows * Dv * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+            output_bytes(rows, Dv, es, res))
     return rep
 
 
@@ -135,24 +139,28 @@ def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, 
 
 def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                        dtype: torch.dtype, *, tiles: SelectionTiles | None = None,
-                       family_name: str | None = None, head_dim_v: int | None = None) -> TrafficReport:
+                       family_name: str | None = None, head_dim_v: int | None = None,
+                       residual: bool = False) -> TrafficReport:
     """Predicted bytes of one backward: ``selection_bwd_preprocess``, then ``selection_bwd_dkdv`` +
     ``selection_bwd_dq`` (query-major), ``selection_key_bwd`` + ``selection_key_dq_merge`` (key-major:
     the dK/dV kernel at the family's tiles writing dQ partials) or ``selection_masked_dkdv`` +
-    ``selection_masked_dq``."""
+    ``selection_masked_dq``. ``residual``: the forward wrote a rounding residual (16-bit, through
+    autograd), which the preprocess reads."""
     check_plan(plan)
+    res = residual_made(dtype, residual)
     es, D, Dv = element_size(dtype), head_dim, head_dim_v or head_dim
     R = usage(plan, batch, num_heads_q, num_heads_kv)[2]
     tiles = tiles or choose_tiles(plan.block_size, tile_head_dim(D, Dv), dtype, R)
     fam = family(plan, batch, num_heads_q, num_heads_kv, tile_head_dim(D, Dv), dtype, family_name)
     if fam == "key":
         t = family_tiles("key", plan.block_size, tile_head_dim(D, Dv), dtype, R)
-        return key_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, (t.dkdv_m, t.block_n), Dv)
+        return key_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, (t.dkdv_m, t.block_n), Dv,
+                            residual=res)
     if fam == "masked":
-        return masked_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv)
+        return masked_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv, residual=res)
     rows_q = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es)
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es, res)
     if batch * num_heads_kv * plan.seqlen[1]:
         rep.add("selection_bwd_dkdv", *dkdv_traffic(plan, batch, num_heads_q, num_heads_kv, D, es, *tiles.dkdv,
                                                     store_dq=False, head_dim_v=Dv))
@@ -169,10 +177,11 @@ def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_he
 def selection(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
               dtype: torch.dtype, *, tiles: SelectionTiles | None = None,
               family_name: str | None = None, head_dim_v: int | None = None) -> TrafficReport:
-    """Predicted bytes of forward + backward (what ``IOCounter`` sees around ``out.backward(...)``)."""
+    """Predicted bytes of forward + backward (what ``IOCounter`` sees around the forward and
+    ``out.backward(...)``: a 16-bit forward writes its rounding residual, the preprocess reads it)."""
     args = (plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    return (selection_forward(*args, tiles=tiles, family_name=family_name, head_dim_v=head_dim_v)
-            + selection_backward(*args, tiles=tiles, family_name=family_name, head_dim_v=head_dim_v))
+    kw = dict(tiles=tiles, family_name=family_name, head_dim_v=head_dim_v, residual=True)
+    return selection_forward(*args, **kw) + selection_backward(*args, **kw)
 
 
 __all__ = ["DECODE_KERNEL_NAMES", "DECODE_MERGE_TENSORS", "DECODE_TENSORS", "DKDV_TENSORS", "DQ_MERGE_TENSORS",

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.tiles import tile_head_dim
-from sparse_io_attn._attention.traffic import INDEX_BYTES, STAT_BYTES, add_preprocess
+from sparse_io_attn._attention.traffic import INDEX_BYTES, STAT_BYTES, add_preprocess, output_bytes
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import family_tiles, key_tile
 from sparse_io_attn.selection.traffic_terms import block_keys, dkdv_traffic, usage
@@ -55,9 +55,9 @@ def _shape(plan, batch, num_heads_q, num_heads_kv):
 
 
 def key_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                dtype: torch.dtype, es: int, head_dim_v: int | None = None) -> TrafficReport:
+                dtype: torch.dtype, es: int, head_dim_v: int | None = None, residual: bool = False) -> TrafficReport:
     """``selection_key_fwd`` + ``selection_key_merge`` (see the module docstring; ``head_dim_v``: v's head
-    dim when it is not q's)."""
+    dim when it is not q's; ``residual``: the merge also writes the output's rounding residual)."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
     D, Dv, (Nq, _), K, L = head_dim, head_dim_v or head_dim, plan.seqlen, plan.max_blocks, plan.num_layouts
     t = family_tiles("key", plan.block_size, tile_head_dim(D, Dv), dtype, R)
@@ -78,19 +78,19 @@ def key_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv:
                 {"partial": units * R * entries * (2 + Dv) * STAT_BYTES})
     slots = int(plan.row_counts.cpu().to(torch.int64).sum()) * (rows_out // (plan.num_layouts * Nq))
     rep.add("selection_key_merge", {"partial": slots * (2 + Dv) * STAT_BYTES, "plan": rows_out * INDEX_BYTES},
-            {"o": rows_out * Dv * es, "lse": rows_out * STAT_BYTES, "stats": rows_out * 2 * STAT_BYTES})
+            output_bytes(rows_out, Dv, es, residual))
     return rep
 
 
 def key_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                  dtype: torch.dtype, es: int, dkdv_tiles: tuple[int, int],
-                 head_dim_v: int | None = None) -> TrafficReport:
+                 head_dim_v: int | None = None, residual: bool = False) -> TrafficReport:
     """``selection_bwd_preprocess`` + ``selection_key_bwd`` (the dK/dV kernel with ``dkdv_tiles =
     (BLOCK_M, BLOCK_N)``, writing dQ partials) + ``selection_key_dq_merge``."""
     D, Dv, (Nq, _) = head_dim, head_dim_v or head_dim, plan.seqlen
     rows_q = batch * num_heads_q * Nq
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es)
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es, residual)
     if batch * num_heads_kv * plan.seqlen[1]:
         reads, writes = dkdv_traffic(plan, batch, num_heads_q, num_heads_kv, D, es, *dkdv_tiles, store_dq=True,
                                      head_dim_v=Dv)
@@ -149,8 +149,10 @@ def _masked_terms(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_k
 
 
 def masked_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                   dtype: torch.dtype, es: int, head_dim_v: int | None = None) -> TrafficReport:
-    """``selection_masked_fwd`` (see the module docstring; ``head_dim_v``: v's head dim when it is not q's)."""
+                   dtype: torch.dtype, es: int, head_dim_v: int | None = None,
+                   residual: bool = False) -> TrafficReport:
+    """``selection_masked_fwd`` (see the module docstring; ``head_dim_v``: v's head dim when it is not q's;
+    ``residual``: it also writes the output's rounding residual)."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
     rows = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
@@ -162,18 +164,19 @@ def masked_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_
     rep.add("selection_masked_fwd",
             {"q": rows * D * es, "k": units * keys * D * es, "v": units * keys * Dv * es,
              "plan": units * ((q_tiles + entries) * INDEX_BYTES + (tokens + entries) * BITS_BYTES)},
-            {"o": rows * Dv * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+            output_bytes(rows, Dv, es, residual))
     return rep
 
 
 def masked_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                    dtype: torch.dtype, es: int, head_dim_v: int | None = None) -> TrafficReport:
+                    dtype: torch.dtype, es: int, head_dim_v: int | None = None,
+                    residual: bool = False) -> TrafficReport:
     """``selection_bwd_preprocess`` + ``selection_masked_dkdv`` + ``selection_masked_dq``."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
     D, Dv, (Nq, Nk) = head_dim, head_dim_v or head_dim, plan.seqlen
     rows_q, rows_k = batch * num_heads_q * Nq, batch * num_heads_kv * Nk
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es)
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es, residual)
     if not rows_q:
         return rep
     q_tiles, entries, keys, tokens, k_tiles, col_entries, col_tokens, dkdv_keys = _masked_terms(

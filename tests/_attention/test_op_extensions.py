@@ -230,7 +230,7 @@ def test_bf16_sinks_gradient_close_to_float64(op, backend):
         assert rel_err(x, r) < 1e-2, f"{name}: {rel_err(x, r):.2e}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ("triton",))
 def test_residual_only_when_a_gradient_is_needed(backend):
     """The forward op returns the output's rounding residual for low-precision calls that need a
     gradient, an empty tensor otherwise (fp32, no_grad, no input requiring grad)."""
@@ -247,6 +247,41 @@ def test_residual_only_when_a_gradient_is_needed(backend):
         if made:
             o32 = out.float() + res.float()
             assert not torch.equal(o32, out.float()), "the residual carries the digits the rounding dropped"
+
+
+@pytest.mark.parametrize("op,family", [("block_sparse", None), ("selection", "query"), ("selection", "key"),
+                                       ("selection", "masked")],
+                         ids=["block_sparse", "selection-query", "selection-key", "selection-masked"])
+def test_triton_16bit_delta_from_the_fp32_output(monkeypatch, op, family):
+    """Triton's 16-bit backward forms its row deltas from the fp32 output (the forward's rounding residual,
+    read by the preprocess): on native-sparse-attention's kind of data (a permuted linspace broadcast over
+    the head dim, scale 0.1) in fp16, dq within 1e-3 of float64 (ratio of rms errors; 2.0-2.1e-4 here, as the
+    torch backend's), where the deltas from the fp16-rounded output leave it at 5.8e-3 (selection) / 5.0e-3
+    (block-sparse). fp16 because the
+    interpreter's fp16 dots round as a GPU's do and its bf16 dots do not."""
+    from sparse_io_attn._triton.runtime import INTERPRET
+    from sparse_io_attn.selection.tiles import FAMILY_ENV
+
+    if not INTERPRET:
+        pytest.skip("CPU tensors: run under Triton's interpreter")
+    if family is not None:
+        monkeypatch.setenv(FAMILY_ENV, family)
+    torch.manual_seed(0)
+    T, H, HQ, D, S, bs = 64, 1, 4, 32, 4, 16
+    line = lambda h: torch.linspace(0, 1, T)[torch.randperm(T)].view(1, 1, T, 1).expand(1, h, T, D).half()  # noqa: E731
+    q, k, v = line(HQ), line(H), line(H)
+    do = torch.randn(1, HQ, T, D).half()
+    mask = _nsa_selection(T, H, S, bs) if op == "selection" else make_layout(1, HQ, T, T, bs, density=0.6)
+    fn, ref_fn = ((selection_attention, selection_reference) if op == "selection"
+                  else (block_sparse_attention, attention_reference))
+    ref = ref_fn(q, k, v, mask, causal=True, sm_scale=0.1, do=do)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, mask, causal=True, sm_scale=0.1, backend="triton",
+             **({"check": False} if op == "selection" else {}))      # (the peer pads its selections with T)
+    out.backward(do)
+    errs = {n: _err_ratio(r, x) for n, r, x in zip(("o", "dq", "dk", "dv"), (ref[0], *ref[2:]),
+                                                     (out, *(t.grad for t in leaves)))}
+    assert max(errs.values()) < 1e-3, errs
 
 
 # --------------------------------------------------------------------------------- refusals

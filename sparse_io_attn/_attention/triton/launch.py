@@ -32,6 +32,7 @@ import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
 PREPROCESS_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
 MERGE_CONFIG = triton.Config({}, num_warps=4, num_stages=2)
+PREPROCESS_BLOCK_M = 64     # rows per program of a preprocess launched on its own (:func:`row_delta`)
 MERGE_ROWS = 16   # rows per program of the decode merge
 _KEY_AXES = ("k", "v", "dk", "dv")   # tensors whose third axis is a key position (stride_*n)
 _LAST_TILES: dict[str, tuple[int, int]] = {}
@@ -89,15 +90,40 @@ def backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 
 
 def preprocess_call(name: str, out: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, block_m: int,
-                    head_dim: int) -> Call:
+                    head_dim: int, residual: torch.Tensor | None = None) -> Call:
     """The backward preprocess ``delta = rowsum(dO * O)`` into ``delta`` (fp32 ``[B, Hq, Nq]``,
     :func:`backward_outputs`) launched as ``name`` over query tiles of ``block_m`` rows (``head_dim``: the
-    padded head dim of ``out``, V's)."""
+    padded head dim of ``out``, V's); ``residual``: the forward's rounding residual (:func:`residual_output`),
+    ``O + r`` in place of ``O``."""
     B, Hq, Nq, D = out.shape
     return Call(name, attn_bwd_preprocess_kernel, (triton.cdiv(Nq, block_m), B * Hq), PREPROCESS_TENSORS,
                 [PREPROCESS_CONFIG], dict(o_ptr=out, do_ptr=do, delta_ptr=delta, **strides(out, "o"),
                                           **strides(do, "do"), seqlen_q=Nq, num_heads_q=Hq, head_dim=D,
-                                          BLOCK_M=block_m, HEAD_DIM=head_dim, ELEM_BYTES=out.element_size()))
+                                          BLOCK_M=block_m, HEAD_DIM=head_dim, ELEM_BYTES=out.element_size(),
+                                          **residual_args(residual, out)))
+
+
+def row_delta(name: str, do: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
+              head_dim: int) -> torch.Tensor:
+    """fp32 ``[B, Hq, Nq]``: ``rowsum(dO * (O + r))`` by the preprocess kernel launched as ``name``
+    (:func:`preprocess_call`): the row deltas a backend's ``row_delta`` hands the op's autograd kernel
+    (:mod:`sparse_io_attn._attention.delta`), which passes them back to its backward as ``delta=``."""
+    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)
+    residual = residual if residual is not None and residual.numel() else None
+    run(preprocess_call(name, out, do.to(out.dtype), delta, PREPROCESS_BLOCK_M, head_dim, residual), out.device, ())
+    return delta
+
+
+def residual_output(out: torch.Tensor, residual: bool) -> torch.Tensor | None:
+    """A forward's rounding-residual buffer (uninitialised, like ``out``: the kernels store it at ``o``'s
+    offsets) when ``residual`` is asked for and ``out`` is 16-bit, else None."""
+    return torch.empty_like(out) if residual and out.dtype != torch.float32 else None
+
+
+def residual_args(res: torch.Tensor | None, dummy: torch.Tensor) -> dict:
+    """A row-storing kernel's residual arguments: ``res_ptr`` (``dummy``, never written, without one) and
+    ``HAS_RESIDUAL`` (:func:`~.softmax.store_rows`)."""
+    return dict(res_ptr=dummy if res is None else res, HAS_RESIDUAL=res is not None)
 
 
 def decode_partial(splits: int, rows: int, head_dim: int, device) -> torch.Tensor:
@@ -235,6 +261,6 @@ def last_tiles(*names: str) -> list[tuple[int, int]] | None:
     return [_LAST_TILES[n] for n in names]
 
 
-__all__ = ["Call", "MERGE_ROWS", "PREPROCESS_CONFIG", "Prepared", "backward_outputs", "check_supported",
-           "decode_partial", "forward_outputs", "last_tiles", "merge_call", "preprocess_call", "run", "run_calls",
-           "sink_args", "strides"]
+__all__ = ["Call", "MERGE_ROWS", "PREPROCESS_BLOCK_M", "PREPROCESS_CONFIG", "Prepared", "backward_outputs",
+           "check_supported", "decode_partial", "forward_outputs", "last_tiles", "merge_call", "preprocess_call",
+           "residual_args", "residual_output", "row_delta", "run", "run_calls", "sink_args", "strides"]

@@ -30,6 +30,14 @@ def tally_forward(io_ptr, rows, keys, head_dim, head_dim_v, elem_bytes, NUM_SPLI
 
 
 @triton.jit
+def tally_residual(io_ptr, slot, rows, row_bytes, HAS_RESIDUAL: tl.constexpr):
+    """A row-storing program that also wrote its rows' rounding residual (``HAS_RESIDUAL``): ``rows`` rows of
+    ``row_bytes`` written to the ``residual`` slot ``slot`` (:func:`~.softmax.store_rows`)."""
+    if HAS_RESIDUAL:
+        io_add(io_ptr, slot, 0, rows * row_bytes)
+
+
+@triton.jit
 def tally_backward(io_ptr, queries, keys, head_dim, head_dim_v, elem_bytes, DKDV: tl.constexpr):
     """A dQ (``DKDV`` False) or dK/dV program: ``queries`` (gathered) query rows of ``q``, ``do``, ``stats``,
     ``delta`` read, ``keys`` key rows of ``k`` and ``v`` read; written: ``dq`` for its query rows, or
@@ -60,4 +68,4 @@ def tally_merge(io_ptr, rows, partials, row_bytes, head_dim):
     io_add(io_ptr, MERGE_STATS, 0, rows * 8)
 
 
-__all__ = ["tally_backward", "tally_forward", "tally_merge"]
+__all__ = ["tally_backward", "tally_forward", "tally_merge", "tally_residual"]

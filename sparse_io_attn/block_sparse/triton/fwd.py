@@ -25,7 +25,8 @@ ranges) is :func:`_query_tile` and :func:`_list_range`.
 from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
-from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._attention.triton.slots import OUT_RESIDUAL
+from sparse_io_attn._attention.triton.tally import tally_forward, tally_residual
 from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.slots import FWD_LAYOUT, FWD_MASK
@@ -142,7 +143,7 @@ def _attn_fwd_step(acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, idx
 
 @triton.jit
 def _attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, res_ptr,
     full_ptr_ptr, full_idx_ptr, part_ptr_ptr, part_idx_ptr, part_mask_ptr, mask_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
@@ -155,7 +156,7 @@ def _attn_fwd_kernel(
     HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
     pid_zh = tl.program_id(1)
@@ -201,10 +202,11 @@ def _attn_fwd_kernel(
 
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, pid_zh.to(tl.int64) * seqlen_q + offs_m,
                off_z * stride_oz + off_h.to(tl.int64) * stride_oh + offs_m * stride_om, offs_dv * stride_od,
-               mask_m, mask_dv, stats_stride, sinks_ptr, off_h + offs_m * 0, HAS_SINKS)
+               mask_m, mask_dv, stats_stride, sinks_ptr, off_h + offs_m * 0, HAS_SINKS, res_ptr, HAS_RESIDUAL)
 
     if COUNT_IO:
         tally_forward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim, head_dim_v, ELEM_BYTES, 1)
+        tally_residual(io_ptr, OUT_RESIDUAL, tl.sum(mask_m.to(tl.int64)), head_dim_v * ELEM_BYTES, HAS_RESIDUAL)
         n_part = (part_end - part_start).to(tl.int64) * TILES_N
         n_full = (full_end - full_start).to(tl.int64) * TILES_N
         io_add(io_ptr, FWD_LAYOUT, (4 + 2 * n_part + n_full) * 4, 0)

@@ -29,8 +29,10 @@ import torch
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, padded_head_dim, tile_head_dim
 from sparse_io_attn._attention.sinks import sinks_base2
 from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, check_supported, decode_partial,
-                                                     forward_outputs, last_tiles, merge_call, preprocess_call, run,
-                                                     run_calls, sink_args, strides)
+                                                     forward_outputs, last_tiles, merge_call, preprocess_call,
+                                                     residual_args, residual_output, run, run_calls, sink_args,
+                                                     strides)
+from sparse_io_attn._attention.triton.launch import row_delta as _row_delta
 from sparse_io_attn._triton.runtime import check_device, density_bucket, dot_dtype
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, kernel_configs
@@ -73,14 +75,15 @@ def _lists(lists: BlockLists, masks: torch.Tensor) -> dict:
                 part_idx_ptr=lists.part_idx, part_mask_ptr=lists.part_mask, mask_ptr=masks)
 
 
-def _forward_call(q, k, v, out, lse, stats, plan: AttentionPlan, sm_scale: float, sinks2=None) -> Call:
+def _forward_call(q, k, v, out, lse, stats, plan: AttentionPlan, sm_scale: float, sinks2=None, res=None) -> Call:
     B, Hq, Nq, D = q.shape
     return Call("attn_fwd", _attn_fwd_kernel, lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * Hq),
                 FWD_TENSORS, _configs("fwd", plan.block_size, tile_head_dim(D, v.shape[3]), q.dtype), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats,
                     **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
                     **strides(out, "o"), num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq,
-                    **sink_args(sinks2, lse), **_common(q, k, v, plan, sm_scale)), density_bucket(plan.kept_fraction))
+                    **sink_args(sinks2, lse), **residual_args(res, out), **_common(q, k, v, plan, sm_scale)),
+                density_bucket(plan.kept_fraction))
 
 
 def forward_calls(q, k, v, plan: AttentionPlan, sm_scale: float, sinks2=None):
@@ -115,14 +118,13 @@ def decode_calls(q, k, v, plan: AttentionPlan, sm_scale: float, sinks2=None):
     return calls, out, lse, stats
 
 
-def _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan: AttentionPlan, sm_scale: float) -> list:
+def _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan: AttentionPlan, sm_scale: float,
+                    preprocess: bool = True) -> list:
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     common = _common(q, k, v, plan, sm_scale)
     bucket = density_bucket(plan.kept_fraction)
     tile_dim = tile_head_dim(D, v.shape[3])
-    pre_m = _configs("dq", plan.block_size, tile_dim, q.dtype)[0].kwargs["BLOCK_M"]
-    pre = preprocess_call("attn_bwd_preprocess", out, do, delta, pre_m, common["HEAD_DIM_V"])
     dkdv = Call("attn_bwd_dkdv", _attn_bwd_dkdv_kernel, lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * Hkv),
                 DKDV_TENSORS, _configs("dkdv", plan.block_size, tile_dim, q.dtype), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
@@ -135,7 +137,10 @@ def _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan: AttentionP
                        **_lists(plan.rows, plan.masks), **strides(q, "q"), **strides(k, "k"),
                        **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"),
                        num_q_blocks=plan.num_q_blocks, stats_stride=B * Hq * Nq, **common), bucket)
-    return [pre, dkdv, dq_call]
+    if not preprocess:      # (the caller formed ``delta``: :func:`row_delta`)
+        return [dkdv, dq_call]
+    pre_m = _configs("dq", plan.block_size, tile_dim, q.dtype)[0].kwargs["BLOCK_M"]
+    return [preprocess_call("attn_bwd_preprocess", out, do, delta, pre_m, common["HEAD_DIM_V"]), dkdv, dq_call]
 
 
 def backward_calls(do, q, k, v, out, stats, plan: AttentionPlan, sm_scale: float):
@@ -169,34 +174,47 @@ def _key(kind: str, q, k, v, plan: AttentionPlan, sm_scale: float, *more) -> tup
 
 
 def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | None = None,
-            sinks: torch.Tensor | None = None):
-    """``decode``: run the decode kernels (:func:`decode_calls`); ``None`` (default): when ``Nq <= 16``.
-    ``sinks [Hq]``: each head's sink logit, folded into every row when it is stored."""
+            sinks: torch.Tensor | None = None, residual: bool = False):
+    """``decode``: run the decode kernels (:func:`decode_calls`); ``None`` (default): when ``Nq <= 16``
+    and no residual is asked for. ``sinks [Hq]``: each head's sink logit, folded into every row when it
+    is stored. ``residual``: a 16-bit forward also returns its output's rounding residual (``(out, lse,
+    stats, residual)``; :mod:`sparse_io_attn._attention.delta`), for :func:`row_delta`."""
     check_supported("block_sparse_attn", q, v, plan)
     check_device(q, "backend 'triton'")
     sinks2 = None if sinks is None else sinks_base2(sinks)
+    made = residual and q.dtype != torch.float32
     if decode is None:
-        decode = q.shape[2] <= DECODE_MAX_QUERIES
+        decode = q.shape[2] <= DECODE_MAX_QUERIES and not made
     if decode:
         calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, sinks2)
         for call in calls:
             run(call, q.device, TUNE_KEY)
         return out, lse, stats
     out, lse, stats = forward_outputs(q, v)
-    run_calls(_key("fwd", q, k, v, plan, sm_scale, sinks2 is not None),
-              lambda: [_forward_call(q, k, v, out, lse, stats, plan, sm_scale, sinks2)],
-              (q, k, v, out, lse, stats, *plan.rows.tensors(), plan.masks, *(() if sinks2 is None else (sinks2,))),
-              TUNE_KEY)
-    return out, lse, stats
+    res = residual_output(out, made)
+    extra = tuple(t for t in (sinks2, res) if t is not None)
+    run_calls(_key("fwd", q, k, v, plan, sm_scale, sinks2 is not None, res is not None),
+              lambda: [_forward_call(q, k, v, out, lse, stats, plan, sm_scale, sinks2, res)],
+              (q, k, v, out, lse, stats, *plan.rows.tensors(), plan.masks, *extra), TUNE_KEY)
+    return (out, lse, stats) if res is None else (out, lse, stats, res)
 
 
-def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float):
+def row_delta(do, out, residual):
+    """fp32 ``[B, Hq, Nq]`` ``rowsum(dO * (O + r))``: the ``attn_bwd_preprocess`` launch, run for the op's
+    autograd kernel (which then passes it as ``backward(..., delta=)``)."""
+    return _row_delta("attn_bwd_preprocess", do, out, residual, padded_head_dim(out.shape[-1]))
+
+
+def backward(do, q, k, v, out, stats, plan: AttentionPlan, *, sm_scale: float, delta: torch.Tensor | None = None):
+    """``delta``: the row deltas the caller formed (:func:`row_delta`); otherwise the backward's own
+    preprocess forms them from ``out``."""
     check_supported("block_sparse_attn", q, v, plan)
     check_device(q, "backend 'triton'")
     do, stats = do.to(q.dtype), stats.contiguous()
-    delta, dq, dk, dv = backward_outputs(q, k, v)
-    run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride()),
-              lambda: _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan, sm_scale),
+    own, dq, dk, dv = backward_outputs(q, k, v)
+    delta = own if delta is None else delta.to(torch.float32).contiguous()
+    run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride(), delta is own),
+              lambda: _backward_calls(do, q, k, v, out, stats, delta, dq, dk, dv, plan, sm_scale, delta is own),
               (do, q, k, v, out, stats, delta, dq, dk, dv, *plan.rows.tensors(), *plan.cols.tensors(), plan.masks),
               TUNE_KEY)
     return dq, dk, dv

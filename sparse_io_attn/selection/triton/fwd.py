@@ -27,7 +27,8 @@ adds its bytes per tensor at its end.
 from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
-from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._attention.triton.slots import OUT_RESIDUAL
+from sparse_io_attn._attention.triton.tally import tally_forward, tally_residual
 from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.slots import FWD_PLAN
@@ -136,7 +137,7 @@ def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s
 
 @triton.jit
 def _sel_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, rows_ptr, row_counts_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, res_ptr, rows_ptr, row_counts_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
@@ -147,7 +148,7 @@ def _sel_fwd_kernel(
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
     off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
@@ -186,9 +187,10 @@ def _sel_fwd_kernel(
 
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, (off_z * num_heads_q + offs_h) * seqlen_q + t,
                off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_dv * stride_od,
-               mask_h, mask_dv, stats_stride, sinks_ptr, offs_h, HAS_SINKS)
+               mask_h, mask_dv, stats_stride, sinks_ptr, offs_h, HAS_SINKS, res_ptr, HAS_RESIDUAL)
 
     if COUNT_IO:
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE  # whole blocks of the unmasked steps
         tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim, head_dim_v, ELEM_BYTES, 1)
+        tally_residual(io_ptr, OUT_RESIDUAL, tl.sum(mask_h.to(tl.int64)), head_dim_v * ELEM_BYTES, HAS_RESIDUAL)
         io_add(io_ptr, FWD_PLAN, (1 + cnt.to(tl.int64) * TILES) * 4, 0)

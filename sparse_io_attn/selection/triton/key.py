@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.kernels import merge_rows
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_partial_rows
-from sparse_io_attn._attention.triton.tally import tally_forward, tally_merge
+from sparse_io_attn._attention.triton.slots import MERGE_RESIDUAL
+from sparse_io_attn._attention.triton.tally import tally_forward, tally_merge, tally_residual
 from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _gathered_rows
@@ -131,11 +132,11 @@ def _key_fwd_kernel(
 
 @triton.jit
 def _key_merge_kernel(
-    partial_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, row_counts_ptr, io_ptr,
+    partial_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, res_ptr, row_counts_ptr, io_ptr,
     stride_oz, stride_oh, stride_om, stride_od,
     stride_lb, heads_per_selection, num_rows, seqlen_q, num_heads_q, head_dim,
     BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flat (b, h, t)
     mask_r = rows < num_rows
@@ -144,10 +145,12 @@ def _key_merge_kernel(
     off_l = z * stride_lb + h // heads_per_selection
     counts = tl.load(row_counts_ptr + off_l * seqlen_q + rows % seqlen_q, mask=mask_r, other=0)  # [BLOCK_R]
     merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, counts, tl.max(counts), stride_oz, stride_oh,
-               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM, HAS_SINKS)
+               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM, HAS_SINKS, res_ptr,
+               HAS_RESIDUAL)
     if COUNT_IO:
         n = tl.sum(mask_r.to(tl.int64))
         tally_merge(io_ptr, n, tl.sum(counts.to(tl.int64)), head_dim * ELEM_BYTES, head_dim)
+        tally_residual(io_ptr, MERGE_RESIDUAL, n, head_dim * ELEM_BYTES, HAS_RESIDUAL)
         io_add(io_ptr, MERGE_PLAN, n * 4, 0)
 
 

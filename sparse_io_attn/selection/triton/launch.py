@@ -40,10 +40,11 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.sinks import sinks_base2
-from sparse_io_attn._attention.tiles import tile_head_dim
+from sparse_io_attn._attention.tiles import padded_head_dim, tile_head_dim
 from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, check_supported, decode_partial,
-                                                     forward_outputs, last_tiles, merge_call, preprocess_call, run,
-                                                     run_calls, sink_args, strides)
+                                                     forward_outputs, last_tiles, merge_call, residual_args,
+                                                     residual_output, run, run_calls, sink_args, strides)
+from sparse_io_attn._attention.triton.launch import row_delta as _row_delta
 from sparse_io_attn._triton.runtime import check_device
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
@@ -53,10 +54,10 @@ from sparse_io_attn.selection.traffic_terms import DECODE_TENSORS, DQ_TENSORS, F
 from sparse_io_attn.selection.triton.bwd import _sel_bwd_dq_kernel
 from sparse_io_attn.selection.triton.decode import _sel_decode_kernel
 from sparse_io_attn.selection.triton.fwd import _sel_fwd_kernel
-from sparse_io_attn.selection.triton.launch_families import (PREPROCESS_BLOCK_M, common_args, dkdv_call, key_dq_calls,
-                                                             key_forward_calls, key_tiles_of, key_work_of,
-                                                             masked_backward_calls, masked_forward_calls,
-                                                             masked_tiles_of, plan_keys, tile_dim)
+from sparse_io_attn.selection.triton.launch_families import (common_args, dkdv_call, key_dq_calls, key_forward_calls,
+                                                             key_tiles_of, key_work_of, masked_backward_calls,
+                                                             masked_forward_calls, masked_tiles_of, plan_keys,
+                                                             preprocess_of, tile_dim)
 
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
@@ -84,9 +85,11 @@ def _row_grid(q, common: dict, block_h: int):
     return (Nq, B * (Hq // r) * triton.cdiv(r, block_h))
 
 
-def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None, sinks2=None):
+def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None, sinks2=None,
+                  res=None):
     """``([call], out, lse, stats)``: the query-major forward launch and its (uninitialised) outputs
-    (``outputs``: their buffers, from :func:`forward_outputs`, allocated here when not given)."""
+    (``outputs``: their buffers, from :func:`forward_outputs`, allocated here when not given; ``res``: the
+    rounding residual's buffer, :func:`~sparse_io_attn._attention.triton.launch.residual_output`)."""
     B, Hq, Nq, D = q.shape
     common = common_args(q, k, v, plan, sm_scale)
     block_h = head_rows(common["SEL_HEADS"], tile_dim(common), q.dtype)
@@ -97,7 +100,7 @@ def forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple 
         q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, stats_ptr=stats, rows_ptr=plan.rows,
         row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"), **strides(v, "v"),
         **strides(out, "o"), max_blocks=plan.max_blocks, stats_stride=B * Hq * Nq, BLOCK_H=block_h,
-        **sink_args(sinks2, lse), **common))
+        **sink_args(sinks2, lse), **residual_args(res, out), **common))
     return [call], out, lse, stats
 
 
@@ -130,14 +133,15 @@ def decode_calls(q, k, v, plan: SelectionPlan, sm_scale: float, *, split_keys: i
     return calls, out, lse, stats
 
 
-def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None):
+def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None,
+                   preprocess: bool = True):
     """``([preprocess, dkdv, dq] calls, dq, dk, dv)``: the query-major family's backward launches, in
     order, and their outputs (``outputs``: ``(delta, dq, dk, dv)`` buffers from :func:`backward_outputs`,
-    allocated here when not given)."""
+    allocated here when not given; not ``preprocess``: ``delta`` holds the caller's row deltas)."""
     B, Hq, Nq, D = q.shape
     common = common_args(q, k, v, plan, sm_scale)
     delta, dq, dk, dv = backward_outputs(q, k, v) if outputs is None else outputs   # delta: rowsum(dO * O)
-    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM_V"])
+    pre = preprocess_of(out, do, delta, common, preprocess)
     dkdv, dk, dv = dkdv_call("selection_bwd_dkdv", do, q, k, v, stats, delta, plan, common, None, dk=dk, dv=dv)
     block_h = head_rows(common["SEL_HEADS"], tile_dim(common), q.dtype)
     grid = _row_grid(q, common, block_h)
@@ -147,17 +151,19 @@ def backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float
                        rows_ptr=plan.rows, row_counts_ptr=plan.row_counts, **strides(q, "q"), **strides(k, "k"),
                        **strides(v, "v"), **strides(do, "do"), **strides(dq, "dq"), max_blocks=plan.max_blocks,
                        stats_stride=B * Hq * Nq, BLOCK_H=block_h, **common))
-    return [pre, dkdv, dq_call], dq, dk, dv
+    return [*pre, dkdv, dq_call], dq, dk, dv
 
 
-def key_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
+def key_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float, delta=None):
     """``([preprocess, key_bwd, key_dq_merge] calls, dq, dk, dv)``: the key-major family's backward: the
-    dK/dV kernel also writing each gathered row's dQ partial at its slot, then their merge."""
+    dK/dV kernel also writing each gathered row's dQ partial at its slot, then their merge (``delta``: the
+    row deltas the caller formed, no preprocess)."""
     common = common_args(q, k, v, plan, sm_scale)
-    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)   # rowsum(dO * O)
-    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM_V"])
+    own = delta is None
+    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device) if own else delta
+    pre = preprocess_of(out, do, delta, common, own)
     calls, dq, dk, dv = key_dq_calls(do, q, k, v, stats, delta, plan, common)
-    return [pre] + calls, dq, dk, dv
+    return pre + calls, dq, dk, dv
 
 
 def tiles_for(q: torch.Tensor, k: torch.Tensor, plan: SelectionPlan, v: torch.Tensor | None = None) -> SelectionTiles:
@@ -205,31 +211,44 @@ def prepare(q, k, plan: SelectionPlan, family_name: str | None = None, v=None) -
 
 
 def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | None = None,
-            split_keys: int = DECODE_SPLIT_KEYS, family_name: str | None = None, sinks: torch.Tensor | None = None):
+            split_keys: int = DECODE_SPLIT_KEYS, family_name: str | None = None, sinks: torch.Tensor | None = None,
+            residual: bool = False):
     """``decode``: run the decode kernels (:func:`decode_calls`, ``split_keys`` passed on); ``None``
-    (default): when ``Nq <= 16`` (:data:`~sparse_io_attn.selection.tiles.DECODE_MAX_QUERIES`). Otherwise
-    the family's forward (:func:`family`; ``family_name`` forces one). ``sinks [Hq]``: each head's sink
-    logit, folded into every row when it is stored."""
+    (default): when ``Nq <= 16`` (:data:`~sparse_io_attn.selection.tiles.DECODE_MAX_QUERIES`) and no
+    residual is asked for. Otherwise the family's forward (:func:`family`; ``family_name`` forces one).
+    ``sinks [Hq]``: each head's sink logit, folded into every row when it is stored. ``residual``: a
+    16-bit forward also returns its output's rounding residual (``(out, lse, stats, residual)``;
+    :mod:`sparse_io_attn._attention.delta`), for :func:`row_delta`."""
     check_supported("selection_attn", q, v, plan)
     check_device(q, "backend 'triton'")
     sinks2 = None if sinks is None else sinks_base2(sinks)
+    made = residual and q.dtype != torch.float32
     if decode is None:
-        decode = q.shape[2] <= DECODE_MAX_QUERIES
+        decode = q.shape[2] <= DECODE_MAX_QUERIES and not made
     if decode:
         calls, out, lse, stats = decode_calls(q, k, v, plan, sm_scale, split_keys=split_keys, sinks2=sinks2)
+        res = None
     else:
         fam = family(q, k, plan, family_name, v)
+        outputs = out, lse, stats = forward_outputs(q, v)
+        res = residual_output(out, made)
         if fam == "query":      # from the launches kept for these shapes after the first call (run_calls)
-            out, lse, stats = forward_outputs(q, v)
-            run_calls(_key("fwd", q, k, v, plan, sm_scale, sinks2 is not None),
-                      lambda: forward_calls(q, k, v, plan, sm_scale, (out, lse, stats), sinks2)[0],
-                      (q, k, v, out, lse, stats, plan.rows, plan.row_counts, *(() if sinks2 is None else (sinks2,))),
-                      TUNE_KEY)
-            return out, lse, stats
-        calls, out, lse, stats = FORWARD_CALLS[fam](q, k, v, plan, sm_scale, sinks2=sinks2)
+            extra = tuple(t for t in (sinks2, res) if t is not None)
+            run_calls(_key("fwd", q, k, v, plan, sm_scale, sinks2 is not None, res is not None),
+                      lambda: forward_calls(q, k, v, plan, sm_scale, outputs, sinks2, res)[0],
+                      (q, k, v, out, lse, stats, plan.rows, plan.row_counts, *extra), TUNE_KEY)
+            calls = []
+        else:
+            calls = FORWARD_CALLS[fam](q, k, v, plan, sm_scale, outputs, sinks2=sinks2, res=res)[0]
     for call in calls:
         run(call, q.device, TUNE_KEY)
-    return out, lse, stats
+    return (out, lse, stats) if res is None else (out, lse, stats, res)
+
+
+def row_delta(do, out, residual):
+    """fp32 ``[B, Hq, Nq]`` ``rowsum(dO * (O + r))``: the ``selection_bwd_preprocess`` launch, run for the
+    op's autograd kernel (which then passes it as ``backward(..., delta=)``)."""
+    return _row_delta("selection_bwd_preprocess", do, out, residual, padded_head_dim(out.shape[-1]))
 
 
 def _key(kind: str, q, k, v, plan: SelectionPlan, sm_scale: float, *more) -> tuple:
@@ -247,25 +266,31 @@ FORWARD_CALLS = {"query": forward_calls, "key": key_forward_calls, "masked": mas
 BACKWARD_CALLS = {"query": backward_calls, "key": key_backward_calls, "masked": masked_backward_calls}
 
 
-def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None):
-    """The family's backward (:func:`family`; ``family_name`` forces one), whatever forward made ``stats``."""
+def backward(do, q, k, v, out, stats, plan: SelectionPlan, *, sm_scale: float, family_name: str | None = None,
+             delta: torch.Tensor | None = None):
+    """The family's backward (:func:`family`; ``family_name`` forces one), whatever forward made ``stats``;
+    ``delta``: the row deltas the caller formed (:func:`row_delta`), otherwise the backward's own
+    preprocess forms them from ``out``."""
     check_supported("selection_attn", q, v, plan)
     check_device(q, "backend 'triton'")
     fam = family(q, k, plan, family_name, v)
     do, stats = do.to(q.dtype), stats.contiguous()
+    if delta is not None:
+        delta = delta.to(torch.float32).contiguous()
     if fam == "query":
-        delta, dq, dk, dv = outputs = backward_outputs(q, k, v)
+        own, dq, dk, dv = backward_outputs(q, k, v)
+        outputs = (own if delta is None else delta), dq, dk, dv
         keys = plan_keys(plan)
-        run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride()),
-                  lambda: backward_calls(do, q, k, v, out, stats, plan, sm_scale, outputs)[0],
-                  (do, q, k, v, out, stats, delta, dq, dk, dv, plan.rows, plan.row_counts, keys.col_ptr,
+        run_calls(_key("bwd", q, k, v, plan, sm_scale, do.stride(), out.stride(), delta is None),
+                  lambda: backward_calls(do, q, k, v, out, stats, plan, sm_scale, outputs, delta is None)[0],
+                  (do, q, k, v, out, stats, outputs[0], dq, dk, dv, plan.rows, plan.row_counts, keys.col_ptr,
                    keys.col_query, keys.col_slot), TUNE_KEY)
         return dq, dk, dv
-    calls, dq, dk, dv = BACKWARD_CALLS[fam](do, q, k, v, out, stats, plan, sm_scale)
+    calls, dq, dk, dv = BACKWARD_CALLS[fam](do, q, k, v, out, stats, plan, sm_scale, delta)
     for call in calls:
         run(call, q.device, TUNE_KEY)
     return dq, dk, dv
 
 
 __all__ = ["backward", "backward_calls", "decode_calls", "family", "forward", "forward_calls", "key_backward_calls",
-           "launched_tiles", "prepare", "tiles_for"]
+           "launched_tiles", "prepare", "row_delta", "tiles_for"]

@@ -22,10 +22,10 @@ union words (int64).
 """
 from __future__ import annotations
 
-from sparse_io_attn._attention.triton.slots import DKDV_DK, DKDV_DV
+from sparse_io_attn._attention.triton.slots import DKDV_DK, DKDV_DV, OUT_RESIDUAL
 from sparse_io_attn._attention.triton.softmax import (dkdv_step, dq_step, probabilities, score_tile, softmax_step,
                                                       store_rows)
-from sparse_io_attn._attention.triton.tally import tally_backward, tally_forward
+from sparse_io_attn._attention.triton.tally import tally_backward, tally_forward, tally_residual
 from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _row_inputs
@@ -72,7 +72,7 @@ def _bits(bits_ptr, tok, row_ok, kt, num_key_tiles, offs_n):
 
 @triton.jit
 def _masked_rows_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, stats_ptr, sinks_ptr, do_ptr, delta_ptr, bits_ptr, union_ptr, tiles_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, stats_ptr, sinks_ptr, res_ptr, do_ptr, delta_ptr, bits_ptr, union_ptr, tiles_ptr,
     counts_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
@@ -86,7 +86,7 @@ def _masked_rows_kernel(
     HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DQ: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """The forward (``DQ`` False: ``out`` = ``o``, writes ``lse`` and ``stats``) or dQ (``DQ``: ``out`` =
     ``dq``; reads ``do``, ``stats``, ``delta``) of one query tile (axis 0) and batch x unit (axis 1): the
@@ -143,9 +143,10 @@ def _masked_rows_kernel(
             io_add(io_ptr, DQ_PLAN, plan_bytes, 0)
     else:
         store_rows(out_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, out_rows, offs_dv * stride_od, row_ok,
-                   mask_dv, stats_stride, sinks_ptr, heads, HAS_SINKS)
+                   mask_dv, stats_stride, sinks_ptr, heads, HAS_SINKS, res_ptr, HAS_RESIDUAL)
         if COUNT_IO:
             tally_forward(io_ptr, tl.sum(row_ok.to(tl.int64)), keys, head_dim, head_dim_v, ELEM_BYTES, 1)
+            tally_residual(io_ptr, OUT_RESIDUAL, tl.sum(row_ok.to(tl.int64)), head_dim_v * ELEM_BYTES, HAS_RESIDUAL)
             io_add(io_ptr, FWD_PLAN, plan_bytes, 0)
 
 
