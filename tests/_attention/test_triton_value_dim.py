@@ -133,3 +133,28 @@ def _run_forward(op, q, k, v, mask, causal):
     leaves = [t.requires_grad_() for t in (q, k, v)]
     fn = selection_attention if op == "selection" else block_sparse_attention
     return fn(*leaves, mask, causal=causal, backend="triton")
+
+
+@pytest.mark.parametrize("op,family", FAMILIES)
+def test_fp16_training_step_counted_equals_predicted(monkeypatch, op, family):
+    """A 16-bit training step at D 24 / Dv 40 (the fp16 dots of the interpreter are a GPU's): the forward
+    writes the output's rounding residual (Dv wide), the preprocess reads it, and the counters equal the
+    models of a training step (``traffic.block_sparse`` / ``traffic.selection`` with ``head_dim_v``)."""
+    if family is not None:
+        monkeypatch.setenv(FAMILY_ENV, family)
+    B, Hq, Hkv, Nq, Nk, D, Dv, bs = 1, 4, 2, 37, 53, 24, 40, 16
+    mask = _long_mask(op, B, Hq, Hkv, Nq, Nk, bs, ())
+    q, k, v, do = (t.half() for t in _inputs(B, Hq, Hkv, Nq, Nk, D, Dv))
+    with IOCounter() as io:
+        out = _run_forward(op, q, k, v, mask, True)
+        out.backward(do)
+    if op == "block_sparse":
+        want = bs_traffic.block_sparse(mask, B, Hq, Hkv, D, torch.float16, causal=True, head_dim_v=Dv)
+        fwd, pre = "attn_fwd", "attn_bwd_preprocess"
+    else:
+        plan = plan_selection(mask, Nk, causal_offset=causal_offset(True, Nq, Nk))
+        want = sel_traffic.selection(plan, B, Hq, Hkv, D, torch.float16, head_dim_v=Dv)
+        fwd = {"query": "selection_fwd", "key": "selection_key_merge", "masked": "selection_masked_fwd"}[family]
+        pre = "selection_bwd_preprocess"
+    assert io.report == want, f"{io.report}\n{want}"
+    assert io.report.kernels[fwd].writes["residual"] == io.report.kernels[pre].reads["residual"] == B * Hq * Nq * Dv * 2
