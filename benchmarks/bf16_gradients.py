@@ -12,7 +12,11 @@ and the ratio of each backend's bf16 result is printed per tensor.
 
     python benchmarks/bf16_gradients.py                       # T = 256, 1024; backends torch, cpu
     python benchmarks/bf16_gradients.py --T 256 1024 2000 --out benchmarks/results/bf16_gradients.md
-"""
+    python benchmarks/bf16_gradients.py --device cuda --backends triton torch      # on a GPU (gpu_session.py)
+
+``--device cuda``: the inputs on the GPU (the float64 reference stays on the CPU); ``--dry-run``: a tiny case
+(T 64, D 32) on the CPU, Triton through its interpreter (whose bf16 dots do not round as a GPU's: the
+numbers of a dry run say nothing)."""
 from __future__ import annotations
 
 import argparse
@@ -63,14 +67,15 @@ def reference(q, k, v, do, sel):
     return out, None, dq, dk, dv
 
 
-def measure(T: int, D: int, backends) -> list[dict]:
+def measure(T: int, D: int, backends, device: str = "cpu") -> list[dict]:
     q, k, v, do, sel = nsa_case(T, D)
     ref = reference(q, k, v, do, sel)
     rows = []
     for backend in backends:
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-        out = selection_attention(qg, kg, vg, sel, causal=True, sm_scale=SCALE, backend=backend, check=False)
-        out.backward(do)
+        qg, kg, vg = (t.to(device).clone().requires_grad_() for t in (q, k, v))
+        sel_d = Selection(sel.indices.to(device), BLOCK, sel.counts.to(device))
+        out = selection_attention(qg, kg, vg, sel_d, causal=True, sm_scale=SCALE, backend=backend, check=False)
+        out.backward(do.to(device))
         errs = [err_ratio(r, x) for r, x in zip((ref[0], ref[2], ref[3], ref[4]), (out, qg.grad, kg.grad, vg.grad))]
         rows.append({"T": T, "D": D, "backend": backend, **dict(zip(("o", "dq", "dk", "dv"), errs))})
         print(rows[-1], flush=True)
@@ -82,9 +87,13 @@ def main(argv=None) -> None:
     ap.add_argument("--T", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--D", type=int, nargs="+", default=[100, 64])
     ap.add_argument("--backends", nargs="+", default=["torch", "cpu"])
+    ap.add_argument("--device", default="cpu", help="where the inputs live (the reference is on the CPU)")
+    ap.add_argument("--dry-run", action="store_true", help="T 64, D 32 on the CPU (Triton: its interpreter)")
     ap.add_argument("--out", type=Path, default=None, help="write a markdown table here")
     args = ap.parse_args(argv)
-    rows = [r for T in args.T for D in args.D for r in measure(T, D, args.backends)]
+    if args.dry_run:
+        args.T, args.D, args.device = [64], [32], "cpu"
+    rows = [r for T in args.T for D in args.D for r in measure(T, D, args.backends, args.device)]
     fmt = [{**r, **{c: f"{r[c]:.2e}" for c in ("o", "dq", "dk", "dv")}} for r in rows]
     table = format_table(fmt, [(c, c) for c in ("T", "D", "backend", "o", "dq", "dk", "dv")])
     text = format_header(machine_header(torch.bfloat16)) + "\n\n" + table + "\n"

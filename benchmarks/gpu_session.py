@@ -20,6 +20,8 @@ Part 1, correctness and the two headlines (budget 400 s):
 Part 2, the rest (budget 400 s), in this order:
   ``sanitizer_warm``, ``sanitizer``  ``compute-sanitizer --tool memcheck`` on one forward+backward of each
                 op and one decode step of each (the warm run fills Triton's cache first)
+  ``bf16_grads``  ``bf16_gradients.py``: bf16 o/dq/dk/dv against float64 on native-sparse-attention's test data,
+                Triton (its delta from the fp32 output, issue 48) and torch, T 256 and 1024
   ``floor``     ``gpu_floor.py``: forward+backward at 2.5-10% kept, N 8192, D 128: ``do_bench``
                 (``return_mode="all"``), ``do_bench_cudagraph``, host enqueue time, a profiler trace of 5 steps
   ``selection_32k``  the selection rows at N 32768
@@ -137,6 +139,8 @@ def plan(part: int, work: Path, dry: bool) -> list[Step]:
         steps = [
             Step("sanitizer_warm", 25, [PY, B + "gpu_sanitize_case.py"], no_tune),
             Step("sanitizer", 50, ["echo", "dry run: would run", *sanitize] if dry else sanitize, no_tune),
+            Step("bf16_grads", 45, [PY, B + "bf16_gradients.py", "--device", "cuda", "--T", "256", "1024", "--D",
+                                    "64", "100", "--backends", "triton", "torch", "--out", f"{work}/bf16_gradients.md"]),
             Step("floor", 60, [PY, B + "gpu_floor.py", "--out", f"{work}/floor"]),
             Step("selection_32k", 70, [PY, B + "bench_gpu_selection.py", "--parts", "selection", "--n", "32768",
                                        "--jsonl", f"{work}/selection_32k.jsonl"]),

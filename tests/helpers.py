@@ -39,10 +39,10 @@ def make_layout(B, Hq, Nq, Nk, block, *, density=0.5, per_head=False, per_batch=
     return BlockSparseLayout.from_block_mask(mask, (bq, bk), (Nq, Nk))
 
 
-def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, device="cpu"):
-    """Fresh random ``q, k, v, do`` (never zeros)."""
-    mk = lambda h, n: torch.randn(B, h, n, D, dtype=dtype, device=device)  # noqa: E731
-    return mk(Hq, Nq), mk(Hkv, Nk), mk(Hkv, Nk), mk(Hq, Nq)
+def make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, device="cpu", Dv=None):
+    """Fresh random ``q, k, v, do`` (never zeros); ``v`` and ``do`` of head dim ``Dv`` (default ``D``)."""
+    mk = lambda h, n, d=D: torch.randn(B, h, n, d, dtype=dtype, device=device)  # noqa: E731
+    return mk(Hq, Nq), mk(Hkv, Nk), mk(Hkv, Nk, Dv or D), mk(Hq, Nq, Dv or D)
 
 
 def run(q, k, v, do, layout, causal, *, backend, sm_scale=None):

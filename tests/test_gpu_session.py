@@ -92,6 +92,6 @@ def test_part2_dry_run(tmp_path):
     their arguments are checked above)."""
     summary = _dry_run(2, tmp_path, "--skip", "bench_16k", "bench_4k", "flex_autotune", "selection_32k", "metadata")
     ran = [s["step"] for s in summary["steps"] if s.get("status") == "ok"]
-    assert len(summary["steps"]) == 13 and len(ran) == 7 and "floor" in ran and "ncu_dense" in ran
+    assert len(summary["steps"]) == 14 and len(ran) == 8 and {"floor", "ncu_dense", "bf16_grads"} <= set(ran)
     floor = [json.loads(ln) for ln in (tmp_path / "work" / "floor" / "floor.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in floor} == {"fwd", "fwd+bwd"} and all(r["graph_error"] for r in floor)

@@ -186,7 +186,8 @@ class AttentionOp:
         *plan_tensors, meta, causal_offset, sm_scale, backend, sinks, residual = self._full(args, FWD_DEFAULTS)
         plan = self.plan_from_op(q, k, *plan_tensors, meta, causal_offset)
         out, lse, stats, res = self._forward(q, k, v, plan, sm_scale, backend, sinks, residual)
-        res = q.new_empty(_residual_shape(q, v, backend, residual, self.features)) if res is None else res
+        # (zeros where a backend made none: the deltas of the rounded output, never uninitialised memory)
+        res = q.new_zeros(_residual_shape(q, v, backend, residual, self.features)) if res is None else res
         return out.contiguous(), lse.contiguous(), stats.contiguous(), res.contiguous()
 
     def _bwd_impl(self, do, q, k, v, out, stats, *args):
@@ -228,8 +229,8 @@ def _autograd_function(op: AttentionOp):
             dout = dout.contiguous()
             sink_grad_needed = sinks is not None and ctx.needs_input_grad[3 + n_plan + 4]
             delta = None
-            if res.numel() or sink_grad_needed:
-                delta = row_delta(dout, out, res)
+            if res.numel() or sink_grad_needed:    # (a backend's own row_delta: its preprocess kernel)
+                delta = getattr(op.backends[backend](), "row_delta", row_delta)(dout, out, res)
             if "delta" not in op.features.get(backend, ()):
                 passed = None
             else:

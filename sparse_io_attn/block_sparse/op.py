@@ -44,9 +44,11 @@ def _triton_backend():
     return launch
 
 
-#: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`); the Triton
-#: kernels take none yet: a call needing one there raises ``NotImplementedError`` naming ``cpu``/``torch``
-FEATURES = {"cpu": EXTENSIONS - {"cu_seqlens"}, "torch": EXTENSIONS - {"cu_seqlens"}, "triton": frozenset({"sinks"})}
+#: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`; no backend of this
+#: op takes ``cu_seqlens``: pack with ``patterns.document``); a call needing one its backend lacks raises
+#: ``NotImplementedError`` naming the backends that have it
+FEATURES = {"cpu": EXTENSIONS - {"cu_seqlens"}, "torch": EXTENSIONS - {"cu_seqlens"},
+            "triton": frozenset({"sinks", "value_dim", "residual", "delta"})}
 OP = AttentionOp("block_sparse_attn", "Tensor index", AttentionPlan,
                  {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path},
                  FEATURES)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_io_attn._attention.tiles import (DECODE_MAX_SPLITS, DECODE_SPLIT_KEYS, DECODE_TARGET_PROGRAMS,
-                                             element_size, padded_head_dim)
+                                             WIDE_ROW_BYTES, element_size, padded_head_dim)
 from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
 
 @dataclass(frozen=True)
@@ -74,6 +74,8 @@ _CONFIGS = {
           "dq": [(32, 32, 4, 2), (32, 32, 8, 2)],
           "dkdv": [(16, 32, 4, 2, DIRECT), (16, 32, 4, 2, EXACT), (32, 32, 8, 2, EXACT)]},
     1024: {"fwd": [(32, 32, 4, 2)], "dq": [(32, 32, 4, 2)], "dkdv": [(16, 32, 4, 2, DIRECT), (16, 32, 4, 2, EXACT)]},
+    # MLA's q/k rows (head dim 576 padded to 1024, V's 512): the smallest tiles, 8 warps for the wide accumulators
+    2048: {"fwd": [(32, 16, 8, 2)], "dq": [(16, 16, 8, 2)], "dkdv": [(16, 16, 8, 2, DIRECT), (16, 16, 8, 2, EXACT)]},
 }
 # fp32 runs exact IEEE products on CUDA cores (no tensor cores, no tf32): more registers per element.
 # Keys are padded-row bytes as above (256: head dim <= 64).
@@ -84,6 +86,8 @@ _CONFIGS_FP32 = {
           "dkdv": [(16, 32, 8, 2, EXACT), (16, 32, 8, 2, DIRECT), (32, 32, 8, 2, DIRECT)]},
     512: {"fwd": [(64, 32, 8, 2)], "dq": [(32, 32, 8, 2)], "dkdv": [(16, 32, 8, 2, EXACT), (16, 32, 8, 2, DIRECT)]},
     1024: {"fwd": [(32, 32, 4, 2)], "dq": [(16, 32, 4, 2)], "dkdv": [(16, 16, 4, 2, EXACT), (16, 16, 4, 2, DIRECT)]},
+    2048: {"fwd": [(16, 16, 8, 2)], "dq": [(16, 16, 8, 2)], "dkdv": [(16, 16, 8, 2, EXACT), (16, 16, 8, 2, DIRECT)]},
+    4096: {"fwd": [(16, 16, 8, 1)], "dq": [(16, 16, 8, 1)], "dkdv": [(16, 16, 8, 1, EXACT), (16, 16, 8, 1, DIRECT)]},
 }
 KERNELS = ("fwd", "dq", "dkdv")
 # dK/dV's query tile over partial blocks: at most this many rows (its BLOCK_M when smaller), as the
@@ -103,7 +107,8 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def kernel_configs(kernel: str, block_size, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> list[KernelConfig]:
     """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a layout block
-    ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, head dim and dtype: the default first, then the other
+    ``(BLOCK_SIZE_Q, BLOCK_SIZE_KV)``, head dim (with a V head dim of its own, the larger of Q/K's and
+    V's: :func:`~sparse_io_attn._attention.tiles.tile_head_dim`) and dtype: the default first, then the other
     autotuning candidates. Tiles are capped to the largest power of two dividing the layout block
     (tiles never straddle blocks), duplicates removed. Depends on shapes and dtype only, so the
     traffic model, the launcher and the compile report agree everywhere. Raises
@@ -167,7 +172,8 @@ def decode_config(plan, batch: int, num_heads_q: int, num_heads_kv: int, head_di
     masks) for these inputs. The heads of a GQA group share a program when they share one list: a
     layout shared by every head, or one mask per KV head repeated for the query heads. Splits come
     from the plan's kept-block capacity per row (storage slots / rows: a shape, no host read) and the
-    number of row programs, never from the data."""
+    number of row programs, never from the data. ``head_dim``: with a V head dim of its own, the larger
+    (:func:`~sparse_io_attn._attention.tiles.tile_head_dim`)."""
     bq, bk = plan.block_size
     nq, _ = plan.seqlen
     G = num_heads_q // num_heads_kv
@@ -178,7 +184,9 @@ def decode_config(plan, batch: int, num_heads_q: int, num_heads_kv: int, head_di
     if shared:
         heads = max(d for d in range(1, G + 1) if G % d == 0 and d * tokens <= max(DECODE_MAX_ROWS, tokens))
     fp32 = element_size(dtype) == 4   # exact IEEE products on CUDA cores: smaller key tiles, more warps
-    block_n = _pow2_divisor(bk, 32 if fp32 else 64)
+    # wide rows (MLA's 576 padded to 1024 lanes): 32-key tiles, two stages (sm_90 shared memory)
+    wide = padded_head_dim(head_dim) * element_size(dtype) > WIDE_ROW_BYTES
+    block_n = _pow2_divisor(bk, 32 if fp32 or wide else 64)
     if block_n < MIN_TILE:
         raise NotImplementedError(
             f"backend 'triton' needs layout block sizes with a power-of-two divisor >= {MIN_TILE} "
@@ -190,4 +198,4 @@ def decode_config(plan, batch: int, num_heads_q: int, num_heads_kv: int, head_di
                         -(-DECODE_TARGET_PROGRAMS // programs)))
     block_m = max(MIN_TILE, next_pow2(heads * tokens))
     return DecodeConfig(heads, tokens, block_m, block_n, splits, num_warps=8 if fp32 and block_m >= 64 else 4,
-                        num_stages=2 if fp32 else 3)
+                        num_stages=2 if fp32 or wide else 3)

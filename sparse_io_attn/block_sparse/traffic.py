@@ -6,8 +6,9 @@ bytes) to what ``IOCounter`` records for ``backend="triton"``. Everything is com
 layout's CSR/CSC counts and the shapes (vectorised over the stored entries), so it works at sizes
 far beyond what the interpreter can run (e.g. ``n = 131072``).
 
-What a program moves (the kernels in :mod:`sparse_io_attn.block_sparse.triton`; ``D`` = head dim, ``e`` =
-element bytes, index entries are int32):
+What a program moves (the kernels in :mod:`sparse_io_attn.block_sparse.triton`; ``D`` = head dim of
+``q``/``k``/``dq``/``dk``, ``Dv`` = head dim of ``v``/``o``/``do``/``dv`` (``head_dim_v=``, default ``D``),
+``e`` = element bytes, index entries are int32):
 
 * ``attn_fwd`` (per query tile of ``BLOCK_M`` rows, per batch x query head): reads its ``q`` rows
   once, 2 + (kept blocks of its row) layout indices, and for every kept key block the key tiles of
@@ -37,9 +38,10 @@ from sparse_io_attn.tally.report import TrafficReport
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, dkdv_part_rows
-from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, element_size
+from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, element_size, tile_head_dim
 from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
-                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess)
+                                               INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess,
+                                               output_bytes, residual_made)
 
 # Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
 # then the layout's lists and masks (the kernels' named slots are built from these tuples in
@@ -130,28 +132,35 @@ def _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype):
 
 def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
                          head_dim: int, dtype: torch.dtype, *, causal=False,
-                         tiles: KernelTiles | None = None) -> TrafficReport:
+                         tiles: KernelTiles | None = None, head_dim_v: int | None = None,
+                         residual: bool = False) -> TrafficReport:
     """Predicted bytes of one ``attn_fwd`` launch (``TrafficReport(source="predicted")``);
-    ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`. For ``seqlen_q <= 16`` the
-    forward runs the decode kernels: :func:`block_sparse_decode_forward`."""
+    ``causal`` as in :func:`~sparse_io_attn.block_sparse_attention`; ``head_dim_v``: v's head dim
+    when it is not q's; ``residual``: a gradient will be needed, so a 16-bit forward also writes its
+    output's rounding residual (:mod:`sparse_io_attn._attention.delta`). For ``seqlen_q <= 16`` the
+    forward runs the decode kernels (:func:`block_sparse_decode_forward`), but not one that writes a
+    residual."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    if layout.seqlen_q <= DECODE_MAX_QUERIES:
-        return block_sparse_decode_forward(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype, causal=causal)
-    D, delta = head_dim, layout.causal_offset
-    tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
+    if layout.seqlen_q <= DECODE_MAX_QUERIES and not residual_made(dtype, residual):
+        return block_sparse_decode_forward(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype, causal=causal,
+                                           head_dim_v=head_dim_v)
+    D, Dv, delta = head_dim, head_dim_v or head_dim, layout.causal_offset
+    tiles = tiles or choose_tiles(layout.block_size, tile_head_dim(D, Dv), dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
     index, keys, mask_rows = _walk(layout, layout.rows, tiles.fwd[0], tiles.fwd[1], delta, transposed=False)
     rows = batch * num_heads_q * layout.seqlen_q
-    kv = int((mult * keys).sum()) * D * es
+    kv = int((mult * keys).sum()) * es
     rep = TrafficReport(source="predicted")
-    rep.add("attn_fwd", {"q": rows * D * es, "k": kv, "v": kv, "layout": int((mult * index).sum()) * INDEX_BYTES,
+    rep.add("attn_fwd", {"q": rows * D * es, "k": kv * D, "v": kv * Dv,
+                         "layout": int((mult * index).sum()) * INDEX_BYTES,
                          "mask": int((mult * mask_rows).sum()) * _words(tiles.fwd[1]) * INDEX_BYTES},
-            {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+            output_bytes(rows, Dv, es, residual_made(dtype, residual)))
     return rep
 
 
 def block_sparse_decode_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
-                                head_dim: int, dtype: torch.dtype, *, causal=False) -> TrafficReport:
+                                head_dim: int, dtype: torch.dtype, *, causal=False,
+                                head_dim_v: int | None = None) -> TrafficReport:
     """Predicted bytes of the decode forward (``attn_decode``, and ``attn_decode_merge`` when the
     rows are split): the launch of :func:`~sparse_io_attn.block_sparse.tiles.decode_config`.
 
@@ -161,10 +170,10 @@ def block_sparse_decode_forward(layout: BlockSparseLayout, batch: int, num_heads
     rule, against the block's last decoded token), and the element-mask words of its rows for a
     live tile of a masked block. Every item belongs to exactly one split, so the sums do not
     depend on where the splits cut. One split: ``o``, ``lse``, ``stats`` written directly; else each
-    split writes fp32 ``partial`` rows (``m``, ``l``, ``acc``: ``2 + D`` floats) that the merge reads
+    split writes fp32 ``partial`` rows (``m``, ``l``, ``acc``: ``2 + Dv`` floats) that the merge reads
     once before writing ``o``, ``lse``, ``stats``. O(kept blocks + programs), no launch."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    cfg = decode_config(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+    cfg = decode_config(layout, batch, num_heads_q, num_heads_kv, tile_head_dim(head_dim, head_dim_v), dtype)
     (bq, bk), (sq, sk) = layout.block_size, layout.seqlen
     D, delta, S, tiles = head_dim, layout.causal_offset, cfg.splits, bk // cfg.block_n
     L, nqb = layout.num_layouts, layout.num_q_blocks
@@ -195,44 +204,47 @@ def block_sparse_decode_forward(layout: BlockSparseLayout, batch: int, num_heads
     keys_total = int(keys.sum()) + int((weight * got).sum())
     mask_rows = int((weight * rows).sum())
     n_rows = batch * num_heads_q * sq
-    kv = keys_total * D * es
+    Dv = head_dim_v or D
     rep = TrafficReport(source="predicted")
-    read = {"q": S * n_rows * D * es, "k": kv, "v": kv, "layout": int(index.sum()) * INDEX_BYTES,
-            "mask": mask_rows * _words(cfg.block_n) * INDEX_BYTES}
-    add_decode(rep, "attn_decode", read, n_rows, S, D, es)
+    read = {"q": S * n_rows * D * es, "k": keys_total * D * es, "v": keys_total * Dv * es,
+            "layout": int(index.sum()) * INDEX_BYTES, "mask": mask_rows * _words(cfg.block_n) * INDEX_BYTES}
+    add_decode(rep, "attn_decode", read, n_rows, S, Dv, es)
     return rep
 
 
 def block_sparse_backward(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int,
                           head_dim: int, dtype: torch.dtype, *, causal=False,
-                          tiles: KernelTiles | None = None) -> TrafficReport:
-    """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``)."""
+                          tiles: KernelTiles | None = None, head_dim_v: int | None = None,
+                          residual: bool = False) -> TrafficReport:
+    """Predicted bytes of one backward (``attn_bwd_preprocess``, ``attn_bwd_dkdv``, ``attn_bwd_dq``);
+    ``residual``: the forward wrote a rounding residual (16-bit, through autograd), which the preprocess
+    reads."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    D, delta = head_dim, layout.causal_offset
-    tiles = tiles or choose_tiles(layout.block_size, head_dim, dtype)
+    D, Dv, delta = head_dim, head_dim_v or head_dim, layout.causal_offset
+    tiles = tiles or choose_tiles(layout.block_size, tile_head_dim(D, Dv), dtype)
     mult = _layout_multiplicity(layout, batch, num_heads_q)
     rows_q = batch * num_heads_q * layout.seqlen_q
     rows_k = batch * num_heads_kv * layout.seqlen_k
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "attn_bwd_preprocess", rows_q, D, es)
+    add_preprocess(rep, "attn_bwd_preprocess", rows_q, Dv, es, residual_made(dtype, residual))
 
     # every query head of a group walks its own mask; summing over (b, h) covers all programs
     index, queries, mask_rows = _walk(layout, layout.cols, tiles.dkdv[1], tiles.dkdv[0], delta, transposed=True,
                                       tile_part=dkdv_part_rows(tiles.dkdv[0]))
     q_rows = int((mult * queries).sum())
     rep.add("attn_bwd_dkdv",
-            {"q": q_rows * D * es, "do": q_rows * D * es, "stats": q_rows * 2 * STAT_BYTES,
+            {"q": q_rows * D * es, "do": q_rows * Dv * es, "stats": q_rows * 2 * STAT_BYTES,
              "delta": q_rows * STAT_BYTES,
-             "k": rows_k * D * es, "v": rows_k * D * es, "layout": int((mult * index).sum()) * INDEX_BYTES,
+             "k": rows_k * D * es, "v": rows_k * Dv * es, "layout": int((mult * index).sum()) * INDEX_BYTES,
              "mask": int((mult * mask_rows).sum()) * _words(tiles.dkdv[1]) * INDEX_BYTES},
-            {"dk": rows_k * D * es, "dv": rows_k * D * es})
+            {"dk": rows_k * D * es, "dv": rows_k * Dv * es})
 
     index, keys, mask_rows = _walk(layout, layout.rows, tiles.dq[0], tiles.dq[1], delta, transposed=False)
-    kv = int((mult * keys).sum()) * D * es
+    kv = int((mult * keys).sum()) * es
     rep.add("attn_bwd_dq",
-            {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,
+            {"q": rows_q * D * es, "do": rows_q * Dv * es, "stats": rows_q * 2 * STAT_BYTES,
              "delta": rows_q * STAT_BYTES,
-             "k": kv, "v": kv, "layout": int((mult * index).sum()) * INDEX_BYTES,
+             "k": kv * D, "v": kv * Dv, "layout": int((mult * index).sum()) * INDEX_BYTES,
              "mask": int((mult * mask_rows).sum()) * _words(tiles.dq[1]) * INDEX_BYTES},
             {"dq": rows_q * D * es})
     return rep
@@ -244,11 +256,13 @@ def _words(block_n: int) -> int:
 
 
 def block_sparse(layout: BlockSparseLayout, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                 dtype: torch.dtype, *, causal=False, tiles: KernelTiles | None = None) -> TrafficReport:
-    """Predicted bytes of forward + backward (what ``IOCounter`` sees around ``out.backward(...)``)."""
+                 dtype: torch.dtype, *, causal=False, tiles: KernelTiles | None = None,
+                 head_dim_v: int | None = None) -> TrafficReport:
+    """Predicted bytes of forward + backward (what ``IOCounter`` sees around the forward and
+    ``out.backward(...)``: a 16-bit forward writes its rounding residual, the preprocess reads it)."""
     args = (layout, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    return (block_sparse_forward(*args, causal=causal, tiles=tiles)
-            + block_sparse_backward(*args, causal=causal, tiles=tiles))
+    return (block_sparse_forward(*args, causal=causal, tiles=tiles, head_dim_v=head_dim_v, residual=True)
+            + block_sparse_backward(*args, causal=causal, tiles=tiles, head_dim_v=head_dim_v, residual=True))
 
 
 def kept_elements(layout: BlockSparseLayout, batch: int, num_heads_q: int, *, causal=False) -> int:

@@ -35,11 +35,9 @@ def _triton_backend():
     return launch
 
 
-#: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`); the Triton
-#: kernels take sinks and packed sequences: a call needing another there raises ``NotImplementedError``
-#: naming ``cpu``/``torch``
-FEATURES = {"cpu": frozenset(EXTENSIONS), "torch": frozenset(EXTENSIONS),
-            "triton": frozenset({"sinks", "cu_seqlens"})}
+#: the extensions each backend takes (:data:`sparse_io_attn._attention.op.EXTENSIONS`); a call needing one
+#: its backend lacks raises ``NotImplementedError`` naming the backends that have it
+FEATURES = {"cpu": frozenset(EXTENSIONS), "torch": frozenset(EXTENSIONS), "triton": frozenset(EXTENSIONS)}
 OP = AttentionOp("selection_attn", "Tensor rows, Tensor row_counts, Tensor? table", SelectionPlan,
                  {"cpu": cpu_backend, "triton": _triton_backend, "torch": lambda: torch_path},
                  FEATURES)

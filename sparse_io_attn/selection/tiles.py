@@ -27,7 +27,7 @@ import torch
 
 from sparse_io_attn._triton.shapes import MIN_TILE, next_pow2
 from sparse_io_attn._attention.tiles import (DECODE_MAX_QUERIES, DECODE_MAX_SPLITS, DECODE_SPLIT_KEYS,
-                                             DECODE_TARGET_PROGRAMS, element_size, padded_head_dim)
+                                             DECODE_TARGET_PROGRAMS, WIDE_ROW_BYTES, element_size, padded_head_dim)
 
 KERNELS = ("fwd", "dq", "dkdv")
 
@@ -72,6 +72,9 @@ _CONFIGS = {
     512: {"heads": 32, "fwd": [(32, 4, 2), (32, 8, 2)], "dq": [(32, 4, 2)],
           "dkdv": {32: [(16, 8, 2), (32, 8, 2)], 16: [(16, 4, 2)]}},
     1024: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
+    # MLA's q/k rows (head dim 576 padded to 1024, V's 512): the smallest tiles, 8 warps for the wide
+    # accumulators; one stage for dK/dV and by default for the forward (the decode kernel's too): unspilled
+    2048: {"heads": 16, "fwd": [(16, 8, 1), (16, 8, 2)], "dq": [(16, 8, 2)], "dkdv": {16: [(16, 8, 1)]}},
 }
 # fp32 runs exact IEEE products on CUDA cores (no tensor cores): operands in registers, smaller tiles.
 _CONFIGS_FP32 = {
@@ -79,6 +82,8 @@ _CONFIGS_FP32 = {
           "dkdv": {32: [(16, 4, 3), (32, 8, 3)], 16: [(16, 4, 2)]}},
     512: {"heads": 16, "fwd": [(32, 4, 2)], "dq": [(32, 4, 2)], "dkdv": {32: [(16, 4, 2)], 16: [(16, 4, 2)]}},
     1024: {"heads": 16, "fwd": [(16, 4, 2)], "dq": [(16, 4, 2)], "dkdv": {16: [(16, 4, 2)]}},
+    2048: {"heads": 16, "fwd": [(16, 8, 2)], "dq": [(16, 8, 2)], "dkdv": {16: [(16, 8, 2)]}},
+    4096: {"heads": 16, "fwd": [(16, 8, 1)], "dq": [(16, 8, 1)], "dkdv": {16: [(16, 8, 1)]}},
 }
 
 
@@ -127,7 +132,9 @@ def key_tile(block_size: int, block_n: int) -> tuple[int, int]:
 def kernel_configs(kernel: str, block_size: int, head_dim: int, dtype: torch.dtype = torch.bfloat16
                    ) -> list[SelectionConfig]:
     """The launch configurations of ``kernel`` (``"fwd"``, ``"dq"``, ``"dkdv"``) for a block size, head
-    dim and dtype: the default first, then the other autotuning candidates (forward/dQ: key widths
+    dim (with a V head dim of its own, the larger of Q/K's and V's:
+    :func:`~sparse_io_attn._attention.tiles.tile_head_dim`; every tile-choosing function here takes that)
+    and dtype: the default first, then the other autotuning candidates (forward/dQ: key widths
     fitted to ``block_size`` by :func:`key_step`, duplicates removed; dK/dV: the candidates of the
     key-tile width :func:`key_tile` gives). Depends on shapes and dtype only."""
     if kernel not in KERNELS:
@@ -200,9 +207,11 @@ class FamilyTiles:
 _FAMILY_CONFIGS = {128: (64, 32, ((4, 2), (4, 3), (8, 2)), ((4, 3), (8, 3))),
                    256: (64, 16, ((4, 2), (8, 2), (4, 3)), ((8, 3),)),
                    512: (32, 16, ((4, 2), (8, 2)), ((8, 2),)),
-                   1024: (16, 16, ((4, 1), (4, 2)), ((4, 1),))}
+                   1024: (16, 16, ((4, 1), (4, 2)), ((4, 1),)),
+                   2048: (16, 16, ((8, 1),), ((8, 1),))}
 _FAMILY_CONFIGS_FP32 = {256: (32, 16, ((4, 2), (8, 2)), ((4, 2),)), 512: (16, 16, ((4, 2),), ((4, 2),)),
-                        1024: (16, 16, ((4, 1),), ((4, 1),))}
+                        1024: (16, 16, ((4, 1),), ((4, 1),)), 2048: (16, 16, ((8, 1),), ((8, 1),)),
+                        4096: (16, 16, ((8, 1),), ((8, 1),))}
 _FAMILY_KEY_N = 64   # key tile of the key-major family (a block of up to 64 keys is one tile)
 
 
@@ -255,7 +264,9 @@ def kernel_family(block_size: int, max_blocks: int, layouts: int, batch: int, nu
     * ``"masked"``: smaller blocks (single tokens: DSA with few heads per list): tiles of consecutive
       query tokens against tiles of 64 consecutive keys with an element mask;
 
-    ``"query"`` where the family's work buffers would exceed :data:`MAX_WORK_BYTES`."""
+    ``"query"`` where the family's work buffers would exceed :data:`MAX_WORK_BYTES`, and for wide rows
+    (:data:`~sparse_io_attn._attention.tiles.WIDE_ROW_BYTES`: MLA's 576 in bf16), where the key-major and
+    masked families' 64-key tiles exceed sm_90's shared memory."""
     name = name if name is not None else os.environ.get(FAMILY_ENV, "auto") or "auto"
     if name != "auto" and name not in FAMILIES:
         raise ValueError(f"the Triton selection kernel family must be 'auto' or one of {FAMILIES}, got {name!r} "
@@ -263,7 +274,7 @@ def kernel_family(block_size: int, max_blocks: int, layouts: int, batch: int, nu
     if name != "auto":
         return name
     r = sel_heads(num_heads_q, num_heads_kv, num_selections)
-    if r >= QUERY_MAJOR_MIN_HEADS:
+    if r >= QUERY_MAJOR_MIN_HEADS or padded_head_dim(head_dim) * element_size(dtype) > WIDE_ROW_BYTES:
         return "query"
     fam = "key" if block_size >= KEY_MAJOR_MIN_BLOCK else "masked"
     work = family_work_bytes(fam, block_size, max_blocks, layouts, batch, num_heads_q, seqlen_q, seqlen_k, head_dim,

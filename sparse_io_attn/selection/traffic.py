@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._attention.tiles import element_size
+from sparse_io_attn._attention.tiles import element_size, tile_head_dim
 from sparse_io_attn._attention.traffic import (DECODE_MERGE_TENSORS, INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES,
-                                               add_decode, add_preprocess)
+                                               add_decode, add_preprocess, output_bytes, residual_made)
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
                                             decode_config, family_tiles, kernel_family, key_step)
@@ -75,48 +75,54 @@ def _row_reads(plan: SelectionPlan, batch, num_heads_q, num_heads_kv, block_h: i
 
 def selection_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                       dtype: torch.dtype, *, tiles: SelectionTiles | None = None, decode: bool | None = None,
-                      family_name: str | None = None) -> TrafficReport:
+                      family_name: str | None = None, head_dim_v: int | None = None,
+                      residual: bool = False) -> TrafficReport:
     """Predicted bytes of one forward (``TrafficReport(source="predicted")``): the kernels of the family
     the launcher runs (:func:`family`; ``family_name`` as given to it): ``selection_fwd`` (query-major;
     ``tiles`` applies to it), ``selection_key_fwd`` + ``selection_key_merge`` (key-major) or
     ``selection_masked_fwd``; with ``decode`` (``None``: when ``Nq <= 16``, as the launcher decides) the
-    decode kernels' (:func:`selection_decode_forward`)."""
+    decode kernels' (:func:`selection_decode_forward`). ``head_dim_v``: v's head dim when it is not q's.
+    ``residual``: a gradient will be needed, so a 16-bit forward also writes its output's rounding
+    residual (and never runs the decode kernels)."""
     check_plan(plan)
+    res = residual_made(dtype, residual)
     if decode is None:
-        decode = plan.seqlen[0] <= DECODE_MAX_QUERIES
+        decode = plan.seqlen[0] <= DECODE_MAX_QUERIES and not res
     if decode:
-        return selection_decode_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    es, D = element_size(dtype), head_dim
-    fam = family(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, family_name)
+        return selection_decode_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype,
+                                        head_dim_v=head_dim_v)
+    es, D, Dv = element_size(dtype), head_dim, head_dim_v or head_dim
+    fam = family(plan, batch, num_heads_q, num_heads_kv, tile_head_dim(D, Dv), dtype, family_name)
     if fam == "key":
-        return key_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es)
+        return key_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv, residual=res)
     if fam == "masked":
-        return masked_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es)
+        return masked_forward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv, residual=res)
     R = usage(plan, batch, num_heads_q, num_heads_kv)[2]
-    tiles = tiles or choose_tiles(plan.block_size, head_dim, dtype, R)
+    tiles = tiles or choose_tiles(plan.block_size, tile_head_dim(D, Dv), dtype, R)
     keys, entries = _row_reads(plan, batch, num_heads_q, num_heads_kv, *tiles.fwd)
     rows = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
     if not rows:            # an empty grid is not launched
         return rep
-    rep.add("selection_fwd", {"q": rows * D * es, "k": keys * D * es, "v": keys * D * es,
+    rep.add("selection_fwd", {"q": rows * D * es, "k": keys * D * es, "v": keys * Dv * es,
                               "plan": entries * INDEX_BYTES},
-            {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+            output_bytes(rows, Dv, es, res))
     return rep
 
 
 def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                             dtype: torch.dtype, *, split_keys: int = DECODE_SPLIT_KEYS) -> TrafficReport:
+                             dtype: torch.dtype, *, split_keys: int = DECODE_SPLIT_KEYS,
+                             head_dim_v: int | None = None) -> TrafficReport:
     """Predicted bytes of the decode forward (``selection_decode``, and ``selection_decode_merge``
     when the rows are split): the launch of :func:`~sparse_io_attn.selection.tiles.decode_config`
     (``split_keys`` as given to the launcher). Per row program and split: the ``q`` rows and the row
     count; per row program: the allowed keys (:func:`row_pairs`) and ``count * TILES`` row entries,
     wherever the splits cut. O(plan rows), no launch."""
     check_plan(plan)
-    es, D = element_size(dtype), head_dim
+    es, D, Dv = element_size(dtype), head_dim, head_dim_v or head_dim
     mult, hps, R = usage(plan, batch, num_heads_q, num_heads_kv)
     cfg = decode_config(plan.block_size, plan.max_blocks, batch, num_heads_q, num_heads_kv, plan.num_selections,
-                        plan.seqlen[0], head_dim, dtype, split_keys=split_keys)
+                        plan.seqlen[0], tile_head_dim(D, Dv), dtype, split_keys=split_keys)
     S = cfg.splits
     programs = mult * (hps // R) * -(-R // cfg.block_h)          # row programs per stored (selection, token)
     counts = plan.row_counts.cpu().to(torch.int64)
@@ -126,39 +132,43 @@ def selection_decode_forward(plan: SelectionPlan, batch: int, num_heads_q: int, 
     rep = TrafficReport(source="predicted")
     if not rows:            # an empty grid is not launched
         return rep
-    reads = {"q": S * rows * D * es, "k": keys * D * es, "v": keys * D * es, "plan": entries * INDEX_BYTES}
-    add_decode(rep, "selection_decode", reads, rows, S, D, es)
+    reads = {"q": S * rows * D * es, "k": keys * D * es, "v": keys * Dv * es, "plan": entries * INDEX_BYTES}
+    add_decode(rep, "selection_decode", reads, rows, S, Dv, es)
     return rep
 
 
 def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
                        dtype: torch.dtype, *, tiles: SelectionTiles | None = None,
-                       family_name: str | None = None) -> TrafficReport:
+                       family_name: str | None = None, head_dim_v: int | None = None,
+                       residual: bool = False) -> TrafficReport:
     """Predicted bytes of one backward: ``selection_bwd_preprocess``, then ``selection_bwd_dkdv`` +
     ``selection_bwd_dq`` (query-major), ``selection_key_bwd`` + ``selection_key_dq_merge`` (key-major:
     the dK/dV kernel at the family's tiles writing dQ partials) or ``selection_masked_dkdv`` +
-    ``selection_masked_dq``."""
+    ``selection_masked_dq``. ``residual``: the forward wrote a rounding residual (16-bit, through
+    autograd), which the preprocess reads."""
     check_plan(plan)
-    es, D = element_size(dtype), head_dim
+    res = residual_made(dtype, residual)
+    es, D, Dv = element_size(dtype), head_dim, head_dim_v or head_dim
     R = usage(plan, batch, num_heads_q, num_heads_kv)[2]
-    tiles = tiles or choose_tiles(plan.block_size, head_dim, dtype, R)
-    fam = family(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, family_name)
+    tiles = tiles or choose_tiles(plan.block_size, tile_head_dim(D, Dv), dtype, R)
+    fam = family(plan, batch, num_heads_q, num_heads_kv, tile_head_dim(D, Dv), dtype, family_name)
     if fam == "key":
-        t = family_tiles("key", plan.block_size, head_dim, dtype, R)
-        return key_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, (t.dkdv_m, t.block_n))
+        t = family_tiles("key", plan.block_size, tile_head_dim(D, Dv), dtype, R)
+        return key_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, (t.dkdv_m, t.block_n), Dv,
+                            residual=res)
     if fam == "masked":
-        return masked_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es)
+        return masked_backward(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype, es, Dv, residual=res)
     rows_q = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es)
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es, res)
     if batch * num_heads_kv * plan.seqlen[1]:
         rep.add("selection_bwd_dkdv", *dkdv_traffic(plan, batch, num_heads_q, num_heads_kv, D, es, *tiles.dkdv,
-                                                    store_dq=False))
+                                                    store_dq=False, head_dim_v=Dv))
     if rows_q:
         keys, entries = _row_reads(plan, batch, num_heads_q, num_heads_kv, *tiles.dq)
         rep.add("selection_bwd_dq",
-                {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,
-                 "delta": rows_q * STAT_BYTES, "k": keys * D * es, "v": keys * D * es,
+                {"q": rows_q * D * es, "do": rows_q * Dv * es, "stats": rows_q * 2 * STAT_BYTES,
+                 "delta": rows_q * STAT_BYTES, "k": keys * D * es, "v": keys * Dv * es,
                  "plan": entries * INDEX_BYTES},
                 {"dq": rows_q * D * es})
     return rep
@@ -166,11 +176,12 @@ def selection_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_he
 
 def selection(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
               dtype: torch.dtype, *, tiles: SelectionTiles | None = None,
-              family_name: str | None = None) -> TrafficReport:
-    """Predicted bytes of forward + backward (what ``IOCounter`` sees around ``out.backward(...)``)."""
+              family_name: str | None = None, head_dim_v: int | None = None) -> TrafficReport:
+    """Predicted bytes of forward + backward (what ``IOCounter`` sees around the forward and
+    ``out.backward(...)``: a 16-bit forward writes its rounding residual, the preprocess reads it)."""
     args = (plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    return (selection_forward(*args, tiles=tiles, family_name=family_name)
-            + selection_backward(*args, tiles=tiles, family_name=family_name))
+    kw = dict(tiles=tiles, family_name=family_name, head_dim_v=head_dim_v, residual=True)
+    return selection_forward(*args, **kw) + selection_backward(*args, **kw)
 
 
 __all__ = ["DECODE_KERNEL_NAMES", "DECODE_MERGE_TENSORS", "DECODE_TENSORS", "DKDV_TENSORS", "DQ_MERGE_TENSORS",

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._attention.traffic import INDEX_BYTES, STAT_BYTES, add_preprocess
+from sparse_io_attn._attention.tiles import tile_head_dim
+from sparse_io_attn._attention.traffic import INDEX_BYTES, STAT_BYTES, add_preprocess, output_bytes
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import family_tiles, key_tile
 from sparse_io_attn.selection.traffic_terms import block_keys, dkdv_traffic, usage
@@ -54,11 +55,12 @@ def _shape(plan, batch, num_heads_q, num_heads_kv):
 
 
 def key_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                dtype: torch.dtype, es: int) -> TrafficReport:
-    """``selection_key_fwd`` + ``selection_key_merge`` (see the module docstring)."""
+                dtype: torch.dtype, es: int, head_dim_v: int | None = None, residual: bool = False) -> TrafficReport:
+    """``selection_key_fwd`` + ``selection_key_merge`` (see the module docstring; ``head_dim_v``: v's head
+    dim when it is not q's; ``residual``: the merge also writes the output's rounding residual)."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
-    t = family_tiles("key", plan.block_size, head_dim, dtype, R)
-    D, (Nq, _), K, L = head_dim, plan.seqlen, plan.max_blocks, plan.num_layouts
+    D, Dv, (Nq, _), K, L = head_dim, head_dim_v or head_dim, plan.seqlen, plan.max_blocks, plan.num_layouts
+    t = family_tiles("key", plan.block_size, tile_head_dim(D, Dv), dtype, R)
     rows_out = batch * num_heads_q * Nq
     rep = TrafficReport(source="predicted")
     if not rows_out:
@@ -71,12 +73,12 @@ def key_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv:
     keys = int((tiles * block_keys(plan)[None, :]).sum())
     if cap and units:
         rep.add("selection_key_fwd",
-                {"q": units * R * entries * D * es, "k": units * keys * D * es, "v": units * keys * D * es,
+                {"q": units * R * entries * D * es, "k": units * keys * D * es, "v": units * keys * Dv * es,
                  "plan": units * (cap + (3 + _key_table(plan)) * int(tiles.sum()) + 2 * entries) * INDEX_BYTES},
-                {"partial": units * R * entries * (2 + D) * STAT_BYTES})
+                {"partial": units * R * entries * (2 + Dv) * STAT_BYTES})
     slots = int(plan.row_counts.cpu().to(torch.int64).sum()) * (rows_out // (plan.num_layouts * Nq))
-    rep.add("selection_key_merge", {"partial": slots * (2 + D) * STAT_BYTES, "plan": rows_out * INDEX_BYTES},
-            {"o": rows_out * D * es, "lse": rows_out * STAT_BYTES, "stats": rows_out * 2 * STAT_BYTES})
+    rep.add("selection_key_merge", {"partial": slots * (2 + Dv) * STAT_BYTES, "plan": rows_out * INDEX_BYTES},
+            output_bytes(rows_out, Dv, es, residual))
     return rep
 
 
@@ -87,15 +89,17 @@ def _key_table(plan: SelectionPlan) -> int:
 
 
 def key_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                 dtype: torch.dtype, es: int, dkdv_tiles: tuple[int, int]) -> TrafficReport:
+                 dtype: torch.dtype, es: int, dkdv_tiles: tuple[int, int],
+                 head_dim_v: int | None = None, residual: bool = False) -> TrafficReport:
     """``selection_bwd_preprocess`` + ``selection_key_bwd`` (the dK/dV kernel with ``dkdv_tiles =
     (BLOCK_M, BLOCK_N)``, writing dQ partials) + ``selection_key_dq_merge``."""
-    D, (Nq, _) = head_dim, plan.seqlen
+    D, Dv, (Nq, _) = head_dim, head_dim_v or head_dim, plan.seqlen
     rows_q = batch * num_heads_q * Nq
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es)
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es, residual)
     if batch * num_heads_kv * plan.seqlen[1]:
-        reads, writes = dkdv_traffic(plan, batch, num_heads_q, num_heads_kv, D, es, *dkdv_tiles, store_dq=True)
+        reads, writes = dkdv_traffic(plan, batch, num_heads_q, num_heads_kv, D, es, *dkdv_tiles, store_dq=True,
+                                     head_dim_v=Dv)
         rep.add("selection_key_bwd", reads, writes)
     if not rows_q:
         return rep
@@ -152,46 +156,50 @@ def _masked_terms(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_k
 
 
 def masked_forward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                   dtype: torch.dtype, es: int) -> TrafficReport:
-    """``selection_masked_fwd`` (see the module docstring)."""
+                   dtype: torch.dtype, es: int, head_dim_v: int | None = None,
+                   residual: bool = False) -> TrafficReport:
+    """``selection_masked_fwd`` (see the module docstring; ``head_dim_v``: v's head dim when it is not q's;
+    ``residual``: it also writes the output's rounding residual)."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
     rows = batch * num_heads_q * plan.seqlen[0]
     rep = TrafficReport(source="predicted")
     if not rows:
         return rep
-    q_tiles, entries, keys, tokens, *_ = _masked_terms(plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    D = head_dim
+    D, Dv = head_dim, head_dim_v or head_dim
+    q_tiles, entries, keys, tokens, *_ = _masked_terms(plan, batch, num_heads_q, num_heads_kv, tile_head_dim(D, Dv),
+                                                       dtype)
     rep.add("selection_masked_fwd",
-            {"q": rows * D * es, "k": units * keys * D * es, "v": units * keys * D * es,
+            {"q": rows * D * es, "k": units * keys * D * es, "v": units * keys * Dv * es,
              "plan": units * ((q_tiles + entries) * INDEX_BYTES + (tokens + entries) * BITS_BYTES)},
-            {"o": rows * D * es, "lse": rows * STAT_BYTES, "stats": rows * 2 * STAT_BYTES})
+            output_bytes(rows, Dv, es, residual))
     return rep
 
 
 def masked_backward(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                    dtype: torch.dtype, es: int) -> TrafficReport:
+                    dtype: torch.dtype, es: int, head_dim_v: int | None = None,
+                    residual: bool = False) -> TrafficReport:
     """``selection_bwd_preprocess`` + ``selection_masked_dkdv`` + ``selection_masked_dq``."""
     units, R = _shape(plan, batch, num_heads_q, num_heads_kv)
-    D, (Nq, Nk) = head_dim, plan.seqlen
+    D, Dv, (Nq, Nk) = head_dim, head_dim_v or head_dim, plan.seqlen
     rows_q, rows_k = batch * num_heads_q * Nq, batch * num_heads_kv * Nk
     rep = TrafficReport(source="predicted")
-    add_preprocess(rep, "selection_bwd_preprocess", rows_q, D, es)
+    add_preprocess(rep, "selection_bwd_preprocess", rows_q, Dv, es, residual)
     if not rows_q:
         return rep
     q_tiles, entries, keys, tokens, k_tiles, col_entries, col_tokens, dkdv_keys = _masked_terms(
-        plan, batch, num_heads_q, num_heads_kv, head_dim, dtype)
+        plan, batch, num_heads_q, num_heads_kv, tile_head_dim(D, Dv), dtype)
     gathered = units * R * col_tokens
-    t = family_tiles("masked", plan.block_size, head_dim, dtype, R)
+    t = family_tiles("masked", plan.block_size, tile_head_dim(D, Dv), dtype, R)
     subs = t.block_m // t.dkdv_m        # the dK/dV steps of a query tile, each re-reading its list entry
     if rows_k:
         rep.add("selection_masked_dkdv",
-                {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
-                 "delta": gathered * STAT_BYTES, "k": dkdv_keys * D * es, "v": dkdv_keys * D * es,
+                {"q": gathered * D * es, "do": gathered * Dv * es, "stats": gathered * 2 * STAT_BYTES,
+                 "delta": gathered * STAT_BYTES, "k": dkdv_keys * D * es, "v": dkdv_keys * Dv * es,
                  "plan": units * ((k_tiles + col_entries * subs) * INDEX_BYTES + (col_tokens + k_tiles) * BITS_BYTES)},
-                {"dk": rows_k * D * es, "dv": rows_k * D * es})
+                {"dk": rows_k * D * es, "dv": rows_k * Dv * es})
     rep.add("selection_masked_dq",
-            {"q": rows_q * D * es, "do": rows_q * D * es, "stats": rows_q * 2 * STAT_BYTES,
-             "delta": rows_q * STAT_BYTES, "k": units * keys * D * es, "v": units * keys * D * es,
+            {"q": rows_q * D * es, "do": rows_q * Dv * es, "stats": rows_q * 2 * STAT_BYTES,
+             "delta": rows_q * STAT_BYTES, "k": units * keys * D * es, "v": units * keys * Dv * es,
              "plan": units * ((q_tiles + entries) * INDEX_BYTES + (tokens + entries) * BITS_BYTES)},
             {"dq": rows_q * D * es})
     return rep

@@ -112,14 +112,15 @@ def _masked_tiles(n: torch.Tensor, keys: torch.Tensor, rows: int, block_m: int, 
 
 
 def dkdv_traffic(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv: int, head_dim: int, es: int,
-                 block_m: int, block_n: int, *, store_dq: bool) -> tuple[dict, dict]:
+                 block_m: int, block_n: int, *, store_dq: bool, head_dim_v: int | None = None) -> tuple[dict, dict]:
     """``(reads, writes)`` of the key-major dK/dV kernel (one program per key tile of ``block_n`` keys
     of a block, per batch x KV head): its ``k``/``v``/``dk``/``dv`` rows once; per selection serving
     the group 2 list offsets and, per token of the block's list, ``R`` gathered rows of ``q``, ``do``,
     ``stats`` (8 B) and ``delta`` (4 B) and the token's list entry (once per row tile it spans; with
-    ``store_dq`` also its slot entry, and each gathered row's fp32 dQ partial written)."""
+    ``store_dq`` also its slot entry, and each gathered row's fp32 dQ partial written). ``v``, ``do``,
+    ``dv`` rows of ``head_dim_v`` (default ``head_dim``)."""
     mult, hps, R = usage(plan, batch, num_heads_q, num_heads_kv)
-    bs, nk, D = plan.block_size, plan.seqlen[1], head_dim
+    bs, nk, D, Dv = plan.block_size, plan.seqlen[1], head_dim, head_dim_v or head_dim
     _, key_tiles = key_tile(bs, block_n)
     live = (torch.arange(key_tiles)[None, :] * block_n < block_keys(plan)[:, None]).sum(1)          # [nkb]
     n = block_tokens(plan)                                                   # [L, nkb]
@@ -133,10 +134,10 @@ def dkdv_traffic(plan: SelectionPlan, batch: int, num_heads_q: int, num_heads_kv
         if plan.causal_offset is not None:
             entries += 2 * _masked_tiles(n, block_keys(plan), next_pow2(R), block_m, block_n, key_tiles) * sel_slots
     rows_k = batch * num_heads_kv * nk
-    reads = {"q": gathered * D * es, "do": gathered * D * es, "stats": gathered * 2 * STAT_BYTES,
-             "delta": gathered * STAT_BYTES, "k": rows_k * D * es, "v": rows_k * D * es,
+    reads = {"q": gathered * D * es, "do": gathered * Dv * es, "stats": gathered * 2 * STAT_BYTES,
+             "delta": gathered * STAT_BYTES, "k": rows_k * D * es, "v": rows_k * Dv * es,
              "plan": entries * INDEX_BYTES}
-    writes = {"dk": rows_k * D * es, "dv": rows_k * D * es}
+    writes = {"dk": rows_k * D * es, "dv": rows_k * Dv * es}
     if store_dq:
         writes["partial"] = gathered * D * STAT_BYTES
     return reads, writes

@@ -208,3 +208,12 @@ def test_triton_counted_equals_predicted(Nq, Nk, make, heads, D, causal):
     predicted = traffic.block_sparse_forward(layout, B, Hq, Hkv, D, torch.float32, causal=causal)
     assert io.report == predicted, f"{io.report}\n{predicted}"
     assert set(predicted.kernels) <= {"attn_decode", "attn_decode_merge"}
+
+
+def test_decode_tiles_for_wide_rows():
+    """MLA's q/k rows (576, bf16: 1024 padded lanes) decode in 32-key tiles over two stages (64-key tiles in
+    three stages need more than an H100 block's shared memory); head dim 128 keeps 64 keys, three stages."""
+    from sparse_io_attn.block_sparse.tiles import decode_config
+    p = plan(BlockSparseLayout.from_block_mask(torch.ones(1, 1, 4, dtype=torch.bool), 64, (1, 256)))
+    wide, usual = (decode_config(p, 1, 16, 1, d, torch.bfloat16) for d in (576, 128))
+    assert (wide.block_n, wide.num_stages) == (32, 2) and (usual.block_n, usual.num_stages) == (64, 3)

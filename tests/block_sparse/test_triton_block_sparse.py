@@ -27,8 +27,8 @@ def make_layout(*args, density=0.6, empty_row=False, **kw):
                                empty_rows=(nqb // 2,) if empty_row else (), **kw)
 
 
-def inputs(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32):
-    return make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device=DEVICE)
+def inputs(B, Hq, Hkv, Nq, Nk, D, dtype=torch.float32, Dv=None):
+    return make_inputs(B, Hq, Hkv, Nq, Nk, D, dtype, device=DEVICE, Dv=Dv)
 
 
 def run_triton(q, k, v, do, layout, causal):
@@ -40,7 +40,7 @@ def test_unsupported_shapes_raise_clear_errors():
     layout8 = make_layout(1, 1, 64, 64, 8)
     with pytest.raises(NotImplementedError, match="power-of-two divisor"):
         block_sparse_attention(q, k, v, layout8, backend="triton")
-    q, k, v, _ = inputs(1, 1, 1, 32, 32, 288)
+    q, k, v, _ = inputs(1, 1, 1, 32, 32, 580)
     with pytest.raises(NotImplementedError, match="head_dim"):
         block_sparse_attention(q, k, v, make_layout(1, 1, 32, 32, 32), backend="triton")
 
@@ -75,16 +75,18 @@ def test_extreme_logits_stay_finite(causal):
     assert out.abs().max() <= v.abs().max()
 
 
-def _candidate(kind, config, D):
+def _candidate(kind, config, D, Dv):
     form = {None: "", False: "-direct", True: "-exact"}[config.exact_scores]
-    return pytest.param(kind, config, D, id=f"{kind}-d{D}-{config.block_m}x{config.block_n}-w{config.num_warps}"
-                                           f"s{config.num_stages}{form}")
+    dims = f"d{D}" if Dv == D else f"d{D}-dv{Dv}"
+    return pytest.param(kind, config, D, Dv, id=f"{kind}-{dims}-{config.block_m}x{config.block_n}-w{config.num_warps}"
+                                               f"s{config.num_stages}{form}")
 
 
 # every candidate of the bf16/fp16 tables, layout blocks of 128: dK/dV (128-key tiles in both score
-# forms) at head dims 64 (EVEN_D) and 80 (padded to 128), dQ (128-query tiles) at 64
-CANDIDATES = [_candidate(kind, c, D) for kind, dims in (("dkdv", (64, 80)), ("dq", (64,))) for D in dims
-              for c in kernel_configs(kind, (128, 128), D, torch.bfloat16)]
+# forms) at head dims 64 (EVEN_D) and 80 (padded to 128) with V's head dim 48 (its own, padded to 64:
+# the tiles of the larger), dQ (128-query tiles) at 64
+CANDIDATES = [_candidate(kind, c, D, Dv) for kind, dims in (("dkdv", ((64, 64), (80, 48))), ("dq", ((64, 64),)))
+              for D, Dv in dims for c in kernel_configs(kind, (128, 128), max(D, Dv), torch.bfloat16)]
 
 
 def check_candidate(got, q, k, v, do, layout, causal):
@@ -105,8 +107,8 @@ def force_configs(monkeypatch, **chosen):
     force_triton_configs(monkeypatch, configs)
 
 
-@pytest.mark.parametrize("kind,config,D", CANDIDATES)
-def test_every_backward_candidate(monkeypatch, kind, config, D):
+@pytest.mark.parametrize("kind,config,D,Dv", CANDIDATES)
+def test_every_backward_candidate(monkeypatch, kind, config, D, Dv):
     """Each autotuning candidate forced (fp32 inputs under the interpreter, bf16 compiled; the other
     kernels at their bf16 defaults): gradients against float64, and the counted bytes equal the model at
     the launched tiles. A causal sliding window over 200 tokens in blocks of 128 (ragged last block, full blocks,
@@ -116,13 +118,14 @@ def test_every_backward_candidate(monkeypatch, kind, config, D):
     layout = patterns.sliding_window(200, 128, 150)
     assert layout.num_partial_blocks > 0 and layout.nnz_blocks > layout.num_partial_blocks
     B, Hq, Hkv = 1, 2, 1
-    q, k, v, do = inputs(B, Hq, Hkv, 200, 200, D, CANDIDATE_DTYPE)
+    q, k, v, do = inputs(B, Hq, Hkv, 200, 200, D, CANDIDATE_DTYPE, Dv)
     with IOCounter() as io:
         got = run_triton(q, k, v, do, layout, True)
     check_candidate(got, q, k, v, do, layout, True)
     tiles = launch.launched_tiles()
     assert getattr(tiles, kind) == (config.block_m, config.block_n)
-    assert io.report == traffic.block_sparse(layout, B, Hq, Hkv, D, CANDIDATE_DTYPE, causal=True, tiles=tiles)
+    assert io.report == traffic.block_sparse(layout, B, Hq, Hkv, D, CANDIDATE_DTYPE, causal=True, tiles=tiles,
+                                             head_dim_v=Dv)
 
 
 @pytest.mark.parametrize("causal", [True, "bottom_right"], ids=["top-left", "bottom-right"])

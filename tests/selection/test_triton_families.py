@@ -14,7 +14,6 @@ import torch
 from helpers import check_close, check_repeatable, make_inputs
 from selection.test_triton_selection import make_selection
 from sparse_io_attn._triton.runtime import INTERPRET
-from sparse_io_attn import selection_attention
 from sparse_io_attn.accounting import IOCounter, traffic
 from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.layout.selection import Selection
@@ -22,7 +21,6 @@ from sparse_io_attn.selection import tiles
 from sparse_io_attn.selection.plan import plan_selection
 from sparse_io_attn.selection.reference import selection_reference
 from sparse_io_attn.selection.triton import launch
-from sparse_io_attn.selection.varlen import varlen_of
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 FAMILIES = ("key", "masked")
@@ -106,6 +104,16 @@ def test_auto_family_by_shape(block, G, Hq, Hkv, want):
     assert tiles.kernel_family(block, 8, G, 1, Hq, Hkv, G, 8192, 8192, 128, torch.bfloat16, "auto") == want
 
 
+@pytest.mark.parametrize("block, G, Hq, Hkv", [(64, 16, 16, 4), (1, 1, 16, 4)], ids=["moba", "dsa-4-heads"])
+def test_auto_family_is_query_major_for_wide_rows(block, G, Hq, Hkv):
+    """MLA's 576 in bf16 (and 512 in fp32) are wide rows: the key-major and masked families' 64-key tiles
+    exceed sm_90's shared memory there, so ``"auto"`` runs query-major; 512 in bf16 keeps the shape's family."""
+    args = (block, 8, G, 1, Hq, Hkv, G, 8192, 8192)
+    for head_dim, dtype in ((576, torch.bfloat16), (512, torch.float32)):
+        assert tiles.kernel_family(*args, head_dim, dtype, "auto") == "query"
+    assert tiles.kernel_family(*args, 512, torch.bfloat16, "auto") != "query"
+
+
 def test_auto_family_falls_back_and_names_are_checked(monkeypatch):
     """Work buffers past ``MAX_WORK_BYTES`` send ``"auto"`` to the query-major family; an unknown name (or
     environment value) raises naming the choices."""
@@ -116,35 +124,3 @@ def test_auto_family_falls_back_and_names_are_checked(monkeypatch):
         tiles.kernel_family(*args, "fast")
     monkeypatch.setenv(tiles.FAMILY_ENV, "masked")
     assert tiles.kernel_family(*args) == "masked"
-
-
-@pytest.mark.parametrize("family", ["query", "key", "masked", "decode"])
-def test_every_family_refuses_the_arguments_it_lacks(family, monkeypatch):
-    """A V head dim of its own (issue 48 phase A: backends ``cpu``/``torch``) is refused by every Triton
-    family and the decode kernels with a ``NotImplementedError`` naming the argument and those backends: at
-    the API before any launch, and at the launcher's entry when called directly (whose only call sites are
-    the op's backends and these tests), packed sequences or not (``test_triton_varlen.py`` runs those)."""
-    monkeypatch.setenv(tiles.FAMILY_ENV, "auto" if family == "decode" else family)
-    Nq = 8 if family == "decode" else 24                               # decode: Nq <= 16
-    q, k, v, _ = make_inputs(1, 4, 2, Nq, 40, 16, device=DEVICE)
-    sel = make_selection(1, 2, Nq, 40, 16, 2)
-    cu = torch.tensor([0, Nq // 2, Nq], device=DEVICE), torch.tensor([0, 15, 40], device=DEVICE)
-    local = Selection(sel.indices.clamp(max=0), 16)                    # block 0 exists in every sequence
-
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a kernel was launched")
-    monkeypatch.setattr(launch, "run", no_launch)
-    monkeypatch.setattr(launch, "run_calls", no_launch)
-    refused = "does not support a V head dim other than Q/K's.*backend='cpu' or 'torch'"
-    for kwargs in ({"cu_seqlens": cu, "indices": local}, {}):
-        call = {"q": q, "k": k, "v": v[..., :8], "indices": sel, **kwargs}
-        with pytest.raises(NotImplementedError, match=refused):
-            selection_attention(**call, causal=True, backend="triton")
-    name = None if family == "decode" else family
-    plan = plan_selection(local, 40, causal_offset=0, varlen=varlen_of(cu, Nq, 40, True, q.device))
-    grid = plan_selection(sel, 40, causal_offset=0)
-    for p in (plan, grid):
-        with pytest.raises(NotImplementedError, match=refused):
-            launch.forward(q, k, v[..., :8], p, sm_scale=0.25, decode=family == "decode", family_name=name)
-        with pytest.raises(NotImplementedError, match=refused):
-            launch.backward(q, q, k, v[..., :8], q, q, p, sm_scale=0.25, family_name=name)

@@ -9,7 +9,7 @@ With ``COUNT_IO`` each program tallies the bytes it moves per tensor (slots :mod
 :mod:`sparse_io_attn._attention.traffic`)."""
 from __future__ import annotations
 
-from sparse_io_attn._attention.triton.slots import PRE_DELTA, PRE_DO, PRE_O
+from sparse_io_attn._attention.triton.slots import PRE_DELTA, PRE_DO, PRE_O, PRE_RESIDUAL
 from sparse_io_attn._attention.triton.softmax import store_rows
 from sparse_io_attn._attention.triton.tally import tally_merge
 from sparse_io_attn._triton.jit import io_add  # (sets TRITON_INTERPRET first)
@@ -20,12 +20,15 @@ import triton.language as tl  # noqa: E402
 
 @triton.jit
 def attn_bwd_preprocess_kernel(
-    o_ptr, do_ptr, delta_ptr, io_ptr,
+    o_ptr, do_ptr, delta_ptr, res_ptr, io_ptr,
     stride_oz, stride_oh, stride_om, stride_od,
     stride_doz, stride_doh, stride_dom, stride_dod,
     seqlen_q, num_heads_q, head_dim,
-    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    COUNT_IO: tl.constexpr,
 ):
+    """``delta = rowsum(dO * O)`` in fp32; ``HAS_RESIDUAL``: ``O + r``, ``r`` the forward's rounding residual
+    (``res_ptr``, ``o``'s strides): the fp32 output's row deltas (:mod:`sparse_io_attn._attention.delta`)."""
     pid_m = tl.program_id(0)
     pid_zh = tl.program_id(1)
     off_z = (pid_zh // num_heads_q).to(tl.int64)
@@ -34,27 +37,33 @@ def attn_bwd_preprocess_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_m = offs_m < seqlen_q
     mask = mask_m[:, None] & (offs_d < head_dim)[None, :]
-    o = tl.load(o_ptr + off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om
-                + offs_d[None, :] * stride_od, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
+    o_offs = off_z * stride_oz + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    o = tl.load(o_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_M, HEAD_DIM]
+    if HAS_RESIDUAL:
+        o += tl.load(res_ptr + o_offs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(do_ptr + off_z * stride_doz + off_h * stride_doh + offs_m[:, None] * stride_dom
                  + offs_d[None, :] * stride_dod, mask=mask, other=0.0)  # [BLOCK_M, HEAD_DIM]
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
+    delta = tl.sum(o * do.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(delta_ptr + pid_zh.to(tl.int64) * seqlen_q + offs_m, delta, mask=mask_m)
     if COUNT_IO:
         rows = tl.sum(mask_m.to(tl.int64))
         io_add(io_ptr, PRE_O, rows * head_dim * ELEM_BYTES, 0)
         io_add(io_ptr, PRE_DO, rows * head_dim * ELEM_BYTES, 0)
         io_add(io_ptr, PRE_DELTA, 0, rows * 4)
+        if HAS_RESIDUAL:
+            io_add(io_ptr, PRE_RESIDUAL, rows * head_dim * ELEM_BYTES, 0)
 
 
 @triton.jit
 def merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, counts, n_splits, stride_oz, stride_oh,
                stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM: tl.constexpr,
-               HAS_SINKS: tl.constexpr):
-    """Rows ``rows`` (flat ``(b, h, t)``) of ``partial [splits, num_rows, 2 + HEAD_DIM]`` merged in split order,
+               HAS_SINKS: tl.constexpr, res_ptr, HAS_RESIDUAL: tl.constexpr):
+    """Rows ``rows`` (flat ``(b, h, t)``) of ``partial [splits, num_rows, 2 + HEAD_DIM]`` (``HEAD_DIM``,
+    ``head_dim``: the output's, V's) merged in split order,
     each row's first ``counts`` splits (``counts`` per row, ``n_splits`` their maximum; ``M = max m_s``, ``L =
     sum l_s 2^(m_s - M)``, ``o = sum acc_s 2^(m_s - M) / L``, as a running merge), then ``o``, ``lse``,
-    ``stats``. Splits without an allowed key (``l_s = 0``) add nothing; a row without any gets ``o = 0``."""
+    ``stats`` (``HAS_RESIDUAL``: and ``o``'s rounding residual at ``res_ptr``, :func:`store_rows`). Splits without an
+    allowed key (``l_s = 0``) add nothing; a row without any gets ``o = 0``."""
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
     m_i = tl.full(rows.shape, float("-inf"), dtype=tl.float32)
@@ -80,7 +89,7 @@ def merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, counts, n_s
     m = rows % seqlen_q
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows,
                z.to(tl.int64) * stride_oz + h.to(tl.int64) * stride_oh + m * stride_om, offs_d * stride_od,
-               mask_r, mask_d, num_rows, sinks_ptr, h, HAS_SINKS)
+               mask_r, mask_d, num_rows, sinks_ptr, h, HAS_SINKS, res_ptr, HAS_RESIDUAL)
 
 
 @triton.jit
@@ -96,7 +105,8 @@ def attn_decode_merge_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = rows < num_rows
     merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, NUM_SPLITS, NUM_SPLITS, stride_oz, stride_oh,
-               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM, HAS_SINKS)
+               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM, HAS_SINKS, o_ptr,
+               False)
     if COUNT_IO:
         n = tl.sum(mask_r.to(tl.int64))
         tally_merge(io_ptr, n, n * NUM_SPLITS, head_dim * ELEM_BYTES, head_dim)

@@ -32,6 +32,7 @@ import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
 PREPROCESS_CONFIG = triton.Config({}, num_warps=4, num_stages=1)
 MERGE_CONFIG = triton.Config({}, num_warps=4, num_stages=2)
+PREPROCESS_BLOCK_M = 64     # rows per program of a preprocess launched on its own (:func:`row_delta`)
 MERGE_ROWS = 16   # rows per program of the decode merge
 _KEY_AXES = ("k", "v", "dk", "dv")   # tensors whose third axis is a key position (stride_*n)
 _LAST_TILES: dict[str, tuple[int, int]] = {}
@@ -54,29 +55,17 @@ class Call:
     bucket: int = 0
 
 
-def check_supported(op: str, q: torch.Tensor, v: torch.Tensor, plan) -> None:
-    """Refuse at a Triton launcher's entry what no Triton kernel implements yet (issue 48), as
-    the op's feature check (:meth:`~sparse_io_attn._attention.op.AttentionOp.require`) refuses it at
-    the API: a V head dim other than q's. Sinks, the row deltas cannot reach a launcher (it takes no such
-    keyword); packed sequences (a selection plan's block table) every selection kernel takes."""
-    if v.shape[-1] != q.shape[-1]:
-        arg = f"a V head dim other than Q/K's (v {v.shape[-1]}, q {q.shape[-1]})"
-    else:
-        return
-    raise NotImplementedError(f"{op} backend 'triton' does not support {arg} yet; use backend='cpu' or 'torch'")
-
-
 def strides(t: torch.Tensor, prefix: str) -> dict:
     """``stride_{prefix}z, _h, _m|_n, _d`` of a ``[B, H, N, D]`` tensor (``n`` for key-side tensors)."""
     axes = "zh" + ("n" if prefix in _KEY_AXES else "m") + "d"
     return {f"stride_{prefix}{ax}": s for ax, s in zip(axes, t.stride())}
 
 
-def forward_outputs(q: torch.Tensor):
-    """``(out, lse, stats)``, uninitialised: ``out`` like ``q`` (contiguous), ``lse`` fp32 ``[B, Hq, Nq]``,
-    ``stats`` fp32 ``[2, B, Hq, Nq]``."""
+def forward_outputs(q: torch.Tensor, v: torch.Tensor):
+    """``(out, lse, stats)``, uninitialised: ``out`` contiguous ``[B, Hq, Nq, Dv]`` in ``q``'s dtype (``Dv``:
+    ``v``'s head dim), ``lse`` fp32 ``[B, Hq, Nq]``, ``stats`` fp32 ``[2, B, Hq, Nq]``."""
     B, Hq, Nq, _ = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty(B, Hq, Nq, v.shape[-1])
     lse = torch.empty(B, Hq, Nq, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, B, Hq, Nq, dtype=torch.float32, device=q.device)
     return out, lse, stats
@@ -91,14 +80,40 @@ def backward_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple
 
 
 def preprocess_call(name: str, out: torch.Tensor, do: torch.Tensor, delta: torch.Tensor, block_m: int,
-                    head_dim: int) -> Call:
+                    head_dim: int, residual: torch.Tensor | None = None) -> Call:
     """The backward preprocess ``delta = rowsum(dO * O)`` into ``delta`` (fp32 ``[B, Hq, Nq]``,
-    :func:`backward_outputs`) launched as ``name`` over query tiles of ``block_m`` rows."""
+    :func:`backward_outputs`) launched as ``name`` over query tiles of ``block_m`` rows (``head_dim``: the
+    padded head dim of ``out``, V's); ``residual``: the forward's rounding residual (:func:`residual_output`),
+    ``O + r`` in place of ``O``."""
     B, Hq, Nq, D = out.shape
     return Call(name, attn_bwd_preprocess_kernel, (triton.cdiv(Nq, block_m), B * Hq), PREPROCESS_TENSORS,
                 [PREPROCESS_CONFIG], dict(o_ptr=out, do_ptr=do, delta_ptr=delta, **strides(out, "o"),
                                           **strides(do, "do"), seqlen_q=Nq, num_heads_q=Hq, head_dim=D,
-                                          BLOCK_M=block_m, HEAD_DIM=head_dim, ELEM_BYTES=out.element_size()))
+                                          BLOCK_M=block_m, HEAD_DIM=head_dim, ELEM_BYTES=out.element_size(),
+                                          **residual_args(residual, out)))
+
+
+def row_delta(name: str, do: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None,
+              head_dim: int) -> torch.Tensor:
+    """fp32 ``[B, Hq, Nq]``: ``rowsum(dO * (O + r))`` by the preprocess kernel launched as ``name``
+    (:func:`preprocess_call`): the row deltas a backend's ``row_delta`` hands the op's autograd kernel
+    (:mod:`sparse_io_attn._attention.delta`), which passes them back to its backward as ``delta=``."""
+    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)
+    residual = residual if residual is not None and residual.numel() else None
+    run(preprocess_call(name, out, do.to(out.dtype), delta, PREPROCESS_BLOCK_M, head_dim, residual), out.device, ())
+    return delta
+
+
+def residual_output(out: torch.Tensor, residual: bool) -> torch.Tensor | None:
+    """A forward's rounding-residual buffer (uninitialised, like ``out``: the kernels store it at ``o``'s
+    offsets) when ``residual`` is asked for and ``out`` is 16-bit, else None."""
+    return torch.empty_like(out) if residual and out.dtype != torch.float32 else None
+
+
+def residual_args(res: torch.Tensor | None, dummy: torch.Tensor) -> dict:
+    """A row-storing kernel's residual arguments: ``res_ptr`` (``dummy``, never written, without one) and
+    ``HAS_RESIDUAL`` (:func:`~.softmax.store_rows`)."""
+    return dict(res_ptr=dummy if res is None else res, HAS_RESIDUAL=res is not None)
 
 
 def decode_partial(splits: int, rows: int, head_dim: int, device) -> torch.Tensor:
@@ -116,7 +131,8 @@ def sink_args(sinks2: torch.Tensor | None, dummy: torch.Tensor) -> dict:
 def merge_call(name: str, partial: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, stats: torch.Tensor,
                splits: int, head_dim: int, sinks2: torch.Tensor | None = None) -> Call:
     """The decode merge launched as ``name``: every row's ``splits`` partial results (``partial``) merged in
-    split order into ``out``, ``lse``, ``stats`` (``sinks2``: the heads' sinks folded in, :func:`sink_args`)."""
+    split order into ``out``, ``lse``, ``stats`` (``head_dim``: the padded head dim of ``out``, V's; ``sinks2``:
+    the heads' sinks folded in, :func:`sink_args`)."""
     B, Hq, Nq, D = out.shape
     rows = B * Hq * Nq
     return Call(name, attn_decode_merge_kernel, (triton.cdiv(rows, MERGE_ROWS),), DECODE_MERGE_TENSORS,
@@ -235,6 +251,6 @@ def last_tiles(*names: str) -> list[tuple[int, int]] | None:
     return [_LAST_TILES[n] for n in names]
 
 
-__all__ = ["Call", "MERGE_ROWS", "PREPROCESS_CONFIG", "Prepared", "backward_outputs", "check_supported",
-           "decode_partial", "forward_outputs", "last_tiles", "merge_call", "preprocess_call", "run", "run_calls",
-           "sink_args", "strides"]
+__all__ = ["Call", "MERGE_ROWS", "PREPROCESS_BLOCK_M", "PREPROCESS_CONFIG", "Prepared", "backward_outputs",
+           "decode_partial", "forward_outputs", "last_tiles", "merge_call", "preprocess_call",
+           "residual_args", "residual_output", "row_delta", "run", "run_calls", "sink_args", "strides"]

@@ -33,7 +33,7 @@ def score_tile(q, k, qk_scale, DOT_DTYPE: tl.constexpr):
 @triton.jit
 def softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
     """One tile of the online softmax: ``s [rows, keys]`` the tile's base-2 scores (``-inf`` where a key
-    is not allowed), ``v [keys, HEAD_DIM]``. ``MAY_BE_EMPTY``: a row may have no allowed key yet
+    is not allowed), ``v [keys, HEAD_DIM_V]``. ``MAY_BE_EMPTY``: a row may have no allowed key yet
     (``m = -inf``), kept at a finite shift. Returns ``(acc, l_i, m_i)``."""
     m_new = tl.maximum(m_i, tl.max(s, 1))  # [rows]
     if MAY_BE_EMPTY:
@@ -43,7 +43,7 @@ def softmax_step(acc, l_i, m_i, s, v, DOT_DTYPE: tl.constexpr, MAY_BE_EMPTY: tl.
     p = tl.math.exp2(s - m_shift[:, None])  # [rows, keys]
     alpha = tl.math.exp2(m_i - m_shift)  # [rows]
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [rows, HEAD_DIM]
+    acc = dot(p, v, acc * alpha[:, None], DOT_DTYPE)  # [rows, HEAD_DIM_V]
     return acc, l_i, m_new
 
 
@@ -116,19 +116,25 @@ def fold_sink(acc, l_i, m_i, s2):
 
 @triton.jit
 def store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_cols, mask_r, mask_d, stats_stride,
-               sinks_ptr, heads, HAS_SINKS: tl.constexpr):
+               sinks_ptr, heads, HAS_SINKS: tl.constexpr, res_ptr, HAS_RESIDUAL: tl.constexpr):
     """The rows' outputs from ``(acc, l, m)``: ``o = acc / l`` (0 on empty rows; at ``o_ptr + o_rows[:, None]
     + o_cols[None, :]``), ``lse`` (natural log, ``-inf`` on empty rows) and ``stats`` (row maximum, log2
     row sum; ``+inf``/0 on empty rows) at the flat rows ``rows_out``. ``HAS_SINKS``: the rows' heads'
     sinks (``sinks_ptr``: fp32 base-2 ``[Hq]``, ``heads``: each row's head) folded in first
-    (:func:`fold_sink`); the sink's 4 bytes per row are not counted (nor in the traffic model)."""
+    (:func:`fold_sink`); the sink's 4 bytes per row are not counted (nor in the traffic model).
+    ``HAS_RESIDUAL``: also the output's rounding residual ``fl(o - fl(o))`` in ``o``'s dtype at ``res_ptr``
+    (same offsets as ``o``), from which the backward forms its row deltas as from the fp32 output
+    (:mod:`sparse_io_attn._attention.delta`)."""
     if HAS_SINKS:
         acc, l_i, m_i = fold_sink(acc, l_i, m_i, tl.load(sinks_ptr + heads, mask=mask_r, other=float("-inf")))
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     log2_sum = tl.where(empty, 0.0, tl.math.log2(tl.where(empty, 1.0, l_i)))
-    tl.store(o_ptr + o_rows[:, None] + o_cols[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=mask_r[:, None] & mask_d[None, :])
+    o = out.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + o_rows[:, None] + o_cols[None, :], o, mask=mask_r[:, None] & mask_d[None, :])
+    if HAS_RESIDUAL:
+        tl.store(res_ptr + o_rows[:, None] + o_cols[None, :], (out - o.to(tl.float32)).to(res_ptr.dtype.element_ty),
+                 mask=mask_r[:, None] & mask_d[None, :])
     tl.store(lse_ptr + rows_out, tl.where(empty, float("-inf"), (m_i + log2_sum) * LN2), mask=mask_r)
     tl.store(stats_ptr + rows_out, tl.where(empty, float("inf"), m_i), mask=mask_r)
     tl.store(stats_ptr + stats_stride + rows_out, log2_sum, mask=mask_r)
@@ -140,10 +146,10 @@ def store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, spli
                      HAS_SINKS: tl.constexpr):
     """A decode split's rows: with one split the outputs (:func:`store_rows`, ``o`` at ``o_rows[:, None] +
     o_cols[None, :]``); otherwise its ``(m, l, acc)`` into ``partial [NUM_SPLITS, stats_stride rows, 2 +
-    HEAD_DIM]`` (fp32) for the merge kernel."""
+    HEAD_DIM]`` (fp32; ``HEAD_DIM``, ``offs_d``, ``mask_d``: the output's, V's head dim) for the merge kernel."""
     if NUM_SPLITS == 1:
         store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, o_rows, o_cols, mask_r, mask_d, stats_stride,
-                   sinks_ptr, heads, HAS_SINKS)
+                   sinks_ptr, heads, HAS_SINKS, o_ptr, False)
     else:
         store_partial_rows(partial_ptr, acc, l_i, m_i, split, rows_out, offs_d, mask_r, mask_d, stats_stride,
                            HEAD_DIM)
@@ -153,7 +159,7 @@ def store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, spli
 def store_partial_rows(partial_ptr, acc, l_i, m_i, split, rows_out, offs_d, mask_r, mask_d, num_rows,
                        HEAD_DIM: tl.constexpr):
     """Rows' partial results ``(m, l, acc)`` (fp32, ``acc`` unnormalised) at ``partial[split, rows_out]`` of
-    ``partial [splits, num_rows, 2 + HEAD_DIM]`` (``split``: a scalar, or one per row), for
+    ``partial [splits, num_rows, 2 + HEAD_DIM]`` (``HEAD_DIM``: V's; ``split``: a scalar, or one per row), for
     :func:`~sparse_io_attn._attention.triton.kernels.merge_rows`."""
     rows64 = rows_out.to(tl.int64)
     base = partial_ptr + ((rows64 * 0 + split) * num_rows + rows64) * (2 + HEAD_DIM)  # (int64 offsets)

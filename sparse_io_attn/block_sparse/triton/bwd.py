@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import dkdv_step, dq_step, load_stats, probabilities, score_tile
 from sparse_io_attn._attention.triton.tally import tally_backward
-from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _kv_tile, _list_range, _query_tile, _tile_bits
 from sparse_io_attn.block_sparse.triton.slots import DKDV_LAYOUT, DKDV_MASK, DQ_LAYOUT, DQ_MASK
@@ -49,8 +49,8 @@ def _scores_t(q, k, qk_scale, DOT_DTYPE: tl.constexpr, EXACT_SCORES: tl.constexp
 
 @triton.jit
 def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, stats_row, delta_row, idx_ptr,
-                        mask_id_ptr, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, col_in_block, n_start,
-                        stats_stride, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
+                        mask_id_ptr, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, offs_dv, mask_dv, col_in_block,
+                        n_start, stats_stride, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
                         causal_offset, qk_scale, BLOCK_SIZE_Q: tl.constexpr, MASK_WORDS: tl.constexpr,
                         BLOCK_M: tl.constexpr, TILES_M: tl.constexpr, EVEN_D: tl.constexpr,
                         IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, EXACT_SCORES: tl.constexpr,
@@ -72,8 +72,8 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
         if IS_CAUSAL:
             live = live & (tl.minimum(m_start + BLOCK_M, seqlen_q) - 1 + causal_offset >= n_start)
         mask_m = tl.where(live, offs_m < seqlen_q, False)
-        q, do = load_row_pair(q_base, do_base, offs_m, mask_m, offs_d, mask_d, stride_qm, stride_qd, stride_dom,
-                              stride_dod, True, EVEN_D)  # [BLOCK_M, HEAD_DIM] x2
+        q, do = load_row_pair(q_base, do_base, offs_m, mask_m, offs_d, mask_d, offs_dv, mask_dv, stride_qm, stride_qd,
+                              stride_dom, stride_dod, True, EVEN_D)  # [BLOCK_M, HEAD_DIM], [BLOCK_M, HEAD_DIM_V]
         sT = _scores_t(q, k, qk_scale, DOT_DTYPE, EXACT_SCORES)  # [BLOCK_N, BLOCK_M]
         row_in_block = (t % TILES_M) * BLOCK_M + offs_m0
         validT = mask_m[None, :] & _tile_bits(mask_ptr, mask_id, row_in_block[None, :], col_in_block[:, None],
@@ -90,8 +90,8 @@ def _attn_bwd_dkdv_step(dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base
     else:
         m_start = tl.multiple_of(blk * BLOCK_SIZE_Q + (t % TILES_M) * BLOCK_M, BLOCK_M)
         offs_m = m_start + offs_m0
-        q, do = load_row_pair(q_base, do_base, offs_m, None, offs_d, mask_d, stride_qm, stride_qd, stride_dom,
-                              stride_dod, False, EVEN_D)  # [BLOCK_M, HEAD_DIM] x2, no bounds checks
+        q, do = load_row_pair(q_base, do_base, offs_m, None, offs_d, mask_d, offs_dv, mask_dv, stride_qm, stride_qd,
+                              stride_dom, stride_dod, False, EVEN_D)  # [BLOCK_M, HEAD_DIM | HEAD_DIM_V], unchecked
         sT = _scores_t(q, k, qk_scale, DOT_DTYPE, EXACT_SCORES)  # [BLOCK_N, BLOCK_M]
         m_row = tl.load(stats_row + offs_m)  # [BLOCK_M], finite: the row keeps this block
         log2_sum = tl.load(stats_row + stats_stride + offs_m)
@@ -112,9 +112,11 @@ def _attn_bwd_dkdv_kernel(
     stride_dkz, stride_dkh, stride_dkn, stride_dkd,
     stride_dvz, stride_dvh, stride_dvn, stride_dvd,
     stride_lb, stride_lh, num_kv_blocks, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, EXACT_SCORES: tl.constexpr, PART_M: tl.constexpr,
     ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
@@ -132,12 +134,13 @@ def _attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < seqlen_k
     mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     k, v = load_row_pair(k_ptr + off_z * stride_kz + off_g * stride_kh, v_ptr + off_z * stride_vz + off_g * stride_vh,
-                         offs_n, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                         True, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
+                         offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                         True, EVEN_D)  # [BLOCK_N, HEAD_DIM], [BLOCK_N, HEAD_DIM_V]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     col_in_block = n_start % BLOCK_SIZE_KV + tl.arange(0, BLOCK_N)
     queries_loaded = tl.zeros([], dtype=tl.int64)
@@ -159,14 +162,14 @@ def _attn_bwd_dkdv_kernel(
             dk, dv, queries_loaded, mask_rows = _attn_bwd_dkdv_step(
                 dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, stats_row, delta_row,
                 part_idx_ptr + part_start, part_mask_ptr + part_start, mask_ptr, t, offs_part0, offs_n, offs_d,
-                mask_d, col_in_block, n_start, stats_stride, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
-                causal_offset, qk_scale, BLOCK_SIZE_Q, MASK_WORDS, PART_M, TILES_PART, EVEN_D, IS_CAUSAL, DOT_DTYPE,
-                EXACT_SCORES, COUNT_IO, MASKED=True)
+                mask_d, offs_dv, mask_dv, col_in_block, n_start, stats_stride, stride_qm, stride_qd, stride_dom,
+                stride_dod, seqlen_q, causal_offset, qk_scale, BLOCK_SIZE_Q, MASK_WORDS, PART_M, TILES_PART, EVEN_D,
+                IS_CAUSAL, DOT_DTYPE, EXACT_SCORES, COUNT_IO, MASKED=True)
         for t in range(0, (full_end - full_start) * TILES_M):
             dk, dv, queries_loaded, mask_rows = _attn_bwd_dkdv_step(
                 dk, dv, queries_loaded, mask_rows, k, v, q_base, do_base, stats_row, delta_row,
-                full_idx_ptr + full_start, part_mask_ptr, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d,
-                col_in_block, n_start, stats_stride, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
+                full_idx_ptr + full_start, part_mask_ptr, mask_ptr, t, offs_m0, offs_n, offs_d, mask_d, offs_dv,
+                mask_dv, col_in_block, n_start, stats_stride, stride_qm, stride_qd, stride_dom, stride_dod, seqlen_q,
                 causal_offset, qk_scale, BLOCK_SIZE_Q, MASK_WORDS, BLOCK_M, TILES_M, EVEN_D, IS_CAUSAL, DOT_DTYPE,
                 EXACT_SCORES, COUNT_IO, MASKED=False)
         if COUNT_IO:
@@ -180,26 +183,28 @@ def _attn_bwd_dkdv_kernel(
         entry += stride_lh * (num_kv_blocks + 1)
 
     store_dkdv(dk_ptr + off_z * stride_dkz + off_g * stride_dkh, dv_ptr + off_z * stride_dvz + off_g * stride_dvh,
-               dk, dv, offs_n, mask_n, offs_d, mask_d, stride_dkn, stride_dkd, stride_dvn, stride_dvd, sm_scale)
+               dk, dv, offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_dkn, stride_dkd, stride_dvn, stride_dvd,
+               sm_scale)
 
     if COUNT_IO:
-        tally_backward(io_ptr, queries_loaded, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
+        tally_backward(io_ptr, queries_loaded, tl.sum(mask_n.to(tl.int64)), head_dim, head_dim_v, ELEM_BYTES,
+                       DKDV=True)
         io_add(io_ptr, DKDV_LAYOUT, index_entries * 4, 0)
         io_add(io_ptr, DKDV_MASK, mask_rows * ((BLOCK_N + 31) // 32) * 4, 0)
 
 
 @triton.jit
 def _attn_bwd_dq_step(dq, keys_loaded, mask_rows, q, do, m_row, log2_sum, delta, k_base, v_base, idx_ptr,
-                      mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
-                      stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+                      mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv, row_in_block,
+                      m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
                       BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
                       BLOCK_N: tl.constexpr, TILES_N: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                       DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
     """One key tile of dQ (:func:`_kv_tile`; ``MASKED``: a partial block, whose disallowed elements
     get ``p = 0``). Returns ``(dq, keys_loaded, mask_rows)``."""
     k, v, valid, keys, tile_mask_rows = _kv_tile(
-        k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block,
-        m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+        k_base, v_base, idx_ptr, mask_id_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv,
+        row_in_block, m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
         BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, MASKED)
     s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]: as the forward rounds it
     if MASKED:
@@ -222,20 +227,24 @@ def _attn_bwd_dq_kernel(
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_dqz, stride_dqh, stride_dqm, stride_dqd,
     stride_lb, stride_lh, num_q_blocks, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
     pid_zh = tl.program_id(1)
-    off_z, off_h, off_hkv, m_start, offs_m, offs_n, offs_d, mask_m, mask_d = _query_tile(
-        tl.program_id(0), pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, BLOCK_M, BLOCK_N, HEAD_DIM)
+    off_z, off_h, off_hkv, m_start, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv = _query_tile(
+        tl.program_id(0), pid_zh, num_heads_q, num_heads_kv, seqlen_q, head_dim, head_dim_v, BLOCK_M, BLOCK_N, HEAD_DIM,
+        HEAD_DIM_V, DV_IS_D)
     mask_md = mask_m[:, None] & mask_d[None, :]
 
     q, do = load_row_pair(q_ptr + off_z * stride_qz + off_h.to(tl.int64) * stride_qh,
                           do_ptr + off_z * stride_doz + off_h.to(tl.int64) * stride_doh, offs_m, mask_m, offs_d, mask_d,
-                          stride_qm, stride_qd, stride_dom, stride_dod, True, EVEN_D)  # [BLOCK_M, HEAD_DIM] x2
+                          offs_dv, mask_dv, stride_qm, stride_qd, stride_dom, stride_dod, True,
+                          EVEN_D)  # [BLOCK_M, HEAD_DIM], [BLOCK_M, HEAD_DIM_V]
     row_base = pid_zh.to(tl.int64) * seqlen_q
     m_row, log2_sum = load_stats(stats_ptr, stats_stride, row_base + offs_m, mask_m)  # [BLOCK_M] x2
     delta = tl.load(delta_ptr + row_base + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
@@ -255,15 +264,15 @@ def _attn_bwd_dq_kernel(
     for t in range(0, (part_end - part_start) * TILES_N):
         dq, keys_loaded, mask_rows = _attn_bwd_dq_step(
             dq, keys_loaded, mask_rows, q, do, m_row, log2_sum, delta, k_base, v_base, part_idx_ptr + part_start,
-            part_mask_ptr + part_start, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            part_mask_ptr + part_start, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv,
+            row_in_block, m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
             BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
             MASKED=True)
     for t in range(0, (full_end - full_start) * TILES_N):
         dq, keys_loaded, mask_rows = _attn_bwd_dq_step(
             dq, keys_loaded, mask_rows, q, do, m_row, log2_sum, delta, k_base, v_base, full_idx_ptr + full_start,
-            part_mask_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            part_mask_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv, row_in_block,
+            m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
             BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
             MASKED=False)
     if COUNT_IO:
@@ -273,7 +282,7 @@ def _attn_bwd_dq_kernel(
              + offs_d[None, :] * stride_dqd, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=mask_md)
 
     if COUNT_IO:
-        tally_backward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, DKDV=False)
+        tally_backward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim, head_dim_v, ELEM_BYTES, DKDV=False)
         n_part = (part_end - part_start).to(tl.int64) * TILES_N
         n_full = (full_end - full_start).to(tl.int64) * TILES_N
         io_add(io_ptr, DQ_LAYOUT, (4 + 2 * n_part + n_full) * 4, 0)

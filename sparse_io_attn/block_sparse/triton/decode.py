@@ -4,7 +4,7 @@ split-K (flash-decoding) over the kept blocks of the decoded rows.
 
 ``_attn_decode_kernel``: one program per (split ``s``, batch x head group x query block). Its rows
 are ``HEADS`` query heads (a GQA group whose heads share one list, or one head) times the
-``TOKENS`` rows of the query block, one ``[BLOCK_M, HEAD_DIM]`` tile that shares every K/V tile.
+``TOKENS`` rows of the query block, one ``[BLOCK_M, HEAD_DIM]`` query tile that shares every K/V tile.
 The row's items (key tiles of ``BLOCK_N`` keys of its kept blocks: partial blocks first, then full
 ones, as the forward walks them) are cut into ``NUM_SPLITS`` contiguous ranges; the program walks
 the partial and full items of range ``s`` with the forward's step (:func:`.fwd._attn_fwd_step`:
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import store_split_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._attention.triton.tile_io import value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.block_sparse.triton.fwd import _attn_fwd_step, _list_range
 from sparse_io_attn.block_sparse.triton.slots import DEC_LAYOUT, DEC_MASK
@@ -39,10 +40,12 @@ def _attn_decode_kernel(
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, num_q_blocks, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE_Q: tl.constexpr, BLOCK_SIZE_KV: tl.constexpr, MASK_WORDS: tl.constexpr,
     HEADS: tl.constexpr, TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     TILES_N: tl.constexpr = BLOCK_SIZE_KV // BLOCK_N
@@ -62,6 +65,7 @@ def _attn_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     q = tl.load(q_ptr + off_z * stride_qz + head.to(tl.int64)[:, None] * stride_qh + offs_m[:, None] * stride_qm
                 + offs_d[None, :] * stride_qd, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM]
@@ -83,33 +87,33 @@ def _attn_decode_kernel(
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     keys_loaded = tl.zeros([], dtype=tl.int64)
     mask_rows = tl.zeros([], dtype=tl.int64)
     for t in range(lo, part_hi):
         acc, l_i, m_i, keys_loaded, mask_rows = _attn_fwd_step(
             acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, part_idx_ptr + part_start,
-            part_mask_ptr + part_start, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            part_mask_ptr + part_start, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv,
+            row_in_block, m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
             BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
             MASKED=True)
     for t in range(full_lo, full_hi):
         acc, l_i, m_i, keys_loaded, mask_rows = _attn_fwd_step(
             acc, l_i, m_i, keys_loaded, mask_rows, q, k_base, v_base, full_idx_ptr + full_start,
-            part_mask_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, row_in_block, m_last,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            part_mask_ptr, mask_ptr, t, offs_m, offs_n, offs_d, mask_m, mask_d, offs_dv, mask_dv, row_in_block,
+            m_last, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
             BLOCK_SIZE_Q, BLOCK_SIZE_KV, MASK_WORDS, BLOCK_N, TILES_N, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO,
             MASKED=False)
 
     rows_out = (off_z * num_heads_q + head) * seqlen_q + offs_m      # [BLOCK_M]: the rows' flat index
     store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
-                     off_z * stride_oz + head.to(tl.int64) * stride_oh + offs_m * stride_om, offs_d * stride_od,
-                     offs_d, mask_m, mask_d, stats_stride, sinks_ptr, head + offs_m * 0, HEAD_DIM, NUM_SPLITS,
+                     off_z * stride_oz + head.to(tl.int64) * stride_oh + offs_m * stride_om, offs_dv * stride_od,
+                     offs_dv, mask_m, mask_dv, stats_stride, sinks_ptr, head + offs_m * 0, HEAD_DIM_V, NUM_SPLITS,
                      HAS_SINKS)
 
     if COUNT_IO:
         keys_loaded += (full_hi - full_lo).to(tl.int64) * BLOCK_N
-        tally_forward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, NUM_SPLITS)
+        tally_forward(io_ptr, tl.sum(mask_m.to(tl.int64)), keys_loaded, head_dim, head_dim_v, ELEM_BYTES, NUM_SPLITS)
         n_tiles = (part_hi - lo).to(tl.int64)
         n_tiles = tl.where(n_tiles > 0, n_tiles, 0)
         io_add(io_ptr, DEC_LAYOUT, (4 + 2 * n_tiles + (full_hi - full_lo)) * 4, 0)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from sparse_io_attn._attention.triton.softmax import (dkdv_ds_step, dkdv_step, dq_step, load_stats, probabilities,
                                                       score_tile)
 from sparse_io_attn._attention.triton.tally import tally_backward
-from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, dot, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.fwd import (_head_unit, _key_step, _row_bounds, _row_keys, _row_plan_reads,
                                                  _row_steps)
@@ -56,14 +56,16 @@ def _gathered_rows(query_ptr, n, i, offs_r, SEL_HEADS: tl.constexpr, SEL_ROWS: t
 
 
 @triton.jit
-def _row_inputs(q_ptr, do_ptr, q_rows, do_rows, offs_d, stride_qd, stride_dod, mask_r, mask_d, stats_ptr,
-                stats_stride, delta_ptr, rows):
+def _row_inputs(q_ptr, do_ptr, q_rows, do_rows, offs_d, stride_qd, stride_dod, mask_r, mask_d, offs_dv, mask_dv,
+                stats_ptr, stats_stride, delta_ptr, rows):
     """The backward's inputs of query rows at offsets ``q_rows`` / ``do_rows`` (from ``q_ptr`` / ``do_ptr``):
-    ``q``, ``do`` (``[rows, HEAD_DIM]``), and at the flat rows ``rows`` (``(b, h, t)``) the forward's row
-    maximum and log2 sum and ``delta`` (padding rows: ``m = +inf``, so ``p = 0``)."""
-    mask = mask_r[:, None] & mask_d[None, :]
-    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=mask, other=0.0)
-    do = tl.load(do_ptr + do_rows[:, None] + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    ``q [rows, HEAD_DIM]``, ``do [rows, HEAD_DIM_V]`` (head-dim lanes ``offs_d`` / ``offs_dv``), and at the
+    flat rows ``rows`` (``(b, h, t)``) the forward's row maximum and log2 sum and ``delta`` (padding rows:
+    ``m = +inf``, so ``p = 0``)."""
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=mask_r[:, None] & mask_d[None, :],
+                other=0.0)
+    do = tl.load(do_ptr + do_rows[:, None] + offs_dv[None, :] * stride_dod, mask=mask_r[:, None] & mask_dv[None, :],
+                 other=0.0)
     m_row, log2_sum = load_stats(stats_ptr, stats_stride, rows, mask_r)
     delta = tl.load(delta_ptr + rows, mask=mask_r, other=0.0)
     return q, do, m_row, log2_sum, delta
@@ -71,9 +73,9 @@ def _row_inputs(q_ptr, do_ptr, q_rows, do_rows, offs_d, stride_qd, stride_dod, m
 
 @triton.jit
 def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_ptr, table_ptr, partial_ptr, split,
-                       n, i,
-                       offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr, stride_qh,
-                       stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, causal_offset, qk_scale,
+                       n, i, offs_r, offs_n, offs_d, mask_d, offs_dv, mask_dv, mask_n, stats_ptr, stats_stride,
+                       delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q,
+                       causal_offset, qk_scale,
                        SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
                        KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, IS_CAUSAL: tl.constexpr,
                        IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr,
@@ -90,7 +92,8 @@ def _sel_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, row_base, query_ptr, slot_
     rows = row_base + hh.to(tl.int64) * seqlen_q + tok  # [BLOCK_M] rows of stats / delta
     q, do, m_row, log2_sum, delta = _row_inputs(q_base, do_base, hh * stride_qh + tok * stride_qm,
                                                 hh * stride_doh + tok * stride_dom, offs_d, stride_qd, stride_dod,
-                                                row_ok, mask_d, stats_ptr, stats_stride, delta_ptr, rows)
+                                                row_ok, mask_d, offs_dv, mask_dv, stats_ptr, stats_stride, delta_ptr,
+                                                rows)
     if STORE_DQ:   # keys as every product's M (wgmma at 32-row tiles): the scores formed k @ q^T
         sT = score_tile(k, q, qk_scale, DOT_DTYPE)  # [BLOCK_N, BLOCK_M]
     else:
@@ -124,9 +127,11 @@ def _sel_bwd_dkdv_kernel(
     stride_dkz, stride_dkh, stride_dkn, stride_dkd,
     stride_dvz, stride_dvh, stride_dvn, stride_dvd,
     stride_lb, heads_per_selection, num_kv_blocks, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, KEY_TILES: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, STORE_DQ: tl.constexpr,
     ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
@@ -149,12 +154,13 @@ def _sel_bwd_dkdv_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_n = offs_n < key_end
     mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     k, v = load_row_pair(k_ptr + off_z * stride_kz + off_g * stride_kh, v_ptr + off_z * stride_vz + off_g * stride_vh,
-                         offs_n, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                         True, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
+                         offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                         True, EVEN_D)  # [BLOCK_N, HEAD_DIM], [BLOCK_N, HEAD_DIM_V]
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     # list entries e < n_edge may see keys of this tile past their diagonal (every tile is masked
     # when the key tile is ragged: past the block end or the sequence end)
@@ -188,22 +194,23 @@ def _sel_bwd_dkdv_kernel(
         for t in range(0, n_masked):
             dk, dv = _sel_bwd_dkdv_step(
                 dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, table_ptr, partial_ptr,
-                pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr,
-                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, delta_c,
-                qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, STORE_DQ,
-                MASKED=True)
+                pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, offs_dv, mask_dv, mask_n, stats_ptr,
+                stats_stride, delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q,
+                delta_c, qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, IS_VARLEN, DOT_DTYPE,
+                STORE_DQ, MASKED=True)
         for t in range(n_masked, n_tiles):
             dk, dv = _sel_bwd_dkdv_step(
                 dk, dv, k, v, q_base, do_base, row_base, col_query_ptr + lo, col_slot_ptr + lo, table_ptr, partial_ptr,
-                pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, mask_n, stats_ptr, stats_stride, delta_ptr,
-                stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q, delta_c,
-                qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, IS_VARLEN, DOT_DTYPE, STORE_DQ,
-                MASKED=False)
+                pid_n % KEY_TILES, n, t, offs_r, offs_n, offs_d, mask_d, offs_dv, mask_dv, mask_n, stats_ptr,
+                stats_stride, delta_ptr, stride_qh, stride_qm, stride_qd, stride_doh, stride_dom, stride_dod, seqlen_q,
+                delta_c, qk_scale, SEL_HEADS, SEL_ROWS, BLOCK_M, KEY_TILES, HEAD_DIM, IS_CAUSAL, IS_VARLEN, DOT_DTYPE,
+                STORE_DQ, MASKED=False)
         if COUNT_IO:
             entries += n.to(tl.int64)
 
     store_dkdv(dk_ptr + off_z * stride_dkz + off_g * stride_dkh, dv_ptr + off_z * stride_dvz + off_g * stride_dvh,
-               dk, dv, offs_n, mask_n, offs_d, mask_d, stride_dkn, stride_dkd, stride_dvn, stride_dvd, sm_scale)
+               dk, dv, offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_dkn, stride_dkd, stride_dvn, stride_dvd,
+               sm_scale)
 
     if COUNT_IO:
         per_entry: tl.constexpr = (SEL_ROWS // BLOCK_M if SEL_ROWS > BLOCK_M else 1) * (2 if STORE_DQ else 1)
@@ -211,7 +218,8 @@ def _sel_bwd_dkdv_kernel(
         reads = tl.where(live, 2 * (group // SEL_HEADS), 0) + entries * per_entry
         if IS_VARLEN:  # the block's start and end; per masked tile (causal) its list's first token and its offset
             reads += 2 + 2 * offset_reads
-        tally_backward(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim * ELEM_BYTES, DKDV=True)
+        tally_backward(io_ptr, entries * SEL_HEADS, tl.sum(mask_n.to(tl.int64)), head_dim, head_dim_v, ELEM_BYTES,
+                       DKDV=True)
         io_add(io_ptr, DKDV_PLAN, reads * 4, 0)
         if STORE_DQ:
             io_add(io_ptr, DKDV_PARTIAL, 0, entries * SEL_HEADS * head_dim * 4)
@@ -219,13 +227,13 @@ def _sel_bwd_dkdv_kernel(
 
 @triton.jit
 def _sel_bwd_dq_step(dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d,
-                     mask_d, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
-                     keys_loaded, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr,
+                     mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
+                     qk_scale, keys_loaded, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr,
                      TILES: tl.constexpr, MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                      DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
     """One key step of dQ (:func:`~.fwd._key_step`; keys outside ``valid`` get ``p = 0``).
     Returns ``(dq, keys_loaded)``."""
-    k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
+    k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d, offs_dv, mask_dv,
                                   stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
                                   BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
     sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]: as the forward rounds it
@@ -248,9 +256,10 @@ def _sel_bwd_dq_kernel(
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_dqz, stride_dqh, stride_dqm, stride_dqd,
     stride_lb, heads_per_selection, max_blocks, num_kv_blocks, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
     ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
@@ -261,13 +270,15 @@ def _sel_bwd_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
     mask_hd = mask_h[:, None] & mask_d[None, :]
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     t64 = t.to(tl.int64)
 
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of stats / delta
     q, do, m_row, log2_sum, delta = _row_inputs(
         q_ptr, do_ptr, off_z * stride_qz + offs_h * stride_qh + t64 * stride_qm,
         off_z * stride_doz + offs_h * stride_doh + t64 * stride_dom, offs_d, stride_qd, stride_dod, mask_h, mask_d,
-        stats_ptr, stats_stride, delta_ptr, rows_out)  # [BLOCK_H, HEAD_DIM] x2, [BLOCK_H] x3
+        offs_dv, mask_dv, stats_ptr, stats_stride, delta_ptr,
+        rows_out)  # [BLOCK_H, HEAD_DIM], [BLOCK_H, HEAD_DIM_V], [BLOCK_H] x3
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
 
@@ -281,15 +292,15 @@ def _sel_bwd_dq_kernel(
     # 1. whole blocks: no per-element test; 2. the last block's steps: padding, causality, count
     for s in range(0, n_full):
         dq, keys_loaded = _sel_bwd_dq_step(
-            dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale, keys_loaded,
+            dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d, offs_dv,
+            mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale, keys_loaded,
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
     key_end, offset = _row_bounds(table_ptr, row_ptr, cnt, t, num_kv_blocks, shift, seqlen_k, causal_offset,
                                   IS_CAUSAL, IS_VARLEN)
     for s in range(n_full, n_steps):
         dq, keys_loaded = _sel_bwd_dq_step(
-            dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, key_end, offset, qk_scale, keys_loaded,
+            dq, q, do, m_row, log2_sum, delta, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d, offs_dv,
+            mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, key_end, offset, qk_scale, keys_loaded,
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
     tl.store(dq_ptr + off_z * stride_dqz + offs_h[:, None] * stride_dqh + t64 * stride_dqm
@@ -297,5 +308,5 @@ def _sel_bwd_dq_kernel(
 
     if COUNT_IO:
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE
-        tally_backward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, DKDV=False)
+        tally_backward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim, head_dim_v, ELEM_BYTES, DKDV=False)
         io_add(io_ptr, DQ_PLAN, _row_plan_reads(cnt, TILES, IS_CAUSAL, IS_VARLEN) * 4, 0)

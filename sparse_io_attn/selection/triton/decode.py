@@ -14,7 +14,7 @@ live (any strides), only the selected keys.
 
 With one split it writes ``o``, ``lse`` and ``stats`` like the forward; otherwise its partial row
 results (``m``, ``l`` and the unnormalised ``acc``, fp32) go to the ``partial`` buffer
-``[NUM_SPLITS, B * Hq * Nq, 2 + HEAD_DIM]`` and the attention kit's merge kernel
+``[NUM_SPLITS, B * Hq * Nq, 2 + HEAD_DIM_V]`` and the attention kit's merge kernel
 (:func:`sparse_io_attn._attention.triton.kernels.attn_decode_merge_kernel`: rows flat ``(b, h, t)``) merges each row's splits in split order (log-sum-exp), bitwise repeatable,
 into ``o``, ``lse`` and the ``stats`` the backward kernels read.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import store_split_rows
 from sparse_io_attn._attention.triton.tally import tally_forward
+from sparse_io_attn._attention.triton.tile_io import value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.fwd import (_head_unit, _row_bounds, _row_keys, _row_plan_reads, _row_steps,
                                                  _sel_fwd_step)
@@ -44,9 +45,10 @@ def _sel_decode_kernel(
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_od,
     stride_lb, heads_per_selection, max_blocks, num_kv_blocks, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
@@ -59,6 +61,7 @@ def _sel_decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
     mask_hd = mask_h[:, None] & mask_d[None, :]
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     q = tl.load(q_ptr + off_z * stride_qz + offs_h[:, None] * stride_qh + t.to(tl.int64) * stride_qm
                 + offs_d[None, :] * stride_qd, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
@@ -76,12 +79,12 @@ def _sel_decode_kernel(
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_V], dtype=tl.float32)
     keys_loaded = tl.zeros([], dtype=tl.int64)
     for s in range(lo, tl.minimum(hi, n_full)):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
-            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d, offs_dv,
+            mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
         if COUNT_IO:  # an unmasked step loads its slots' keys of tile s % TILES (whole blocks when SLOTS > 1)
             keys_loaded += SLOTS * tl.minimum(BLOCK_N, BLOCK_SIZE - (s % TILES) * BLOCK_N).to(tl.int64)
@@ -89,17 +92,17 @@ def _sel_decode_kernel(
                                  IS_VARLEN)
     for s in range(tl.maximum(lo, n_full), hi):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
-            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, key_end, delta, qk_scale,
+            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d, offs_dv,
+            mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, key_end, delta, qk_scale,
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
     rows_out = (off_z * num_heads_q + offs_h) * seqlen_q + t  # [BLOCK_H] rows of lse / stats / partial
     store_split_rows(o_ptr, lse_ptr, stats_ptr, partial_ptr, acc, l_i, m_i, split, rows_out,
-                     off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
-                     offs_d, mask_h, mask_d, stats_stride, sinks_ptr, offs_h, HEAD_DIM, NUM_SPLITS, HAS_SINKS)
+                     off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_dv * stride_od,
+                     offs_dv, mask_h, mask_dv, stats_stride, sinks_ptr, offs_h, HEAD_DIM_V, NUM_SPLITS, HAS_SINKS)
 
     if COUNT_IO:
-        tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, NUM_SPLITS)
+        tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim, head_dim_v, ELEM_BYTES, NUM_SPLITS)
         entries = cnt * TILES  # the row's entries (a slot per step of a TILES-step block; slots once)
         taken = tl.minimum(hi * SLOTS, entries) - tl.minimum(lo * SLOTS, entries)
         io_add(io_ptr, DEC_PLAN, (_row_plan_reads(cnt, 0, IS_CAUSAL, IS_VARLEN) + taken.to(tl.int64)) * 4, 0)

@@ -33,8 +33,9 @@ adds its bytes per tensor at its end.
 from __future__ import annotations
 
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_rows
-from sparse_io_attn._attention.triton.tally import tally_forward
-from sparse_io_attn._attention.triton.tile_io import load_row_pair
+from sparse_io_attn._attention.triton.slots import OUT_RESIDUAL
+from sparse_io_attn._attention.triton.tally import tally_forward, tally_residual
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.slots import FWD_PLAN
 
@@ -125,7 +126,7 @@ def _row_plan_reads(cnt, TILES: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN
 
 
 @triton.jit
-def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
+def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d, offs_dv, mask_dv,
               stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
               MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr):
@@ -156,20 +157,20 @@ def _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
     else:
         valid = lane_ok   # (read only when MASK_LANES)
         keys = 0
-    k, v = load_row_pair(k_base, v_base, cols, valid, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                         MASKED or MASK_LANES, EVEN_D)
+    k, v = load_row_pair(k_base, v_base, cols, valid, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn,
+                         stride_vd, MASKED or MASK_LANES, EVEN_D)  # [BLOCK_N, HEAD_DIM], [BLOCK_N, HEAD_DIM_V]
     return k, v, valid, keys
 
 
 @triton.jit
 def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
-                  stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+                  offs_dv, mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
                   MASK_LANES: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   DOT_DTYPE: tl.constexpr, COUNT_IO: tl.constexpr, MASKED: tl.constexpr):
     """One key step of the online softmax (:func:`_key_step`; keys outside ``valid`` get
     probability 0). Returns ``(acc, l_i, m_i, keys_loaded)``."""
-    k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d,
+    k, v, valid, keys = _key_step(k_base, v_base, row_ptr, cnt, s, query, offs_n, offs_d, mask_d, offs_dv, mask_dv,
                                   stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset,
                                   BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, MASKED)
     sc = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_H, BLOCK_N]
@@ -185,17 +186,18 @@ def _sel_fwd_step(acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s
 
 @triton.jit
 def _sel_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, rows_ptr, row_counts_ptr, table_ptr, io_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, res_ptr, rows_ptr, row_counts_ptr, table_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     stride_oz, stride_oh, stride_om, stride_od,
     stride_lb, heads_per_selection, max_blocks, num_kv_blocks, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     SLOTS: tl.constexpr, TILES: tl.constexpr, MASK_LANES: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
     EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, COUNT_IO: tl.constexpr,
+    ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     t = tl.program_id(0)  # the query token
     off_z, offs_h, mask_h, off_l, off_hkv = _head_unit(tl.program_id(1), num_heads_q, num_heads_kv, stride_lb,
@@ -204,6 +206,7 @@ def _sel_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
     mask_hd = mask_h[:, None] & mask_d[None, :]
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
 
     q = tl.load(q_ptr + off_z * stride_qz + offs_h[:, None] * stride_qh + t.to(tl.int64) * stride_qm
                 + offs_d[None, :] * stride_qd, mask=mask_hd, other=0.0)  # [BLOCK_H, HEAD_DIM]
@@ -218,28 +221,29 @@ def _sel_fwd_kernel(
     qk_scale = sm_scale * LOG2E  # scores in base-2 units
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_V], dtype=tl.float32)
     keys_loaded = tl.zeros([], dtype=tl.int64)
 
     # 1. whole blocks: no per-element test; 2. the last block's steps: padding, causality, count
     for s in range(0, n_full):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
-            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
+            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d, offs_dv,
+            mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, causal_offset, qk_scale,
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=False)
     key_end, delta = _row_bounds(table_ptr, row_ptr, cnt, t, num_kv_blocks, shift, seqlen_k, causal_offset, IS_CAUSAL,
                                  IS_VARLEN)
     for s in range(n_full, n_steps):
         acc, l_i, m_i, keys_loaded = _sel_fwd_step(
-            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d,
-            stride_kn, stride_kd, stride_vn, stride_vd, key_end, delta, qk_scale,
+            acc, l_i, m_i, keys_loaded, q, k_base, v_base, row_ptr, cnt, s, t, offs_n, offs_d, mask_d, offs_dv,
+            mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, key_end, delta, qk_scale,
             BLOCK_SIZE, BLOCK_N, SLOTS, TILES, MASK_LANES, EVEN_D, IS_CAUSAL, DOT_DTYPE, COUNT_IO, MASKED=True)
 
     store_rows(o_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, (off_z * num_heads_q + offs_h) * seqlen_q + t,
-               off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_d * stride_od,
-               mask_h, mask_d, stats_stride, sinks_ptr, offs_h, HAS_SINKS)
+               off_z * stride_oz + offs_h * stride_oh + t.to(tl.int64) * stride_om, offs_dv * stride_od,
+               mask_h, mask_dv, stats_stride, sinks_ptr, offs_h, HAS_SINKS, res_ptr, HAS_RESIDUAL)
 
     if COUNT_IO:
         keys_loaded += (n_full // TILES).to(tl.int64) * SLOTS * BLOCK_SIZE  # whole blocks of the unmasked steps
-        tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim * ELEM_BYTES, head_dim, 1)
+        tally_forward(io_ptr, tl.sum(mask_h.to(tl.int64)), keys_loaded, head_dim, head_dim_v, ELEM_BYTES, 1)
+        tally_residual(io_ptr, OUT_RESIDUAL, tl.sum(mask_h.to(tl.int64)), head_dim_v * ELEM_BYTES, HAS_RESIDUAL)
         io_add(io_ptr, FWD_PLAN, _row_plan_reads(cnt, TILES, IS_CAUSAL, IS_VARLEN) * 4, 0)

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from sparse_io_attn._attention.triton.kernels import merge_rows
 from sparse_io_attn._attention.triton.softmax import score_tile, softmax_step, store_partial_rows
-from sparse_io_attn._attention.triton.tally import tally_forward, tally_merge
-from sparse_io_attn._attention.triton.tile_io import load_row_pair
+from sparse_io_attn._attention.triton.slots import MERGE_RESIDUAL
+from sparse_io_attn._attention.triton.tally import tally_forward, tally_merge, tally_residual
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _gathered_rows
 from sparse_io_attn.selection.triton.slots import DEC_PLAN, DQM_DQ, DQM_PARTIAL, DQM_PLAN, MERGE_PLAN
@@ -38,7 +39,7 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_n, offs_d, mask_d,
+def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_n, offs_d, mask_d, offs_dv, mask_dv,
                   stride_kn, stride_kd, stride_vn, stride_vd, causal_offset, qk_scale, EVEN_D: tl.constexpr,
                   IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, MASKED: tl.constexpr):
     """Key tile ``[n_start, n_start + BLOCK_N)`` of the block against the gathered rows (tokens ``tok``).
@@ -46,8 +47,8 @@ def _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, n_start, key_end, offs_
     get probability 0. Returns ``(acc, l_i, m_i)``."""
     cols = n_start + offs_n  # [BLOCK_N]
     mask_n = cols < key_end
-    k, v = load_row_pair(k_base, v_base, cols, mask_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                         MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM] x2
+    k, v = load_row_pair(k_base, v_base, cols, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd,
+                         stride_vn, stride_vd, MASKED, EVEN_D)  # [BLOCK_N, HEAD_DIM | HEAD_DIM_V]
     s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         valid = mask_n[None, :]
@@ -64,10 +65,12 @@ def _key_fwd_kernel(
     stride_kz, stride_kh, stride_kn, stride_kd,
     stride_vz, stride_vh, stride_vn, stride_vd,
     num_selections, heads_per_selection, units, num_kv_blocks, work_capacity, num_rows,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // SEL_ROWS  # tokens per tile
     p = tl.program_id(0)  # the tile
@@ -89,6 +92,7 @@ def _key_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     e, hh, row_ok, tok = _gathered_rows(col_query_ptr + lo, n, i, offs_r, SEL_HEADS, SEL_ROWS, BLOCK_M)
     slot = tl.load(col_slot_ptr + lo + e, mask=e < n, other=0)  # [BLOCK_M] the pairs' slots in their rows
     heads = (off_h + hh).to(tl.int64)  # [BLOCK_M]
@@ -115,33 +119,33 @@ def _key_fwd_kernel(
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     for kt in range(0, n_plain):
         acc, l_i, m_i = _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, key_start + kt * BLOCK_N, key_end,
-                                      offs_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                                      causal_offset, qk_scale, EVEN_D, IS_CAUSAL, DOT_DTYPE, MASKED=False)
+                                      offs_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn,
+                                      stride_vd, causal_offset, qk_scale, EVEN_D, IS_CAUSAL, DOT_DTYPE, MASKED=False)
     for kt in range(n_plain, n_tiles):
         acc, l_i, m_i = _key_fwd_step(acc, l_i, m_i, q, k_base, v_base, tok, key_start + kt * BLOCK_N, key_end,
-                                      offs_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-                                      causal_offset, qk_scale, EVEN_D, IS_CAUSAL, DOT_DTYPE, MASKED=True)
+                                      offs_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn,
+                                      stride_vd, causal_offset, qk_scale, EVEN_D, IS_CAUSAL, DOT_DTYPE, MASKED=True)
     rows_out = (off_z * num_heads_q + heads) * seqlen_q + tok  # [BLOCK_M] flat rows (b, h, t)
-    store_partial_rows(partial_ptr, acc, l_i, m_i, slot, rows_out, offs_d, row_ok, mask_d, num_rows, HEAD_DIM)
+    store_partial_rows(partial_ptr, acc, l_i, m_i, slot, rows_out, offs_dv, row_ok, mask_dv, num_rows, HEAD_DIM_V)
 
     if COUNT_IO:
         tokens = tl.where(live, tl.minimum(n - i * BLOCK_T, BLOCK_T), 0).to(tl.int64)
         tally_forward(io_ptr, tl.sum(row_ok.to(tl.int64)), (key_end - key_start).to(tl.int64),
-                      head_dim * ELEM_BYTES, head_dim, 2)
+                      head_dim, head_dim_v, ELEM_BYTES, 2)
         table = (2 + (1 if IS_CAUSAL else 0)) if IS_VARLEN else 0  # block start, end (and the tokens' offset)
         io_add(io_ptr, DEC_PLAN, (1 + tl.where(live, 3 + table, 0) + 2 * tokens) * 4, 0)
 
 
 @triton.jit
 def _key_merge_kernel(
-    partial_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, row_counts_ptr, io_ptr,
+    partial_ptr, o_ptr, lse_ptr, stats_ptr, sinks_ptr, res_ptr, row_counts_ptr, io_ptr,
     stride_oz, stride_oh, stride_om, stride_od,
     stride_lb, heads_per_selection, num_rows, seqlen_q, num_heads_q, head_dim,
     BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # flat (b, h, t)
     mask_r = rows < num_rows
@@ -150,10 +154,12 @@ def _key_merge_kernel(
     off_l = z * stride_lb + h // heads_per_selection
     counts = tl.load(row_counts_ptr + off_l * seqlen_q + rows % seqlen_q, mask=mask_r, other=0)  # [BLOCK_R]
     merge_rows(partial_ptr, o_ptr, lse_ptr, stats_ptr, rows, mask_r, counts, tl.max(counts), stride_oz, stride_oh,
-               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM, HAS_SINKS)
+               stride_om, stride_od, num_rows, seqlen_q, num_heads_q, head_dim, sinks_ptr, HEAD_DIM, HAS_SINKS, res_ptr,
+               HAS_RESIDUAL)
     if COUNT_IO:
         n = tl.sum(mask_r.to(tl.int64))
         tally_merge(io_ptr, n, tl.sum(counts.to(tl.int64)), head_dim * ELEM_BYTES, head_dim)
+        tally_residual(io_ptr, MERGE_RESIDUAL, n, head_dim * ELEM_BYTES, HAS_RESIDUAL)
         io_add(io_ptr, MERGE_PLAN, n * 4, 0)
 
 

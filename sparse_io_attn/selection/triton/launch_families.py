@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from sparse_io_attn._attention.tiles import padded_head_dim
-from sparse_io_attn._attention.triton.launch import (MERGE_ROWS, Call, forward_outputs, preprocess_call, sink_args,
-                                                     strides)
+from sparse_io_attn._attention.tiles import padded_head_dim, tile_head_dim
+from sparse_io_attn._attention.triton.launch import (MERGE_ROWS, PREPROCESS_BLOCK_M, Call, forward_outputs,
+                                                     preprocess_call, residual_args, sink_args, strides)
 from sparse_io_attn._triton.runtime import dot_dtype
 from sparse_io_attn._triton.shapes import next_pow2
 from sparse_io_attn.selection.plan import SelectionPlan
@@ -31,22 +31,34 @@ from sparse_io_attn.selection.worklists import KeyWork, MaskedTiles, key_work, m
 import triton  # noqa: E402  (after the runtime set TRITON_INTERPRET)
 
 MERGE_CONFIG = triton.Config({}, num_warps=4, num_stages=2)
-PREPROCESS_BLOCK_M = 64
 
 
-def common_args(q, k, plan: SelectionPlan, sm_scale: float) -> dict:
-    """The keyword arguments every selection kernel takes: head map, lengths, scale, causality, tiles'
-    shared constexprs."""
+def common_args(q, k, v, plan: SelectionPlan, sm_scale: float) -> dict:
+    """The keyword arguments every selection kernel takes: head map, lengths, head dims (q/k's, v's), scale,
+    causality, tiles' shared constexprs."""
     B, Hq, Nq, D = q.shape
-    Hkv = k.shape[1]
+    Hkv, Dv = k.shape[1], v.shape[3]
     hm = plan.head_map(B, Hq, Hkv)
-    head_dim = padded_head_dim(D)
+    head_dim, head_dim_v = padded_head_dim(D), padded_head_dim(Dv)
     delta = plan.causal_offset
     return dict(stride_lb=hm.stride_lb, heads_per_selection=hm.heads_per_selection, seqlen_q=Nq,
-                seqlen_k=k.shape[2], num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, sm_scale=float(sm_scale),
-                causal_offset=0 if delta is None else int(delta), BLOCK_SIZE=plan.block_size,
-                SEL_HEADS=sel_heads(Hq, Hkv, plan.num_selections), HEAD_DIM=head_dim, EVEN_D=head_dim == D,
-                IS_CAUSAL=delta is not None, DOT_DTYPE=dot_dtype(q.dtype), ELEM_BYTES=q.element_size())
+                seqlen_k=k.shape[2], num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, head_dim_v=Dv,
+                sm_scale=float(sm_scale), causal_offset=0 if delta is None else int(delta), BLOCK_SIZE=plan.block_size,
+                SEL_HEADS=sel_heads(Hq, Hkv, plan.num_selections), HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                DV_IS_D=Dv == D, EVEN_D=head_dim == D and head_dim_v == Dv, IS_CAUSAL=delta is not None,
+                DOT_DTYPE=dot_dtype(q.dtype), ELEM_BYTES=q.element_size())
+
+
+def tile_dim(common: dict) -> int:
+    """The head dim a call's tiles are chosen for (:func:`~sparse_io_attn._attention.tiles.tile_head_dim`)."""
+    return tile_head_dim(common["head_dim"], common["head_dim_v"])
+
+
+def preprocess_of(out, do, delta, common: dict, preprocess: bool = True) -> list:
+    """``[selection_bwd_preprocess]`` forming ``delta = rowsum(dO * O)`` into the buffer ``delta``, or no launch
+    when not ``preprocess`` (the caller formed ``delta``: :func:`~.launch.row_delta`)."""
+    return [preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M,
+                            common["HEAD_DIM_V"])] if preprocess else []
 
 
 def table_args(plan: SelectionPlan) -> dict:
@@ -69,7 +81,7 @@ def _units(q, k, plan: SelectionPlan, common: dict) -> int:
 
 
 def key_tiles_of(q, plan: SelectionPlan, common: dict) -> FamilyTiles:
-    return family_tiles("key", plan.block_size, q.shape[-1], q.dtype, common["SEL_HEADS"])
+    return family_tiles("key", plan.block_size, tile_dim(common), q.dtype, common["SEL_HEADS"])
 
 
 def plan_keys(plan: SelectionPlan):
@@ -88,17 +100,20 @@ def key_work_of(plan: SelectionPlan, block_t: int) -> KeyWork:
     return plan.derived(("key_work", block_t), build)
 
 
-def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, sinks2=None):
+def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None, sinks2=None,
+                      res=None):
     """``([key_fwd, key_merge], out, lse, stats)``: the key-major forward (each key block against the
-    tiles of tokens that chose it, partials per (row, slot)) and the merge of each row's slots."""
+    tiles of tokens that chose it, partials per (row, slot)) and the merge of each row's slots (``outputs``:
+    the buffers, :func:`forward_outputs`, allocated here when not given; ``res``: the rounding residual's
+    buffer, :func:`~sparse_io_attn._attention.triton.launch.residual_output`)."""
     B, Hq, Nq, D = q.shape
-    common = common_args(q, k, plan, sm_scale)
+    common = common_args(q, k, v, plan, sm_scale)
     t = key_tiles_of(q, plan, common)
     work = key_work_of(plan, t.block_t)
     keys = plan_keys(plan)
     rows = B * Hq * Nq
-    partial = torch.empty(plan.max_blocks, rows, 2 + common["HEAD_DIM"], dtype=torch.float32, device=q.device)
-    out, lse, stats = forward_outputs(q)
+    partial = torch.empty(plan.max_blocks, rows, 2 + common["HEAD_DIM_V"], dtype=torch.float32, device=q.device)
+    out, lse, stats = forward_outputs(q, v) if outputs is None else outputs
     grid = (work.capacity, _units(q, k, plan, common))
     fwd = Call("selection_key_fwd", _key_fwd_kernel, lambda meta: grid, DECODE_TENSORS, _configs(t), dict(
         q_ptr=q, k_ptr=k, v_ptr=v, partial_ptr=partial, work_ptr=work.work, col_ptr_ptr=keys.col_ptr,
@@ -111,19 +126,20 @@ def key_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, sinks2=None
                      partial_ptr=partial, o_ptr=out, lse_ptr=lse, stats_ptr=stats, row_counts_ptr=plan.row_counts,
                      **strides(out, "o"), stride_lb=common["stride_lb"],
                      heads_per_selection=common["heads_per_selection"], num_rows=rows, seqlen_q=Nq, num_heads_q=Hq,
-                     head_dim=D, BLOCK_R=MERGE_ROWS, HEAD_DIM=common["HEAD_DIM"], ELEM_BYTES=q.element_size(),
-                     **sink_args(sinks2, lse)))
+                     head_dim=v.shape[3], BLOCK_R=MERGE_ROWS, HEAD_DIM=common["HEAD_DIM_V"],
+                     ELEM_BYTES=q.element_size(), **sink_args(sinks2, lse), **residual_args(res, out)))
     return [fwd, merge], out, lse, stats
 
 
-def _dkdv_configs(q: torch.Tensor, plan: SelectionPlan, key: FamilyTiles | None) -> list:
-    """The dK/dV kernel's candidates: the query-major family's (:func:`~.tiles.kernel_configs`), or the
-    key-major family's fixed tiles (``key``) with its warps/stages candidates."""
+def _dkdv_configs(q: torch.Tensor, plan: SelectionPlan, key: FamilyTiles | None, head_dim: int) -> list:
+    """The dK/dV kernel's candidates: the query-major family's (:func:`~.tiles.kernel_configs` for
+    ``head_dim``, :func:`tile_dim`), or the key-major family's fixed tiles (``key``) with its warps/stages
+    candidates."""
     if key is not None:
         return [triton.Config({"BLOCK_M": key.dkdv_m, "BLOCK_N": key.block_n, "KEY_TILES": key.key_tiles},
                               num_warps=w, num_stages=st) for w, st in key.dkdv_launches]
     out = []
-    for c in kernel_configs("dkdv", plan.block_size, q.shape[-1], q.dtype):
+    for c in kernel_configs("dkdv", plan.block_size, head_dim, q.dtype):
         n, key_tiles = key_tile(plan.block_size, c.block_n)
         out.append(triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": n, "KEY_TILES": key_tiles},
                                  num_warps=c.num_warps, num_stages=c.num_stages))
@@ -141,7 +157,7 @@ def dkdv_call(name: str, do, q, k, v, stats, delta, plan: SelectionPlan, common:
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     call = Call(name, _sel_bwd_dkdv_kernel, lambda meta: (nkb * meta["KEY_TILES"], B * k.shape[1]), DKDV_TENSORS,
-                _dkdv_configs(q, plan, key), dict(
+                _dkdv_configs(q, plan, key, tile_dim(common)), dict(
                     q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=do, stats_ptr=stats, delta_ptr=delta, dk_ptr=dk, dv_ptr=dv,
                     col_ptr_ptr=keys.col_ptr, col_query_ptr=keys.col_query, col_slot_ptr=keys.col_slot,
                     partial_ptr=dk if partial is None else partial, **strides(q, "q"), **strides(k, "k"),
@@ -174,7 +190,7 @@ def key_dq_calls(do, q, k, v, stats, delta, plan: SelectionPlan, common: dict):
 
 def masked_tiles_of(q, plan: SelectionPlan, common: dict) -> tuple[FamilyTiles, MaskedTiles]:
     """The masked family's tiles for these inputs and the plan's tile lists for them (built once, kept)."""
-    t = family_tiles("masked", plan.block_size, q.shape[-1], q.dtype, common["SEL_HEADS"])
+    t = family_tiles("masked", plan.block_size, tile_dim(common), q.dtype, common["SEL_HEADS"])
 
     def build():
         if on_device(plan.rows):
@@ -191,28 +207,32 @@ def _masked_args(q, k, v, plan: SelectionPlan, common: dict, t: FamilyTiles, m: 
                 SEL_ROWS=t.sel_rows, **common)
 
 
-def masked_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, sinks2=None):
-    """``([masked_fwd], out, lse, stats)``: each query tile against the key tiles of its tokens' union."""
+def masked_forward_calls(q, k, v, plan: SelectionPlan, sm_scale: float, outputs: tuple | None = None, sinks2=None,
+                         res=None):
+    """``([masked_fwd], out, lse, stats)``: each query tile against the key tiles of its tokens' union
+    (``outputs``, ``res``: as :func:`key_forward_calls`)."""
     B, Hq, Nq, _ = q.shape
-    common = common_args(q, k, plan, sm_scale)
+    common = common_args(q, k, v, plan, sm_scale)
     t, m = masked_tiles_of(q, plan, common)
-    out, lse, stats = forward_outputs(q)
+    out, lse, stats = forward_outputs(q, v) if outputs is None else outputs
     grid = (m.row_counts.shape[1], B * (Hq // common["SEL_HEADS"]))
     call = Call("selection_masked_fwd", _masked_rows_kernel, lambda meta: grid, FWD_TENSORS, _configs(t), dict(
         out_ptr=out, lse_ptr=lse, stats_ptr=stats, do_ptr=q, delta_ptr=lse, union_ptr=m.union, tiles_ptr=m.row_tiles,
         counts_ptr=m.row_counts, **strides(out, "o"), **strides(q, "do"), DQ=False, **sink_args(sinks2, lse),
-        **_masked_args(q, k, v, plan, common, t, m)))
+        **residual_args(res, out), **_masked_args(q, k, v, plan, common, t, m)))
     return [call], out, lse, stats
 
 
-def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float):
+def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale: float, delta=None):
     """``([preprocess, masked_dkdv, masked_dq], dq, dk, dv)``: dK/dV per key tile over the query tiles
-    holding a bit of it (the transposed lists), dQ per query tile as the forward walks it."""
+    holding a bit of it (the transposed lists), dQ per query tile as the forward walks it (``delta``: the
+    row deltas the caller formed, no preprocess)."""
     B, Hq, Nq, _ = q.shape
-    common = common_args(q, k, plan, sm_scale)
+    common = common_args(q, k, v, plan, sm_scale)
     t, m = masked_tiles_of(q, plan, common)
-    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device)   # rowsum(dO * O)
-    pre = preprocess_call("selection_bwd_preprocess", out, do, delta, PREPROCESS_BLOCK_M, common["HEAD_DIM"])
+    own = delta is None
+    delta = torch.empty(out.shape[:3], dtype=torch.float32, device=out.device) if own else delta
+    pre = preprocess_of(out, do, delta, common, own)
     args = dict(do_ptr=do, stats_ptr=stats, delta_ptr=delta, tiles_ptr=m.row_tiles, counts_ptr=m.row_counts,
                 **strides(do, "do"), **_masked_args(q, k, v, plan, common, t, m))
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -226,10 +246,10 @@ def masked_backward_calls(do, q, k, v, out, stats, plan: SelectionPlan, sm_scale
                      **strides(dk, "dk"), **strides(dv, "dv")))
     dq_grid = (m.row_counts.shape[1], B * (Hq // common["SEL_HEADS"]))
     dq_call = Call("selection_masked_dq", _masked_rows_kernel, lambda meta: dq_grid, DQ_TENSORS, _configs(t),
-                   dict(args, out_ptr=dq, lse_ptr=delta, union_ptr=m.union, DQ=True, **sink_args(None, delta),
+                   dict(args, out_ptr=dq, lse_ptr=delta, union_ptr=m.union, DQ=True, **sink_args(None, delta), **residual_args(None, delta),
                         **strides(dq, "o")))
-    return [pre, dkdv, dq_call], dq, dk, dv
+    return [*pre, dkdv, dq_call], dq, dk, dv
 
 
-__all__ = ["PREPROCESS_BLOCK_M", "common_args", "dkdv_call", "plan_keys", "key_dq_calls", "key_forward_calls", "key_tiles_of",
-           "key_work_of", "masked_backward_calls", "masked_forward_calls", "masked_tiles_of", "table_args"]
+__all__ = ["common_args", "preprocess_of", "dkdv_call", "plan_keys", "key_dq_calls", "key_forward_calls", "key_tiles_of",
+           "key_work_of", "masked_backward_calls", "masked_forward_calls", "masked_tiles_of", "table_args", "tile_dim"]

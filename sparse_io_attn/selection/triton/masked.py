@@ -22,11 +22,11 @@ union words (int64). Packed sequences need nothing here: the bits' builders read
 """
 from __future__ import annotations
 
-from sparse_io_attn._attention.triton.slots import DKDV_DK, DKDV_DV
+from sparse_io_attn._attention.triton.slots import DKDV_DK, DKDV_DV, OUT_RESIDUAL
 from sparse_io_attn._attention.triton.softmax import (dkdv_step, dq_step, probabilities, score_tile, softmax_step,
                                                       store_rows)
-from sparse_io_attn._attention.triton.tally import tally_backward, tally_forward
-from sparse_io_attn._attention.triton.tile_io import load_row_pair, store_dkdv
+from sparse_io_attn._attention.triton.tally import tally_backward, tally_forward, tally_residual
+from sparse_io_attn._attention.triton.tile_io import load_row_pair, value_lanes, store_dkdv
 from sparse_io_attn._triton.jit import LOG2E, io_add  # (sets TRITON_INTERPRET first)
 from sparse_io_attn.selection.triton.bwd import _row_inputs
 from sparse_io_attn.selection.triton.fwd import _unit
@@ -52,13 +52,14 @@ def _tile_rows(qt, seqlen_q, first, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.conste
 
 
 @triton.jit
-def _key_tile(k_base, v_base, kt, union, offs_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn, stride_vd,
-              BLOCK_N: tl.constexpr):
+def _key_tile(k_base, v_base, kt, union, offs_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn,
+              stride_vd, BLOCK_N: tl.constexpr):
     """``(k, v, keys)``: the keys of key tile ``kt`` set in ``union`` (an int64 word: those some row of the
-    tile selected; the others are not loaded, 0) as ``[BLOCK_N, HEAD_DIM]`` tiles, and how many."""
+    tile selected; the others are not loaded, 0) as ``[BLOCK_N, HEAD_DIM]`` and ``[BLOCK_N, HEAD_DIM_V]``
+    tiles, and how many."""
     mask_n = ((union >> offs_n.to(tl.int64)) & 1) != 0
-    k, v = load_row_pair(k_base, v_base, kt * BLOCK_N + offs_n, mask_n, offs_d, mask_d, stride_kn, stride_kd,
-                         stride_vn, stride_vd, True, True)
+    k, v = load_row_pair(k_base, v_base, kt * BLOCK_N + offs_n, mask_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn,
+                         stride_kd, stride_vn, stride_vd, True, True)
     return k, v, tl.sum(mask_n.to(tl.int64))
 
 
@@ -71,7 +72,7 @@ def _bits(bits_ptr, tok, row_ok, kt, num_key_tiles, offs_n):
 
 @triton.jit
 def _masked_rows_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, stats_ptr, sinks_ptr, do_ptr, delta_ptr, bits_ptr, union_ptr, tiles_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, stats_ptr, sinks_ptr, res_ptr, do_ptr, delta_ptr, bits_ptr, union_ptr, tiles_ptr,
     counts_ptr, io_ptr,
     stride_qz, stride_qh, stride_qm, stride_qd,
     stride_kz, stride_kh, stride_kn, stride_kd,
@@ -79,11 +80,13 @@ def _masked_rows_kernel(
     stride_oz, stride_oh, stride_om, stride_od,
     stride_doz, stride_doh, stride_dom, stride_dod,
     stride_lb, heads_per_selection, num_query_tiles, num_key_tiles, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DQ: tl.constexpr, ELEM_BYTES: tl.constexpr, HAS_SINKS: tl.constexpr,
-    COUNT_IO: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     """The forward (``DQ`` False: ``out`` = ``o``, writes ``lse`` and ``stats``) or dQ (``DQ``: ``out`` =
     ``dq``; reads ``do``, ``stats``, ``delta``) of one query tile (axis 0) and batch x unit (axis 1): the
@@ -95,6 +98,7 @@ def _masked_rows_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     heads = (off_h + hh).to(tl.int64)  # [BLOCK_M]
     t64 = tok.to(tl.int64)
     rows_out = (off_z * num_heads_q + heads) * seqlen_q + tok  # [BLOCK_M] flat rows (b, h, t)
@@ -102,14 +106,15 @@ def _masked_rows_kernel(
     if DQ:
         q, do, m_row, log2_sum, delta = _row_inputs(q_ptr, do_ptr, q_rows,
                                                     off_z * stride_doz + heads * stride_doh + t64 * stride_dom,
-                                                    offs_d, stride_qd, stride_dod, row_ok, mask_d, stats_ptr,
-                                                    stats_stride, delta_ptr, rows_out)
+                                                    offs_d, stride_qd, stride_dod, row_ok, mask_d, offs_dv, mask_dv,
+                                                    stats_ptr, stats_stride, delta_ptr, rows_out)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # dq
     else:
         q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & mask_d[None, :],
                     other=0.0)  # [BLOCK_M, HEAD_DIM]
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # o, or dq
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)  # o
     k_base = k_ptr + off_z * stride_kz + off_hkv * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hkv * stride_vh
     bits_base = bits_ptr + off_l * seqlen_q * num_key_tiles
@@ -120,7 +125,7 @@ def _masked_rows_kernel(
     for e in range(0, cnt):
         kt = tl.load(tiles_ptr + row * num_key_tiles + e)
         k, v, n_keys = _key_tile(k_base, v_base, kt, tl.load(union_ptr + row * num_key_tiles + kt), offs_n, offs_d,
-                                 mask_d, stride_kn, stride_kd, stride_vn, stride_vd, BLOCK_N)
+                                 mask_d, offs_dv, mask_dv, stride_kn, stride_kd, stride_vn, stride_vd, BLOCK_N)
         s = score_tile(q, k, qk_scale, DOT_DTYPE)  # [BLOCK_M, BLOCK_N] (dQ: as the forward rounds it)
         s = tl.where(_bits(bits_base, tok, row_ok, kt, num_key_tiles, offs_n), s, float("-inf"))
         if DQ:
@@ -134,13 +139,14 @@ def _masked_rows_kernel(
         tl.store(out_ptr + out_rows[:, None] + offs_d[None, :] * stride_od,
                  (acc * sm_scale).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & mask_d[None, :])
         if COUNT_IO:
-            tally_backward(io_ptr, tl.sum(row_ok.to(tl.int64)), keys, head_dim * ELEM_BYTES, DKDV=False)
+            tally_backward(io_ptr, tl.sum(row_ok.to(tl.int64)), keys, head_dim, head_dim_v, ELEM_BYTES, DKDV=False)
             io_add(io_ptr, DQ_PLAN, plan_bytes, 0)
     else:
-        store_rows(out_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, out_rows, offs_d * stride_od, row_ok,
-                   mask_d, stats_stride, sinks_ptr, heads, HAS_SINKS)
+        store_rows(out_ptr, lse_ptr, stats_ptr, acc, l_i, m_i, rows_out, out_rows, offs_dv * stride_od, row_ok,
+                   mask_dv, stats_stride, sinks_ptr, heads, HAS_SINKS, res_ptr, HAS_RESIDUAL)
         if COUNT_IO:
-            tally_forward(io_ptr, tl.sum(row_ok.to(tl.int64)), keys, head_dim * ELEM_BYTES, head_dim, 1)
+            tally_forward(io_ptr, tl.sum(row_ok.to(tl.int64)), keys, head_dim, head_dim_v, ELEM_BYTES, 1)
+            tally_residual(io_ptr, OUT_RESIDUAL, tl.sum(row_ok.to(tl.int64)), head_dim_v * ELEM_BYTES, HAS_RESIDUAL)
             io_add(io_ptr, FWD_PLAN, plan_bytes, 0)
 
 
@@ -155,9 +161,11 @@ def _masked_dkdv_kernel(
     stride_dkz, stride_dkh, stride_dkn, stride_dkd,
     stride_dvz, stride_dvh, stride_dvn, stride_dvd,
     stride_lb, heads_per_selection, num_query_tiles, num_key_tiles, stats_stride,
-    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, sm_scale, causal_offset,
+    seqlen_q, seqlen_k, num_heads_q, num_heads_kv, head_dim, head_dim_v, sm_scale, causal_offset,
     BLOCK_SIZE: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, DV_IS_D: tl.constexpr,
+    EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr, ELEM_BYTES: tl.constexpr, COUNT_IO: tl.constexpr,
 ):
     SUBS: tl.constexpr = BLOCK_M // SUB_M
@@ -169,16 +177,17 @@ def _masked_dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_d = offs_d < head_dim
+    offs_dv, mask_dv = value_lanes(offs_d, mask_d, head_dim_v, HEAD_DIM_V, DV_IS_D)
     cols = kt * BLOCK_N + offs_n
     union = tl.zeros([], dtype=tl.int64)  # the keys of this tile some selection serving the group selected
     for i in range(0, group // SEL_HEADS):
         off_l = off_z * stride_lb + (off_g * group + i * SEL_HEADS) // heads_per_selection
         union = union | tl.load(union_ptr + off_l * num_key_tiles + kt)
     k, v, n_keys = _key_tile(k_ptr + off_z * stride_kz + off_g * stride_kh, v_ptr + off_z * stride_vz
-                             + off_g * stride_vh, kt, union, offs_n, offs_d, mask_d, stride_kn, stride_kd, stride_vn,
-                             stride_vd, BLOCK_N)
+                             + off_g * stride_vh, kt, union, offs_n, offs_d, mask_d, offs_dv, mask_dv, stride_kn,
+                             stride_kd, stride_vn, stride_vd, BLOCK_N)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_V], dtype=tl.float32)
     qk_scale = sm_scale * LOG2E
     queries = tl.zeros([], dtype=tl.int64)
     entries = tl.zeros([], dtype=tl.int64)
@@ -198,7 +207,8 @@ def _masked_dkdv_kernel(
             q, do, m_row, log2_sum, delta = _row_inputs(
                 q_ptr, do_ptr, off_z * stride_qz + heads * stride_qh + t64 * stride_qm,
                 off_z * stride_doz + heads * stride_doh + t64 * stride_dom, offs_d, stride_qd, stride_dod,
-                row_ok, mask_d, stats_ptr, stats_stride, delta_ptr, (off_z * num_heads_q + heads) * seqlen_q + tok)
+                row_ok, mask_d, offs_dv, mask_dv, stats_ptr, stats_stride, delta_ptr,
+                (off_z * num_heads_q + heads) * seqlen_q + tok)
             sT = score_tile(k, q, qk_scale, DOT_DTYPE)  # [BLOCK_N, SUB_M]: the keys as every product's M
             allowed = tl.trans(_bits(bits_base, tok, row_ok, kt, num_key_tiles, offs_n))
             pT = probabilities(tl.where(allowed, sT, float("-inf")), m_row[None, :], log2_sum[None, :])
@@ -208,10 +218,11 @@ def _masked_dkdv_kernel(
                 words += tokens
         entries += cnt.to(tl.int64) * SUBS
     store_dkdv(dk_ptr + off_z * stride_dkz + off_g * stride_dkh, dv_ptr + off_z * stride_dvz + off_g * stride_dvh,
-               dk, dv, cols, cols < seqlen_k, offs_d, mask_d, stride_dkn, stride_dkd, stride_dvn, stride_dvd, sm_scale)
+               dk, dv, cols, cols < seqlen_k, offs_d, mask_d, offs_dv, mask_dv, stride_dkn, stride_dkd, stride_dvn,
+               stride_dvd, sm_scale)
     if COUNT_IO:
-        tally_backward(io_ptr, queries, n_keys, head_dim * ELEM_BYTES, DKDV=True)
-        rest = (tl.minimum(seqlen_k - kt * BLOCK_N, BLOCK_N) - n_keys) * head_dim * ELEM_BYTES  # written, not read
-        io_add(io_ptr, DKDV_DK, 0, rest)
-        io_add(io_ptr, DKDV_DV, 0, rest)
+        tally_backward(io_ptr, queries, n_keys, head_dim, head_dim_v, ELEM_BYTES, DKDV=True)
+        rest = (tl.minimum(seqlen_k - kt * BLOCK_N, BLOCK_N) - n_keys) * ELEM_BYTES  # written, not read
+        io_add(io_ptr, DKDV_DK, 0, rest * head_dim)
+        io_add(io_ptr, DKDV_DV, 0, rest * head_dim_v)
         io_add(io_ptr, DKDV_PLAN, ((group // SEL_HEADS) + entries) * 4 + (words + group // SEL_HEADS) * 8, 0)
