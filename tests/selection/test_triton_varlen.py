@@ -182,3 +182,25 @@ def test_nsa_attention_packed_on_triton_equals_torch():
         got.append((out.detach(), *torch.autograd.grad(out, leaves, do.to(DEVICE))))
     for a, b in zip(*got):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("family", ["query", "key", "masked"])
+def test_value_dim_of_its_own_through_the_op(family, monkeypatch):
+    """Packed sequences with a V head dim other than Q/K's and sinks, through ``selection_attention`` (the
+    op's autograd: the sinks' gradient too), equal to the float64 reference."""
+    torch.manual_seed(5)
+    lens_q, lens_k, bs = [11, 0, 17], [20, 9, 30], 8
+    cu = (offsets(lens_q), offsets(lens_k))
+    T, Tk = sum(lens_q), sum(lens_k)
+    sel = local_selection(2, lens_q, lens_k, 3, bs, empty=(4,))
+    q, do = torch.randn(1, 4, T, 16, device=DEVICE), torch.randn(1, 4, T, 24, device=DEVICE)
+    k, v = torch.randn(1, 2, Tk, 16, device=DEVICE), torch.randn(1, 2, Tk, 24, device=DEVICE)
+    sinks = torch.randn(4, device=DEVICE)
+    monkeypatch.setenv(tiles.FAMILY_ENV, family)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = selection_attention(*leaves[:3], sel, sinks=leaves[3], causal="bottom_right", cu_seqlens=cu,
+                                   backend="triton", return_lse=True)
+    got = (out.detach(), lse, *torch.autograd.grad(out, leaves, do))
+    ref = selection_reference(q, k, v, sel, causal="bottom_right", do=do, sinks=sinks, cu_seqlens=cu)
+    check_close(got[:5], ref[:5])
+    torch.testing.assert_close(got[5], ref[5].to(torch.float32), rtol=1e-4, atol=1e-5)
