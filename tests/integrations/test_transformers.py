@@ -137,6 +137,42 @@ def test_dense_equals_sdpa_logits_and_grads(family):
     assert_grads_close(ga, gb)
 
 
+def _gpt_oss_pair():
+    """(eager, sparse_io_attn) tiny gpt-oss models with identical random weights, sinks drawn far from 0
+    (std 2: each head's sink takes a visible share of its rows' softmax)."""
+    from transformers import GptOssConfig
+    cfg = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+               max_position_embeddings=256, sliding_window=512, layer_types=["full_attention"] * 2)
+    ref = AutoModelForCausalLM.from_config(GptOssConfig(**cfg), attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith(".sinks"):
+                p.normal_(std=2.0)
+    sp = AutoModelForCausalLM.from_config(GptOssConfig(**cfg), attn_implementation=NAME)
+    sp.load_state_dict(ref.state_dict())
+    return ref, sp
+
+
+def test_gpt_oss_sinks_equal_eager_logits_and_grads():
+    """gpt-oss's attention sinks (``s_aux``, one logit per head) join the softmax denominator as in its eager
+    attention: logits and every parameter gradient, the sinks' included, equal eager's; a left-padded batch's
+    real tokens too (the element-mask path)."""
+    ref, sp = _gpt_oss_pair()
+    ids = torch.randint(0, VOCAB, (2, 37))
+    la, ga = logits_and_grads(ref.train(), ids)
+    lb, gb = logits_and_grads(sp.train(), ids)
+    assert rel_err(lb, la) < TOL
+    assert any(n.endswith(".sinks") for n in gb) and set(ga) == set(gb)
+    assert_grads_close(ga, gb)
+    am = torch.ones(2, 37, dtype=torch.long)
+    am[0, :9] = 0                                               # left padding
+    with torch.no_grad():
+        la, lb = (m.eval()(ids, attention_mask=am).logits for m in (ref, sp))
+    real = am.bool()
+    assert rel_err(lb[real], la[real]) < TOL
+
+
 @pytest.mark.parametrize("spec,block,backend", [
     ("sliding_window:window=6", 8, "torch"),
     ("strided:stride=8", (8, 16), "auto"),

@@ -71,8 +71,6 @@ def sparse_io_attn_mask(batch_size: int, q_length: int, kv_length: int, q_offset
 
 _UNSUPPORTED = {
     "softcap": "attention logit soft-capping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "an additive position bias",
 }
 
@@ -84,11 +82,14 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     """The ``AttentionInterface`` entry: ``query [B, Hq, Nq, D]``, ``key/value [B, Hkv, Nk, D]`` ->
     ``(out [B, Nq, Hq, D], None)``. The layout comes from ``module.config.sparse_attention``
     (:mod:`.config`); ``attention_mask`` is ``None`` or the element mask of
-    :func:`sparse_io_attn_mask`. ``"nsa:..."`` runs NSA's gated branches instead (:mod:`.nsa`)."""
+    :func:`sparse_io_attn_mask`. ``"nsa:..."`` runs NSA's gated branches instead (:mod:`.nsa`).
+    ``s_aux`` (gpt-oss's per-head sink logits ``[Hq]``, the model's ``sinks`` parameter) is passed on as
+    ``sinks=``: it joins each row's softmax denominator, as gpt-oss's eager attention, and gets its gradient."""
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"sparse_io_attn does not support {what} ({name}=...); use "
                                       f"attn_implementation='eager' for this model")
+    sinks = _sinks(kwargs)
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise NotImplementedError("sparse_io_attn does not support paged caches (continuous batching); "
@@ -103,6 +104,9 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     causal_model = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     selector, backend = module_selector(module, "bottom_right" if causal_model else False)
     if isinstance(selector, NSAAttention):   # "nsa:...": NSA's three gated branches
+        if sinks is not None:
+            raise NotImplementedError("sparse_io_attn: 'nsa:...' has no attention sinks (s_aux=...: NSA's gated "
+                                      "branches each have their own softmax); use a pattern or a selector spec")
         return nsa_forward(module, selector, query, key, value, attention_mask, scaling, backend, kwargs)
     if attention_mask is None:
         causal = "bottom_right" if causal_model else False
@@ -114,24 +118,33 @@ def sparse_io_attn_forward(module: torch.nn.Module, query: torch.Tensor, key: to
             layout = selector(query, key) if layout is None else layout
             if isinstance(layout, Selection):   # per token (exact MoBA): the selection op, no layout
                 out = selection_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend,
-                                          check=False)
+                                          check=False, sinks=sinks)
                 return out.transpose(1, 2).contiguous(), None
         else:
             layout, backend = layout_no_mask(module, q, kv, device, causal)
     elif selector is not None:   # chosen per sequence of the padded, packed or static-cache batch
         packed = packed_sequences(selector, attention_mask, query, key) if runs_packed(backend, device) else None
         if packed is not None:   # a per-token selector: the sequences packed, one call with cu_seqlens
-            return _packed_call(selector, packed, query, key, value, scaling, backend), None
+            return _packed_call(selector, packed, query, key, value, scaling, backend, sinks), None
         layout = selection_layout_with_mask(selector, attention_mask, query, key, (selector.block_size,) * 2)
         causal = False  # the element mask carries the model's causality
     else:
         layout, backend = layout_with_mask(module, attention_mask, q, kv, kwargs.get("position_ids"), device)
         causal = False
-    out = block_sparse_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend)
+    out = block_sparse_attention(query, key, value, layout, causal=causal, sm_scale=scaling, backend=backend,
+                                 sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _packed_call(selector, packed, query, key, value, scaling, backend) -> torch.Tensor:
+def _sinks(kwargs: dict) -> Optional[torch.Tensor]:
+    """The call's attention sinks: gpt-oss's ``s_aux`` (or ``sinks``), one logit per query head, else None."""
+    found = [kwargs[n] for n in ("s_aux", "sinks") if kwargs.get(n) is not None]
+    if len(found) > 1:
+        raise ValueError("sparse_io_attn: pass the attention sinks once (s_aux= or sinks=), not both")
+    return found[0] if found else None
+
+
+def _packed_call(selector, packed, query, key, value, scaling, backend, sinks=None) -> torch.Tensor:
     """The sequences of a padded or packed batch as one packed batch: the selector and
     ``selection_attention`` once, with ``cu_seqlens`` (bottom-right per sequence: each sequence's rows
     are its last tokens); rows in no sequence (right padding) get 0. Returns ``[B, Nq, Hq, Dv]``."""
@@ -144,7 +157,7 @@ def _packed_call(selector, packed, query, key, value, scaling, backend) -> torch
         selector = selector.with_causal("bottom_right")
     selection = selector(heads_first(qp), heads_first(kp), cu_seqlens=cu)
     out = selection_attention(qp, kp, vp, selection, causal="bottom_right", cu_seqlens=cu, sm_scale=scaling,
-                              backend=backend, check=False)                          # [total, Hq, Dv]
+                              backend=backend, check=False, sinks=sinks)             # [total, Hq, Dv]
     return packed.scatter(out, B, q)
 
 
