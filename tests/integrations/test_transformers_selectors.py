@@ -120,7 +120,8 @@ def test_moba_spec_with_padding_on_triton_runs_the_packed_call(monkeypatch):
     from sparse_io_attn.integrations.transformers import interface
     packed_backends = []
     packed_call = interface._packed_call
-    monkeypatch.setattr(interface, "_packed_call", lambda *a: packed_backends.append(a[-1]) or packed_call(*a))
+    monkeypatch.setattr(interface, "_packed_call",          # (selector, packed, q, k, v, scaling, backend, sinks)
+                        lambda *a: packed_backends.append(a[6]) or packed_call(*a))
     torch.manual_seed(4)
     models = []
     moba16 = "moba:block=16,top_k=2"                  # the Triton block-sparse kernels' tiles: blocks of 16+
