@@ -20,6 +20,11 @@ def rounding_residual(out32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor |
     return (out32 - out32.to(dtype).to(torch.float32)).to(dtype)
 
 
+def residual_made(dtype: torch.dtype, residual: bool) -> bool:
+    """Whether a forward asked for the residual (``residual``) writes one: only a 16-bit output is rounded."""
+    return residual and dtype != torch.float32
+
+
 def wants_residual(dtype: torch.dtype, *inputs) -> bool:
     """Whether a forward should return the rounding residual: a low-precision call some input of
     which (q, k, v, sinks) requires a gradient with grad mode on."""
@@ -35,4 +40,4 @@ def row_delta(do: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None
     return torch.linalg.vecdot(do.to(torch.float32), o)
 
 
-__all__ = ["rounding_residual", "row_delta", "wants_residual"]
+__all__ = ["residual_made", "rounding_residual", "row_delta", "wants_residual"]

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from sparse_io_attn._attention.delta import row_delta
+from sparse_io_attn._attention.delta import residual_made, row_delta
 from sparse_io_attn._attention.sinks import sink_grad
 
 NAMESPACE = "sparse_io_attn"
@@ -62,7 +62,7 @@ def no_double_backward(where: str) -> None:
 
 def _residual_shape(q: Tensor, v: Tensor, backend: str, residual: bool, features) -> tuple:
     """The forward op's fourth output: ``out``'s shape when the residual is made, else ``(0,)``."""
-    made = residual and q.dtype != torch.float32 and "residual" in features.get(backend, ())
+    made = residual_made(q.dtype, residual) and "residual" in features.get(backend, ())
     return (*q.shape[:3], v.shape[3]) if made else (0,)
 
 
@@ -159,7 +159,7 @@ class AttentionOp:
         extra = {}
         if sinks is not None:
             extra["sinks"] = sinks
-        if residual and q.dtype != torch.float32 and "residual" in self.features.get(backend, ()):
+        if residual_made(q.dtype, residual) and "residual" in self.features.get(backend, ()):
             extra["residual"] = True
         result = self.backends[backend]().forward(q, k, v, plan, sm_scale=sm_scale, **extra)
         return tuple(result) if len(result) == 4 else (*result, None)

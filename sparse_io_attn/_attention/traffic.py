@@ -3,8 +3,6 @@ preprocess, the decode outputs and merge), in the vocabulary of the ops' exact t
 (:mod:`sparse_io_attn.block_sparse.traffic`, :mod:`sparse_io_attn.selection.traffic`)."""
 from __future__ import annotations
 
-import torch
-
 from sparse_io_attn.tally.report import TrafficReport
 
 INDEX_BYTES = 4  # int32 list entries (CSR/CSC offsets and indices, selection rows)
@@ -35,12 +33,6 @@ def add_preprocess(rep: TrafficReport, name: str, rows: int, head_dim: int, elem
         rep.add(name, {"o": row, "do": row, "residual": row if residual else 0}, {"delta": rows * STAT_BYTES})
 
 
-def residual_made(dtype, residual: bool) -> bool:
-    """Whether a forward writes the rounding residual: asked for (a gradient will be needed) and a 16-bit
-    dtype (fp32 outputs are not rounded)."""
-    return residual and dtype != torch.float32
-
-
 def output_bytes(rows: int, head_dim: int, elem_bytes: int, residual: bool = False) -> dict:
     """What a forward's row-storing program writes for ``rows`` rows: ``o``, fp32 ``lse`` and ``stats``, and
     (``residual``) the output's rounding residual."""
@@ -63,4 +55,4 @@ def add_decode(rep: TrafficReport, name: str, reads: dict, rows: int, splits: in
 
 
 __all__ = ["DECODE_BASE", "DECODE_MERGE_TENSORS", "DKDV_BASE", "DQ_BASE", "FWD_BASE", "INDEX_BYTES",
-           "PREPROCESS_TENSORS", "STAT_BYTES", "add_decode", "add_preprocess", "output_bytes", "residual_made"]
+           "PREPROCESS_TENSORS", "STAT_BYTES", "add_decode", "add_preprocess", "output_bytes"]

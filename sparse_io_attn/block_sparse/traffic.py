@@ -39,9 +39,10 @@ from sparse_io_attn.layout.causal import causal_offset
 from sparse_io_attn.block_sparse.plan import AttentionPlan, BlockLists, plan
 from sparse_io_attn.block_sparse.tiles import KernelTiles, choose_tiles, decode_config, dkdv_part_rows
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, element_size, tile_head_dim
+from sparse_io_attn._attention.delta import residual_made
 from sparse_io_attn._attention.traffic import (DECODE_BASE, DECODE_MERGE_TENSORS, DKDV_BASE, DQ_BASE, FWD_BASE,
                                                INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES, add_decode, add_preprocess,
-                                               output_bytes, residual_made)
+                                               output_bytes)
 
 # Tensor names of each kernel's I/O counter, in slot order: the kit's tensors of the kernel's kind,
 # then the layout's lists and masks (the kernels' named slots are built from these tuples in
@@ -141,7 +142,8 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
     forward runs the decode kernels (:func:`block_sparse_decode_forward`), but not one that writes a
     residual."""
     layout, es = _planned(layout, causal, batch, num_heads_q, num_heads_kv, head_dim, dtype)
-    if layout.seqlen_q <= DECODE_MAX_QUERIES and not residual_made(dtype, residual):
+    res = residual_made(dtype, residual)
+    if layout.seqlen_q <= DECODE_MAX_QUERIES and not res:
         return block_sparse_decode_forward(layout, batch, num_heads_q, num_heads_kv, head_dim, dtype, causal=causal,
                                            head_dim_v=head_dim_v)
     D, Dv, delta = head_dim, head_dim_v or head_dim, layout.causal_offset
@@ -154,7 +156,7 @@ def block_sparse_forward(layout: BlockSparseLayout, batch: int, num_heads_q: int
     rep.add("attn_fwd", {"q": rows * D * es, "k": kv * D, "v": kv * Dv,
                          "layout": int((mult * index).sum()) * INDEX_BYTES,
                          "mask": int((mult * mask_rows).sum()) * _words(tiles.fwd[1]) * INDEX_BYTES},
-            output_bytes(rows, Dv, es, residual_made(dtype, residual)))
+            output_bytes(rows, Dv, es, res))
     return rep
 
 

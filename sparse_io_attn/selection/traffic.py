@@ -34,8 +34,9 @@ from __future__ import annotations
 import torch
 
 from sparse_io_attn._attention.tiles import element_size, tile_head_dim
+from sparse_io_attn._attention.delta import residual_made
 from sparse_io_attn._attention.traffic import (DECODE_MERGE_TENSORS, INDEX_BYTES, PREPROCESS_TENSORS, STAT_BYTES,
-                                               add_decode, add_preprocess, output_bytes, residual_made)
+                                               add_decode, add_preprocess, output_bytes)
 from sparse_io_attn.selection.plan import SelectionPlan
 from sparse_io_attn.selection.tiles import (DECODE_MAX_QUERIES, DECODE_SPLIT_KEYS, SelectionTiles, choose_tiles,
                                             decode_config, family_tiles, kernel_family, key_step)

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from sparse_io_attn._attention.delta import residual_made
 from sparse_io_attn._attention.traffic import DECODE_MERGE_TENSORS, PREPROCESS_TENSORS
 from sparse_io_attn._attention.triton.kernels import attn_bwd_preprocess_kernel, attn_decode_merge_kernel
 from sparse_io_attn._triton.runtime import autotune_enabled, dummy_io, launch, uncounted
@@ -107,7 +108,7 @@ def row_delta(name: str, do: torch.Tensor, out: torch.Tensor, residual: torch.Te
 def residual_output(out: torch.Tensor, residual: bool) -> torch.Tensor | None:
     """A forward's rounding-residual buffer (uninitialised, like ``out``: the kernels store it at ``o``'s
     offsets) when ``residual`` is asked for and ``out`` is 16-bit, else None."""
-    return torch.empty_like(out) if residual and out.dtype != torch.float32 else None
+    return torch.empty_like(out) if residual_made(out.dtype, residual) else None
 
 
 def residual_args(res: torch.Tensor | None, dummy: torch.Tensor) -> dict:

@@ -27,6 +27,7 @@ import functools
 import torch
 
 from sparse_io_attn._attention.tiles import DECODE_MAX_QUERIES, padded_head_dim, tile_head_dim
+from sparse_io_attn._attention.delta import residual_made
 from sparse_io_attn._attention.sinks import sinks_base2
 from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, decode_partial, forward_outputs,
                                                      last_tiles, merge_call, preprocess_call, residual_args,
@@ -180,7 +181,7 @@ def forward(q, k, v, plan: AttentionPlan, *, sm_scale: float, decode: bool | Non
     stats, residual)``; :mod:`sparse_io_attn._attention.delta`), for :func:`row_delta`."""
     check_device(q, "backend 'triton'")
     sinks2 = None if sinks is None else sinks_base2(sinks)
-    made = residual and q.dtype != torch.float32
+    made = residual_made(q.dtype, residual)
     if decode is None:
         decode = q.shape[2] <= DECODE_MAX_QUERIES and not made
     if decode:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_io_attn._attention.delta import residual_made
 from sparse_io_attn._attention.sinks import sinks_base2
 from sparse_io_attn._attention.tiles import padded_head_dim, tile_head_dim
 from sparse_io_attn._attention.triton.launch import (Call, backward_outputs, decode_partial, forward_outputs,
@@ -222,7 +223,7 @@ def forward(q, k, v, plan: SelectionPlan, *, sm_scale: float, decode: bool | Non
     :mod:`sparse_io_attn._attention.delta`), for :func:`row_delta`."""
     check_device(q, "backend 'triton'")
     sinks2 = None if sinks is None else sinks_base2(sinks)
-    made = residual and q.dtype != torch.float32
+    made = residual_made(q.dtype, residual)
     if decode is None:
         decode = q.shape[2] <= DECODE_MAX_QUERIES and not made
     if decode:
